@@ -1,0 +1,130 @@
+"""`llama-bridge`: inspect checkpoints, and (until `parity` lands) a JAX <-> torch round-trip demo.
+
+stdout carries results, stderr errors; exit 0 success, 1 a check failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from .config import DEFAULT_PRESET, PRESETS
+from .errors import BridgeError
+from .formats import open_checkpoint
+from .tensors import count_params
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def exits_cleanly(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """Turn BridgeError into one line on stderr and exit code 2 (no traceback)."""
+
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except BridgeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    return wrapper
+
+
+def cli_main(build_parser: Callable[[], argparse.ArgumentParser]) -> Callable[[list[str] | None], int]:
+    """The console-script entry point for a parser whose subcommands set `run`."""
+
+    @exits_cleanly
+    def main(argv: list[str] | None = None) -> int:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    return main
+
+
+def add_planned(parser: argparse.ArgumentParser, sub, commands: list[tuple[str, str, str]]) -> None:
+    """Subcommands (name, help, issue that builds it) that are planned but not built yet: they
+    show in --help and, when run, say so on one line and exit 2."""
+    for name, help_, issue in commands:
+        p = sub.add_parser(name, help=f"{help_} (not available yet)")
+        p.add_argument("args", nargs=argparse.REMAINDER)
+
+        def run(args, name=name, issue=issue) -> int:
+            print(f"{parser.prog} {name}: not available yet ({issue})", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        p.set_defaults(run=run)
+
+
+def cmd_inspect(args) -> int:
+    ckpt = open_checkpoint(args.path)
+    report = {
+        "path": str(ckpt.path),
+        "format": "native",
+        "config": ckpt.config.to_dict(),
+        "parameters": count_params(ckpt.config),
+        "tensors": len(ckpt.infos),
+        "files": sorted({info.file.name for info in ckpt.infos.values()}),
+        "dtypes": sorted({info.dtype.name for info in ckpt.infos.values()}),
+        "bytes": sum(info.nbytes for info in ckpt.infos.values()),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    c = ckpt.config
+    print(f"{report['path']}  ({report['format']})")
+    print(f"  parameters  {report['parameters']:,} in {report['tensors']} tensors, "
+          f"{report['bytes'] / 2**20:,.1f} MiB ({', '.join(report['dtypes'])})")
+    print(f"  files       {', '.join(report['files'])}")
+    print(f"  shape       dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads / {c.n_kv_heads} kv "
+          f"heads of {c.head_dim}, ffn {c.ffn_dim}, vocab {c.vocab_size}")
+    print(f"  positions   max_seq_len {c.max_seq_len}, rope_theta {c.rope_theta:g}, "
+          f"rope_scaling {c.rope_scaling}, tie_embeddings {c.tie_embeddings}")
+    return EXIT_OK
+
+
+def cmd_demo(args) -> int:
+    """Init in JAX, save, load in torch and compare logits; then back from torch to JAX."""
+    from . import demo  # imports jax and torch: only this command pays for them
+
+    if args.preset not in PRESETS:
+        raise BridgeError(f"--preset: unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+    if args.out is not None:
+        return demo.run(PRESETS[args.preset], Path(args.out), args.batch, args.seq_len, args.seed)
+    with tempfile.TemporaryDirectory(prefix="llama-bridge-demo-") as tmp:
+        return demo.run(PRESETS[args.preset], Path(tmp), args.batch, args.seq_len, args.seed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llama-bridge",
+                                     description="Move LLaMA weights between JAX, PyTorch and the "
+                                                 "formats the world ships them in.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", help="describe a checkpoint: config, tensors, sizes")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=cmd_inspect)
+
+    p = sub.add_parser("demo", help="round-trip a fresh model JAX -> native -> torch -> JAX and "
+                                    "print the largest logit difference")
+    p.add_argument("--preset", default="tiny", help=f"a config preset (default tiny; the library "
+                                                    f"default is {DEFAULT_PRESET})")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="keep the checkpoints in this directory (default: a temporary one)")
+    p.set_defaults(run=cmd_demo)
+
+    add_planned(parser, sub, [
+        ("convert", "convert between formats", "the weight-bridge issue"),
+        ("parity", "layer-by-layer JAX / torch parity report", "the parity-report issue")])
+    return parser
+
+
+main = cli_main(build_parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""LlamaConfig: the one description of a LLaMA that both twins and every format share.
+
+Axis legend used across the project: B batch, S/T sequence, D model dim (`dim`), N query heads
+(`n_heads`), K kv heads (`n_kv_heads`), G = N/K query groups, H head dim, F ffn dim (`ffn_dim`),
+V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import BridgeError
+
+ROPE_SCALING_TYPES = ("llama3",)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _require(ok: bool, field_name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise BridgeError(f"LlamaConfig.{field_name}: {rule} (got {value!r})")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """LLaMA 3.1-style frequency scaling (Meta's `apply_scaling`, HF's rope_type "llama3").
+
+    Wavelengths shorter than original_max_position_embeddings / high_freq_factor keep their
+    frequency, those longer than original / low_freq_factor are divided by `factor`, and the band
+    between is interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    type: str = "llama3"
+
+    def __post_init__(self):
+        name = "rope_scaling"
+        _require(self.type in ROPE_SCALING_TYPES, f"{name}.type",
+                 f"must be one of {list(ROPE_SCALING_TYPES)}", self.type)
+        for f in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, f)
+            _require(_is_number(value) and value > 0, f"{name}.{f}", "must be a positive number", value)
+        _require(self.factor >= 1, f"{name}.factor", "must be >= 1 (it stretches the context)",
+                 self.factor)
+        _require(self.high_freq_factor > self.low_freq_factor, f"{name}.high_freq_factor",
+                 f"must be greater than low_freq_factor={self.low_freq_factor}",
+                 self.high_freq_factor)
+        _require(_is_int(self.original_max_position_embeddings)
+                 and self.original_max_position_embeddings > 0,
+                 f"{name}.original_max_position_embeddings", "must be a positive integer",
+                 self.original_max_position_embeddings)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RopeScaling":
+        if not isinstance(d, Mapping):
+            raise BridgeError(f"LlamaConfig.rope_scaling: must be a mapping or null (got {d!r})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        _require(not unknown, "rope_scaling", f"unknown keys {unknown}; known: {sorted(known)}", d)
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyperparameters of a LLaMA-family decoder. Defaults are LLaMA 3 8B.
+
+    Field names follow Meta's params.json where it has one; `ffn_dim` is the SwiGLU hidden size
+    (Meta derives it from multiple_of / ffn_dim_multiplier, we store the result).
+    """
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8            # grouped-query attention: each kv head serves n_heads // n_kv_heads
+    ffn_dim: int = 14336
+    vocab_size: int = 128256
+    max_seq_len: int = 8192
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0   # LLaMA 3 raised the base from 10000 for longer contexts
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False   # LLaMA 3.2 1B/3B and llama2.c models share embedding and LM head
+    head_dim: int | None = field(default=None)  # None means dim // n_heads
+
+    def __post_init__(self):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
+                     "max_seq_len"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value > 0, name, "must be a positive integer", value)
+        _require(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+                 f"must divide n_heads={self.n_heads}", self.n_kv_heads)
+        if self.head_dim is None:
+            _require(self.dim % self.n_heads == 0, "dim",
+                     f"must be divisible by n_heads={self.n_heads} when head_dim is not given",
+                     self.dim)
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        _require(_is_int(self.head_dim) and self.head_dim > 0, "head_dim",
+                 "must be a positive integer", self.head_dim)
+        _require(self.head_dim % 2 == 0, "head_dim", "must be even (RoPE rotates pairs of dims)",
+                 self.head_dim)
+        _require(_is_number(self.norm_eps) and self.norm_eps > 0, "norm_eps",
+                 "must be a positive number", self.norm_eps)
+        _require(_is_number(self.rope_theta) and self.rope_theta > 1, "rope_theta",
+                 "must be a number > 1", self.rope_theta)
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        _require(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
+                 "rope_scaling", "must be a RopeScaling, a mapping or None", self.rope_scaling)
+        _require(isinstance(self.tie_embeddings, bool), "tie_embeddings", "must be a bool",
+                 self.tie_embeddings)
+
+    # -- derived sizes -------------------------------------------------------------------------
+
+    @property
+    def n_groups(self) -> int:
+        """G: query heads per kv head."""
+        return self.n_heads // self.n_kv_heads
+
+    def replace(self, **changes) -> "LlamaConfig":
+        """A copy with some fields changed (validated again)."""
+        if "dim" in changes or "n_heads" in changes:
+            changes.setdefault("head_dim", None)  # re-derive unless given explicitly
+        return dataclasses.replace(self, **changes)
+
+    # -- (de)serialisation: the native config.json ----------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if self.rope_scaling is None:
+            d["rope_scaling"] = None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
+        """Build from a mapping of LlamaConfig fields; unknown keys are refused by name."""
+        if not isinstance(d, Mapping):
+            raise BridgeError(f"LlamaConfig: expected a mapping of fields, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise BridgeError(f"LlamaConfig: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+_LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=8192)
+_LLAMA32_SCALING = dataclasses.replace(_LLAMA31_SCALING, factor=32.0)
+_LLAMA2 = dict(vocab_size=32000, max_seq_len=4096, norm_eps=1e-5, rope_theta=10000.0)
+_LLAMA3 = dict(vocab_size=128256, max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0)
+_LLAMA31 = dict(_LLAMA3, max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
+# llama2.c's TinyStories models: LLaMA 2 tokenizer, MHA, shared classifier, ffn from multiple_of=32.
+_STORIES = dict(vocab_size=32000, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True)
+
+# Published hyperparameters (Meta's params.json / HF config.json of each release).
+PRESETS: dict[str, LlamaConfig] = {
+    "llama2-7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008,
+                             **_LLAMA2),
+    "llama2-13b": LlamaConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824,
+                              **_LLAMA2),
+    "llama2-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                              **_LLAMA2),
+    "llama3-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                             **_LLAMA3),
+    "llama3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                              **_LLAMA3),
+    "llama3.1-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                               **_LLAMA31),
+    "llama3.1-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                                **_LLAMA31),
+    "llama3.1-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                                 ffn_dim=53248, **_LLAMA31),
+    "llama3.2-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
+                               ffn_dim=8192, tie_embeddings=True,
+                               **dict(_LLAMA31, rope_scaling=_LLAMA32_SCALING)),
+    "llama3.2-3b": LlamaConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128,
+                               ffn_dim=8192, tie_embeddings=True,
+                               **dict(_LLAMA31, rope_scaling=_LLAMA32_SCALING)),
+    "stories15m": LlamaConfig(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=768,
+                              max_seq_len=256, **_STORIES),
+    "stories42m": LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1376,
+                              max_seq_len=1024, **_STORIES),
+    "stories110m": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048,
+                               max_seq_len=1024, **_STORIES),
+    # Small enough to train and compile in seconds on a laptop CPU; GQA and untied so that the
+    # demo and the tests exercise the general path.
+    "tiny": LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512,
+                        max_seq_len=256, norm_eps=1e-5, rope_theta=10000.0),
+}
+DEFAULT_PRESET = "llama3-8b"

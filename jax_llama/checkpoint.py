@@ -1,0 +1,140 @@
+"""Canonical flat tensors <-> the Flax params pytree, and the load/save contract on top of them.
+
+The map is a rule, not a table: `tok_embeddings.weight` is the Embed's `embedding`, `*norm.weight`
+is an RMSNorm's `weight`, and every other 2-D weight is a Dense `kernel`, stored transposed
+(Flax kernels are (in, out), canonical weights (out, in)). `layers.{i}.*` lives under `layers_{i}`,
+or, with scan_layers, under `layers` with the layer index as the leading axis.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bridge.config import LlamaConfig
+from bridge.errors import BridgeError
+from bridge.formats import open_checkpoint, write_native
+from bridge.tensors import LAYER_SUFFIXES, canonical_shapes
+
+from .model import Llama, as_dtype
+
+
+def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None, bool]:
+    """Canonical name -> (path in the params pytree, layer index on a stacked axis, transposed?)."""
+    module, _ = name.rsplit(".", 1)  # drop ".weight"
+    parts = module.split(".")
+    layer = None
+    if parts[0] == "layers":
+        layer = int(parts[1])
+        parts = (["layers"] if scan_layers else [f"layers_{layer}"]) + parts[2:]
+        layer = layer if scan_layers else None
+    if name == "tok_embeddings.weight":
+        return (*parts, "embedding"), layer, False
+    if parts[-1].endswith("norm"):
+        return (*parts, "weight"), layer, False
+    return (*parts, "kernel"), layer, True
+
+
+def is_scanned(params) -> bool:
+    """True when the params pytree holds the blocks stacked under `layers` (scan_layers=True)."""
+    return "layers" in params
+
+
+def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *,
+                        scan_layers: bool = False, dtype=None):
+    """Build the params pytree, reading canonical tensors one at a time with `get(name)`.
+
+    With scan_layers each per-layer tensor is gathered into one (L, ...) host buffer, so peak
+    host memory is one stacked tensor, not the model.
+    """
+    dtype = None if dtype is None else np.dtype(as_dtype(dtype))
+    params: dict = {}
+
+    def put(path, value):
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = jnp.asarray(value if dtype is None else value.astype(dtype))
+
+    shapes = canonical_shapes(config)
+
+    def read(name: str) -> np.ndarray:  # in the Flax layout
+        value = get(name)
+        if tuple(value.shape) != shapes[name]:
+            raise BridgeError(f"tensor '{name}': shape {tuple(value.shape)}, config implies "
+                              f"{shapes[name]}")
+        return value.T if _flax_path(name, scan_layers)[2] else value
+
+    for name in shapes:
+        if not (scan_layers and name.startswith("layers.")):
+            put(_flax_path(name, scan_layers)[0], read(name))
+    if scan_layers:
+        for suffix in LAYER_SUFFIXES:
+            first = read(f"layers.0.{suffix}")
+            stacked = np.empty((config.n_layers, *first.shape), dtype=first.dtype)
+            stacked[0] = first
+            for i in range(1, config.n_layers):
+                stacked[i] = read(f"layers.{i}.{suffix}")
+            put(_flax_path(f"layers.0.{suffix}", scan_layers)[0], stacked)
+    return params
+
+
+def tensor_specs(params, config: LlamaConfig):
+    """(specs, fetch) for writing `params` as canonical tensors, one host copy at a time.
+
+    specs: name -> (canonical shape, numpy dtype); fetch(name) -> that tensor as a numpy array.
+    Refuses params that do not match `config` (missing or extra leaves), naming the tensor.
+    """
+    scanned = is_scanned(params)
+    leaves: dict[str, tuple] = {}
+    for name in canonical_shapes(config):
+        path, layer, transposed = _flax_path(name, scanned)
+        node = params
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                raise BridgeError(f"params: no entry {'/'.join(path)} for tensor '{name}'")
+            node = node[key]
+        leaves[name] = (node, layer, transposed)
+    n_leaves = len(jax.tree_util.tree_leaves(params))
+    n_expected = len({id(leaf) for leaf, _, _ in leaves.values()})
+    if n_leaves != n_expected:
+        raise BridgeError(f"params: {n_leaves} arrays, but the config accounts for {n_expected} "
+                          f"(extra entries would be lost)")
+
+    def shape_of(leaf, layer, transposed):
+        shape = leaf.shape[1:] if layer is not None else leaf.shape
+        return tuple(reversed(shape)) if transposed else tuple(shape)
+
+    specs = {name: (shape_of(*entry), np.dtype(entry[0].dtype)) for name, entry in leaves.items()}
+
+    def fetch(name: str) -> np.ndarray:
+        leaf, layer, transposed = leaves[name]
+        value = np.asarray(leaf[layer] if layer is not None else leaf)
+        return value.T if transposed else value
+
+    return specs, fetch
+
+
+def save(path: str | os.PathLike, config: LlamaConfig, params, *, overwrite: bool = False,
+         max_shard_size: int | None = None) -> None:
+    """Write `params` (either layout) as a native checkpoint at `path`, atomically."""
+    specs, fetch = tensor_specs(params, config)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    write_native(path, config, specs, fetch, overwrite=overwrite, **kwargs)
+
+
+def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, remat: bool = False):
+    """(Llama module, params) from a checkpoint of any supported format.
+
+    dtype None keeps the stored dtype (float32 when tensors are mixed); otherwise a dtype or its
+    name, used for the params and for compute.
+    """
+    ckpt = open_checkpoint(path)
+    dtype = as_dtype(ckpt.stored_dtype() if dtype is None else dtype)
+    params = params_from_tensors(ckpt.tensor, ckpt.config, scan_layers=scan_layers, dtype=dtype)
+    model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat)
+    return model, params

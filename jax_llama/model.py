@@ -1,0 +1,251 @@
+"""The LLaMA decoder in Flax Linen, top-down in the order of the architecture.
+
+Axis legend (used in einsum strings, shape comments and variable suffixes):
+  B batch, S query sequence, T key sequence, D model dim, N query heads, K kv heads,
+  G = N/K query heads per kv head, H head dim, h = H/2 rotated pairs, F ffn dim, V vocab, L layers.
+
+Parameters live in `param_dtype`, activations in `dtype`; RMSNorm statistics, RoPE rotation,
+attention softmax and logits are float32 whatever `dtype` is.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bridge.config import LlamaConfig, RopeScaling
+from bridge.errors import BridgeError
+from bridge.rope import rope_inv_freq
+
+Dtype = Any
+# Masked scores are set to the most negative float32 rather than -inf, so a row whose every key is
+# masked (a left-padding query) gets a uniform distribution instead of NaN.
+_MASKED = float(np.finfo(np.float32).min)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, with the statistics in float32."""
+
+    eps: float = 1e-5
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD):
+        weight_D = self.param("weight", nn.initializers.ones, (x_BSD.shape[-1],), self.param_dtype)
+        x = x_BSD.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        return x.astype(self.dtype) * weight_D.astype(self.dtype)
+
+
+# -- rotary position embedding: interleaved pairs (2i, 2i+1), as in Meta's release -----------------
+
+def rope_cos_sin(positions, head_dim: int, theta: float = 10000.0,
+                 scaling: RopeScaling | None = None):
+    """cos and sin of position * inv_freq, each float32 of shape (B or 1, S, h).
+
+    `positions` (S,) or (B, S) integers; only the positions given are computed, never a table.
+    """
+    positions = jnp.asarray(positions)
+    if positions.ndim == 1:
+        positions = positions[None, :]
+    inv_freq_h = jnp.asarray(rope_inv_freq(head_dim, theta, scaling))
+    angles_BSh = positions[..., None].astype(jnp.float32) * inv_freq_h
+    return jnp.cos(angles_BSh), jnp.sin(angles_BSh)
+
+
+def rotate(x_BSNH, cos_BSh, sin_BSh):
+    """Rotate each pair (x[2i], x[2i+1]) of the last axis by the angle whose cos/sin are given."""
+    x = x_BSNH.astype(jnp.float32).reshape(*x_BSNH.shape[:-1], -1, 2)  # (B, S, N, h, 2)
+    x_even, x_odd = x[..., 0], x[..., 1]
+    cos, sin = cos_BSh[:, :, None, :], sin_BSh[:, :, None, :]          # broadcast over heads
+    out = jnp.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], axis=-1)
+    return out.reshape(x_BSNH.shape).astype(x_BSNH.dtype)
+
+
+def apply_rope(x_BSNH, positions, theta: float = 10000.0, scaling: RopeScaling | None = None):
+    """RoPE on x (B, S, N, H) at `positions` (S,) or (B, S); returns x's shape and dtype."""
+    return rotate(x_BSNH, *rope_cos_sin(positions, x_BSNH.shape[-1], theta, scaling))
+
+
+# -- the transformer -----------------------------------------------------------------------------
+
+def _init(config: LlamaConfig, residual: bool = False):
+    """N(0, 0.02); projections that write into the residual stream are scaled by 1/sqrt(2L) so the
+    stream's variance does not grow with depth (GPT-2, llama2.c)."""
+    std = 0.02 / math.sqrt(2 * config.n_layers) if residual else 0.02
+    return nn.initializers.normal(stddev=std)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V."""
+
+    config: LlamaConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD, cos_BSh, sin_BSh, mask_BST):
+        c = self.config
+        N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
+        B, S, _ = x_BSD.shape
+        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype,
+                                  param_dtype=self.param_dtype, kernel_init=_init(c))
+        q_BSNH = dense(N * H, name="wq")(x_BSD).reshape(B, S, N, H)
+        k_BTKH = dense(K * H, name="wk")(x_BSD).reshape(B, S, K, H)
+        v_BTKH = dense(K * H, name="wv")(x_BSD).reshape(B, S, K, H)
+        q_BSNH = rotate(q_BSNH, cos_BSh, sin_BSh)
+        k_BTKH = rotate(k_BTKH, cos_BSh, sin_BSh)
+
+        # Query head n = k * G + g reads kv head k (the order Meta's repeat_kv implies).
+        q_BSKGH = q_BSNH.reshape(B, S, K, G, H)
+        scores_BKGST = jnp.einsum("BSKGH,BTKH->BKGST", q_BSKGH, k_BTKH,
+                                  preferred_element_type=jnp.float32) / math.sqrt(H)
+        scores_BKGST = jnp.where(mask_BST[:, None, None, :, :], scores_BKGST, _MASKED)
+        probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(self.dtype)
+        out_BSKGH = jnp.einsum("BKGST,BTKH->BSKGH", probs_BKGST, v_BTKH)
+        return dense(c.dim, name="wo", kernel_init=_init(c, residual=True))(
+            out_BSKGH.reshape(B, S, N * H))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
+
+    config: LlamaConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD):
+        c = self.config
+        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype,
+                                  param_dtype=self.param_dtype, kernel_init=_init(c))
+        gate_BSF = nn.silu(dense(c.ffn_dim, name="w1")(x_BSD))
+        up_BSF = dense(c.ffn_dim, name="w3")(x_BSD)
+        return dense(c.dim, name="w2", kernel_init=_init(c, residual=True))(gate_BSF * up_BSF)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then h + ffn(norm(h))."""
+
+    config: LlamaConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x_BSD, cos_BSh, sin_BSh, mask_BST):
+        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        h = x_BSD + Attention(c, **kw, name="attention")(
+            RMSNorm(c.norm_eps, **kw, name="attention_norm")(x_BSD), cos_BSh, sin_BSh, mask_BST)
+        out = h + FeedForward(c, **kw, name="feed_forward")(RMSNorm(c.norm_eps, **kw, name="ffn_norm")(h))
+        return out, None  # (carry, per-step output): the signature nn.scan expects
+
+
+class Llama(nn.Module):
+    """Token embedding, n_layers blocks, final RMSNorm, LM head (tied to the embedding or not).
+
+    scan_layers: run the blocks with nn.scan (parameters stacked on a leading L axis), so compile
+    time does not grow with depth. remat: recompute each block's activations in the backward pass.
+    """
+
+    config: LlamaConfig
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    scan_layers: bool = False
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, tokens_BS, positions=None, attention_mask=None, return_hidden: bool = False):
+        """tokens (B, S) int -> logits (B, S, V) float32 [, final hidden states (B, S, D) in dtype].
+
+        positions: (S,) or (B, S); default 0..S-1, or, when attention_mask is given, each row
+        counting only its real tokens, so a left-padded row sees the positions it would alone.
+        attention_mask: (B, S), 1 for real tokens and 0 for padding; combined with the causal mask.
+        """
+        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        check_inputs(tokens_BS, c.vocab_size, positions, attention_mask)
+        B, S = tokens_BS.shape
+        mask_BST = jnp.tril(jnp.ones((S, S), dtype=bool))[None]
+        if attention_mask is not None:
+            valid_BS = jnp.asarray(attention_mask).astype(bool)
+            mask_BST = mask_BST & valid_BS[:, None, :]
+            if positions is None:
+                positions = jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0)
+        if positions is None:
+            positions = jnp.arange(S)
+        cos_BSh, sin_BSh = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
+
+        embed = nn.Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), name="tok_embeddings")
+        x_BSD = embed(tokens_BS)
+        block = nn.remat(Block, prevent_cse=not self.scan_layers) if self.remat else Block
+        if self.scan_layers:
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                            length=c.n_layers)
+            x_BSD, _ = stack(c, **kw, name="layers")(x_BSD, cos_BSh, sin_BSh, mask_BST)
+        else:
+            for i in range(c.n_layers):
+                x_BSD, _ = block(c, **kw, name=f"layers_{i}")(x_BSD, cos_BSh, sin_BSh, mask_BST)
+        h_BSD = RMSNorm(c.norm_eps, **kw, name="norm")(x_BSD)
+
+        if c.tie_embeddings:
+            logits_BSV = embed.attend(h_BSD)
+        else:
+            logits_BSV = nn.Dense(c.vocab_size, use_bias=False, **kw, kernel_init=_init(c),
+                                  name="output")(h_BSD)
+        logits_BSV = logits_BSV.astype(jnp.float32)
+        return (logits_BSV, h_BSD) if return_hidden else logits_BSV
+
+
+def check_inputs(tokens, vocab_size: int, positions=None, attention_mask=None) -> None:
+    """Refuse malformed inputs with one clear line. Shapes are always checked; token values only
+    when they are concrete (on the host, before a jitted call), since a traced value has none."""
+    shape = tuple(tokens.shape)
+    if len(shape) != 2:
+        raise BridgeError(f"tokens: expected shape (batch, seq_len), got {shape}")
+    if 0 in shape:
+        raise BridgeError(f"tokens: empty batch (shape {shape})")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise BridgeError(f"tokens: expected integer ids, got dtype {tokens.dtype}")
+    if attention_mask is not None and tuple(jnp.shape(attention_mask)) != shape:
+        raise BridgeError(f"attention_mask: shape {tuple(jnp.shape(attention_mask))} does not match "
+                          f"tokens {shape}")
+    if positions is not None and tuple(jnp.shape(positions)) not in (shape, shape[1:]):
+        raise BridgeError(f"positions: shape {tuple(jnp.shape(positions))}, expected {shape} or "
+                          f"{shape[1:]}")
+    if not isinstance(tokens, jax.core.Tracer):
+        ids = np.asarray(tokens)
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            raise BridgeError(f"tokens: id {int(bad[0])} is outside the vocabulary [0, {vocab_size})"
+                              f" ({bad.size} such ids)")
+
+
+def as_dtype(dtype) -> jnp.dtype:
+    """A jnp dtype from a dtype or its name ('float32', 'bfloat16', 'float16')."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise BridgeError(f"dtype: unknown dtype {dtype!r}") from None
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise BridgeError(f"dtype: expected float32, bfloat16 or float16, got {dt}")
+    return dt
+
+
+def init(config: LlamaConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32,
+         scan_layers: bool = False, remat: bool = False):
+    """A Llama module and freshly initialised params.
+
+    Traceable: `jax.eval_shape(lambda: init(cfg)[1])` gives the shapes without allocating.
+    """
+    model = Llama(config, dtype=as_dtype(dtype), param_dtype=as_dtype(param_dtype),
+                  scan_layers=scan_layers, remat=remat)
+    tokens = jnp.zeros((1, 1), dtype=jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(seed), tokens)["params"]
+    return model, params

@@ -1,0 +1,65 @@
+"""The console scripts: exit codes, one-line errors, and the round-trip demo."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import jax_llama
+from bridge import cli as bridge_cli
+from conftest import small_config
+from jax_llama import cli as jax_cli
+from torch_llama import cli as torch_cli
+
+
+def test_demo_runs_as_installed_console_script(tmp_path):
+    result = subprocess.run(["llama-bridge", "demo", "--out", str(tmp_path / "demo")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "max abs difference" in line]
+    assert len(lines) == 2 and all(line.rstrip().endswith("ok") for line in lines)
+    assert (tmp_path / "demo" / "from_jax" / "model.safetensors").is_file()
+
+
+def test_inspect(tmp_path, capsys):
+    config = small_config()
+    _, params = jax_llama.init(config)
+    jax_llama.save(tmp_path / "ckpt", config, params)
+    assert bridge_cli.main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"] == sum(v.size for v in jax.tree_util.tree_leaves(params))
+    assert report["config"]["n_kv_heads"] == 2 and report["dtypes"] == ["float32"]
+    assert bridge_cli.main(["inspect", str(tmp_path / "ckpt")]) == 0
+    assert "dim 48, 2 layers, 6 heads / 2 kv heads of 8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "/nonexistent/ckpt"], "error: /nonexistent/ckpt: no such file or directory"),
+    (["demo", "--preset", "llama9"], "error: --preset: unknown preset 'llama9'"),
+    (["demo", "--seq-len", "0"], "error: --seq-len: must be positive (got 0)"),
+    (["convert", "a", "b"], "llama-bridge convert: not available yet"),
+])
+def test_bad_input_gives_one_line_and_exit_2(argv, message, capsys):
+    assert bridge_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == err.strip().splitlines()[0] and err.startswith(message)
+
+
+def test_bad_input_from_a_subprocess_has_no_traceback(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"dim": 48, "n_layers": 2, "n_heads": 5, "n_kv_heads": 5}))
+    result = subprocess.run([sys.executable, "-m", "bridge.cli", "inspect", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: {tmp_path}/config.json: LlamaConfig.dim: must be "
+                                      f"divisible by n_heads=5 when head_dim is not given (got 48)")
+
+
+@pytest.mark.parametrize("main, command", [(jax_cli.main, "train"), (torch_cli.main, "generate")])
+def test_planned_commands_say_so(main, command, capsys):
+    assert main([command]) == 2
+    assert "not available yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and command in capsys.readouterr().out

@@ -1,0 +1,206 @@
+"""The LLaMA decoder in PyTorch: the same math and the same tensor names as jax_llama.model.
+
+Axis legend: B batch, S query sequence, T key sequence, D model dim, N query heads, K kv heads,
+G = N/K, H head dim, h = H/2 rotated pairs, F ffn dim, V vocab, L layers.
+
+`state_dict()` keys are the canonical names (bridge.tensors). The model runs in the dtype of its
+parameters; RMSNorm statistics, RoPE rotation and logits are float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bridge.config import LlamaConfig, RopeScaling
+from bridge.errors import BridgeError
+from bridge.rope import rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, with the statistics in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x = x_BSD.float()
+        x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return x.to(x_BSD.dtype) * self.weight.to(x_BSD.dtype)
+
+
+# -- rotary position embedding: interleaved pairs (2i, 2i+1), as in Meta's release -----------------
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq_h: torch.Tensor):
+    """cos and sin of position * inv_freq, each float32 (B or 1, S, h)."""
+    if positions.ndim == 1:
+        positions = positions[None, :]
+    angles_BSh = positions[..., None].float() * inv_freq_h
+    return angles_BSh.cos(), angles_BSh.sin()
+
+
+def rotate(x_BSNH: torch.Tensor, cos_BSh: torch.Tensor, sin_BSh: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[2i], x[2i+1]) of the last axis by the angle whose cos/sin are given."""
+    x = x_BSNH.float().reshape(*x_BSNH.shape[:-1], -1, 2)  # (B, S, N, h, 2)
+    x_even, x_odd = x[..., 0], x[..., 1]
+    cos, sin = cos_BSh[:, :, None, :], sin_BSh[:, :, None, :]
+    out = torch.stack([x_even * cos - x_odd * sin, x_even * sin + x_odd * cos], dim=-1)
+    return out.reshape(x_BSNH.shape).to(x_BSNH.dtype)
+
+
+def apply_rope(x_BSNH: torch.Tensor, positions, theta: float = 10000.0,
+               scaling: RopeScaling | None = None) -> torch.Tensor:
+    """RoPE on x (B, S, N, H) at `positions` (S,) or (B, S); returns x's shape and dtype."""
+    inv_freq = torch.from_numpy(rope_inv_freq(x_BSNH.shape[-1], theta, scaling)).to(x_BSNH.device)
+    positions = torch.as_tensor(positions, device=x_BSNH.device)
+    return rotate(x_BSNH, *rope_cos_sin(positions, inv_freq))
+
+
+# -- the transformer -----------------------------------------------------------------------------
+
+class Attention(nn.Module):
+    """Grouped-query attention through F.scaled_dot_product_attention (enable_gqa: K/V not copied
+    by us; the fused kernels read each kv head for its G query heads)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        c = self.config = config
+        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+    def forward(self, x_BSD, cos_BSh, sin_BSh, bias_B1ST=None):
+        """bias_B1ST: None for plain causal attention, else an additive float mask."""
+        c = self.config
+        B, S, _ = x_BSD.shape
+        q_BSNH = rotate(self.wq(x_BSD).view(B, S, c.n_heads, c.head_dim), cos_BSh, sin_BSh)
+        k_BTKH = rotate(self.wk(x_BSD).view(B, S, c.n_kv_heads, c.head_dim), cos_BSh, sin_BSh)
+        v_BTKH = self.wv(x_BSD).view(B, S, c.n_kv_heads, c.head_dim)
+        # SDPA wants heads before sequence: (B, N, S, H) and (B, K, T, H).
+        out_BNSH = F.scaled_dot_product_attention(
+            q_BSNH.transpose(1, 2), k_BTKH.transpose(1, 2), v_BTKH.transpose(1, 2),
+            attn_mask=bias_B1ST, is_causal=bias_B1ST is None, enable_gqa=c.n_groups > 1)
+        return self.wo(out_BNSH.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+
+    def forward(self, x_BSD):
+        return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then h + ffn(norm(h))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x_BSD, cos_BSh, sin_BSh, bias_B1ST=None):
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_BSh, sin_BSh, bias_B1ST)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Token embedding, n_layers blocks, final RMSNorm, LM head (tied to the embedding or not)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        c = self.config = config
+        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.output = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
+        # Kept off the module's buffers so that casting the model to bfloat16 cannot round it.
+        self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, 0.02), with the projections into the residual stream (wo, w2) scaled by
+        1/sqrt(2L); norms at one. The same distributions as jax_llama.init."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=residual_std)
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None,
+                return_hidden: bool = False):
+        """tokens (B, S) int -> logits (B, S, V) float32 [, final hidden states (B, S, D)].
+
+        positions and attention_mask as in jax_llama.Llama: positions (S,) or (B, S), default
+        counting only real tokens when attention_mask (B, S, 1 = real) is given.
+        """
+        c = self.config
+        check_inputs(tokens_BS, c.vocab_size, positions, attention_mask)
+        B, S = tokens_BS.shape
+        device = tokens_BS.device
+        bias_B1ST = None
+        if attention_mask is not None:
+            valid_BS = torch.as_tensor(attention_mask, device=device).bool()
+            causal_ST = torch.ones(S, S, dtype=torch.bool, device=device).tril()
+            allowed_B1ST = causal_ST[None, None] & valid_BS[:, None, None, :]
+            dtype = self.tok_embeddings.weight.dtype
+            bias_B1ST = torch.zeros(allowed_B1ST.shape, dtype=dtype, device=device)
+            bias_B1ST.masked_fill_(~allowed_B1ST, torch.finfo(dtype).min)
+            if positions is None:
+                positions = (valid_BS.long().cumsum(-1) - 1).clamp(min=0)
+        if positions is None:
+            positions = torch.arange(S, device=device)
+        positions = torch.as_tensor(positions, device=device)
+        cos_BSh, sin_BSh = rope_cos_sin(positions, self._inv_freq_for(device))
+
+        x_BSD = self.tok_embeddings(tokens_BS)
+        for layer in self.layers:
+            x_BSD = layer(x_BSD, cos_BSh, sin_BSh, bias_B1ST)
+        h_BSD = self.norm(x_BSD)
+        head = self.tok_embeddings.weight if self.output is None else self.output.weight
+        logits_BSV = F.linear(h_BSD, head).float()
+        return (logits_BSV, h_BSD) if return_hidden else logits_BSV
+
+    def _inv_freq_for(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq_on:
+            self._inv_freq_on[device] = torch.from_numpy(self._inv_freq).to(device)
+        return self._inv_freq_on[device]
+
+
+def check_inputs(tokens: torch.Tensor, vocab_size: int, positions=None, attention_mask=None) -> None:
+    """Refuse malformed inputs with one clear line (the same rules as jax_llama.check_inputs)."""
+    shape = tuple(tokens.shape)
+    if len(shape) != 2:
+        raise BridgeError(f"tokens: expected shape (batch, seq_len), got {shape}")
+    if 0 in shape:
+        raise BridgeError(f"tokens: empty batch (shape {shape})")
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise BridgeError(f"tokens: expected integer ids, got dtype {tokens.dtype}")
+    if attention_mask is not None and tuple(np.shape(attention_mask)) != shape:
+        raise BridgeError(f"attention_mask: shape {tuple(np.shape(attention_mask))} does not match "
+                          f"tokens {shape}")
+    if positions is not None and tuple(np.shape(positions)) not in (shape, shape[1:]):
+        raise BridgeError(f"positions: shape {tuple(np.shape(positions))}, expected {shape} or "
+                          f"{shape[1:]}")
+    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+    if bad.numel():
+        raise BridgeError(f"tokens: id {int(bad[0])} is outside the vocabulary [0, {vocab_size})"
+                          f" ({bad.numel()} such ids)")
