@@ -26,6 +26,17 @@ def _is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
+def _from_fields(cls, d: Any, label: str):
+    """cls(**d), refusing anything but a mapping of cls's field names, naming the unknown keys."""
+    if not isinstance(d, Mapping):
+        raise BridgeError(f"{label}: expected a mapping of fields (got {d!r})")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise BridgeError(f"{label}: unknown field(s) {unknown}; known: {sorted(known)}")
+    return cls(**d)
+
+
 def _require(ok: bool, field_name: str, rule: str, value: Any) -> None:
     if not ok:
         raise BridgeError(f"LlamaConfig.{field_name}: {rule} (got {value!r})")
@@ -65,12 +76,7 @@ class RopeScaling:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RopeScaling":
-        if not isinstance(d, Mapping):
-            raise BridgeError(f"LlamaConfig.rope_scaling: must be a mapping or null (got {d!r})")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        _require(not unknown, "rope_scaling", f"unknown keys {unknown}; known: {sorted(known)}", d)
-        return cls(**d)
+        return _from_fields(cls, d, "LlamaConfig.rope_scaling")
 
 
 @dataclass(frozen=True)
@@ -145,13 +151,7 @@ class LlamaConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
         """Build from a mapping of LlamaConfig fields; unknown keys are refused by name."""
-        if not isinstance(d, Mapping):
-            raise BridgeError(f"LlamaConfig: expected a mapping of fields, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise BridgeError(f"LlamaConfig: unknown field(s) {unknown}; known: {sorted(known)}")
-        return cls(**d)
+        return _from_fields(cls, d, "LlamaConfig")
 
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -8,8 +8,6 @@ modules map them to their own names.
 from __future__ import annotations
 
 import math
-from typing import Iterator
-
 from .config import LlamaConfig
 
 # Per-layer tensors as (name suffix, shape builder); w1 is the gate, w3 the up, w2 the down projection.
@@ -42,10 +40,3 @@ def canonical_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 def count_params(config: LlamaConfig) -> int:
     """Number of parameters, computed from the shapes alone (no memory touched)."""
     return sum(math.prod(s) for s in canonical_shapes(config).values())
-
-
-def iter_layer_names(config: LlamaConfig) -> Iterator[tuple[int, str, str]]:
-    """(layer index, suffix, full canonical name) for every per-layer tensor."""
-    for i in range(config.n_layers):
-        for suffix in LAYER_SUFFIXES:
-            yield i, suffix, f"layers.{i}.{suffix}"

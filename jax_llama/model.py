@@ -10,7 +10,6 @@ attention softmax and logits are float32 whatever `dtype` is.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from bridge.config import LlamaConfig, RopeScaling
 from bridge.errors import BridgeError
+from bridge.inputs import check_inputs as _check_inputs
 from bridge.rope import rope_inv_freq
 
 Dtype = Any
@@ -83,6 +83,12 @@ def _init(config: LlamaConfig, residual: bool = False):
     return nn.initializers.normal(stddev=std)
 
 
+def _dense(module: nn.Module, features: int, name: str, residual: bool = False) -> nn.Dense:
+    """A bias-free projection in the parent module's dtypes (LLaMA has no biases)."""
+    return nn.Dense(features, use_bias=False, dtype=module.dtype, param_dtype=module.param_dtype,
+                    kernel_init=_init(module.config, residual), name=name)
+
+
 class Attention(nn.Module):
     """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V."""
 
@@ -95,11 +101,9 @@ class Attention(nn.Module):
         c = self.config
         N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
         B, S, _ = x_BSD.shape
-        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype,
-                                  param_dtype=self.param_dtype, kernel_init=_init(c))
-        q_BSNH = dense(N * H, name="wq")(x_BSD).reshape(B, S, N, H)
-        k_BTKH = dense(K * H, name="wk")(x_BSD).reshape(B, S, K, H)
-        v_BTKH = dense(K * H, name="wv")(x_BSD).reshape(B, S, K, H)
+        q_BSNH = _dense(self, N * H, "wq")(x_BSD).reshape(B, S, N, H)
+        k_BTKH = _dense(self, K * H, "wk")(x_BSD).reshape(B, S, K, H)
+        v_BTKH = _dense(self, K * H, "wv")(x_BSD).reshape(B, S, K, H)
         q_BSNH = rotate(q_BSNH, cos_BSh, sin_BSh)
         k_BTKH = rotate(k_BTKH, cos_BSh, sin_BSh)
 
@@ -110,8 +114,7 @@ class Attention(nn.Module):
         scores_BKGST = jnp.where(mask_BST[:, None, None, :, :], scores_BKGST, _MASKED)
         probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(self.dtype)
         out_BSKGH = jnp.einsum("BKGST,BTKH->BSKGH", probs_BKGST, v_BTKH)
-        return dense(c.dim, name="wo", kernel_init=_init(c, residual=True))(
-            out_BSKGH.reshape(B, S, N * H))
+        return _dense(self, c.dim, "wo", residual=True)(out_BSKGH.reshape(B, S, N * H))
 
 
 class FeedForward(nn.Module):
@@ -124,11 +127,9 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x_BSD):
         c = self.config
-        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype,
-                                  param_dtype=self.param_dtype, kernel_init=_init(c))
-        gate_BSF = nn.silu(dense(c.ffn_dim, name="w1")(x_BSD))
-        up_BSF = dense(c.ffn_dim, name="w3")(x_BSD)
-        return dense(c.dim, name="w2", kernel_init=_init(c, residual=True))(gate_BSF * up_BSF)
+        gate_BSF = nn.silu(_dense(self, c.ffn_dim, "w1")(x_BSD))
+        up_BSF = _dense(self, c.ffn_dim, "w3")(x_BSD)
+        return _dense(self, c.dim, "w2", residual=True)(gate_BSF * up_BSF)
 
 
 class Block(nn.Module):
@@ -197,34 +198,18 @@ class Llama(nn.Module):
         if c.tie_embeddings:
             logits_BSV = embed.attend(h_BSD)
         else:
-            logits_BSV = nn.Dense(c.vocab_size, use_bias=False, **kw, kernel_init=_init(c),
-                                  name="output")(h_BSD)
+            logits_BSV = _dense(self, c.vocab_size, "output")(h_BSD)
         logits_BSV = logits_BSV.astype(jnp.float32)
         return (logits_BSV, h_BSD) if return_hidden else logits_BSV
 
 
 def check_inputs(tokens, vocab_size: int, positions=None, attention_mask=None) -> None:
-    """Refuse malformed inputs with one clear line. Shapes are always checked; token values only
-    when they are concrete (on the host, before a jitted call), since a traced value has none."""
-    shape = tuple(tokens.shape)
-    if len(shape) != 2:
-        raise BridgeError(f"tokens: expected shape (batch, seq_len), got {shape}")
-    if 0 in shape:
-        raise BridgeError(f"tokens: empty batch (shape {shape})")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise BridgeError(f"tokens: expected integer ids, got dtype {tokens.dtype}")
-    if attention_mask is not None and tuple(jnp.shape(attention_mask)) != shape:
-        raise BridgeError(f"attention_mask: shape {tuple(jnp.shape(attention_mask))} does not match "
-                          f"tokens {shape}")
-    if positions is not None and tuple(jnp.shape(positions)) not in (shape, shape[1:]):
-        raise BridgeError(f"positions: shape {tuple(jnp.shape(positions))}, expected {shape} or "
-                          f"{shape[1:]}")
-    if not isinstance(tokens, jax.core.Tracer):
-        ids = np.asarray(tokens)
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
-        if bad.size:
-            raise BridgeError(f"tokens: id {int(bad[0])} is outside the vocabulary [0, {vocab_size})"
-                              f" ({bad.size} such ids)")
+    """bridge.inputs.check_inputs on JAX values: shapes always, token values only when concrete
+    (on the host, before a jitted call), since a traced value has none."""
+    _check_inputs(tokens.shape, jnp.issubdtype(tokens.dtype, jnp.integer), vocab_size,
+                  ids=None if isinstance(tokens, jax.core.Tracer) else np.asarray(tokens),
+                  positions_shape=None if positions is None else jnp.shape(positions),
+                  mask_shape=None if attention_mask is None else jnp.shape(attention_mask))
 
 
 def as_dtype(dtype) -> jnp.dtype:

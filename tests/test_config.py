@@ -35,7 +35,7 @@ def test_default_is_llama3_8b():
      "rope_scaling.high_freq_factor", "greater than low_freq_factor"),
     (dict(rope_scaling={"original_max_position_embeddings": 0}),
      "rope_scaling.original_max_position_embeddings", "positive integer"),
-    (dict(rope_scaling={"factor": 8.0, "beta": 1}), "rope_scaling", "unknown keys ['beta']"),
+    (dict(rope_scaling={"factor": 8.0, "beta": 1}), "rope_scaling", "unknown field(s) ['beta']"),
 ])
 def test_invalid_fields_are_named(changes, field, rule):
     with pytest.raises(ValueError) as e:  # BridgeError is a ValueError

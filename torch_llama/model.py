@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bridge.config import LlamaConfig, RopeScaling
-from bridge.errors import BridgeError
+from bridge.inputs import check_inputs as _check_inputs
 from bridge.rope import rope_inv_freq
 
 
@@ -186,21 +186,9 @@ class Llama(nn.Module):
 
 
 def check_inputs(tokens: torch.Tensor, vocab_size: int, positions=None, attention_mask=None) -> None:
-    """Refuse malformed inputs with one clear line (the same rules as jax_llama.check_inputs)."""
-    shape = tuple(tokens.shape)
-    if len(shape) != 2:
-        raise BridgeError(f"tokens: expected shape (batch, seq_len), got {shape}")
-    if 0 in shape:
-        raise BridgeError(f"tokens: empty batch (shape {shape})")
-    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-        raise BridgeError(f"tokens: expected integer ids, got dtype {tokens.dtype}")
-    if attention_mask is not None and tuple(np.shape(attention_mask)) != shape:
-        raise BridgeError(f"attention_mask: shape {tuple(np.shape(attention_mask))} does not match "
-                          f"tokens {shape}")
-    if positions is not None and tuple(np.shape(positions)) not in (shape, shape[1:]):
-        raise BridgeError(f"positions: shape {tuple(np.shape(positions))}, expected {shape} or "
-                          f"{shape[1:]}")
-    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
-    if bad.numel():
-        raise BridgeError(f"tokens: id {int(bad[0])} is outside the vocabulary [0, {vocab_size})"
-                          f" ({bad.numel()} such ids)")
+    """bridge.inputs.check_inputs on torch values (the same rules as jax_llama.check_inputs)."""
+    integer = not (tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool)
+    _check_inputs(tokens.shape, integer, vocab_size,
+                  ids=tokens.detach().cpu().numpy() if integer else None,
+                  positions_shape=None if positions is None else np.shape(positions),
+                  mask_shape=None if attention_mask is None else np.shape(attention_mask))
