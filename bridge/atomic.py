@@ -1,7 +1,7 @@
-"""Write a directory so that readers see all of it or none of it.
+"""Write a directory or a file so that readers see all of it or none of it.
 
-Everything is written into a hidden temporary directory beside the destination and renamed into
-place at the end; an exception (or a kill) leaves the destination untouched.
+Everything is written into a hidden temporary directory (or file) beside the destination and
+renamed into place at the end; an exception (or a kill) leaves the destination untouched.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import BridgeError
 
@@ -46,3 +46,30 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool = False) -> Iterato
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def atomic_file(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary file path beside `dst`; on success it is renamed to `dst`."""
+    dst = Path(dst)
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            raise BridgeError(f"{dst}: already exists (pass overwrite=True / --force to replace it)")
+        if not dst.is_file():
+            raise BridgeError(f"{dst}: exists and is not a file; refusing to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{dst.name}.partial-", dir=dst.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def copy_files(files: Iterable[Path], directory: Path) -> None:
+    """Copy each file into `directory` under its own name (tokenizer files next to weights)."""
+    for f in files:
+        shutil.copyfile(f, directory / Path(f).name)

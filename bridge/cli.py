@@ -15,7 +15,7 @@ from typing import Callable
 
 from .config import DEFAULT_PRESET, PRESETS
 from .errors import BridgeError
-from .formats import open_checkpoint
+from .formats import FORMATS, open_checkpoint
 from .tensors import count_params
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -58,16 +58,17 @@ def add_planned(parser: argparse.ArgumentParser, sub, commands: list[tuple[str, 
 
 
 def cmd_inspect(args) -> int:
-    ckpt = open_checkpoint(args.path)
+    ckpt = open_checkpoint(args.path, format=args.format)
     report = {
         "path": str(ckpt.path),
-        "format": "native",
+        "format": ckpt.format,
         "config": ckpt.config.to_dict(),
         "parameters": count_params(ckpt.config),
-        "tensors": len(ckpt.infos),
-        "files": sorted({info.file.name for info in ckpt.infos.values()}),
-        "dtypes": sorted({info.dtype.name for info in ckpt.infos.values()}),
-        "bytes": sum(info.nbytes for info in ckpt.infos.values()),
+        "tensors": len(ckpt.specs),
+        "files": [str(f.relative_to(ckpt.path)) if f != ckpt.path else f.name for f in ckpt.files],
+        "dtypes": sorted({dtype.name for _, dtype in ckpt.specs.values()}),
+        "bytes": ckpt.nbytes,
+        "notes": ckpt.notes,
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -81,6 +82,8 @@ def cmd_inspect(args) -> int:
           f"heads of {c.head_dim}, ffn {c.ffn_dim}, vocab {c.vocab_size}")
     print(f"  positions   max_seq_len {c.max_seq_len}, rope_theta {c.rope_theta:g}, "
           f"rope_scaling {c.rope_scaling}, tie_embeddings {c.tie_embeddings}")
+    for note in report["notes"]:
+        print(f"  note        {note}")
     return EXIT_OK
 
 
@@ -104,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inspect", help="describe a checkpoint: config, tensors, sizes")
     p.add_argument("path")
+    p.add_argument("--from", dest="format", choices=FORMATS, help="the format (default: detect)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=cmd_inspect)
 

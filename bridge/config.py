@@ -99,6 +99,8 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False   # LLaMA 3.2 1B/3B and llama2.c models share embedding and LM head
     head_dim: int | None = field(default=None)  # None means dim // n_heads
+    bos_id: int | None = None      # token ids the checkpoint declares (HF bos/eos_token_id); they
+    eos_ids: tuple[int, ...] = ()  # travel with the weights so that conversions keep them
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
@@ -126,6 +128,13 @@ class LlamaConfig:
                  "rope_scaling", "must be a RopeScaling, a mapping or None", self.rope_scaling)
         _require(isinstance(self.tie_embeddings, bool), "tie_embeddings", "must be a bool",
                  self.tie_embeddings)
+        _require(self.bos_id is None or (_is_int(self.bos_id) and self.bos_id >= 0), "bos_id",
+                 "must be a non-negative integer or None", self.bos_id)
+        if isinstance(self.eos_ids, (list, int)):
+            object.__setattr__(self, "eos_ids", tuple(self.eos_ids) if isinstance(self.eos_ids, list)
+                               else (self.eos_ids,))
+        _require(isinstance(self.eos_ids, tuple) and all(_is_int(i) and i >= 0 for i in self.eos_ids),
+                 "eos_ids", "must be a list of non-negative integers", self.eos_ids)
 
     # -- derived sizes -------------------------------------------------------------------------
 
@@ -144,8 +153,7 @@ class LlamaConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if self.rope_scaling is None:
-            d["rope_scaling"] = None
+        d["eos_ids"] = list(self.eos_ids)
         return d
 
     @classmethod
@@ -157,11 +165,14 @@ class LlamaConfig:
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                original_max_position_embeddings=8192)
 _LLAMA32_SCALING = dataclasses.replace(_LLAMA31_SCALING, factor=32.0)
-_LLAMA2 = dict(vocab_size=32000, max_seq_len=4096, norm_eps=1e-5, rope_theta=10000.0)
-_LLAMA3 = dict(vocab_size=128256, max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0)
+_LLAMA2 = dict(vocab_size=32000, max_seq_len=4096, norm_eps=1e-5, rope_theta=10000.0, bos_id=1,
+               eos_ids=(2,))
+_LLAMA3 = dict(vocab_size=128256, max_seq_len=8192, norm_eps=1e-5, rope_theta=500000.0,
+               bos_id=128000, eos_ids=(128001,))
 _LLAMA31 = dict(_LLAMA3, max_seq_len=131072, rope_scaling=_LLAMA31_SCALING)
 # llama2.c's TinyStories models: LLaMA 2 tokenizer, MHA, shared classifier, ffn from multiple_of=32.
-_STORIES = dict(vocab_size=32000, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True)
+_STORIES = dict(vocab_size=32000, norm_eps=1e-5, rope_theta=10000.0, tie_embeddings=True, bos_id=1,
+                eos_ids=(2,))
 
 # Published hyperparameters (Meta's params.json / HF config.json of each release).
 PRESETS: dict[str, LlamaConfig] = {

@@ -12,7 +12,9 @@ def test_default_is_llama3_8b():
     assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, c.max_seq_len,
             c.rope_theta, c.tie_embeddings, c.head_dim) == (4096, 32, 32, 8, 14336, 128256, 8192,
                                                             500000.0, False, 128)
-    assert c == PRESETS["llama3-8b"]
+    # The preset also declares LLaMA 3's bos/eos ids; a bare config declares none.
+    assert c == PRESETS["llama3-8b"].replace(bos_id=None, eos_ids=())
+    assert PRESETS["llama3-8b"].eos_ids == (128001,) and PRESETS["llama2-7b"].bos_id == 1
 
 
 @pytest.mark.parametrize("changes, field, rule", [
@@ -29,6 +31,8 @@ def test_default_is_llama3_8b():
     (dict(norm_eps=float("nan")), "norm_eps", "positive"),
     (dict(rope_theta=-1.0), "rope_theta", "> 1"),
     (dict(tie_embeddings="yes"), "tie_embeddings", "bool"),
+    (dict(bos_id=-1), "bos_id", "non-negative integer"),
+    (dict(eos_ids=[2, "3"]), "eos_ids", "non-negative integers"),
     (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "rope_scaling.type", "llama3"),
     (dict(rope_scaling={"factor": 0.5}), "rope_scaling.factor", ">= 1"),
     (dict(rope_scaling={"low_freq_factor": 4.0, "high_freq_factor": 1.0}),

@@ -1,23 +1,90 @@
-"""On-disk checkpoint formats. Each reads and writes (canonical name, numpy array) pairs plus a
-LlamaConfig; `open_checkpoint` detects which format a path holds."""
+"""On-disk checkpoint formats. Each module reads a checkpoint as a LlamaConfig plus canonical
+tensors (bridge.formats.base.Checkpoint) and writes one from (specs, fetch):
+
+  native   directory: config.json (LlamaConfig fields) + safetensors, canonical names
+  hf       directory: Hugging Face config.json + safetensors, HF names, q/k permuted for half-split RoPE
+  meta     directory: params.json + consolidated.NN.pth (one per model-parallel rank)
+  llama2c  file: llama2.c's .bin export (v0 / v1 headers) or its .pt training checkpoint
+
+Detection looks only at file names and small headers; the format modules are imported when used.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
+from typing import Callable, Iterable
 
+import numpy as np
+
+from ..config import LlamaConfig
 from ..errors import BridgeError
-from .native import NativeCheckpoint, is_native, write_native
+from .base import Checkpoint, Spec
+from .native import NativeCheckpoint, is_native, read_json, write_native
+from .safetensors_dir import DEFAULT_MAX_SHARD_SIZE
 
-__all__ = ["NativeCheckpoint", "open_checkpoint", "write_native"]
+__all__ = ["FORMATS", "Checkpoint", "NativeCheckpoint", "detect_format", "open_checkpoint",
+           "write_checkpoint", "write_native"]
+
+FORMATS = ("native", "hf", "meta", "llama2c")
+# format -> (module, reader class, writer function)
+_MODULES = {
+    "native": ("native", "NativeCheckpoint", "write_native"),
+    "hf": ("hf", "HFCheckpoint", "write_hf"),
+    "meta": ("meta", "MetaCheckpoint", "write_meta"),
+    "llama2c": ("llama2c", "Llama2cCheckpoint", "write_llama2c"),
+}
+_SHARDED = ("native", "hf")  # formats that honour max_shard_size
 
 
-def open_checkpoint(path: str | os.PathLike) -> NativeCheckpoint:
-    """Open a checkpoint of any supported format for streaming reads (validated on open)."""
+def _member(fmt: str, index: int):
+    module, *names = _MODULES[fmt]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), names[index])
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """Which format `path` holds, from file names and config keys; BridgeError if none."""
     path = Path(path)
     if not path.exists():
         raise BridgeError(f"{path}: no such file or directory")
-    if is_native(path):
-        return NativeCheckpoint(path)
-    raise BridgeError(f"{path}: not a recognised checkpoint (supported: a native directory with "
-                      f"config.json of LlamaConfig fields and model.safetensors)")
+    if path.is_dir():
+        if is_native(path):
+            return "native"
+        if (path / "config.json").is_file():
+            config = read_json(path / "config.json")
+            if "hidden_size" in config or "model_type" in config:
+                return "hf"
+        if (path / "params.json").is_file() and any(path.glob("consolidated.*.pth")):
+            return "meta"
+    elif path.suffix in (".bin", ".pt", ".pth"):
+        return "llama2c"
+    raise BridgeError(f"{path}: not a recognised checkpoint (expected a native or Hugging Face "
+                      f"directory with config.json, a Meta directory with params.json and "
+                      f"consolidated.*.pth, or a llama2.c .bin / .pt file)")
+
+
+def open_checkpoint(path: str | os.PathLike, format: str | None = None) -> Checkpoint:
+    """Open a checkpoint for streaming reads (validated on open); `format` None = detect."""
+    if format is None:
+        format = detect_format(path)
+    elif format not in FORMATS:
+        raise BridgeError(f"format: unknown format {format!r}; known: {', '.join(FORMATS)}")
+    elif not Path(path).exists():
+        raise BridgeError(f"{path}: no such file or directory")
+    return _member(format, 0)(path)
+
+
+def write_checkpoint(format: str, path: str | os.PathLike, config: LlamaConfig,
+                     specs: dict[str, Spec], fetch: Callable[[str], np.ndarray], *,
+                     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False,
+                     progress: Callable[[int], object] | None = None,
+                     extra_files: Iterable[Path] = (), **options) -> Path:
+    """Write canonical tensors (`specs`: name -> (shape, dtype); `fetch(name)` -> array) in
+    `format` at `path`, atomically. `options` are format-specific (e.g. llama2c version)."""
+    if format not in FORMATS:
+        raise BridgeError(f"--to: unknown format {format!r}; known: {', '.join(FORMATS)}")
+    if format in _SHARDED:
+        options["max_shard_size"] = max_shard_size
+    return _member(format, 1)(path, config, specs, fetch, overwrite=overwrite, progress=progress,
+                              extra_files=extra_files, **options)

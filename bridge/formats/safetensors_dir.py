@@ -1,9 +1,12 @@
 """A directory of safetensors files: `model.safetensors`, or shards plus the Hugging Face index.
 
-Reading goes through the safetensors library one tensor at a time. Writing is streamed: the
-library's Python API only serialises a whole dict at once, so shards are laid out here from the
-tensors' shapes and dtypes first, and each tensor is fetched, written and dropped in turn. Peak
-memory is one tensor, whatever the model size.
+The safetensors library validates each file (header, dtypes, offsets, no holes) when it is
+opened. Tensor data is then read with one plain file read into a fresh array, not through the
+library's memory map: a mapped page counts in the process's resident memory next to the copy, so
+reading through the map would hold every tensor twice. Writing is streamed: the library's Python
+API serialises only a whole dict at once, so each file's header is laid out here from the shapes
+and dtypes first, and each tensor is fetched, written and dropped in turn. Peak memory is one
+tensor, whatever the model size.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -41,6 +44,7 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: np.dtype
+    offset: int  # of the first data byte, from the start of the file
 
     @property
     def nbytes(self) -> int:
@@ -63,26 +67,35 @@ def read_tensor_infos(directory: Path) -> dict[str, TensorInfo]:
     for file, expected_names in files.items():
         if not file.is_file():
             raise BridgeError(f"{index_path}: lists shard {file.name}, which does not exist")
-        try:
-            with safe_open(str(file), framework="numpy") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    code = sl.get_dtype()
-                    if code not in DTYPE_OF_CODE:
-                        raise BridgeError(f"{file}: tensor '{name}' has unsupported dtype {code}")
-                    if name in infos:
-                        raise BridgeError(f"{file}: tensor '{name}' is also in {infos[name].file.name}")
-                    infos[name] = TensorInfo(file, tuple(sl.get_shape()), DTYPE_OF_CODE[code])
-        except BridgeError:
-            raise
-        except Exception as e:  # the library raises its own types for malformed headers
-            raise BridgeError(f"{file}: not a readable safetensors file ({e})") from None
+        for name, info in _read_file_infos(file).items():
+            if name in infos:
+                raise BridgeError(f"{file}: tensor '{name}' is also in {infos[name].file.name}")
+            infos[name] = info
         if expected_names is not None:
             in_file = {n for n, i in infos.items() if i.file == file}
             missing = sorted(set(expected_names) - in_file)
             if missing:
                 raise BridgeError(f"{index_path}: says tensor '{missing[0]}' is in {file.name}, "
                                   f"but it is not")
+    return infos
+
+
+def _read_file_infos(file: Path) -> dict[str, TensorInfo]:
+    try:
+        with safe_open(str(file), framework="numpy") as f:  # the library's validation
+            names = list(f.keys())
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+    except Exception as e:  # the library raises its own types for malformed files
+        raise BridgeError(f"{file}: not a readable safetensors file ({e})") from None
+    infos = {}
+    for name in names:
+        entry = header[name]
+        if entry["dtype"] not in DTYPE_OF_CODE:
+            raise BridgeError(f"{file}: tensor '{name}' has unsupported dtype {entry['dtype']}")
+        infos[name] = TensorInfo(file, tuple(entry["shape"]), DTYPE_OF_CODE[entry["dtype"]],
+                                 8 + header_len + entry["data_offsets"][0])
     return infos
 
 
@@ -102,10 +115,13 @@ def _files_from_index(index_path: Path) -> dict[Path, list[str]]:
     return files
 
 
-def read_tensor(name: str, info: TensorInfo) -> np.ndarray:
+def read_tensor(info: TensorInfo) -> np.ndarray:
     """Load one tensor into memory as a numpy array (bfloat16 as ml_dtypes.bfloat16)."""
-    with safe_open(str(info.file), framework="numpy") as f:
-        return f.get_tensor(name)
+    count = math.prod(info.shape)
+    array = np.fromfile(info.file, dtype=info.dtype.newbyteorder("<"), count=count, offset=info.offset)
+    if array.size != count:
+        raise BridgeError(f"{info.file}: truncated while reading a tensor of shape {info.shape}")
+    return array.reshape(info.shape)
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -113,12 +129,12 @@ def read_tensor(name: str, info: TensorInfo) -> np.ndarray:
 def write_safetensors_dir(directory: Path, specs: dict[str, tuple[tuple[int, ...], np.dtype]],
                           fetch: Callable[[str], np.ndarray],
                           max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                          progress: Callable[[Iterable], Iterable] = iter) -> list[str]:
+                          progress: Callable[[int], object] | None = None) -> list[str]:
     """Write tensors named in `specs` (name -> (shape, dtype)), fetching each one when its turn comes.
 
     One file when everything fits in `max_shard_size` bytes, otherwise shards
     `model-0000i-of-0000N.safetensors` and an index. A tensor larger than the limit gets a shard
-    of its own. Returns the file names written.
+    of its own. `progress(nbytes)` is called after each tensor. Returns the file names written.
     """
     if max_shard_size <= 0:
         raise BridgeError(f"max_shard_size: must be positive (got {max_shard_size})")
@@ -129,12 +145,16 @@ def write_safetensors_dir(directory: Path, specs: dict[str, tuple[tuple[int, ...
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     order = [(shard_no, name) for shard_no, shard in enumerate(shards) for name in shard]
     writer = None
-    for shard_no, name in progress(order):
+    for shard_no, name in order:
         if writer is None or writer.path.name != names[shard_no]:
             if writer is not None:
                 writer.close()
             writer = _ShardWriter(directory / names[shard_no], {n: specs[n] for n in shards[shard_no]})
-        writer.write(name, fetch(name))
+        array = fetch(name)
+        writer.write(name, array)
+        if progress is not None:
+            progress(array.nbytes)
+        del array
     if writer is not None:
         writer.close()
     if len(shards) > 1:

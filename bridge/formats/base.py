@@ -1,0 +1,85 @@
+"""What every format reader gives: a LlamaConfig and canonical tensors, one at a time.
+
+A reader validates on open everything that can be checked without reading tensor data (config
+against LlamaConfig's rules, each tensor's presence, shape and dtype against the config), so a
+conversion that starts does not fail half-way for a reason that was visible up front.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator
+
+import ml_dtypes
+import numpy as np
+
+from ..config import LlamaConfig
+from ..errors import BridgeError
+from ..tensors import canonical_shapes
+
+FLOAT_DTYPES = {np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16)}
+# Files that travel with the weights between directory formats (tokenizers, generation defaults).
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "generation_config.json")
+
+Spec = tuple[tuple[int, ...], np.dtype]  # (canonical shape, numpy dtype)
+
+
+class Checkpoint:
+    """A checkpoint opened for reading. Subclasses set the attributes and implement `tensor`."""
+
+    format: str = "?"
+    path: Path
+    config: LlamaConfig
+    specs: dict[str, Spec]   # canonical name -> (canonical shape, stored dtype), canonical order
+    files: list[Path]        # the files holding the weights
+    notes: list[str]         # things worth telling a user (inspect prints them)
+    extra_files: list[Path]  # tokenizer files and the like, copied by conversions
+
+    def tensor(self, name: str) -> np.ndarray:
+        """One tensor by canonical name, in canonical layout, as a fresh numpy array."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(canonical name, array) pairs in canonical order, one tensor in memory at a time."""
+        for name in self.specs:
+            yield name, self.tensor(name)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.specs.values())
+
+    def stored_dtype(self) -> str:
+        """The dtype the tensors are stored in ('float32', 'bfloat16', 'float16'); 'float32' when
+        they are mixed or wider, so that no tensor loses precision by default."""
+        dtypes = {dtype.name for _, dtype in self.specs.values()}
+        return dtypes.pop() if len(dtypes) == 1 and dtypes <= {"bfloat16", "float16"} else "float32"
+
+
+def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,
+                source: str = "the config") -> dict[str, Spec]:
+    """Refuse a missing, extra, wrongly shaped or non-float tensor, naming the first one.
+
+    Returns the specs in canonical order."""
+    expected = canonical_shapes(config)
+    missing = [n for n in expected if n not in specs]
+    if missing:
+        raise BridgeError(f"{where}: tensor '{missing[0]}' is missing ({len(missing)} missing in all)")
+    extra = sorted(n for n in specs if n not in expected)
+    if extra:
+        raise BridgeError(f"{where}: unexpected tensor '{extra[0]}' for {source} "
+                          f"({len(extra)} unexpected in all)")
+    for name, shape in expected.items():
+        got, dtype = specs[name]
+        if tuple(got) != shape:
+            raise BridgeError(f"{where}: tensor '{name}' has shape {tuple(got)}, but {source} "
+                              f"implies {shape}")
+        if np.dtype(dtype) not in FLOAT_DTYPES:
+            raise BridgeError(f"{where}: tensor '{name}' has dtype {np.dtype(dtype)}, expected a "
+                              f"floating type")
+    return {name: (tuple(specs[name][0]), np.dtype(specs[name][1])) for name in expected}
+
+
+def find_extra_files(directory: Path) -> list[Path]:
+    return [directory / f for f in TOKENIZER_FILES if (directory / f).is_file()]
