@@ -1,4 +1,4 @@
-"""`llama-bridge`: inspect checkpoints, and (until `parity` lands) a JAX <-> torch round-trip demo.
+"""`llama-bridge`: convert and inspect checkpoints, and (until `parity` lands) a round-trip demo.
 
 stdout carries results, stderr errors; exit 0 success, 1 a check failed, 2 bad input.
 """
@@ -87,6 +87,25 @@ def cmd_inspect(args) -> int:
     return EXIT_OK
 
 
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    options = {}
+    if args.llama2c_version is not None:
+        if args.to != "llama2c":
+            raise BridgeError("--llama2c-version: only with --to llama2c")
+        options["version"] = args.llama2c_version
+    if args.meta_shards is not None:
+        if args.to != "meta":
+            raise BridgeError("--meta-shards: only with --to meta")
+        options["shards"] = args.meta_shards
+    dst = convert(args.src, args.dst, args.to, from_format=args.from_format, dtype=args.dtype,
+                  max_shard_size=args.max_shard_size, force=args.force,
+                  progress=not args.quiet, **options)
+    print(dst)
+    return EXIT_OK
+
+
 def cmd_demo(args) -> int:
     """Init in JAX, save, load in torch and compare logits; then back from torch to JAX."""
     from . import demo  # imports jax and torch: only this command pays for them
@@ -111,6 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=cmd_inspect)
 
+    p = sub.add_parser("convert", help="convert a checkpoint between formats, one tensor at a time")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--to", choices=FORMATS, default="native", help="output format (default native)")
+    p.add_argument("--from", dest="from_format", choices=FORMATS,
+                   help="input format (default: detect)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="cast every tensor (default: keep the stored dtype)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file for native / hf output (default 5GB)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--llama2c-version", type=int, choices=(0, 1),
+                   help="llama2.c .bin header: 1 (default) or 0, the legacy one run.c reads")
+    p.add_argument("--meta-shards", type=int, help="model-parallel files for --to meta (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_convert)
+
     p = sub.add_parser("demo", help="round-trip a fresh model JAX -> native -> torch -> JAX and "
                                     "print the largest logit difference")
     p.add_argument("--preset", default="tiny", help=f"a config preset (default tiny; the library "
@@ -122,7 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_demo)
 
     add_planned(parser, sub, [
-        ("convert", "convert between formats", "the weight-bridge issue"),
         ("parity", "layer-by-layer JAX / torch parity report", "the parity-report issue")])
     return parser
 

@@ -1,0 +1,86 @@
+"""SRC -> DST in any pair of formats: detect, stream one tensor at a time, cast, shard, write atomically.
+
+Peak memory is about one tensor (plus its cast copy when --dtype changes it), whatever the model
+size: readers hand out one tensor at a time, writers lay out headers from shapes first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from .errors import BridgeError
+from .formats import FORMATS, open_checkpoint, write_checkpoint
+from .formats.safetensors_dir import DEFAULT_MAX_SHARD_SIZE
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+          "float16": np.dtype(np.float16)}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '2GiB' -> 2 * 2**30, '1000' -> 1000 (Hugging Face's convention)."""
+    if isinstance(text, int):
+        size = text
+    else:
+        m = _SIZE.fullmatch(str(text))
+        if not m:
+            raise BridgeError(f"--max-shard-size: cannot read {text!r} as a size (e.g. 5GB, 500MB, 2GiB)")
+        base = 1024 if m.group(3) else 1000
+        size = int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
+    if size <= 0:
+        raise BridgeError(f"--max-shard-size: must be positive (got {text!r})")
+    return size
+
+
+def _check_paths(src: Path, dst: Path) -> None:
+    src, dst = src.resolve(), dst.resolve()
+    if dst == src or src in dst.parents:
+        raise BridgeError(f"{dst}: the output may not be the input or lie inside it ({src})")
+    if dst in src.parents:
+        raise BridgeError(f"{dst}: the output may not contain the input ({src}); replacing it "
+                          f"would delete the source")
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str = "native", *,
+            from_format: str | None = None, dtype: str | None = None,
+            max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, force: bool = False,
+            progress: bool = True, **options) -> Path:
+    """Convert the checkpoint at `src` (format detected unless `from_format`) to `to` at `dst`.
+
+    dtype None keeps each tensor's stored dtype; "float32" / "bfloat16" / "float16" casts each
+    tensor as it streams through (bfloat16 by ml_dtypes' round-to-nearest-even, as torch does).
+    `options` go to the writer (llama2c: version; meta: shards). Returns `dst`.
+    """
+    src, dst = Path(src), Path(dst)
+    if to not in FORMATS:
+        raise BridgeError(f"--to: unknown format {to!r}; known: {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise BridgeError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if to == "llama2c" and dtype not in (None, "float32"):
+        raise BridgeError(f"--dtype: llama2.c .bin files hold float32 only (got {dtype})")
+    max_shard_size = parse_size(max_shard_size)
+    ckpt = open_checkpoint(src, format=from_format)
+    _check_paths(ckpt.path, dst)
+    if (dst.exists() or dst.is_symlink()) and not force:
+        raise BridgeError(f"{dst}: already exists (use --force to replace it)")
+
+    target = None if dtype is None else DTYPES[dtype]
+    specs = {name: (shape, target or stored) for name, (shape, stored) in ckpt.specs.items()}
+
+    def fetch(name: str) -> np.ndarray:
+        array = ckpt.tensor(name)
+        return array if target is None or array.dtype == target else array.astype(target)
+
+    total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs.values())
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              disable=not progress, desc=f"{ckpt.format} -> {to}") as bar:
+        return write_checkpoint(to, dst, ckpt.config, specs, fetch, max_shard_size=max_shard_size,
+                                overwrite=force, progress=bar.update, extra_files=ckpt.extra_files,
+                                **options)

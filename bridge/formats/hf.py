@@ -1,0 +1,262 @@
+"""Hugging Face `LlamaForCausalLM` checkpoints: config.json + safetensors (single file or shards).
+
+Two things differ from the canonical layout. Names: a declarative table below. RoPE: HF rotates
+half-split pairs (dims i and i + H/2) where Meta rotates interleaved pairs (2i, 2i+1), so HF
+stores wq and wk with the rows of each head permuted; `to_half_split` / `from_half_split` undo
+each other, per head, with n_heads for wq and n_kv_heads for wk. Getting this wrong gives a model
+that loads, runs and talks fluent nonsense, hence the tests against transformers itself.
+
+config.json is read as transformers 4.x wrote it (top-level rope_theta, rope_scaling,
+torch_dtype: what the published LLaMA checkpoints carry) and as 5.x writes it (rope_parameters,
+dtype); it is written in the 4.x form, which every transformers release loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ..atomic import atomic_directory, copy_files
+from ..config import LlamaConfig, RopeScaling
+from ..errors import BridgeError
+from .base import Checkpoint, Spec, check_specs, find_extra_files
+from .native import read_json
+from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, read_tensor, read_tensor_infos,
+                              write_safetensors_dir)
+
+
+# -- the q/k permutation ---------------------------------------------------------------------------
+
+def to_half_split(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Canonical (interleaved) rows of wq/wk -> HF (half-split) rows; w is (n_heads * H, D).
+
+    Within each head, output row 2i + j (j = 0, 1) moves to j * H/2 + i."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+def from_half_split(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF (half-split) rows of wq/wk -> canonical (interleaved) rows: the inverse of to_half_split."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+# -- names: HF name <-> canonical name, and which heads count to (un)permute with ----------------
+
+_GLOBAL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+           "lm_head.weight": "output.weight"}
+_LAYER = {  # suffix after "model.layers.{i}." -> suffix after "layers.{i}."
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+_PERMUTED = {"attention.wq.weight": lambda c: c.n_heads, "attention.wk.weight": lambda c: c.n_kv_heads}
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_DERIVABLE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # old exports
+
+
+def canonical_name(hf_name: str) -> str | None:
+    """The canonical name of an HF tensor, or None when the table does not know it."""
+    if hf_name in _GLOBAL:
+        return _GLOBAL[hf_name]
+    m = _LAYER_NAME.fullmatch(hf_name)
+    if m and m.group(2) in _LAYER:
+        return f"layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return None
+
+
+def hf_name(name: str) -> str:
+    """The HF name of a canonical tensor."""
+    for hf, canonical in _GLOBAL.items():
+        if canonical == name:
+            return hf
+    _, layer, suffix = name.split(".", 2)
+    return f"model.layers.{layer}." + next(h for h, c in _LAYER.items() if c == suffix)
+
+
+def _heads_to_permute(name: str, config: LlamaConfig) -> int | None:
+    suffix = name.split(".", 2)[-1] if name.startswith("layers.") else None
+    return _PERMUTED[suffix](config) if suffix in _PERMUTED else None
+
+
+# -- config.json ------------------------------------------------------------------------------------
+
+# Values transformers' LlamaForCausalLM supports and this project's model does not.
+_UNSUPPORTED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+_IGNORED = {  # known keys with no bearing on the weights or the forward pass
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "initializer_range",
+    "use_cache", "pad_token_id", "attention_dropout", "pretraining_tp", "_name_or_path",
+    "rope_theta", "rope_scaling", "rope_parameters", "head_dim", "bos_token_id", "eos_token_id",
+}
+
+
+def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
+    """LlamaConfig and notes from an HF config.json dict; unsupported settings refused by name."""
+    notes = []
+    if d.get("model_type", "llama") != "llama":
+        raise BridgeError(f"{where}: model_type {d['model_type']!r} is not supported (only 'llama')")
+    for key, supported in _UNSUPPORTED.items():
+        if key in d and d[key] != supported:
+            raise BridgeError(f"{where}: {key}={d[key]!r} is not supported (only {supported!r})")
+    if d.get("quantization_config"):
+        raise BridgeError(f"{where}: quantization_config is not supported (quantised weights)")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size"):
+        if key not in d:
+            raise BridgeError(f"{where}: missing required field {key!r}")
+
+    rope = dict(d.get("rope_parameters") or {})           # transformers 5.x
+    legacy = d.get("rope_scaling")                        # transformers 4.x
+    if legacy:
+        rope.update(legacy)
+    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    scaling = None
+    if rope_type == "llama3":
+        try:
+            scaling = RopeScaling.from_dict({k: v for k, v in rope.items() if k in
+                                             ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings")})
+        except BridgeError as e:
+            raise BridgeError(f"{where}: {e}") from None
+    elif rope_type != "default":
+        raise BridgeError(f"{where}: rope type {rope_type!r} is not supported (only 'default' "
+                          f"and 'llama3')")
+    eos = d.get("eos_token_id")
+    fields = dict(
+        dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=d["num_attention_heads"],
+        n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        head_dim=d.get("head_dim"), ffn_dim=d["intermediate_size"], vocab_size=d["vocab_size"],
+        max_seq_len=d.get("max_position_embeddings", 2048), norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta), rope_scaling=scaling,
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_id=d.get("bos_token_id"), eos_ids=() if eos is None else eos)
+    try:
+        config = LlamaConfig(**fields)
+    except BridgeError as e:
+        raise BridgeError(f"{where}: {e}") from None
+    known = set(_UNSUPPORTED) | _IGNORED | {"quantization_config", "hidden_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads",
+                                             "intermediate_size", "vocab_size",
+                                             "max_position_embeddings", "rms_norm_eps",
+                                             "tie_word_embeddings"}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        notes.append(f"config.json keys not used by the model: {', '.join(unknown)}")
+    return config, notes
+
+
+def config_to_hf(config: LlamaConfig, dtype: str) -> dict:
+    """An HF config.json dict (transformers 4.x form, which 4.x and 5.x both load)."""
+    c = config
+    d = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": c.dim, "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
+        "rope_scaling": None if c.rope_scaling is None else {
+            "rope_type": "llama3", "factor": c.rope_scaling.factor,
+            "low_freq_factor": c.rope_scaling.low_freq_factor,
+            "high_freq_factor": c.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": c.rope_scaling.original_max_position_embeddings},
+        "tie_word_embeddings": c.tie_embeddings, "torch_dtype": dtype,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
+    }
+    if c.bos_id is not None:
+        d["bos_token_id"] = c.bos_id
+    if c.eos_ids:
+        d["eos_token_id"] = c.eos_ids[0] if len(c.eos_ids) == 1 else list(c.eos_ids)
+    return d
+
+
+# -- reading and writing -----------------------------------------------------------------------------
+
+def is_hf(path: Path) -> bool:
+    try:
+        d = read_json(path / "config.json")
+    except (BridgeError, OSError):
+        return False
+    return "hidden_size" in d or "model_type" in d
+
+
+class HFCheckpoint(Checkpoint):
+    format = "hf"
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise BridgeError(f"{self.path}: not a checkpoint directory")
+        self.config, self.notes = config_from_hf(read_json(self.path / "config.json"),
+                                                 self.path / "config.json")
+        self.infos: dict = {}  # canonical name -> TensorInfo
+        derivable = []
+        for name, info in read_tensor_infos(self.path).items():
+            canonical = canonical_name(name)
+            if canonical is not None:
+                self.infos[canonical] = info
+            elif _DERIVABLE.fullmatch(name):
+                derivable.append(name)
+            else:
+                raise BridgeError(f"{info.file}: unexpected tensor '{name}' (not part of a "
+                                  f"LlamaForCausalLM this project supports)")
+        if derivable:
+            self.notes.append(f"skipped {len(derivable)} derivable rotary_emb.inv_freq tensors")
+        if self.config.tie_embeddings and "output.weight" in self.infos:
+            self._drop_tied_head()
+        self.specs = check_specs(self.config, {n: (i.shape, i.dtype) for n, i in self.infos.items()},
+                                 self.path, source="config.json")
+        self.files = sorted({info.file for info in self.infos.values()})
+        self.extra_files = find_extra_files(self.path)
+
+    def _drop_tied_head(self) -> None:
+        """tie_word_embeddings with lm_head.weight stored too: fine when it is the embedding."""
+        head, embed = read_tensor(self.infos["output.weight"]), read_tensor(self.infos["tok_embeddings.weight"])
+        if head.shape != embed.shape or not np.array_equal(head.view(np.uint8), embed.view(np.uint8)):
+            raise BridgeError(f"{self.path}: tie_word_embeddings is true but lm_head.weight differs "
+                              f"from model.embed_tokens.weight")
+        del self.infos["output.weight"]
+        self.notes.append("lm_head.weight equals the tied embedding; not stored twice")
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self.specs:
+            raise BridgeError(f"{self.path}: no tensor '{name}'")
+        array = read_tensor(self.infos[name])
+        heads = _heads_to_permute(name, self.config)
+        return array if heads is None else from_half_split(array, heads)
+
+
+def write_hf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec],
+             fetch: Callable[[str], np.ndarray], *, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+             overwrite: bool = False, progress: Callable[[int], object] | None = None,
+             extra_files: Iterable[Path] = ()) -> Path:
+    """Write canonical tensors as an HF checkpoint that `LlamaForCausalLM.from_pretrained` loads."""
+    ordered = check_specs(config, specs, "tensors to write")
+    dtypes = {dtype.name for _, dtype in ordered.values()}
+    hf_specs = {hf_name(name): spec for name, spec in ordered.items()}
+    canonical = {hf_name(name): name for name in ordered}
+
+    def hf_fetch(name: str) -> np.ndarray:
+        array = fetch(canonical[name])
+        heads = _heads_to_permute(canonical[name], config)
+        return array if heads is None else to_half_split(array, heads)
+
+    with atomic_directory(path, overwrite=overwrite) as tmp:
+        hf_config = config_to_hf(config, dtypes.pop() if len(dtypes) == 1 else "float32")
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        write_safetensors_dir(tmp, hf_specs, hf_fetch, max_shard_size=max_shard_size,
+                              progress=progress)
+        copy_files(extra_files, tmp)
+    return Path(path)
