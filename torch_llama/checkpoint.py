@@ -11,6 +11,8 @@ import torch
 
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
+from bridge.formats.torch_files import from_numpy as to_torch
+from bridge.formats.torch_files import to_numpy
 
 from .model import Llama
 
@@ -41,21 +43,6 @@ def resolve_dtype(dtype) -> torch.dtype:
     if name not in _DTYPES:
         raise BridgeError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[name]
-
-
-def to_torch(array: np.ndarray) -> torch.Tensor:
-    """numpy -> torch without a float32 detour; ml_dtypes.bfloat16 becomes torch.bfloat16."""
-    if array.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
-
-
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """torch -> numpy on the host; torch.bfloat16 becomes ml_dtypes.bfloat16."""
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None) -> Llama:

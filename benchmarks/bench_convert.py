@@ -1,0 +1,139 @@
+"""Conversion throughput and peak memory, side by side with `cp` of the same files.
+
+For each preset: write a synthetic Hugging Face checkpoint (random bfloat16 weights), then, in
+alternation and several times, time `cp -r` of it, `llama-bridge convert` HF -> native, and
+native -> HF, each followed by `sync` so that both sides pay for getting the bytes to disk. Peak
+resident memory comes from `/usr/bin/time -v` (it counts mapped file pages too). Reports medians
+as a markdown table and JSON.
+
+    python benchmarks/bench_convert.py --presets llama3.2-1b llama3.2-3b --repeats 3
+
+Targets (issue: weight bridge): peak RSS below 1.5 x the largest tensor + 300 MB at every model
+size; throughput at least half of cp's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from bridge.config import PRESETS
+from bridge.formats import write_checkpoint
+from bridge.tensors import canonical_shapes
+
+MB = 10**6
+
+
+def synthetic_hf(preset: str, directory: Path, seed: int = 0) -> None:
+    """A random bfloat16 HF checkpoint of `preset`, written one tensor at a time."""
+    config = PRESETS[preset]
+    shapes = canonical_shapes(config)
+    rng = np.random.default_rng(seed)
+    specs = {name: (shape, np.dtype(ml_dtypes.bfloat16)) for name, shape in shapes.items()}
+
+    def fetch(name):
+        return (rng.standard_normal(shapes[name], dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    write_checkpoint("hf", directory, config, specs, fetch)
+
+
+def timed(command: list[str]) -> tuple[float, int]:
+    """(wall seconds including a final sync, peak RSS bytes of the command)."""
+    start = time.perf_counter()
+    result = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True)
+    subprocess.run(["sync"], check=True)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr).group(1))
+    return wall, rss_kb * 1024
+
+
+def bench_preset(preset: str, workdir: Path, repeats: int) -> dict:
+    config = PRESETS[preset]
+    largest = max(math.prod(s) for s in canonical_shapes(config).values()) * 2  # bfloat16
+    root = workdir / preset
+    hf = root / "hf"
+    if not hf.exists():
+        print(f"[{preset}] writing a synthetic bfloat16 checkpoint to {hf}", file=sys.stderr)
+        synthetic_hf(preset, hf)
+    nbytes = sum(f.stat().st_size for f in hf.iterdir())
+    commands = {  # label -> (command, the directory it creates); run in this order each repeat
+        "cp": (["cp", "-r", str(hf), str(root / "cp")], root / "cp"),
+        "hf -> native": (["llama-bridge", "convert", str(hf), str(root / "native"), "--quiet"],
+                         root / "native"),
+        "native -> hf": (["llama-bridge", "convert", str(root / "native"), str(root / "hf2"), "--to",
+                          "hf", "--quiet"], root / "hf2"),
+    }
+    runs = {label: [] for label in commands}
+    for r in range(repeats):
+        for label, (command, output) in commands.items():
+            shutil.rmtree(output, ignore_errors=True)
+            wall, rss = timed(command)
+            runs[label].append((wall, rss))
+            print(f"[{preset}] run {r + 1}/{repeats} {label}: {wall:.2f} s, peak RSS "
+                  f"{rss / MB:.0f} MB", file=sys.stderr)
+    for _, output in commands.values():
+        shutil.rmtree(output, ignore_errors=True)
+    bound = 1.5 * largest + 300 * MB
+    cp_wall = statistics.median(w for w, _ in runs["cp"])
+    result = {"preset": preset, "parameters": sum(math.prod(s) for s in canonical_shapes(config).values()),
+              "bytes": nbytes, "largest_tensor_bytes": largest, "rss_bound_bytes": bound, "rows": {}}
+    for label, samples in runs.items():
+        wall = statistics.median(w for w, _ in samples)
+        result["rows"][label] = {
+            "median_s": wall, "throughput_MBps": nbytes / wall / MB,
+            "vs_cp": cp_wall / wall, "peak_rss_bytes": max(r for _, r in samples),
+            "runs_s": [w for w, _ in samples]}
+    return result
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| preset | size | step | median s | MB/s | throughput vs cp | peak RSS | RSS bound "
+             "(1.5 x largest tensor + 300 MB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for label, row in res["rows"].items():
+            ok = "" if label == "cp" else (" ok" if row["peak_rss_bytes"] < res["rss_bound_bytes"]
+                                           else " OVER")
+            lines.append(
+                f"| {res['preset']} | {res['bytes'] / 1e9:.2f} GB | {label} | {row['median_s']:.2f} | "
+                f"{row['throughput_MBps']:.0f} | {row['vs_cp']:.2f}x | {row['peak_rss_bytes'] / MB:.0f} MB"
+                f"{ok} | {res['rss_bound_bytes'] / MB:.0f} MB (largest {res['largest_tensor_bytes'] / MB:.0f} MB) |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["llama3.2-1b", "llama3.2-3b"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default="/tmp/jax-llama-bench-convert")
+    parser.add_argument("--out", default="benchmarks/results/convert",
+                        help="writes OUT.md and OUT.json")
+    parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir)
+    results = [bench_preset(p, workdir, args.repeats) for p in args.presets]
+    table = markdown(results)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table + "\n")
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    if not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
