@@ -1,27 +1,97 @@
-"""`jax-llama`: the JAX jobs. Each command is filled in by the issue that builds it."""
+"""`jax-llama`: the JAX jobs. Commands not built yet say so."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from pathlib import Path
 
-from bridge.cli import add_planned, cli_main
+from bridge.cli import EXIT_CHECK_FAILED, EXIT_OK, add_planned, cli_main
+from bridge.config import PRESETS, LlamaConfig
+from bridge.errors import BridgeError
 
-COMMANDS = [
-    ("train", "train or continue training with optax AdamW", "the training issue"),
+PLANNED = [
     ("generate", "sample from a checkpoint with a KV cache", "the generation issue"),
     ("finetune", "fine-tune a classification head end to end", "the classification issue"),
     ("zero-shot", "classify by prompting, no training", "the classification issue"),
     ("predict", "write a fine-tuned classifier's predictions", "the classification issue"),
     ("bench", "benchmarks side by side with transformers", "the benchmark issue"),
 ]
+# TrainConfig fields settable from the command line (None = default, or the resumed run's value)
+TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
+                 ("warmup_steps", int), ("weight_decay", float), ("grad_clip", float),
+                 ("grad_accum", int), ("dtype", str), ("eval_every", int),
+                 ("checkpoint_every", int), ("keep_checkpoints", int), ("seed", int)]
+
+
+def cmd_train(args) -> int:
+    from .run import RunSpec, TrainingDiverged, train
+    from .train import TrainConfig
+
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
+    given = {name: getattr(args, name) for name, _ in TRAIN_OPTIONS if getattr(args, name) is not None}
+    saved = {}
+    if args.resume:
+        if not (out / "run.json").is_file():
+            raise BridgeError(f"--resume: {out} holds no run to resume (no run.json)")
+        saved = json.loads((out / "run.json").read_text())
+        train_config = TrainConfig(**{**saved["train"], **given})
+        model = LlamaConfig.from_dict(saved["model"])
+    else:
+        if args.preset not in PRESETS:
+            raise BridgeError(f"--preset: unknown preset {args.preset!r}; valid: {', '.join(PRESETS)}")
+        train_config, model = TrainConfig(**given), PRESETS[args.preset]
+    spec = RunSpec(out=out, model=model, train=train_config,
+                   data=args.data if args.data is not None else saved.get("data", []),
+                   tokenizer=args.tokenizer or saved.get("tokenizer"),
+                   init=args.init or saved.get("init"), vocab_size=args.vocab_size, mesh=args.mesh,
+                   scan_layers=args.scan_layers, remat=args.remat, resume=args.resume,
+                   sample_tokens=args.sample_tokens)
+    if args.multi_host:
+        import jax
+        jax.distributed.initialize()
+    try:
+        summary = train(spec)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
+    print(f"validation loss {summary['val_loss']:.4f} nats/token (unigram baseline "
+          f"{summary['unigram_loss']:.4f}); train loss {summary['train_loss']:.4f} after "
+          f"{summary['steps']} steps")
+    print(f"model: {summary['model']}  (llama-bridge convert {summary['model']} DST --to hf)")
+    if summary["plot"]:
+        print(f"loss curve: {summary['plot']}")
+    if summary["sample"]:
+        print(f"sample:\n{summary['sample']}")
+    return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jax-llama", description="LLaMA in JAX: train, generate, "
                                      "fine-tune, benchmark.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_planned(parser, sub, COMMANDS)
+    p = sub.add_parser("train", help="train (or fine-tune from --init) a LLaMA with optax AdamW; "
+                                     "with no --data, on the Python standard library's sources")
+    p.add_argument("--preset", default="tiny", help="model config (default tiny)")
+    p.add_argument("--data", nargs="+", help="text files or directories (default: the embedded corpus)")
+    p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: --init's, or a "
+                                       "byte-level BPE trained on the corpus)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="of that BPE (default 4096)")
+    p.add_argument("--init", help="start from the weights of any checkpoint the bridge reads")
+    p.add_argument("--out", help="run directory (default runs/train-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
+    p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4,tensor=1 (default: all on data)")
+    p.add_argument("--scan-layers", action="store_true", help="nn.scan over blocks (faster compiles)")
+    p.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
+    p.add_argument("--multi-host", action="store_true", help="call jax.distributed.initialize() first")
+    p.add_argument("--sample-tokens", type=int, default=64, help="length of the sample printed at the end")
+    for name, kind in TRAIN_OPTIONS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                       choices=("float32", "bfloat16", "float16") if name == "dtype" else None)
+    p.set_defaults(run=cmd_train)
+    add_planned(parser, sub, PLANNED)
     return parser
 
 

@@ -56,7 +56,7 @@ def test_bad_input_from_a_subprocess_has_no_traceback(tmp_path):
                                       f"divisible by n_heads=5 when head_dim is not given (got 48)")
 
 
-@pytest.mark.parametrize("main, command", [(jax_cli.main, "train"), (torch_cli.main, "generate")])
+@pytest.mark.parametrize("main, command", [(jax_cli.main, "bench"), (torch_cli.main, "generate")])
 def test_planned_commands_say_so(main, command, capsys):
     assert main([command]) == 2
     assert "not available yet" in capsys.readouterr().err

@@ -1,0 +1,159 @@
+"""Corpus -> token cache -> batches.
+
+Text files (or directories of them) are tokenized once into a flat uint16 / uint32 file next to
+the run and memory-mapped; the cache is keyed by the files (path, size, mtime) and the tokenizer,
+so an unchanged corpus is never tokenized twice. Each file is one document, framed as
+BOS text EOS. Batches are random windows of seq_len + 1 tokens drawn from a generator seeded by
+(seed, step, process), so the batch of any step can be recomputed on resume without saving a
+data position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from bridge.errors import BridgeError
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".tsv", ".html", ".xml",
+                 ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".java", ".go", ".rs", ".sh", ".toml",
+                 ".yaml", ".yml", ".tex", ""}
+
+
+def default_corpus() -> list[Path]:
+    """The embedded default: the running interpreter's standard library sources (tests and
+    site-packages left out, ~12 MB for CPython 3.11), present wherever this project runs."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def corpus_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Files named directly, plus the text files (by suffix) under each directory, sorted."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*")
+                                if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+                                and not any(part.startswith(".") for part in p.relative_to(path).parts)))
+        else:
+            raise BridgeError(f"{path}: no such file or directory")
+    if not files:
+        raise BridgeError(f"--data: no text files found in {', '.join(map(str, paths))}")
+    return files
+
+
+def read_documents(files: list[Path], warn=None) -> Iterator[str]:
+    """The text of each readable UTF-8 file; the others are skipped and counted in one warning."""
+    skipped = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            skipped.append(f"{f} ({type(e).__name__})")
+            continue
+        if text.strip():
+            yield text
+    if skipped:
+        (warn or (lambda m: print(m, file=sys.stderr)))(
+            f"warning: skipped {len(skipped)} unreadable or non-UTF-8 file(s), e.g. {skipped[0]}")
+
+
+def _fingerprint(files: list[Path], tokenizer) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    with tempfile.TemporaryDirectory() as tmp:  # the tokenizer, by the bytes of its own files
+        for path in sorted(tokenizer.save(tmp)):
+            h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def tokenize_corpus(files: list[Path], tokenizer, cache_dir: str | os.PathLike,
+                    progress=None) -> np.ndarray:
+    """All documents as one flat token array (memory-mapped from the cache).
+
+    Written to a temporary file beside the cache entry and renamed at the end, so a killed run
+    never leaves a truncated cache behind. An empty corpus is refused.
+    """
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+    key = _fingerprint(files, tokenizer)
+    path = cache_dir / f"tokens-{key}.{dtype.name}"
+    if not path.exists():
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=cache_dir)
+        n_docs = 0
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for text in (progress or iter)(read_documents(files)):
+                    ids = tokenizer.encode(text, bos=tokenizer.bos_id is not None,
+                                           eos=tokenizer.eos_id is not None)
+                    np.asarray(ids, dtype=dtype).tofile(out)
+                    n_docs += 1
+            if n_docs == 0:
+                raise BridgeError(f"--data: the corpus is empty ({len(files)} file(s), no text)")
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        (cache_dir / f"tokens-{key}.json").write_text(json.dumps(
+            {"files": len(files), "documents": n_docs, "dtype": dtype.name}) + "\n")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def split(tokens: np.ndarray, val_fraction: float, min_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation): the last val_fraction of the tokens is held out. Each part must hold
+    at least `min_tokens` (one window), else the corpus is too small for the sequence length."""
+    n_val = max(int(len(tokens) * val_fraction), min_tokens)
+    train, val = tokens[:-n_val], tokens[-n_val:]
+    if len(train) < min_tokens or len(val) < min_tokens:
+        raise BridgeError(f"--data: {len(tokens):,} tokens are too few for windows of {min_tokens} "
+                          f"tokens in both the train and validation parts")
+    return train, val
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Random windows of seq_len + 1 tokens: inputs, targets (shifted by one) and a loss mask.
+
+    batch(step) is a pure function of (seed, step, process_index), so batches are reproducible
+    on resume and each host of a multi-host run draws its own slice.
+    """
+
+    tokens: np.ndarray
+    batch_size: int          # rows drawn by this process
+    seq_len: int
+    seed: int = 0
+    process_index: int = 0
+    bos_id: int | None = None
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([self.seed, step, self.process_index])
+        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts])
+        windows = windows.astype(np.int32)
+        inputs, targets = windows[:, :-1], windows[:, 1:]
+        # Predicting the BOS that opens the next document from the previous one is not learnable.
+        mask = np.ones_like(targets, dtype=np.float32) if self.bos_id is None else (
+            targets != self.bos_id).astype(np.float32)
+        return {"inputs": inputs, "targets": targets, "mask": mask}
+
+
+def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) on `val` of the unigram model fitted on `train` with add-one
+    smoothing: the baseline a language model must beat by far."""
+    counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    return float(-log_p[np.asarray(val)].mean())

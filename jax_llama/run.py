@@ -1,0 +1,272 @@
+"""A training run from start to finish: tokenizer, data, model, mesh, the loop, checkpoints, outputs.
+
+A run directory holds:
+  run.json        what was asked for (model config, TrainConfig, corpus): a resume must match it
+  tokenizer/      the tokenizer the tokens were made with
+  checkpoints/    orbax checkpoints of the whole TrainState every N steps (the last k kept);
+                  orbax writes each into a temporary directory and renames it, so a kill never
+                  leaves a half-written one
+  metrics.jsonl   one line per step (loss, grad norm, lr, tokens/s) and per evaluation
+  loss.png        the loss curves against the unigram baseline
+  model/          the final model as a native checkpoint with its tokenizer, ready for the bridge
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from bridge.config import LlamaConfig
+from bridge.errors import BridgeError
+from bridge.formats import open_checkpoint
+from bridge.tokenizer import load_tokenizer, train_tokenizer
+
+from . import data as data_lib
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save as save_native
+from .model import Llama, init
+from .perf import measure_matmul_peak, train_flops_per_token
+from .sharding import check_batch, global_batch, make_mesh, tree_shardings
+from .train import TrainConfig, compile_steps, init_state, make_optimizer, place_state
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stopped being finite."""
+
+
+@dataclass
+class RunSpec:
+    out: Path
+    model: LlamaConfig | None          # None with `init`: the checkpoint's own config
+    train: TrainConfig
+    data: list[str] = field(default_factory=list)   # empty: the embedded default corpus
+    tokenizer: str | None = None       # None: the init checkpoint's, else a BPE trained here
+    init: str | None = None
+    vocab_size: int = 4096             # of the BPE trained when no tokenizer is given
+    mesh: str | None = None
+    scan_layers: bool = False
+    remat: bool = False
+    resume: bool = False
+    sample_tokens: int = 64
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
+    return {"model": config.to_dict(), "train": spec.train.to_dict(), "data": spec.data,
+            "tokenizer": spec.tokenizer, "init": spec.init}
+
+
+def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
+    saved = json.loads((spec.out / "run.json").read_text())
+    now = _run_record(spec, config)
+    diffs = [f"{part}.{k}: {saved[part].get(k)!r} -> {now[part].get(k)!r}"
+             for part in ("model", "train") for k in sorted(set(saved[part]) | set(now[part]))
+             if saved[part].get(k) != now[part].get(k)]
+    diffs += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("data", "tokenizer", "init")
+              if saved.get(k) != now[k]]
+    if diffs:
+        raise BridgeError(f"--resume: {spec.out} was trained with a different setup ({'; '.join(diffs)})")
+
+
+def _tokenizer(spec: RunSpec, files: list[Path]):
+    if spec.resume:
+        return load_tokenizer(spec.out / "tokenizer")
+    if spec.tokenizer:
+        return load_tokenizer(spec.tokenizer)
+    if spec.init and Path(spec.init).is_dir() and any(
+            (Path(spec.init) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        return load_tokenizer(spec.init)
+    _say(f"training a {spec.vocab_size}-token byte-level BPE on {len(files)} files")
+    return train_tokenizer(data_lib.read_documents(files), spec.vocab_size)
+
+
+def _model_config(spec: RunSpec, tokenizer) -> LlamaConfig:
+    if spec.init:
+        config = open_checkpoint(spec.init).config
+        if tokenizer.vocab_size > config.vocab_size:
+            raise BridgeError(f"--tokenizer: {tokenizer.vocab_size} ids do not fit the vocabulary "
+                              f"of {spec.init} ({config.vocab_size})")
+    else:
+        config = spec.model.replace(vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id,
+                                    eos_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,))
+    if spec.train.seq_len > config.max_seq_len:
+        raise BridgeError(f"--seq-len: {spec.train.seq_len} is above the model's max_seq_len "
+                          f"{config.max_seq_len}")
+    return config
+
+
+def train(spec: RunSpec) -> dict:
+    """Run (or resume) training; returns a summary with the final losses and output paths."""
+    tc = spec.train
+    if spec.resume and not (spec.out / "run.json").is_file():
+        raise BridgeError(f"--resume: {spec.out} holds no run to resume (no run.json)")
+    if not spec.resume and spec.out.exists() and any(spec.out.iterdir()):
+        raise BridgeError(f"--out: {spec.out} is not empty (pass --resume to continue that run)")
+    files = data_lib.corpus_files(spec.data) if spec.data else data_lib.default_corpus()
+    cache = spec.out.parent / "token-cache"
+    tokenizer = _tokenizer(spec, files)
+    config = _model_config(spec, tokenizer)
+    mesh = make_mesh(spec.mesh)
+    check_batch(tc.batch_size, mesh)
+    if spec.resume:
+        _check_resumable(spec, config)
+    spec.out.mkdir(parents=True, exist_ok=True)
+    if not (spec.out / "tokenizer").is_dir():
+        (spec.out / "tokenizer").mkdir()
+        tokenizer.save(spec.out / "tokenizer")
+    _write_json(spec.out / "run.json", _run_record(spec, config))
+
+    tokens = data_lib.tokenize_corpus(files, tokenizer, cache,
+                                      progress=lambda it: tqdm(it, total=len(files), desc="tokenizing",
+                                                               unit="file", file=sys.stderr, leave=False))
+    train_tokens, val_tokens = data_lib.split(tokens, 0.05, tc.seq_len + 1)
+    unigram = data_lib.unigram_loss(train_tokens, val_tokens, config.vocab_size)
+    local_batch = tc.batch_size // jax.process_count()
+    batches = data_lib.Batches(train_tokens, local_batch, tc.seq_len, tc.seed, jax.process_index(),
+                               tokenizer.bos_id)
+    val_batches = data_lib.Batches(val_tokens, local_batch, tc.seq_len, tc.seed + 1,
+                                   jax.process_index(), tokenizer.bos_id)
+    _say(f"{len(tokens):,} tokens ({len(train_tokens):,} train, {len(val_tokens):,} validation); "
+         f"unigram baseline {unigram:.3f} nats/token")
+
+    model = Llama(config, dtype=tc.dtype, scan_layers=spec.scan_layers, remat=spec.remat)
+    if spec.init:
+        params = load_checkpoint(spec.init, dtype="float32", scan_layers=spec.scan_layers)[1]
+    else:
+        params = init(config, seed=tc.seed, scan_layers=spec.scan_layers)[1]
+    optimizer = make_optimizer(tc)
+    state = place_state(init_state(params, optimizer), mesh)
+    manager = _checkpoint_manager(spec.out / "checkpoints", tc)
+    if spec.resume and manager.latest_step() is not None:
+        state = _restore(manager, state, mesh)
+        _say(f"resumed {spec.out} at step {int(state.step)}")
+    train_step, eval_step = compile_steps(model, optimizer, tc, state, mesh)
+
+    def evaluate(params) -> float:
+        losses = [eval_step(params, global_batch(val_batches.batch(i), mesh)) for i in range(tc.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
+
+    peak = measure_matmul_peak(tc.dtype)
+    flops_per_token = train_flops_per_token(config, tc.seq_len)
+    tokens_per_step = tc.batch_size * tc.seq_len
+    last = {"loss": float("nan"), "val_loss": float("nan")}
+    start = int(state.step)
+    with open(spec.out / "metrics.jsonl", "a") as log, \
+            tqdm(total=tc.steps, initial=start, desc="training", unit="step", file=sys.stderr) as bar:
+        tick = time.perf_counter()
+        for step in range(start, tc.steps):
+            state, metrics = train_step(state, global_batch(batches.batch(step), mesh))
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+                kept = manager.latest_step()
+                raise TrainingDiverged(
+                    f"step {step + 1}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; "
+                    f"stopped. Last good checkpoint: "
+                    f"{'none' if kept is None else spec.out / 'checkpoints' / str(kept)}")
+            now = time.perf_counter()
+            tokens_per_s = tokens_per_step / (now - tick)
+            tick = now
+            record = {"step": step + 1, **metrics, "tokens_per_s": tokens_per_s}
+            if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
+                record["val_loss"] = last["val_loss"] = evaluate(state.params)
+                tick = time.perf_counter()  # evaluation time is not training throughput
+            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
+                manager.save(step + 1, args=_save_args(state))
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            last["loss"] = metrics["loss"]
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", val=f"{last['val_loss']:.3f}",
+                            tok_s=f"{tokens_per_s:,.0f}",
+                            mfu=f"{tokens_per_s * flops_per_token / peak:.1%}")
+            bar.update()
+    manager.wait_until_finished()
+
+    save_native(spec.out / "model", config, state.params, overwrite=True)
+    tokenizer.save(spec.out / "model")
+    plot = _plot(spec.out, unigram)
+    summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
+               "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot,
+               "sample": _sample(model, state.params, tokenizer, val_tokens, tc.seq_len,
+                                 spec.sample_tokens, tc.seed)}
+    return summary
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+def _checkpoint_manager(directory: Path, tc: TrainConfig):
+    import orbax.checkpoint as ocp
+    return ocp.CheckpointManager(directory.resolve(), options=ocp.CheckpointManagerOptions(
+        max_to_keep=tc.keep_checkpoints, enable_async_checkpointing=False))
+
+
+def _save_args(state):
+    import orbax.checkpoint as ocp
+    return ocp.args.Composite(state=ocp.args.StandardSave(state))
+
+
+def _restore(manager, state, mesh):
+    import orbax.checkpoint as ocp
+    abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                      state, tree_shardings(state, mesh))
+    restored = manager.restore(manager.latest_step(),
+                               args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    return restored["state"]
+
+
+# -- what the user sees at the end -----------------------------------------------------------------
+
+def _plot(out: Path, unigram: float) -> str | None:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # the plot is a convenience; metrics.jsonl has the numbers
+        return None
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in records], lw=0.8, alpha=0.6, label="train")
+    evals = [r for r in records if "val_loss" in r]
+    ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
+    ax.axhline(unigram, ls="--", color="gray", label=f"unigram baseline ({unigram:.2f})")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=out.name)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=120)
+    plt.close(fig)
+    return str(out / "loss.png")
+
+
+def _sample(model, params, tokenizer, val_tokens, seq_len: int, n_new: int, seed: int) -> str:
+    """A short temperature-0.8 continuation of a validation prompt (full forward per token on a
+    fixed-size buffer, so it compiles once; the KV-cache generator is jax_llama.generate)."""
+    if n_new <= 0:
+        return ""
+    prompt = [int(t) for t in val_tokens[:max(1, seq_len // 4)]]
+    buffer = np.zeros((1, seq_len), np.int32)
+    n = min(len(prompt), seq_len - 1)
+    buffer[0, :n] = prompt[:n]
+    logits_at = jax.jit(lambda p, b, i: model.apply({"params": p}, b)[0, i])
+    key = jax.random.key(seed)
+    for _ in range(min(n_new, seq_len - n)):
+        key, sub = jax.random.split(key)
+        buffer[0, n] = int(jax.random.categorical(sub, logits_at(params, buffer, n - 1) / 0.8))
+        n += 1
+    return tokenizer.decode(buffer[0, :n].tolist())

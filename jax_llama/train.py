@@ -1,0 +1,136 @@
+"""The pure pieces of training: hyperparameters, loss, optimizer, and `train_step(state, batch)`.
+
+The loop that drives them (data, checkpoints, progress) is in jax_llama/run.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from bridge.errors import BridgeError
+
+from .sharding import batch_sharding, tree_shardings
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyperparameters of a run. Defaults train the `tiny` preset on the embedded corpus in a
+    few minutes on two CPU cores."""
+
+    steps: int = 600                 # train_step calls (micro-batches when grad_accum > 1)
+    batch_size: int = 16             # global, all hosts together
+    seq_len: int = 128
+    lr: float = 3e-3                 # peak; small models tolerate (and want) a high rate
+    warmup_steps: int | None = None  # None: the first 10% of the updates
+    end_lr_ratio: float = 0.1        # cosine decay to lr * end_lr_ratio
+    b1: float = 0.9
+    b2: float = 0.95                 # LLaMA's setting: faster second-moment tracking than 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.1        # on kernels and embeddings only, never on norm weights
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    dtype: str = "float32"           # compute dtype; parameters and optimizer state stay float32
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_every", "eval_batches",
+                     "checkpoint_every", "keep_checkpoints"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise BridgeError(f"--{name.replace('_', '-')}: must be a positive integer (got {value!r})")
+        for name in ("lr", "eps", "grad_clip"):
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
+                raise BridgeError(f"--{name.replace('_', '-')}: must be positive (got {getattr(self, name)})")
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", self.steps // self.grad_accum // 10)
+        if not 0 <= self.warmup_steps <= self.steps // self.grad_accum:
+            raise BridgeError(f"--warmup-steps: must be within [0, steps / grad_accum] (got {self.warmup_steps})")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise BridgeError(f"--dtype: expected float32, bfloat16 or float16 (got {self.dtype!r})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def lr_schedule(tc: TrainConfig) -> optax.Schedule:
+    """Linear warmup from 0 to lr, then cosine decay to lr * end_lr_ratio, over optimizer updates."""
+    return optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps // tc.grad_accum,
+                                              end_value=tc.lr * tc.end_lr_ratio)
+
+
+def decay_mask(params):
+    """True for the 2-D weights (Dense kernels, the embedding; stacked per layer under scan), False
+    for RMSNorm weights: decaying a norm's gain toward 0 only fights the normalisation."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(tc.grad_clip),
+        optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay,
+                    mask=decay_mask))
+    if tc.grad_accum > 1:  # average grad_accum micro-batch gradients per update
+        optimizer = optax.MultiSteps(optimizer, every_k_schedule=tc.grad_accum)
+    return optimizer
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array        # train_step calls so far
+    params: Any
+    opt_state: Any
+
+
+def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def loss_fn(params, model, batch) -> jax.Array:
+    """Mean next-token cross-entropy over the tokens whose mask is 1, in float32."""
+    logits = model.apply({"params": params}, batch["inputs"])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    mask = batch["mask"].astype(jnp.float32)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def make_train_step(model, optimizer, schedule: Callable, grad_accum: int = 1):
+    """The pure step: (state, batch) -> (new state, metrics)."""
+
+    def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, model, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "lr": schedule(state.step // grad_accum)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return train_step
+
+
+def compile_steps(model, optimizer, tc: TrainConfig, state: TrainState, mesh: Mesh):
+    """(train_step, eval_step), jitted once for the mesh: state sharded by role and donated,
+    batches split over data x fsdp."""
+    state_sharding = tree_shardings(state, mesh)
+    train_step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc), tc.grad_accum),
+                         in_shardings=(state_sharding, batch_sharding(mesh)),
+                         out_shardings=(state_sharding, None), donate_argnums=0)
+    eval_step = jax.jit(lambda params, batch: loss_fn(params, model, batch),
+                        in_shardings=(state_sharding.params, batch_sharding(mesh)))
+    return train_step, eval_step
+
+
+def place_state(state: TrainState, mesh: Mesh) -> TrainState:
+    """Move (and split) a state onto the mesh according to the sharding rules."""
+    return jax.device_put(state, tree_shardings(state, mesh))

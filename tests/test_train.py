@@ -1,0 +1,216 @@
+"""The trainer: loss at init, learning, sharding, kill-and-resume, refusals."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jax_llama
+from bridge.config import LlamaConfig
+from bridge.errors import BridgeError
+from bridge.tokenizer import ByteTokenizer
+from conftest import random_tokens, small_config
+from jax_llama import run as run_lib
+from jax_llama.run import RunSpec, TrainingDiverged, train
+from jax_llama.sharding import parse_mesh
+from jax_llama.train import (TrainConfig, init_state, loss_fn, lr_schedule, make_optimizer,
+                             make_train_step)
+
+TINY = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=259,
+                   max_seq_len=64, rope_theta=10000.0)
+WORDS = "the a cat dog sat ran on under mat log red big small quietly".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """~40 KB of grammatical nonsense: learnable structure, a few hundred steps' worth."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        lines = [" ".join(rng.choice(WORDS, size=6)).capitalize() + "." for _ in range(250)]
+        (root / f"doc{i}.txt").write_text("\n".join(lines) + "\n")
+    tok_dir = root / "tokenizer"
+    tok_dir.mkdir()
+    ByteTokenizer().save(tok_dir)
+    return root
+
+
+def spec(tmp_path, corpus, **train_kw) -> RunSpec:
+    tc = dict(steps=150, batch_size=8, seq_len=32, lr=1e-2, eval_every=50, eval_batches=4,
+              checkpoint_every=50)
+    tc.update(train_kw)
+    return RunSpec(out=tmp_path / "run", model=TINY, train=TrainConfig(**tc),
+                   data=[str(corpus / f"doc{i}.txt") for i in range(4)],
+                   tokenizer=str(corpus / "tokenizer"), sample_tokens=16)
+
+
+def test_fresh_model_loss_is_ln_vocab():
+    config = small_config()
+    model, params = jax_llama.init(config, seed=0)
+    tokens = random_tokens(config, batch=4, seq_len=32)
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "mask": np.ones((4, 32))}
+    # N(0, 0.02) weights give near-uniform logits: cross-entropy ln(97) = 4.575 within 1%.
+    assert float(loss_fn(params, model, batch)) == pytest.approx(math.log(97), rel=0.01)
+
+
+def test_training_drives_the_loss_far_below_the_unigram_baseline(tmp_path, corpus):
+    summary = train(spec(tmp_path, corpus))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 151))
+    assert records[0]["loss"] == pytest.approx(math.log(259), rel=0.05)
+    assert summary["val_loss"] < 0.6 * summary["unigram_loss"]  # measured ~1.1 vs ~2.6
+    assert Path(summary["plot"]).is_file() and summary["sample"]
+    model, params = jax_llama.load(summary["model"])  # a native checkpoint with its tokenizer
+    assert model.config.vocab_size == 259 and (Path(summary["model"]) / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["100", "150", "50"]
+
+
+def test_gradient_accumulation_matches_the_large_batch(tmp_path):
+    config = small_config()
+    model, params = jax_llama.init(config, seed=0)
+    tokens = random_tokens(config, batch=8, seq_len=12)
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "mask": np.ones((8, 12), np.float32)}
+    halves = [{k: v[:4] for k, v in batch.items()}, {k: v[4:] for k, v in batch.items()}]
+
+    def params_after(tc, batches):
+        optimizer = make_optimizer(tc)
+        step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc), tc.grad_accum))
+        state = init_state(jax.tree_util.tree_map(np.asarray, params), optimizer)
+        after = []
+        for b in batches:
+            state, _ = step(state, b)
+            after.append([np.asarray(x) for x in jax.tree_util.tree_leaves(state.params)])
+        return after
+
+    lr = 1e-3
+    (big,) = params_after(TrainConfig(steps=10, lr=lr, warmup_steps=0), [batch])
+    first_half, both = params_after(TrainConfig(steps=20, lr=lr, warmup_steps=0, grad_accum=2), halves)
+    initial = [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+    for a, b in zip(first_half, initial):  # a micro-batch alone does not update
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(both, big):
+        # The mean of two half-batch gradients is the full gradient up to float32 rounding (~1e-7
+        # relative); Adam's division by sqrt(nu) can amplify that on near-zero coordinates to a
+        # small fraction of lr (measured 2.4e-3 lr); skipping a half would move them by ~lr.
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * lr)
+    assert max(np.abs(a - b).max() for a, b in zip(big, initial)) > 0.5 * lr  # the step did move
+
+
+def test_sharded_step_equals_the_single_device_step():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    result = subprocess.run([sys.executable, str(Path(__file__).parent / "sharded_step.py")],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    meshes = [r for r in rows if "mesh" in r]
+    assert [r["mesh"] for r in meshes] == ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"]
+    for r in meshes:
+        # Loss and gradients: the same float32 math with sums in another order, ~2e-7 relative.
+        assert r["loss_rel_diff"] <= 1e-6 and r["grad_rel_diff"] <= 1e-6, r
+        # Parameters after 3 AdamW steps: Adam divides by sqrt(nu), so on coordinates whose
+        # gradient is near zero a 1e-7 gradient difference moves the update by a fraction of lr
+        # (measured <= 1e-2 lr); any wrong sharding (a missing all-reduce) moves it by ~lr.
+        assert r["param_diff"] <= 0.05 * r["lr"], r
+    assert [r["params_sharded"] for r in meshes] == [False, True, True]
+    assert rows[-1]["refusal"].startswith("--batch-size: 6 does not divide over data x fsdp = 8")
+
+
+def cli(*args, **popen):
+    return subprocess.Popen([sys.executable, "-m", "jax_llama.cli", "train", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_kill_and_resume_gives_the_same_parameters_bitwise(tmp_path, corpus):
+    common = ["--data", *[corpus / f"doc{i}.txt" for i in range(4)], "--tokenizer",
+              corpus / "tokenizer", "--steps", 60, "--batch-size", 8, "--seq-len", 32,
+              "--checkpoint-every", 5, "--eval-every", 30, "--sample-tokens", 0]
+    straight = cli(*common, "--out", tmp_path / "straight")
+    assert straight.wait(timeout=300) == 0, straight.stderr.read()[-2000:]
+
+    killed = cli(*common, "--out", tmp_path / "killed")
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 300
+    while not (checkpoints / "20").is_dir() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)  # mid-run, possibly mid-checkpoint
+    killed.wait()
+    assert not (tmp_path / "killed" / "model").exists()
+    resumed = cli("--resume", "--out", tmp_path / "killed")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-2000:]
+    assert "resumed" in err
+    a = (tmp_path / "straight" / "model" / "model.safetensors").read_bytes()
+    b = (tmp_path / "killed" / "model" / "model.safetensors").read_bytes()
+    assert a == b
+
+
+def test_resume_with_a_different_setup_is_refused(tmp_path, corpus):
+    train(spec(tmp_path, corpus, steps=10, checkpoint_every=5, eval_every=5))
+    other = spec(tmp_path, corpus, steps=10, checkpoint_every=5, eval_every=5, lr=5e-3)
+    other.resume = True
+    with pytest.raises(BridgeError, match=r"--resume: .* different setup \(train.lr: 0.01 -> 0.005\)"):
+        train(other)
+    fresh = spec(tmp_path, corpus, steps=10)
+    with pytest.raises(BridgeError, match="is not empty"):
+        train(fresh)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus, monkeypatch):
+    real = run_lib.compile_steps
+
+    def poisoned(*args, **kwargs):
+        step, evaluate = real(*args, **kwargs)
+
+        def train_step(state, batch):
+            state, metrics = step(state, batch)
+            if int(state.step) == 7:
+                metrics = dict(metrics, loss=float("nan"))
+            return state, metrics
+        return train_step, evaluate
+    monkeypatch.setattr(run_lib, "compile_steps", poisoned)
+    with pytest.raises(TrainingDiverged, match=r"step 7: loss nan.*Last good checkpoint: .*checkpoints/5"):
+        train(spec(tmp_path, corpus, steps=20, checkpoint_every=5))
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["5"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(seq_len=128), "--seq-len: 128 is above the model's max_seq_len 64"),
+])
+def test_bad_run_settings(tmp_path, corpus, kw, message):
+    with pytest.raises(BridgeError, match=message):
+        train(spec(tmp_path, corpus, **kw))
+
+
+def test_empty_corpus(tmp_path, corpus):
+    (tmp_path / "blank.txt").write_text("\n\n")
+    s = spec(tmp_path, corpus)
+    s.data = [str(tmp_path / "blank.txt")]
+    with pytest.raises(BridgeError, match="the corpus is empty"):
+        train(s)
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ("data=2,fsdp=2", "uses 4 devices, but 1 are available"),
+    ("pipeline=1", "unknown axis 'pipeline'"),
+    ("data=0", "data must be a positive integer"),
+])
+def test_mesh_specs(mesh, message):
+    with pytest.raises(BridgeError, match=message):
+        parse_mesh(mesh, 1)
+    assert parse_mesh(None, 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert parse_mesh("fsdp=4,data=2", 8) == {"data": 2, "fsdp": 4, "tensor": 1}
+
+
+def test_cli_unknown_preset_lists_valid_ones(capsys):
+    from jax_llama import cli
+    assert cli.main(["train", "--preset", "llama5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset 'llama5'; valid: llama2-7b" in err and "tiny" in err
