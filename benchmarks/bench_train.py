@@ -2,8 +2,10 @@
 
 Same config, same batch, float32, this machine: the jitted `train_step` (optax AdamW with
 clipping) against `transformers.LlamaForCausalLM` + `torch.optim.AdamW` (+ clip_grad_norm_), and
-the torch twin with `torch_llama.AdamW` for reference. Each figure is the median of several timed
-steps after warm-up. MFU is against this machine's measured float32 matmul peak. Then the compile
+the torch twin with `torch_llama.AdamW` for reference. Each implementation is timed in a worker
+process of its own (torch's OpenMP threads keep spinning after each op and would slow XLA's
+threads in a shared process), and the workers run in alternating rounds so that all see the same
+machine conditions. Each figure is the median over all timed steps of all rounds, after warm-up. MFU is against this machine's measured float32 matmul peak. Then the compile
 time of the train step for 4 vs 32 layers, with and without scan_layers (compiled from abstract
 shapes: nothing is allocated).
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -122,37 +125,58 @@ def compile_seconds(n_layers: int, scan_layers: bool) -> float:
     return time.perf_counter() - start
 
 
+IMPLEMENTATIONS = {"jax-llama (jit, optax AdamW)": "jax_step",
+                   "transformers + torch.optim.AdamW": "transformers_step",
+                   "torch_llama twin + torch_llama.AdamW": "twin_step"}
+
+
+def worker(label: str, warmup: int, repeats: int) -> None:
+    """Time one implementation in this process; print the step times as JSON."""
+    step = globals()[IMPLEMENTATIONS[label]](batch())
+    print(json.dumps(timed(step, warmup, repeats)))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per worker")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/train")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    b = batch()
+    if args.worker:
+        worker(args.worker, args.warmup, args.repeats)
+        return 0
     tokens = TRAIN.batch_size * TRAIN.seq_len
     peak = measure_matmul_peak("float32")
     flops = train_flops_per_token(CONFIG, TRAIN.seq_len) * tokens
+    times = {label: [] for label in IMPLEMENTATIONS}
+    for r in range(args.rounds):
+        order = list(IMPLEMENTATIONS)[::1 if r % 2 == 0 else -1]
+        for label in order:
+            print(f"round {r + 1}/{args.rounds}: {label}", file=sys.stderr)
+            result = subprocess.run([sys.executable, __file__, "--worker", label, "--warmup",
+                                     str(args.warmup), "--repeats", str(args.repeats)],
+                                    capture_output=True, text=True, check=True)
+            times[label] += json.loads(result.stdout.strip().splitlines()[-1])
     rows = {}
-    for label, make in [("jax-llama (jit, optax AdamW)", jax_step),
-                        ("transformers + torch.optim.AdamW", transformers_step),
-                        ("torch_llama twin + torch_llama.AdamW", twin_step)]:
-        print(f"timing {label} ...", file=sys.stderr)
-        times = timed(make(b), args.warmup, args.repeats)
-        median = statistics.median(times)
+    for label, runs in times.items():
+        median = statistics.median(runs)
         rows[label] = {"median_s": median, "tokens_per_s": tokens / median,
-                       "mfu": flops / median / peak, "runs_s": times}
+                       "mfu": flops / median / peak, "runs_s": runs}
     base = rows["transformers + torch.optim.AdamW"]["tokens_per_s"]
     compile_times = {f"{n} layers, scan_layers={s}": compile_seconds(n, s)
                      for s in (True, False) for n in (4, 32)}
     lines = [f"Train step, float32, batch {TRAIN.batch_size} x {TRAIN.seq_len}, dim {CONFIG.dim}, "
              f"{CONFIG.n_layers} layers, {CONFIG.n_heads}/{CONFIG.n_kv_heads} heads, ffn {CONFIG.ffn_dim}, "
-             f"vocab {CONFIG.vocab_size}; matmul peak {peak / 1e9:.0f} GFLOP/s (measured); "
-             f"median of {args.repeats} steps after {args.warmup} warm-up",
-             "", "| implementation | s/step | tokens/s | vs transformers | MFU |", "|---|---|---|---|---|"]
+             f"vocab {CONFIG.vocab_size}; matmul peak {peak / 1e9:.0f} GFLOP/s (measured); median of "
+             f"{args.rounds} rounds x {args.repeats} steps, each implementation in its own process",
+             "", "| implementation | s/step | tokens/s | vs transformers | MFU | all steps (s) |",
+             "|---|---|---|---|---|---|"]
     for label, r in rows.items():
         lines.append(f"| {label} | {r['median_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_s'] / base:.2f}x | {r['mfu']:.1%} |")
+                     f"{r['tokens_per_s'] / base:.2f}x | {r['mfu']:.1%} | "
+                     f"{', '.join(f'{t:.2f}' for t in r['runs_s'])} |")
     lines += ["", "| train-step compile | seconds |", "|---|---|"]
     lines += [f"| {k} | {v:.1f} |" for k, v in compile_times.items()]
     for s in (True, False):
