@@ -73,6 +73,16 @@ def test_training_drives_the_loss_far_below_the_unigram_baseline(tmp_path, corpu
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["100", "150", "50"]
 
 
+def test_bfloat16_compute_with_scan_and_remat_trains(tmp_path, corpus):
+    s = spec(tmp_path, corpus, steps=60, dtype="bfloat16", eval_every=60, checkpoint_every=60)
+    s.scan_layers = s.remat = True
+    summary = train(s)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    model, params = jax_llama.load(summary["model"])  # parameters stay float32 under bf16 compute
+    assert model.dtype == "float32" and "layers_0" in params
+
+
 def test_gradient_accumulation_matches_the_large_batch(tmp_path):
     config = small_config()
     model, params = jax_llama.init(config, seed=0)
