@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 import flax.linen as nn
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,28 +100,42 @@ class Attention(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BSD, cos_BSh, sin_BSh, mask_BST):
+    def __call__(self, x_BSD, cos_BSh, sin_BSh, mask_BST, cache=None):
+        """x (B, S, D) -> (out (B, S, D), cache).
+
+        cache: None, or (k, v, layer, slot) with k and v the whole cache (L, B, K, T, H). The new
+        keys and values are written into this layer's slots [slot, slot + S) first and the
+        queries then read the layer's T slots (mask_BST is then (B, S, T)): each step writes
+        in place and reads once, with no copy of the cache."""
         c = self.config
         N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
         B, S, D = x_BSD.shape
         x_MD = x_BSD.reshape(B * S, D)  # projections as plain 2-D matmuls (faster on XLA:CPU)
         q_BSNH = _dense(self, N * H, "wq")(x_MD).reshape(B, S, N, H)
-        k_BTKH = _dense(self, K * H, "wk")(x_MD).reshape(B, S, K, H)
-        v_BTKH = _dense(self, K * H, "wv")(x_MD).reshape(B, S, K, H)
+        k_BSKH = _dense(self, K * H, "wk")(x_MD).reshape(B, S, K, H)
+        v_BSKH = _dense(self, K * H, "wv")(x_MD).reshape(B, S, K, H)
         q_BSNH = rotate(q_BSNH, cos_BSh, sin_BSh)
-        k_BTKH = rotate(k_BTKH, cos_BSh, sin_BSh)
+        k_BSKH = rotate(k_BSKH, cos_BSh, sin_BSh)
 
-        # Query head n = k * G + g reads kv head k (the order Meta's repeat_kv implies). Heads
-        # go before positions so that each (kv head, group) is one batched matmul.
+        # Heads go before positions so that each (kv head, group) is one batched matmul.
+        k_BKTH, v_BKTH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
+        if cache is not None:
+            k_LBKTH, v_LBKTH, layer, slot = cache
+            start = (layer, 0, 0, slot, 0)
+            k_LBKTH = jax.lax.dynamic_update_slice(k_LBKTH, k_BKTH[None].astype(k_LBKTH.dtype), start)
+            v_LBKTH = jax.lax.dynamic_update_slice(v_LBKTH, v_BKTH[None].astype(v_LBKTH.dtype), start)
+            k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False).astype(self.dtype)
+            v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False).astype(self.dtype)
+            cache = (k_LBKTH, v_LBKTH, layer, slot)
+        # Query head n = k * G + g reads kv head k (the order Meta's repeat_kv implies).
         q_BKGSH = q_BSNH.reshape(B, S, K, G, H).transpose(0, 2, 3, 1, 4)
-        k_BKTH, v_BKTH = k_BTKH.transpose(0, 2, 1, 3), v_BTKH.transpose(0, 2, 1, 3)
         scores_BKGST = jnp.einsum("BKGSH,BKTH->BKGST", q_BKGSH, k_BKTH,
                                   preferred_element_type=jnp.float32) / math.sqrt(H)
         scores_BKGST = jnp.where(mask_BST[:, None, None, :, :], scores_BKGST, _MASKED)
         probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(self.dtype)
         out_BKGSH = jnp.einsum("BKGST,BKTH->BKGSH", probs_BKGST, v_BKTH)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
-        return _dense(self, c.dim, "wo", residual=True)(out_MNH).reshape(B, S, D)
+        return _dense(self, c.dim, "wo", residual=True)(out_MNH).reshape(B, S, D), cache
 
 
 class FeedForward(nn.Module):
@@ -147,12 +162,17 @@ class Block(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BSD, cos_BSh, sin_BSh, mask_BST):
+    def __call__(self, carry, layer, cos_BSh, sin_BSh, mask_BST, slot):
+        """carry = (x (B, S, D), k, v) with k, v the whole KV cache or None; -> (carry, None),
+        the signature nn.scan expects (layer, this block's index, is scanned over)."""
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h = x_BSD + Attention(c, **kw, name="attention")(
-            RMSNorm(c.norm_eps, **kw, name="attention_norm")(x_BSD), cos_BSh, sin_BSh, mask_BST)
+        x_BSD, k, v = carry
+        attended, cache = Attention(c, **kw, name="attention")(
+            RMSNorm(c.norm_eps, **kw, name="attention_norm")(x_BSD), cos_BSh, sin_BSh, mask_BST,
+            None if k is None else (k, v, layer, slot))
+        h = x_BSD + attended
         out = h + FeedForward(c, **kw, name="feed_forward")(RMSNorm(c.norm_eps, **kw, name="ffn_norm")(h))
-        return out, None  # (carry, per-step output): the signature nn.scan expects
+        return (out, *((None, None) if cache is None else cache[:2])), None
 
 
 class Llama(nn.Module):
@@ -169,37 +189,48 @@ class Llama(nn.Module):
     remat: bool = False
 
     @nn.compact
-    def __call__(self, tokens_BS, positions=None, attention_mask=None, return_hidden: bool = False):
-        """tokens (B, S) int -> logits (B, S, V) float32 [, final hidden states (B, S, D) in dtype].
+    def __call__(self, tokens_BS, positions=None, attention_mask=None, return_hidden: bool = False,
+                 cache: "KVCache | None" = None):
+        """tokens (B, S) int -> logits (B, S, V) float32 [, final hidden states (B, S, D) in dtype]
+        [, the updated cache when one is given].
 
         positions: (S,) or (B, S); default 0..S-1, or, when attention_mask is given, each row
         counting only its real tokens, so a left-padded row sees the positions it would alone.
         attention_mask: (B, S), 1 for real tokens and 0 for padding; combined with the causal mask.
+        cache: a KVCache; the S tokens then go into its slots [index, index + S), take the
+        positions that follow each row's previous tokens, and attend to every earlier valid slot.
         """
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         check_inputs(tokens_BS, c.vocab_size, positions, attention_mask)
         B, S = tokens_BS.shape
-        mask_BST = jnp.tril(jnp.ones((S, S), dtype=bool))[None]
-        if attention_mask is not None:
-            valid_BS = jnp.asarray(attention_mask).astype(bool)
-            mask_BST = mask_BST & valid_BS[:, None, :]
+        valid_BS = (jnp.ones((B, S), bool) if attention_mask is None
+                    else jnp.asarray(attention_mask).astype(bool))
+        if cache is None:
+            mask_BST = jnp.tril(jnp.ones((S, S), dtype=bool))[None] & valid_BS[:, None, :]
             if positions is None:
-                positions = jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0)
-        if positions is None:
-            positions = jnp.arange(S)
+                positions = (jnp.arange(S) if attention_mask is None
+                             else jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0))
+        else:
+            cache, mask_BST, default_positions = cache.reserve(valid_BS)
+            positions = default_positions if positions is None else positions
         cos_BSh, sin_BSh = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
 
         embed = nn.Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), name="tok_embeddings")
         x_BSD = embed(tokens_BS)
         block = nn.remat(Block, prevent_cse=not self.scan_layers) if self.remat else Block
+        carry = (x_BSD, None, None) if cache is None else (x_BSD, cache.k, cache.v)
+        slot = None if cache is None else cache.index - S  # where these S tokens go
         if self.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-                            length=c.n_layers)
-            x_BSD, _ = stack(c, **kw, name="layers")(x_BSD, cos_BSh, sin_BSh, mask_BST)
+                            in_axes=(0,) + (nn.broadcast,) * 4, length=c.n_layers)
+            carry, _ = stack(c, **kw, name="layers")(carry, jnp.arange(c.n_layers), cos_BSh,
+                                                      sin_BSh, mask_BST, slot)
         else:
             for i in range(c.n_layers):
-                x_BSD, _ = block(c, **kw, name=f"layers_{i}")(x_BSD, cos_BSh, sin_BSh, mask_BST)
+                carry, _ = block(c, **kw, name=f"layers_{i}")(carry, i, cos_BSh, sin_BSh, mask_BST, slot)
+        x_BSD = carry[0]
+        if cache is not None:
+            cache = cache.replace(k=carry[1], v=carry[2])
         h_BSD = RMSNorm(c.norm_eps, **kw, name="norm")(x_BSD)
 
         h_MD = h_BSD.reshape(B * S, c.dim)
@@ -207,9 +238,46 @@ class Llama(nn.Module):
             logits_MV = embed.attend(h_MD)
         else:
             logits_MV = _dense(self, c.vocab_size, "output")(h_MD)
-        logits_BSV = logits_MV.reshape(B, S, c.vocab_size)
-        logits_BSV = logits_BSV.astype(jnp.float32)
-        return (logits_BSV, h_BSD) if return_hidden else logits_BSV
+        logits_BSV = logits_MV.reshape(B, S, c.vocab_size).astype(jnp.float32)
+        outputs = (logits_BSV, h_BSD) if return_hidden else (logits_BSV,)
+        if cache is not None:
+            outputs += (cache,)
+        return outputs if len(outputs) > 1 else outputs[0]
+
+
+class KVCache(struct.PyTreeNode):
+    """Keys and values of every layer for up to T tokens per row, preallocated once.
+
+    Slots are shared by all rows (a batch is left-padded, so slot s holds every row's s-th token
+    or padding); `valid` says which slots hold real tokens and `positions` the RoPE position each
+    row's next real token takes. Heads come before slots, the layout attention reads: with slots
+    first, XLA:CPU transposes the whole cache of every layer at every decode step."""
+
+    k: jax.Array          # (L, B, K, T, H)
+    v: jax.Array          # (L, B, K, T, H)
+    valid: jax.Array      # (B, T) bool
+    index: jax.Array      # () int32: the next slot to write
+    positions: jax.Array  # (B,) int32
+
+    @classmethod
+    def empty(cls, config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
+        shape = (config.n_layers, batch, config.n_kv_heads, length, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   valid=jnp.zeros((batch, length), bool), index=jnp.zeros((), jnp.int32),
+                   positions=jnp.zeros((batch,), jnp.int32))
+
+    def reserve(self, valid_BS):
+        """Make room for S new tokens at slots [index, index + S) -> (cache with valid, index and
+        positions advanced, mask (B, S, T): each new query sees the valid slots up to its own,
+        positions (B, S) of the new tokens)."""
+        S, T = valid_BS.shape[1], self.k.shape[3]
+        valid_BT = jax.lax.dynamic_update_slice(self.valid, valid_BS, (0, self.index))
+        slots_S = self.index + jnp.arange(S)
+        mask_BST = (jnp.arange(T)[None, None, :] <= slots_S[None, :, None]) & valid_BT[:, None, :]
+        positions_BS = self.positions[:, None] + jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0)
+        advanced = self.replace(valid=valid_BT, index=self.index + S,
+                                positions=self.positions + valid_BS.sum(-1).astype(jnp.int32))
+        return advanced, mask_BST, positions_BS
 
 
 def check_inputs(tokens, vocab_size: int, positions=None, attention_mask=None) -> None:

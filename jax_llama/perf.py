@@ -42,3 +42,22 @@ def measure_matmul_peak(dtype="float32", n: int = 2048, repeats: int = 5) -> flo
         matmul(a, a).block_until_ready()
         times.append(time.perf_counter() - start)
     return 2 * n**3 / float(np.median(times))
+
+
+def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a jitted sum over an array larger than the caches: the memory bandwidth a
+    decode step, which reads every weight once per token, can hope for."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return nbytes / float(np.median(times))
+
+
+def decode_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 4) -> int:
+    """Weight bytes one decode step must read: every matmul weight, plus one embedding row."""
+    return (matmul_params(config) + config.dim) * dtype_bytes

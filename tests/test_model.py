@@ -63,7 +63,7 @@ def test_gqa_with_all_kv_heads_is_plain_multi_head_attention(rng):
     sin = np.zeros((1, 5, 4), np.float32)
     mask = np.tril(np.ones((5, 5), bool))[None]
     params = attn.init(jax.random.key(0), x, cos, sin, mask)["params"]
-    out = np.asarray(attn.apply({"params": params}, x, cos, sin, mask))
+    out = np.asarray(attn.apply({"params": params}, x, cos, sin, mask)[0])
 
     w = {k: np.asarray(v["kernel"], np.float64) for k, v in params.items()}
     expected = np.zeros((2, 5, 48))

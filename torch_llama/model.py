@@ -4,12 +4,14 @@ Axis legend: B batch, S query sequence, T key sequence, D model dim, N query hea
 G = N/K, H head dim, h = H/2 rotated pairs, F ffn dim, V vocab, L layers.
 
 `state_dict()` keys are the canonical names (bridge.tensors). The model runs in the dtype of its
-parameters; RMSNorm statistics, RoPE rotation and logits are float32.
+parameters; RMSNorm statistics, RoPE rotation and logits are float32. With a KVCache, a forward
+call appends its tokens to the cache and attends over everything cached so far (generation).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bridge.config import LlamaConfig, RopeScaling
+from bridge.errors import BridgeError
 from bridge.inputs import check_inputs as _check_inputs
 from bridge.rope import rope_inv_freq
 
@@ -62,6 +65,37 @@ def apply_rope(x_BSNH: torch.Tensor, positions, theta: float = 10000.0,
     return rotate(x_BSNH, *rope_cos_sin(positions, inv_freq))
 
 
+# -- the key/value cache for generation ----------------------------------------------------------
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for T slots, preallocated once per generation.
+
+    Every row writes the same slot at each step (`index`); a row's left padding occupies slots
+    marked invalid, so its RoPE positions (`positions`) count real tokens only.
+    """
+    k: torch.Tensor          # (L, B, K, T, H) in the model's dtype: heads before slots, the
+    v: torch.Tensor          # (L, B, K, T, H)   layout SDPA reads without a copy
+    valid: torch.Tensor      # (B, T) bool: slots that hold a real (non-padding) token
+    index: int               # the next slot to write, shared by all rows
+    positions: torch.Tensor  # (B,) int64: the RoPE position of each row's next real token
+
+    @classmethod
+    def empty(cls, config: LlamaConfig, batch: int, length: int, dtype: torch.dtype,
+              device: torch.device | str) -> "KVCache":
+        """A cache of `length` slots, all invalid. Zeros, not torch.empty: unwritten slots are
+        masked, but a masked NaN would still poison the weighted sum (0 * NaN = NaN)."""
+        shape = (config.n_layers, batch, config.n_kv_heads, length, config.head_dim)
+        return cls(k=torch.zeros(shape, dtype=dtype, device=device),
+                   v=torch.zeros(shape, dtype=dtype, device=device),
+                   valid=torch.zeros(batch, length, dtype=torch.bool, device=device),
+                   index=0, positions=torch.zeros(batch, dtype=torch.long, device=device))
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[3]
+
+
 # -- the transformer -----------------------------------------------------------------------------
 
 class Attention(nn.Module):
@@ -76,16 +110,26 @@ class Attention(nn.Module):
         self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
-    def forward(self, x_BSD, cos_BSh, sin_BSh, bias_B1ST=None):
-        """bias_B1ST: None for plain causal attention, else an additive float mask."""
+    def forward(self, x_BSD, cos_BSh, sin_BSh, bias_B1ST=None, cache: KVCache | None = None,
+                layer: int = 0):
+        """bias_B1ST: None for plain causal attention, else an additive float mask (B, 1, S, T).
+
+        With a cache, this step's keys and values go to slots [cache.index, cache.index + S) of
+        `layer`, and the queries attend over all T slots of the cache (bias_B1ST then required).
+        """
         c = self.config
         B, S, _ = x_BSD.shape
         q_BSNH = rotate(self.wq(x_BSD).view(B, S, c.n_heads, c.head_dim), cos_BSh, sin_BSh)
         k_BTKH = rotate(self.wk(x_BSD).view(B, S, c.n_kv_heads, c.head_dim), cos_BSh, sin_BSh)
         v_BTKH = self.wv(x_BSD).view(B, S, c.n_kv_heads, c.head_dim)
         # SDPA wants heads before sequence: (B, N, S, H) and (B, K, T, H).
+        k_BKTH, v_BKTH = k_BTKH.transpose(1, 2), v_BTKH.transpose(1, 2)
+        if cache is not None:
+            cache.k[layer, :, :, cache.index:cache.index + S] = k_BKTH
+            cache.v[layer, :, :, cache.index:cache.index + S] = v_BKTH
+            k_BKTH, v_BKTH = cache.k[layer], cache.v[layer]
         out_BNSH = F.scaled_dot_product_attention(
-            q_BSNH.transpose(1, 2), k_BTKH.transpose(1, 2), v_BTKH.transpose(1, 2),
+            q_BSNH.transpose(1, 2), k_BKTH, v_BKTH,
             attn_mask=bias_B1ST, is_causal=bias_B1ST is None, enable_gqa=c.n_groups > 1)
         return self.wo(out_BNSH.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim))
 
@@ -113,8 +157,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x_BSD, cos_BSh, sin_BSh, bias_B1ST=None):
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_BSh, sin_BSh, bias_B1ST)
+    def forward(self, x_BSD, cos_BSh, sin_BSh, bias_B1ST=None, cache=None, layer: int = 0):
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_BSh, sin_BSh, bias_B1ST,
+                                   cache, layer)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -146,24 +191,30 @@ class Llama(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None,
-                return_hidden: bool = False):
+                return_hidden: bool = False, cache: KVCache | None = None):
         """tokens (B, S) int -> logits (B, S, V) float32 [, final hidden states (B, S, D)].
 
         positions and attention_mask as in jax_llama.Llama: positions (S,) or (B, S), default
         counting only real tokens when attention_mask (B, S, 1 = real) is given.
+
+        With a cache, the S tokens are appended at slot cache.index, their default positions
+        continue from cache.positions, and the cache (updated in place) is returned last:
+        (logits, cache) or (logits, hidden, cache).
         """
         c = self.config
         check_inputs(tokens_BS, c.vocab_size, positions, attention_mask)
         B, S = tokens_BS.shape
         device = tokens_BS.device
+        dtype = self.tok_embeddings.weight.dtype
         bias_B1ST = None
-        if attention_mask is not None:
+        if cache is not None:
+            bias_B1ST, positions, n_real_B = self._cache_step(cache, B, S, positions,
+                                                              attention_mask)
+        elif attention_mask is not None:
             valid_BS = torch.as_tensor(attention_mask, device=device).bool()
             causal_ST = torch.ones(S, S, dtype=torch.bool, device=device).tril()
             allowed_B1ST = causal_ST[None, None] & valid_BS[:, None, None, :]
-            dtype = self.tok_embeddings.weight.dtype
-            bias_B1ST = torch.zeros(allowed_B1ST.shape, dtype=dtype, device=device)
-            bias_B1ST.masked_fill_(~allowed_B1ST, torch.finfo(dtype).min)
+            bias_B1ST = _additive(allowed_B1ST, dtype)
             if positions is None:
                 positions = (valid_BS.long().cumsum(-1) - 1).clamp(min=0)
         if positions is None:
@@ -172,17 +223,51 @@ class Llama(nn.Module):
         cos_BSh, sin_BSh = rope_cos_sin(positions, self._inv_freq_for(device))
 
         x_BSD = self.tok_embeddings(tokens_BS)
-        for layer in self.layers:
-            x_BSD = layer(x_BSD, cos_BSh, sin_BSh, bias_B1ST)
+        for i, layer in enumerate(self.layers):
+            x_BSD = layer(x_BSD, cos_BSh, sin_BSh, bias_B1ST, cache, i)
         h_BSD = self.norm(x_BSD)
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
         logits_BSV = F.linear(h_BSD, head).float()
-        return (logits_BSV, h_BSD) if return_hidden else logits_BSV
+        if cache is None:
+            return (logits_BSV, h_BSD) if return_hidden else logits_BSV
+        cache.positions += n_real_B
+        cache.index += S
+        return (logits_BSV, h_BSD, cache) if return_hidden else (logits_BSV, cache)
+
+    def _cache_step(self, cache: KVCache, B: int, S: int, positions, attention_mask):
+        """Mark S new slots valid where attention_mask says so and build the attention bias over
+        the whole cache: slot s sees slots t <= s that hold real tokens. Returns the bias
+        (B, 1, S, T), the positions (given, or (B, S) continuing each row's count of real tokens)
+        and the number of real tokens per row (B,)."""
+        start, T = cache.index, cache.length
+        if cache.valid.shape[0] != B:
+            raise BridgeError(f"cache: batch {cache.valid.shape[0]} does not match tokens {B}")
+        if start + S > T:
+            raise BridgeError(f"cache: {S} tokens at slot {start} do not fit the cache length {T}")
+        device = cache.valid.device
+        if attention_mask is None:
+            real_BS = torch.ones(B, S, dtype=torch.bool, device=device)
+        else:
+            real_BS = torch.as_tensor(attention_mask, device=device).bool()
+        cache.valid[:, start:start + S] = real_BS
+        slots_S = torch.arange(start, start + S, device=device)
+        causal_ST = torch.arange(T, device=device)[None, :] <= slots_S[:, None]
+        allowed_B1ST = causal_ST[None, None] & cache.valid[:, None, None, :]
+        if positions is None:
+            positions = cache.positions[:, None] + (real_BS.long().cumsum(-1) - 1).clamp(min=0)
+        return _additive(allowed_B1ST, self.tok_embeddings.weight.dtype), positions, real_BS.sum(-1)
 
     def _inv_freq_for(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq_on:
             self._inv_freq_on[device] = torch.from_numpy(self._inv_freq).to(device)
         return self._inv_freq_on[device]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where allowed, the dtype's most negative finite value elsewhere: a query with every key
+    masked (a padding query) then gets a uniform distribution instead of the NaN of -inf."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def check_inputs(tokens: torch.Tensor, vocab_size: int, positions=None, attention_mask=None) -> None:
