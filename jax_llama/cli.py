@@ -13,7 +13,6 @@ from bridge.config import PRESETS, LlamaConfig
 from bridge.errors import BridgeError
 
 PLANNED = [
-    ("generate", "sample from a checkpoint with a KV cache", "the generation issue"),
     ("finetune", "fine-tune a classification head end to end", "the classification issue"),
     ("zero-shot", "classify by prompting, no training", "the classification issue"),
     ("predict", "write a fine-tuned classifier's predictions", "the classification issue"),
@@ -68,6 +67,40 @@ def cmd_train(args) -> int:
     return EXIT_OK
 
 
+def cmd_generate(args) -> int:
+    import warnings
+
+    from bridge import prompting
+    from bridge.sampling import Sampler
+
+    from .checkpoint import load
+    from .generate import generate
+
+    sampler = Sampler(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading
+    tokenizer = prompting.find_tokenizer(args.checkpoint, args.tokenizer)
+    texts = prompting.read_prompts(args)
+    model, params = load(args.checkpoint, dtype=args.dtype)
+    prompts = prompting.encode_prompts(tokenizer, texts, model.config.max_seq_len, args.chat,
+                                       args.truncate)
+    stops = prompting.stop_ids(tokenizer, args.stop)
+    if args.compare_torch:
+        from bridge.parity import format_greedy_parity, greedy_parity
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = greedy_parity(args.checkpoint, prompts, args.max_new_tokens, stops, args.dtype)
+        prompting.report_warnings(caught)
+        print(format_greedy_parity(report, tokenizer.decode))
+        return EXIT_OK if report["identical"] else EXIT_CHECK_FAILED
+    stream = prompting.Streamer(tokenizer) if len(prompts) == 1 else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = generate(model, params, prompts, args.max_new_tokens, sampler, stops, args.seed,
+                          on_token=stream)
+    prompting.report_warnings(w for w in caught if "donated buffers" not in str(w.message))
+    prompting.print_results(tokenizer, texts, result.tokens, stream is not None)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jax-llama", description="LLaMA in JAX: train, generate, "
                                      "fine-tune, benchmark.")
@@ -91,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                        choices=("float32", "bfloat16", "float16") if name == "dtype" else None)
     p.set_defaults(run=cmd_train)
+
+    from bridge.prompting import add_generate_arguments
+    p = sub.add_parser("generate", help="continue prompts with a KV cache (greedy, temperature, "
+                                        "top-k, top-p); text streams as it is produced")
+    add_generate_arguments(p)
+    p.add_argument("--compare-torch", action="store_true",
+                   help="decode greedily with both twins and report where they first differ")
+    p.set_defaults(run=cmd_generate)
     add_planned(parser, sub, PLANNED)
     return parser
 

@@ -1,0 +1,234 @@
+"""JAX generation: cache vs full forward, padded batches, one compilation per bucket, sampling,
+greedy agreement with the torch twin and with transformers, and the CLIs."""
+
+import subprocess
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+import jax_llama
+import torch_llama
+from bridge import prompting
+from bridge.errors import BridgeError
+from bridge.sampling import Sampler
+from bridge.tokenizer import ByteTokenizer, load_tokenizer
+from conftest import ATTENTION_KINDS, random_tokens, small_config
+from jax_llama import cli as jax_cli
+from jax_llama.generate import TRACES, generate, top_p_mask
+from jax_llama.model import KVCache
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+LLAMA3 = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = small_config(vocab_size=259, max_seq_len=64)
+    model, params = jax_llama.init(config, seed=1)
+    return config, model, params
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("kind", ["gqa", "mqa"])
+def test_cached_logits_equal_the_full_forward_step_by_step(scan, kind):
+    config = small_config(n_kv_heads=ATTENTION_KINDS[kind])
+    model, params = jax_llama.init(config, seed=2, scan_layers=scan)
+    tokens = random_tokens(config, batch=2, seq_len=14)
+    mask = np.ones_like(tokens)
+    mask[1, :3] = 0  # row 1 left-padded
+    full = np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))
+    step = jax.jit(lambda p, t, m, c: model.apply({"params": p}, t, attention_mask=m, cache=c))
+    logits, cache = step(params, tokens[:, :6], mask[:, :6], KVCache.empty(config, 2, 32))
+    got = [np.asarray(logits)]
+    for t in range(6, 14):
+        logits, cache = step(params, tokens[:, t:t + 1], mask[:, t:t + 1], cache)
+        got.append(np.asarray(logits))
+    # Same float32 math over the same keys, in another order (a masked slot contributes an exact
+    # zero): differences are rounding, ~1e-7 on logits of O(1).
+    np.testing.assert_allclose(np.concatenate(got, axis=1)[mask.astype(bool)],
+                               full[mask.astype(bool)], rtol=0, atol=1e-5)
+
+
+def test_left_padded_batch_gives_each_prompt_alone(tiny):
+    _, model, params = tiny
+    prompts = [[5, 6, 7], list(range(20, 31)), [100]]
+    batch = generate(model, params, prompts, 12)
+    for i, p in enumerate(prompts):
+        alone = generate(model, params, [p], 12)
+        assert batch.tokens[i] == alone.tokens[0]
+        np.testing.assert_allclose(batch.logprobs[i], alone.logprobs[0], rtol=0, atol=1e-5)
+
+
+def test_greedy_equals_argmax_of_the_full_forward_with_logprobs(tiny):
+    _, model, params = tiny
+    prompt, out = [1, 2, 3, 4], generate(model, params, [[1, 2, 3, 4]], 10)
+    seq = list(prompt)
+    for token, logprob in zip(out.tokens[0], out.logprobs[0]):
+        logits = np.asarray(model.apply({"params": params}, np.array([seq])))[0, -1]
+        assert token == int(logits.argmax())
+        assert logprob == pytest.approx(float(jax.nn.log_softmax(logits)[token]), abs=1e-5)
+        seq.append(token)
+
+
+def test_one_compilation_for_prompts_within_a_bucket(tiny):
+    _, model, params = tiny
+    before = TRACES["count"]
+    for length in (3, 9, 16):  # all in the 16-token prompt bucket
+        generate(model, params, [list(range(1, length + 1))] * 2, 8)
+    assert TRACES["count"] - before == 1
+    generate(model, params, [list(range(1, 20))] * 2, 8)  # the 32-token bucket: one more
+    assert TRACES["count"] - before == 2
+
+
+def test_sampling_top_k_1_is_greedy_and_seeds_reproduce(tiny):
+    _, model, params = tiny
+    prompts = [[1, 2, 3], [7, 8]]
+    greedy = generate(model, params, prompts, 10).tokens
+    assert generate(model, params, prompts, 10, Sampler(temperature=1.0, top_k=1)).tokens == greedy
+    hot = Sampler(temperature=1.5)
+    a = generate(model, params, prompts, 10, hot, seed=3).tokens
+    assert generate(model, params, prompts, 10, hot, seed=3).tokens == a
+    assert generate(model, params, prompts, 10, hot, seed=4).tokens != a
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = np.array([[0.15, 0.5, 0.05, 0.3]], np.float32)  # shuffled 0.5, 0.3, 0.15, 0.05
+    kept = lambda p: set(np.flatnonzero(np.asarray(top_p_mask(probs, p))[0]))  # noqa: E731
+    assert kept(0.4) == {1}
+    assert kept(0.8) == {1, 3}        # 0.5 + 0.3 reaches 0.8 exactly: no third token
+    assert kept(0.81) == {1, 3, 0}
+    assert kept(1.0) == {0, 1, 2, 3}
+
+
+def test_stop_tokens_end_each_row(tiny):
+    _, model, params = tiny
+    prompts = [[1, 2, 3], [7, 8]]
+    free = generate(model, params, prompts, 12).tokens
+    stop = free[0][4]
+    out = generate(model, params, prompts, 12, stop_ids=[stop])
+    assert out.tokens[0] == free[0][:free[0].index(stop) + 1]
+    assert out.tokens[1] == (free[1][:free[1].index(stop) + 1] if stop in free[1] else free[1])
+
+
+def test_bad_generation_input(tiny):
+    config, model, params = tiny
+    for kw, message in [(dict(temperature=-1), "temperature: must be >= 0"),
+                        (dict(top_p=0.0), r"top_p: must be in \(0, 1\]"),
+                        (dict(top_p=1.5), r"top_p: must be in \(0, 1\]"),
+                        (dict(top_k=-1), "top_k: must be an integer >= 0")]:
+        with pytest.raises(BridgeError, match=message):
+            Sampler(**kw)
+    with pytest.raises(BridgeError, match=r"prompts\[1\]: empty prompt"):
+        generate(model, params, [[1], []], 4)
+    with pytest.raises(BridgeError, match=r"prompts\[0\]: 64 tokens leave no room in max_seq_len 64"):
+        generate(model, params, [[1] * 64], 4)
+    with pytest.warns(UserWarning, match="max_new_tokens 30 clipped to 14"):
+        out = generate(model, params, [[1] * 50], 30)
+    assert len(out.tokens[0]) == 14
+    with pytest.raises(BridgeError, match="tokens: id 300 is outside the vocabulary"):
+        generate(model, params, [[300]], 4)
+
+
+def test_greedy_agrees_with_the_torch_twin_and_transformers(tmp_path):
+    """A random transformers model, converted through the bridge: 64 greedy tokens from each."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    # initializer_range 0.2 makes logits decisive, so no argmax is a near-tie that float32
+    # rounding could flip (checked below): the comparison is of the models, not of luck.
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, vocab_size=97, max_position_embeddings=128,
+        initializer_range=0.2)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    prompts = [[1, 5, 9, 3], [1, 42, 17, 60, 2, 8, 11]]
+    expected = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                              pad_token_id=0, eos_token_id=None, output_scores=True,
+                              return_dict_in_generate=True)
+        expected.append(out.sequences[0, len(p):].tolist())
+        top2 = torch.stack(out.scores)[:, 0].topk(2).values
+        assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-3
+    model, params = jax_llama.load(tmp_path / "hf")
+    assert generate(model, params, prompts, 64).tokens == expected
+    assert torch_llama.generate(torch_llama.load(tmp_path / "hf", device="cpu"), prompts, 64).tokens == expected
+
+
+# -- the command lines -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gen") / "ckpt"
+    config = small_config(vocab_size=259, max_seq_len=64)
+    jax_llama.save(path, config, jax_llama.init(config, seed=1)[1])
+    ByteTokenizer().save(path)
+    return path
+
+
+def test_generate_clis_agree_and_stream(checkpoint):
+    jax_run = subprocess.run(["jax-llama", "generate", checkpoint, "--prompt", "hello", "--max-new-tokens",
+                              "12"], capture_output=True, text=True, timeout=300)
+    torch_run = subprocess.run(["torch-llama", "generate", checkpoint, "--prompt", "hello",
+                                "--max-new-tokens", "12", "--device", "cpu"],
+                               capture_output=True, text=True, timeout=300)
+    assert jax_run.returncode == torch_run.returncode == 0, jax_run.stderr + torch_run.stderr
+    assert jax_run.stdout == torch_run.stdout and jax_run.stdout.strip()
+    tok = load_tokenizer(checkpoint)
+    model, params = jax_llama.load(checkpoint)
+    ids = generate(model, params, [tok.encode("hello", bos=True)], 12, stop_ids=tok.stop_ids).tokens[0]
+    assert jax_run.stdout == tok.decode([t for t in ids if t not in tok.stop_ids]) + "\n"
+
+
+def test_compare_torch_reports_agreement(checkpoint, capsys):
+    assert jax_cli.main(["generate", str(checkpoint), "--prompt", "abc", "--max-new-tokens", "16",
+                         "--compare-torch"]) == 0
+    assert "agree on all 16 greedy tokens" in capsys.readouterr().out
+
+
+def test_prompt_file_batch(checkpoint, tmp_path, capsys):
+    (tmp_path / "prompts.txt").write_text("abc\n\nxyz\n")  # the empty line starts from BOS
+    assert jax_cli.main(["generate", str(checkpoint), "--prompt-file", str(tmp_path / "prompts.txt"),
+                         "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- ") == 3 and "--- abc\n" in out and "--- xyz\n" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "a" * 80], "prompt 0: 81 tokens, but the context holds 64 (pass --truncate left"),
+    (["--prompt", "x", "--temperature", "-0.5"], "temperature: must be >= 0"),
+    (["--prompt", "x", "--top-k", "-2"], "top_k: must be an integer >= 0"),
+    (["--prompt", "x", "--chat"], "--chat: the LLaMA 3 instruct template needs a LLaMA 3 tokenizer"),
+    (["--prompt", "x", "--stop", "ab"], "--stop: 'ab' is 2 tokens"),
+])
+def test_generate_cli_refusals(checkpoint, capsys, argv, message):
+    assert jax_cli.main(["generate", str(checkpoint), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_tokenizer_and_truncation(checkpoint, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    model, params = jax_llama.load(checkpoint)
+    jax_llama.save(bare, model.config, params)
+    assert jax_cli.main(["generate", str(bare), "--prompt", "x"]) == 2
+    assert "no tokenizer.json or tokenizer.model beside the weights; pass --tokenizer" in capsys.readouterr().err
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert jax_cli.main(["generate", str(bare), "--tokenizer", str(checkpoint), "--prompt",
+                             "a" * 80, "--truncate", "left", "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "prompt 0 cut from the left to 63 tokens" in captured.err
+    assert "clipped to 1" in captured.err
+
+
+@pytest.mark.skipif(not LLAMA3.is_file(), reason=f"the real LLaMA 3 tokenizer is not at {LLAMA3}")
+def test_chat_template_with_the_llama3_tokenizer():
+    tok = load_tokenizer(LLAMA3)
+    (ids,) = prompting.encode_prompts(tok, ["Hi"], 8192, chat=True)
+    assert ids[:2] == [128000, 128006] and ids[-5:] == [128009, 128006, 78191, 128007, 271]
+    assert 128009 in prompting.stop_ids(tok)  # <|eot_id|> ends the assistant's turn
