@@ -56,10 +56,10 @@ def test_bad_input_from_a_subprocess_has_no_traceback(tmp_path):
                                       f"divisible by n_heads=5 when head_dim is not given (got 48)")
 
 
-@pytest.mark.parametrize("main, command", [(jax_cli.main, "bench"), (torch_cli.main, "generate")])
-def test_planned_commands_say_so(main, command, capsys):
-    assert main([command]) == 2
+def test_planned_commands_say_so(capsys):
+    assert jax_cli.main(["bench"]) == 2
     assert "not available yet" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        main(["--help"])
-    assert e.value.code == 0 and command in capsys.readouterr().out
+    for main, command in [(jax_cli.main, "generate"), (torch_cli.main, "generate")]:
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code == 0 and command in capsys.readouterr().out

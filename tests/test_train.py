@@ -102,7 +102,7 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path):
 
     # eps = 1 makes AdamW's update ~ lr * g, smooth in the gradient: with the usual 1e-8 the
     # division by sqrt(nu) turns float32 rounding on near-zero coordinates into a fraction of lr.
-    lr, kw = 1e-1, dict(lr=1e-1, eps=1.0, warmup_steps=0)
+    kw = dict(lr=1e-1, eps=1.0, warmup_steps=0)
     (big,) = params_after(TrainConfig(steps=10, **kw), [batch])
     first_half, both = params_after(TrainConfig(steps=20, grad_accum=2, **kw), halves)
     initial = [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
