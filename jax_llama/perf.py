@@ -26,10 +26,6 @@ def train_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     return 6 * matmul_params(config) + attention
 
 
-def forward_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-    return train_flops_per_token(config, seq_len) / 3
-
-
 def measure_matmul_peak(dtype="float32", n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of a square n x n matmul on the default device: median of `repeats` timed runs
     after a warm-up. The denominator of MFU: what this machine can actually do."""

@@ -21,6 +21,7 @@ import numpy as np
 from ..config import LlamaConfig
 from ..errors import BridgeError
 from .base import Checkpoint, Spec
+from .hf import is_hf
 from .native import NativeCheckpoint, is_native, read_json, write_native
 from .safetensors_dir import DEFAULT_MAX_SHARD_SIZE
 
@@ -51,10 +52,10 @@ def detect_format(path: str | os.PathLike) -> str:
     if path.is_dir():
         if is_native(path):
             return "native"
+        if is_hf(path):
+            return "hf"
         if (path / "config.json").is_file():
-            config = read_json(path / "config.json")
-            if "hidden_size" in config or "model_type" in config:
-                return "hf"
+            read_json(path / "config.json")  # an unreadable config.json is named as such
         if (path / "params.json").is_file() and any(path.glob("consolidated.*.pth")):
             return "meta"
     elif path.suffix in (".bin", ".pt", ".pth"):
