@@ -9,8 +9,8 @@
 from bridge.config import PRESETS, LlamaConfig
 
 from .checkpoint import load, save
-from .model import (Attention, Block, FeedForward, Llama, RMSNorm, apply_rope, check_inputs,
-                    init)
+from .model import (Attention, Block, FeedForward, Llama, LlamaClassifier, RMSNorm, apply_rope,
+                    check_inputs, init)
 
-__all__ = ["Attention", "Block", "FeedForward", "Llama", "LlamaConfig", "PRESETS", "RMSNorm",
+__all__ = ["Attention", "Block", "FeedForward", "Llama", "LlamaClassifier", "LlamaConfig", "PRESETS", "RMSNorm",
            "apply_rope", "check_inputs", "init", "load", "save"]

@@ -120,11 +120,13 @@ def tensor_specs(params, config: LlamaConfig):
 
 
 def save(path: str | os.PathLike, config: LlamaConfig, params, *, overwrite: bool = False,
-         max_shard_size: int | None = None) -> None:
-    """Write `params` (either layout) as a native checkpoint at `path`, atomically."""
+         max_shard_size: int | None = None, extra_files=(), write_extra=None) -> None:
+    """Write `params` (either layout) as a native checkpoint at `path`, atomically.
+    extra_files (tokenizer files) are copied in; write_extra(directory) may add files."""
     specs, fetch = tensor_specs(params, config)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    write_native(path, config, specs, fetch, overwrite=overwrite, **kwargs)
+    write_native(path, config, specs, fetch, overwrite=overwrite, extra_files=extra_files,
+                 write_extra=write_extra, **kwargs)
 
 
 def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, remat: bool = False):

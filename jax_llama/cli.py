@@ -13,9 +13,6 @@ from bridge.config import PRESETS, LlamaConfig
 from bridge.errors import BridgeError
 
 PLANNED = [
-    ("finetune", "fine-tune a classification head end to end", "the classification issue"),
-    ("zero-shot", "classify by prompting, no training", "the classification issue"),
-    ("predict", "write a fine-tuned classifier's predictions", "the classification issue"),
     ("bench", "benchmarks side by side with transformers", "the benchmark issue"),
 ]
 # TrainConfig fields settable from the command line (None = default, or the resumed run's value)
@@ -47,7 +44,7 @@ def cmd_train(args) -> int:
                    tokenizer=args.tokenizer or saved.get("tokenizer"),
                    init=args.init or saved.get("init"), vocab_size=args.vocab_size, mesh=args.mesh,
                    scan_layers=args.scan_layers, remat=args.remat, resume=args.resume,
-                   sample_tokens=args.sample_tokens)
+                   sample_tokens=args.sample_tokens, strip_labels=args.strip_labels)
     if args.multi_host:
         import jax
         jax.distributed.initialize()
@@ -101,6 +98,180 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
+def _read_task(args, path: str, require_labels: bool = True):
+    from bridge.classification import read_examples
+
+    dataset = read_examples(path, len(args.label_words), require_labels=require_labels,
+                            skip_malformed=args.skip_malformed)
+    if dataset.skipped:
+        print(f"warning: {path}: skipped {len(dataset.skipped)} malformed line(s), first at line "
+              f"{dataset.skipped[0]}", file=sys.stderr)
+    return dataset
+
+
+def _cut_note(name: str, cut: int, total: int, max_len: int) -> None:
+    if cut:
+        print(f"{name}: {cut} of {total} texts longer than {max_len} tokens were truncated from the "
+              f"left", file=sys.stderr)
+
+
+def _report_predictions(args, dataset, predictions, labels: list[str], what: str) -> float | None:
+    """Write predictions to --out (or stdout, one a line) and report accuracy when labeled."""
+    from bridge.classification import accuracy, write_predictions
+
+    score = accuracy(predictions, dataset.labels) if dataset.labeled else None
+    line = (f"{what} accuracy {score:.4f} ({int(round(score * len(predictions)))}/{len(predictions)}) "
+            f"on {dataset.path}" if score is not None else None)
+    if args.out:
+        write_predictions(args.out, predictions)
+        if line:
+            print(line)
+        print(f"predictions: {args.out}")
+    else:
+        sys.stdout.write("".join(f"{int(p)}\n" for p in predictions))
+        if line:
+            print(line, file=sys.stderr)
+    return score
+
+
+def cmd_finetune(args) -> int:
+    from bridge.classification import read_labels
+    from bridge.prompting import find_tokenizer
+    from bridge.tokenizer import load_tokenizer, train_tokenizer
+
+    import jax
+
+    from .classify import FinetuneConfig, finetune, new_classifier
+
+    fc = FinetuneConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                        grad_accum=args.grad_accum, dropout=args.dropout, max_len=args.max_len,
+                        seed=args.seed)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise BridgeError(f"--out: {out} is not empty")
+    if args.init and args.preset:
+        raise BridgeError("--preset: not with --init (the backbone's config comes from the checkpoint)")
+    args.label_words = labels = read_labels(args.labels)
+    train, dev = _read_task(args, args.train), _read_task(args, args.dev)
+    if not (train.labeled and dev.labeled):
+        raise BridgeError("--train / --dev: need labels on every line")
+    lm_params = None
+    if args.init:
+        model_lm, lm_params = load_checkpoint_f32(args.init)
+        config = model_lm.config
+        tokenizer = find_tokenizer(args.init, args.tokenizer)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise BridgeError(f"--tokenizer: {tokenizer.vocab_size} ids do not fit the vocabulary "
+                              f"of {args.init} ({config.vocab_size})")
+    else:
+        preset = args.preset or "tiny"
+        if preset not in PRESETS:
+            raise BridgeError(f"--preset: unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+        if args.tokenizer:
+            tokenizer = load_tokenizer(args.tokenizer)
+        else:
+            print(f"training a {args.vocab_size}-token byte-level BPE on {train.path}", file=sys.stderr)
+            tokenizer = train_tokenizer(train.texts, args.vocab_size)
+        config = PRESETS[preset].replace(
+            vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id,
+            eos_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,),
+            max_seq_len=max(PRESETS[preset].max_seq_len, fc.max_len))
+    max_len = min(fc.max_len, config.max_seq_len)
+    clf = new_classifier(config, labels, tokenizer, max_len, fc.dropout, fc.seed, lm_params)
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(clf.params))
+    print(f"fine-tuning {n_params / 1e6:.1f}M parameters ({'from ' + args.init if args.init else 'from scratch'}) "
+          f"on {len(train.examples)} examples, {len(dev.examples)} dev, {len(labels)} labels",
+          file=sys.stderr)
+    started, cpu = time.time(), time.process_time()
+    summary = finetune(clf, train, dev, fc, out, on_epoch=lambda r: print(
+        f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, dev accuracy {r['dev_accuracy']:.4f} "
+        f"({r['seconds']:.0f} s)", file=sys.stderr))
+    best = summary["best"]
+    print(f"best dev accuracy {best['dev_accuracy']:.4f} (epoch {best['epoch']} of {fc.epochs}); "
+          f"{time.time() - started:.0f} s wall, {time.process_time() - cpu:.0f} s CPU")
+    print(f"classifier: {summary['classifier']}  (jax-llama predict {out} --data FILE)")
+    print(f"dev predictions: {out / 'dev_predictions.txt'}")
+    return EXIT_OK
+
+
+def load_checkpoint_f32(path: str):
+    from .checkpoint import load
+    return load(path, dtype="float32")
+
+
+def cmd_predict(args) -> int:
+    from .classify import load_classifier, predict
+
+    clf = load_classifier(args.classifier if not (Path(args.classifier) / "best").is_dir()
+                          else Path(args.classifier) / "best")
+    args.label_words = clf.labels
+    dataset = _read_task(args, args.data, require_labels=False)
+    predictions, _, cut = predict(clf, dataset.texts, args.batch_size, progress=True)
+    _cut_note(args.data, cut, len(dataset.examples), clf.max_len)
+    _report_predictions(args, dataset, predictions, clf.labels, "classifier")
+    return EXIT_OK
+
+
+def cmd_zero_shot(args) -> int:
+    from bridge.classification import read_labels
+    from bridge.prompting import find_tokenizer
+
+    import numpy as np
+
+    from .classify import fill_template, zero_shot
+
+    fill_template(args.template, "")  # refuse a template without {text} before loading
+    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
+    args.label_words = labels = read_labels(args.labels)
+    dataset = _read_task(args, args.data, require_labels=False)
+    model, params = load_checkpoint_f32(args.checkpoint)
+    started = time.time()
+    predictions, scores, cut = zero_shot(model, params, tokenizer, dataset.texts, labels,
+                                         args.template, args.max_len, args.batch_size, progress=True)
+    _cut_note(args.data, cut, len(dataset.examples), args.max_len or model.config.max_seq_len)
+    counts = np.bincount(predictions, minlength=len(labels))
+    print("predicted: " + ", ".join(f"{w} {c}" for w, c in zip(labels, counts)) +
+          f" ({time.time() - started:.0f} s)", file=sys.stderr)
+    _report_predictions(args, dataset, predictions, labels, "zero-shot")
+    return EXIT_OK
+
+
+def cmd_split(args) -> int:
+    import numpy as np
+
+    from bridge.atomic import atomic_file
+
+    src = Path(args.file)
+    try:
+        lines = [l for l in src.read_text(encoding="utf-8").splitlines() if l.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise BridgeError(f"{src}: cannot read ({e})") from None
+    if not 0 < args.fraction < 1:
+        raise BridgeError(f"--fraction: must be in (0, 1) (got {args.fraction})")
+    n_held = int(round(args.fraction * len(lines)))
+    if n_held == 0 or n_held == len(lines):
+        raise BridgeError(f"{src}: {len(lines)} lines cannot be split {args.fraction:g} / "
+                          f"{1 - args.fraction:g}")
+    order = np.random.default_rng(args.seed).permutation(len(lines))
+    held, kept = sorted(order[:n_held]), sorted(order[n_held:])
+    out = Path(args.out)
+    for name, idx in (("train.txt", kept), ("heldout.txt", held)):
+        with atomic_file(out / name, overwrite=args.force) as tmp:
+            tmp.write_text("".join(lines[i] + "\n" for i in idx), encoding="utf-8")
+    print(f"{out / 'train.txt'}: {len(kept)} lines; {out / 'heldout.txt'}: {len(held)} lines "
+          f"(seed {args.seed})")
+    return EXIT_OK
+
+
+def _add_task_arguments(p, labels: bool = True) -> None:
+    if labels:
+        p.add_argument("--labels", required=True, help="labels.json: the label words, in index order")
+    p.add_argument("--skip-malformed", action="store_true",
+                   help="skip malformed lines (counted) instead of stopping at the first")
+    p.add_argument("--batch-size", type=int, default=64, help="rows per batch (default 64)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jax-llama", description="LLaMA in JAX: train, generate, "
                                      "fine-tune, benchmark.")
@@ -120,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
     p.add_argument("--multi-host", action="store_true", help="call jax.distributed.initialize() first")
     p.add_argument("--sample-tokens", type=int, default=64, help="length of the sample printed at the end")
+    p.add_argument("--strip-labels", action="store_true",
+                   help="the data files are LABEL ||| TEXT lines (the classification format): "
+                        "train on the texts only, e.g. continued pretraining on a task's text")
     for name, kind in TRAIN_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                        choices=("float32", "bfloat16", "float16") if name == "dtype" else None)
@@ -132,6 +306,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-torch", action="store_true",
                    help="decode greedily with both twins and report where they first differ")
     p.set_defaults(run=cmd_generate)
+    from .classify import DEFAULT_TEMPLATE
+    p = sub.add_parser("finetune", help="fine-tune a LLaMA as a sequence classifier, end to end "
+                                        "(head on the last real token)")
+    p.add_argument("--train", required=True, help="LABEL ||| TEXT lines")
+    p.add_argument("--dev", required=True, help="LABEL ||| TEXT lines, measured after each epoch")
+    p.add_argument("--labels", required=True, help="labels.json: the label words, in index order")
+    p.add_argument("--init", help="backbone: any checkpoint the bridge reads (default: from scratch)")
+    p.add_argument("--tokenizer", help="tokenizer file (default: --init's, or a BPE trained on --train)")
+    p.add_argument("--preset", help="from scratch: the backbone's config (default tiny)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained from scratch")
+    p.add_argument("--out", required=True, help="run directory: best/, metrics.jsonl, dev_predictions.txt")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
+    p.add_argument("--warmup", type=float, default=0.1, help="fraction of updates warming up")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--dropout", type=float, default=0.3, help="before the head (default 0.3)")
+    p.add_argument("--max-len", type=int, default=512, help="tokens per text; longer texts lose "
+                                                            "their beginning (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-malformed", action="store_true",
+                   help="skip malformed lines (counted) instead of stopping at the first")
+    p.set_defaults(run=cmd_finetune)
+
+    p = sub.add_parser("zero-shot", help="classify by prompting: the log-likelihood of each label "
+                                         "word after a template around the text")
+    p.add_argument("checkpoint", help="a language model, any format the bridge reads")
+    p.add_argument("--data", required=True, help="LABEL ||| TEXT lines (or TEXT lines)")
+    p.add_argument("--template", default=DEFAULT_TEMPLATE,
+                   help=f"prompt around the text, with {{text}} (default {DEFAULT_TEMPLATE!r})")
+    p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
+    p.add_argument("--max-len", type=int, help="tokens per row; prompts lose their beginning")
+    p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
+    _add_task_arguments(p)
+    p.set_defaults(run=cmd_zero_shot)
+
+    p = sub.add_parser("predict", help="a fine-tuned classifier's predictions, and accuracy when "
+                                       "the file has labels")
+    p.add_argument("classifier", help="a finetune --out directory (or its best/)")
+    p.add_argument("--data", required=True, help="LABEL ||| TEXT lines (or TEXT lines)")
+    p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
+    _add_task_arguments(p, labels=False)
+    p.set_defaults(run=cmd_predict)
+
+    p = sub.add_parser("split", help="hold out a random fraction of a data file's lines")
+    p.add_argument("file")
+    p.add_argument("--fraction", type=float, default=0.15, help="held out (default 0.15)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="directory for train.txt and heldout.txt")
+    p.add_argument("--force", action="store_true", help="replace existing files")
+    p.set_defaults(run=cmd_split)
     add_planned(parser, sub, PLANNED)
     return parser
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import sysconfig
 import tempfile
@@ -54,8 +55,17 @@ def corpus_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return files
 
 
-def read_documents(files: list[Path], warn=None) -> Iterator[str]:
-    """The text of each readable UTF-8 file; the others are skipped and counted in one warning."""
+_LABEL_PREFIX = re.compile(r"^[ \t]*-?\d+[ \t]*\|\|\|[ \t]*", re.MULTILINE)
+
+
+def strip_labels(text: str) -> str:
+    """The texts of a `LABEL ||| TEXT` file (the classification format), one a line."""
+    return _LABEL_PREFIX.sub("", text)
+
+
+def read_documents(files: list[Path], warn=None, labeled: bool = False) -> Iterator[str]:
+    """The text of each readable UTF-8 file; the others are skipped and counted in one warning.
+    labeled: the files are `LABEL ||| TEXT` lines, and only the texts are kept."""
     skipped = []
     for f in files:
         try:
@@ -63,6 +73,8 @@ def read_documents(files: list[Path], warn=None) -> Iterator[str]:
         except (OSError, UnicodeDecodeError) as e:
             skipped.append(f"{f} ({type(e).__name__})")
             continue
+        if labeled:
+            text = strip_labels(text)
         if text.strip():
             yield text
     if skipped:
@@ -70,8 +82,8 @@ def read_documents(files: list[Path], warn=None) -> Iterator[str]:
             f"warning: skipped {len(skipped)} unreadable or non-UTF-8 file(s), e.g. {skipped[0]}")
 
 
-def _fingerprint(files: list[Path], tokenizer) -> str:
-    h = hashlib.sha256()
+def _fingerprint(files: list[Path], tokenizer, labeled: bool = False) -> str:
+    h = hashlib.sha256(b"labeled\n" if labeled else b"")
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
@@ -82,7 +94,7 @@ def _fingerprint(files: list[Path], tokenizer) -> str:
 
 
 def tokenize_corpus(files: list[Path], tokenizer, cache_dir: str | os.PathLike,
-                    progress=None) -> np.ndarray:
+                    progress=None, labeled: bool = False) -> np.ndarray:
     """All documents as one flat token array (memory-mapped from the cache).
 
     Written to a temporary file beside the cache entry and renamed at the end, so a killed run
@@ -91,14 +103,14 @@ def tokenize_corpus(files: list[Path], tokenizer, cache_dir: str | os.PathLike,
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
-    key = _fingerprint(files, tokenizer)
+    key = _fingerprint(files, tokenizer, labeled)
     path = cache_dir / f"tokens-{key}.{dtype.name}"
     if not path.exists():
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=cache_dir)
         n_docs = 0
         try:
             with os.fdopen(fd, "wb") as out:
-                for text in (progress or iter)(read_documents(files)):
+                for text in (progress or iter)(read_documents(files, labeled=labeled)):
                     ids = tokenizer.encode(text, bos=tokenizer.bos_id is not None,
                                            eos=tokenizer.eos_id is not None)
                     np.asarray(ids, dtype=dtype).tofile(out)

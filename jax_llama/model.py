@@ -190,9 +190,12 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BS, positions=None, attention_mask=None, return_hidden: bool = False,
-                 cache: "KVCache | None" = None):
+                 cache: "KVCache | None" = None, lm_head: bool = True):
         """tokens (B, S) int -> logits (B, S, V) float32 [, final hidden states (B, S, D) in dtype]
         [, the updated cache when one is given].
+
+        lm_head=False skips the vocabulary projection and returns the final hidden states in place
+        of the logits (what a classification head reads).
 
         positions: (S,) or (B, S); default 0..S-1, or, when attention_mask is given, each row
         counting only its real tokens, so a left-padded row sees the positions it would alone.
@@ -232,6 +235,8 @@ class Llama(nn.Module):
         if cache is not None:
             cache = cache.replace(k=carry[1], v=carry[2])
         h_BSD = RMSNorm(c.norm_eps, **kw, name="norm")(x_BSD)
+        if not lm_head:
+            return h_BSD if cache is None else (h_BSD, cache)
 
         h_MD = h_BSD.reshape(B * S, c.dim)
         if c.tie_embeddings:
@@ -243,6 +248,41 @@ class Llama(nn.Module):
         if cache is not None:
             outputs += (cache,)
         return outputs if len(outputs) > 1 else outputs[0]
+
+
+def last_real_index(attention_mask_BS) -> jax.Array:
+    """(B,) index of each row's last real token, wherever the padding is (left, right or both)."""
+    mask_BS = jnp.asarray(attention_mask_BS).astype(bool)
+    return mask_BS.shape[1] - 1 - jnp.argmax(mask_BS[:, ::-1], axis=1)
+
+
+class LlamaClassifier(nn.Module):
+    """A Llama backbone and a classification head: the final hidden state of each row's last real
+    token, dropout, a linear layer to n_classes, log-softmax.
+
+    The backbone's parameters sit under `llama` (the LM head's `output` kernel, unused here, is
+    not created); the head's under `classifier` (kernel (D, C) and bias (C,)).
+    """
+
+    config: LlamaConfig
+    n_classes: int
+    dropout: float = 0.0
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    scan_layers: bool = False
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, tokens_BS, attention_mask, deterministic: bool = True):
+        """tokens (B, S) int, attention_mask (B, S) with at least one real token per row ->
+        log-probabilities (B, C) float32. Training (deterministic=False) needs a 'dropout' rng."""
+        h_BSD = Llama(self.config, self.dtype, self.param_dtype, self.scan_layers, self.remat,
+                      name="llama")(tokens_BS, attention_mask=attention_mask, lm_head=False)
+        h_BD = h_BSD[jnp.arange(h_BSD.shape[0]), last_real_index(attention_mask)]
+        h_BD = nn.Dropout(self.dropout)(h_BD, deterministic=deterministic)
+        logits_BC = nn.Dense(self.n_classes, dtype=self.dtype, param_dtype=self.param_dtype,
+                             kernel_init=nn.initializers.normal(0.02), name="classifier")(h_BD)
+        return jax.nn.log_softmax(logits_BC.astype(jnp.float32), axis=-1)
 
 
 class KVCache(struct.PyTreeNode):

@@ -56,6 +56,7 @@ class RunSpec:
     remat: bool = False
     resume: bool = False
     sample_tokens: int = 64
+    strip_labels: bool = False         # data files are `LABEL ||| TEXT` lines: train on the texts
 
 
 def _say(message: str) -> None:
@@ -70,7 +71,7 @@ def _write_json(path: Path, obj) -> None:
 
 def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
     return {"model": config.to_dict(), "train": spec.train.to_dict(), "data": spec.data,
-            "tokenizer": spec.tokenizer, "init": spec.init}
+            "tokenizer": spec.tokenizer, "init": spec.init, "strip_labels": spec.strip_labels}
 
 
 def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
@@ -81,6 +82,8 @@ def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
              if saved[part].get(k) != now[part].get(k)]
     diffs += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("data", "tokenizer", "init")
               if saved.get(k) != now[k]]
+    if saved.get("strip_labels", False) != now["strip_labels"]:
+        diffs.append(f"strip_labels: {saved.get('strip_labels', False)} -> {now['strip_labels']}")
     if diffs:
         raise BridgeError(f"--resume: {spec.out} was trained with a different setup ({'; '.join(diffs)})")
 
@@ -94,7 +97,7 @@ def _tokenizer(spec: RunSpec, files: list[Path]):
             (Path(spec.init) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         return load_tokenizer(spec.init)
     _say(f"training a {spec.vocab_size}-token byte-level BPE on {len(files)} files")
-    return train_tokenizer(data_lib.read_documents(files), spec.vocab_size)
+    return train_tokenizer(data_lib.read_documents(files, labeled=spec.strip_labels), spec.vocab_size)
 
 
 def _model_config(spec: RunSpec, tokenizer) -> LlamaConfig:
@@ -135,7 +138,8 @@ def train(spec: RunSpec) -> dict:
 
     tokens = data_lib.tokenize_corpus(files, tokenizer, cache,
                                       progress=lambda it: tqdm(it, total=len(files), desc="tokenizing",
-                                                               unit="file", file=sys.stderr, leave=False))
+                                                               unit="file", file=sys.stderr, leave=False),
+                                      labeled=spec.strip_labels)
     train_tokens, val_tokens = data_lib.split(tokens, 0.05, tc.seq_len + 1)
     unigram = data_lib.unigram_loss(train_tokens, val_tokens, config.vocab_size)
     local_batch = tc.batch_size // jax.process_count()

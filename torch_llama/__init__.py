@@ -9,13 +9,14 @@
 
 from bridge.config import PRESETS, LlamaConfig
 
-from .checkpoint import load, resolve_device, resolve_dtype, save
+from .checkpoint import load, load_classifier, resolve_device, resolve_dtype, save
 from .generate import Generation, Sampler, generate
-from .model import Attention, Block, FeedForward, KVCache, Llama, RMSNorm, apply_rope, check_inputs
+from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, RMSNorm,
+                    apply_rope, check_inputs)
 from .optim import (AdamW, clip_by_global_norm, cosine_decay_schedule, decay_mask, linear_schedule,
                     warmup_cosine_decay_schedule)
 
-__all__ = ["AdamW", "Attention", "Block", "FeedForward", "Generation", "KVCache", "Llama", "LlamaConfig", "PRESETS", "RMSNorm",
+__all__ = ["AdamW", "Attention", "Block", "FeedForward", "Generation", "KVCache", "Llama", "LlamaClassifier", "LlamaConfig", "PRESETS", "RMSNorm",
            "apply_rope", "check_inputs", "clip_by_global_norm", "cosine_decay_schedule",
-           "decay_mask", "generate", "linear_schedule", "load", "resolve_device", "resolve_dtype",
+           "decay_mask", "generate", "linear_schedule", "load", "load_classifier", "resolve_device", "resolve_dtype",
            "Sampler", "save", "warmup_cosine_decay_schedule"]

@@ -14,7 +14,7 @@ from bridge.formats import open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
 
-from .model import Llama
+from .model import Llama, LlamaClassifier
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
@@ -75,3 +75,20 @@ def save(path: str | os.PathLike, model: Llama, *, overwrite: bool = False,
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     write_native(path, model.config, specs, lambda name: to_numpy(state[name]), overwrite=overwrite,
                  **kwargs)
+
+
+def load_classifier(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None):
+    """(LlamaClassifier in eval mode, classifier.json's contents) from a classifier directory
+    written by `jax-llama finetune`: the backbone as `load` reads it, the head from
+    classifier.safetensors."""
+    from bridge.classification import read_head
+
+    backbone = load(path, device=device, dtype=dtype)
+    meta, weight, bias = read_head(path, backbone.config)
+    param = next(backbone.parameters())
+    with torch.device("meta"):
+        model = LlamaClassifier(backbone.config, len(meta["labels"]), float(meta.get("dropout", 0.0)))
+    model.llama = backbone
+    model.classifier.weight = torch.nn.Parameter(to_torch(weight).to(param.device, param.dtype))
+    model.classifier.bias = torch.nn.Parameter(to_torch(bias).to(param.device, param.dtype))
+    return model.eval(), meta

@@ -191,8 +191,11 @@ class Llama(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None,
-                return_hidden: bool = False, cache: KVCache | None = None):
+                return_hidden: bool = False, cache: KVCache | None = None, lm_head: bool = True):
         """tokens (B, S) int -> logits (B, S, V) float32 [, final hidden states (B, S, D)].
+
+        lm_head=False skips the vocabulary projection and returns the final hidden states in place
+        of the logits (what a classification head reads).
 
         positions and attention_mask as in jax_llama.Llama: positions (S,) or (B, S), default
         counting only real tokens when attention_mask (B, S, 1 = real) is given.
@@ -226,6 +229,12 @@ class Llama(nn.Module):
         for i, layer in enumerate(self.layers):
             x_BSD = layer(x_BSD, cos_BSh, sin_BSh, bias_B1ST, cache, i)
         h_BSD = self.norm(x_BSD)
+        if not lm_head:
+            if cache is None:
+                return h_BSD
+            cache.positions += n_real_B
+            cache.index += S
+            return h_BSD, cache
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
         logits_BSV = F.linear(h_BSD, head).float()
         if cache is None:
@@ -261,6 +270,38 @@ class Llama(nn.Module):
         if device not in self._inv_freq_on:
             self._inv_freq_on[device] = torch.from_numpy(self._inv_freq).to(device)
         return self._inv_freq_on[device]
+
+
+def last_real_index(attention_mask_BS: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's last real token, wherever the padding is (left, right or both)."""
+    mask_BS = torch.as_tensor(attention_mask_BS).bool()
+    return mask_BS.shape[1] - 1 - mask_BS.flip(1).int().argmax(1)
+
+
+class LlamaClassifier(nn.Module):
+    """A Llama backbone and a classification head: the final hidden state of each row's last real
+    token, dropout, a linear layer to n_classes, log-softmax (jax_llama.LlamaClassifier's twin).
+
+    The head's tensors are `classifier.weight` (C, D) and `classifier.bias` (C,); the backbone is
+    `llama`, whose state_dict keys are the canonical names.
+    """
+
+    def __init__(self, config: LlamaConfig, n_classes: int, dropout: float = 0.0):
+        super().__init__()
+        self.config, self.n_classes = config, n_classes
+        self.llama = Llama(config)
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.dim, n_classes)
+        nn.init.normal_(self.classifier.weight, std=0.02)
+        nn.init.zeros_(self.classifier.bias)
+
+    def forward(self, tokens_BS: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """tokens (B, S) int, attention_mask (B, S) with at least one real token per row ->
+        log-probabilities (B, C) float32."""
+        h_BSD = self.llama(tokens_BS, attention_mask=attention_mask, lm_head=False)
+        last_B = last_real_index(attention_mask).to(h_BSD.device)
+        h_BD = self.dropout(h_BSD[torch.arange(h_BSD.shape[0], device=h_BSD.device), last_B])
+        return F.log_softmax(self.classifier(h_BD).float(), dim=-1)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

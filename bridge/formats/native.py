@@ -74,17 +74,21 @@ def write_native(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, 
                  fetch: Callable[[str], np.ndarray], *,
                  max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False,
                  progress: Callable[[int], object] | None = None,
-                 extra_files: Iterable[Path] = ()) -> Path:
+                 extra_files: Iterable[Path] = (),
+                 write_extra: Callable[[Path], object] | None = None) -> Path:
     """Write a native checkpoint atomically.
 
     `specs` maps every canonical name to (shape, numpy dtype); `fetch(name)` returns that tensor
     as a numpy array when it is written, so only one tensor need be in memory at a time. The
     names and shapes are checked against `config` before anything is written; `extra_files`
-    (tokenizer files) are copied alongside.
+    (tokenizer files) are copied alongside, and `write_extra(directory)` may add more files (a
+    classification head) inside the same atomic write.
     """
     ordered = check_specs(config, specs, "tensors to write")
     with atomic_directory(path, overwrite=overwrite) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         write_safetensors_dir(tmp, ordered, fetch, max_shard_size=max_shard_size, progress=progress)
         copy_files(extra_files, tmp)
+        if write_extra is not None:
+            write_extra(tmp)
     return Path(path)

@@ -1,0 +1,199 @@
+"""What both twins share for sequence classification: the `LABEL ||| TEXT` data files, labels.json,
+and the classifier directory.
+
+A classifier directory is a native checkpoint (config.json, model.safetensors, tokenizer files)
+plus two files that `llama-bridge` and the LM loaders ignore:
+  classifier.safetensors  `classifier.weight` (C, D) and `classifier.bias` (C,), torch layout
+  classifier.json         {"labels": [...], "max_len": N, "dropout": p, ...}: how to use the head
+So the backbone converts and generates like any checkpoint, and the head travels with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .config import LlamaConfig
+from .errors import BridgeError
+
+HEAD_FILE = "classifier.safetensors"
+META_FILE = "classifier.json"
+HEAD_TENSORS = ("classifier.weight", "classifier.bias")
+SEPARATOR = " ||| "
+
+
+@dataclass(frozen=True)
+class Example:
+    text: str
+    label: int | None   # None in a file of texts only
+    line: int           # 1-based line number in its file
+
+
+@dataclass
+class Dataset:
+    path: Path
+    examples: list[Example]
+    skipped: list[str]  # "LINE: why" for each malformed line skipped
+
+    @property
+    def labeled(self) -> bool:
+        return all(e.label is not None for e in self.examples)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return np.array([e.label for e in self.examples], dtype=np.int32)
+
+    @property
+    def texts(self) -> list[str]:
+        return [e.text for e in self.examples]
+
+
+def read_labels(path: str | os.PathLike) -> list[str]:
+    """labels.json: a JSON list of distinct, non-empty label words (at least two)."""
+    path = Path(path)
+    try:
+        labels = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BridgeError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BridgeError(f"{path}: not a readable JSON file ({e})") from None
+    if (not isinstance(labels, list) or len(labels) < 2
+            or not all(isinstance(w, str) and w.strip() for w in labels)
+            or len(set(labels)) != len(labels)):
+        raise BridgeError(f"{path}: expected a JSON list of at least two distinct label words, "
+                          f"e.g. [\"bad\", \"good\"]")
+    return labels
+
+
+def read_examples(path: str | os.PathLike, n_labels: int, *, require_labels: bool = True,
+                  skip_malformed: bool = False) -> Dataset:
+    """Read a `LABEL ||| TEXT` file (LABEL an index into labels.json).
+
+    With require_labels=False a line may also be TEXT alone (a file to predict), but the file
+    must be one kind or the other. A malformed line - no separator, a label that is not an
+    integer in [0, n_labels), empty text - stops the read with its line number, or with
+    skip_malformed is skipped and listed in `skipped`. A file with no examples is refused.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise BridgeError(f"{path}: no such file") from None
+    except OSError as e:
+        raise BridgeError(f"{path}: cannot read ({e.strerror})") from None
+    examples, skipped = [], []
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            text = line.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            problem = "not UTF-8"
+        else:
+            if not text:
+                continue
+            example, problem = _parse(text, number, n_labels, require_labels)
+            if example is not None:
+                examples.append(example)
+                continue
+        if not skip_malformed:
+            raise BridgeError(f"{path}:{number}: {problem}")
+        skipped.append(f"{number}: {problem}")
+    if not examples:
+        raise BridgeError(f"{path}: no examples" + (f" ({len(skipped)} malformed lines skipped)"
+                                                    if skipped else ""))
+    kinds = {e.label is None for e in examples}
+    if len(kinds) > 1:
+        first = next(e for e in examples if e.label is None)
+        raise BridgeError(f"{path}:{first.line}: a line without a label in a labeled file")
+    return Dataset(path, examples, skipped)
+
+
+def _parse(line: str, number: int, n_labels: int, require_labels: bool):
+    head, sep, text = line.partition(SEPARATOR.strip())
+    if not sep:
+        if require_labels:
+            return None, f"expected 'LABEL ||| TEXT'"
+        return Example(line, None, number), None
+    head, text = head.strip(), text.strip()
+    try:
+        label = int(head)
+    except ValueError:
+        return None, f"label {head!r} is not an integer index into labels.json"
+    if not 0 <= label < n_labels:
+        return None, f"label {label} is outside labels.json's {n_labels} labels (0..{n_labels - 1})"
+    if not text:
+        return None, "empty text"
+    return Example(text, label, number), None
+
+
+def truncate_left(ids: list[int], max_len: int, keep_first: int | None = None) -> tuple[list[int], bool]:
+    """The last max_len ids (keeping `keep_first`, e.g. BOS, in front); and whether any were cut."""
+    if len(ids) <= max_len:
+        return ids, False
+    if keep_first is not None and ids and ids[0] == keep_first:
+        return [keep_first] + ids[len(ids) - max_len + 1:], True
+    return ids[len(ids) - max_len:], True
+
+
+def write_head(directory: Path, weight_CD: np.ndarray, bias_C: np.ndarray, meta: dict) -> None:
+    """Write classifier.safetensors and classifier.json into `directory` (a native checkpoint
+    being written atomically)."""
+    from safetensors.numpy import save_file
+
+    save_file({"classifier.weight": np.ascontiguousarray(weight_CD),
+               "classifier.bias": np.ascontiguousarray(bias_C)}, str(directory / HEAD_FILE))
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def read_head(directory: str | os.PathLike, config: LlamaConfig) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(meta, weight (C, D), bias (C,)) of the classifier directory, checked against `config`."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    directory = Path(directory)
+    meta_path, head_path = directory / META_FILE, directory / HEAD_FILE
+    if not meta_path.is_file() or not head_path.is_file():
+        raise BridgeError(f"{directory}: not a classifier (no {META_FILE} and {HEAD_FILE}; "
+                          f"`jax-llama finetune` writes them)")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BridgeError(f"{meta_path}: not readable JSON ({e})") from None
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    if not isinstance(labels, list) or len(labels) < 2:
+        raise BridgeError(f"{meta_path}: field 'labels' must list at least two label words")
+    if not isinstance(meta.get("max_len"), int) or meta["max_len"] < 1:
+        raise BridgeError(f"{meta_path}: field 'max_len' must be a positive integer")
+    try:
+        tensors = load_file(str(head_path))
+    except (SafetensorError, OSError) as e:
+        raise BridgeError(f"{head_path}: not a readable safetensors file ({e})") from None
+    expected = {"classifier.weight": (len(labels), config.dim), "classifier.bias": (len(labels),)}
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise BridgeError(f"{head_path}: no tensor '{name}'")
+        if tensors[name].shape != shape:
+            raise BridgeError(f"{head_path}: tensor '{name}' has shape {tensors[name].shape}, "
+                              f"expected {shape} ({len(labels)} labels, dim {config.dim})")
+    if set(tensors) != set(expected):
+        raise BridgeError(f"{head_path}: unexpected tensors {sorted(set(tensors) - set(expected))}")
+    return meta, tensors["classifier.weight"], tensors["classifier.bias"]
+
+
+def accuracy(predictions, labels) -> float:
+    predictions, labels = np.asarray(predictions), np.asarray(labels)
+    return float((predictions == labels).mean()) if len(labels) else float("nan")
+
+
+def write_predictions(path: str | os.PathLike, predictions, write: Callable | None = None) -> Path:
+    """One predicted label index a line (the LABEL field of the data format), written atomically."""
+    from .atomic import atomic_file
+
+    path = Path(path)
+    with atomic_file(path, overwrite=True) as tmp:
+        Path(tmp).write_text("".join(f"{int(p)}\n" for p in predictions))
+    return path

@@ -1,0 +1,403 @@
+"""Sequence classification with a LLaMA: fine-tuning end to end, prediction, and zero-shot prompting.
+
+Fine-tuning trains `LlamaClassifier` (backbone + head on the last real token) with the same optax
+AdamW as pretraining (jax_llama.train.make_optimizer: clipping, warmup + cosine, decay mask,
+gradient accumulation). Batches are padded to a power-of-two length and built from examples of
+similar length, so there are few compilations and little padding. The backbone comes from any
+checkpoint the bridge reads, or is initialised at random with a BPE trained on the training texts.
+
+Zero-shot scores each label word as a continuation of a prompt: the summed log-probability of all
+of the word's tokens, every (text, label) pair a row of one padded batch.
+
+The classifier directory (bridge.classification) is a native checkpoint plus the head, so the
+torch twin loads it too (torch_llama.load_classifier).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from bridge.classification import (Dataset, accuracy, read_head, truncate_left, write_head,
+                                   write_predictions)
+from bridge.config import LlamaConfig
+from bridge.errors import BridgeError
+from bridge.tokenizer import Tokenizer
+
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save as save_native
+from .generate import bucket
+from .model import LlamaClassifier, as_dtype, init
+from .train import TrainConfig, TrainState, init_state, make_optimizer
+
+DEFAULT_TEMPLATE = "{text} Overall, it was"
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- tokens and batches
+
+def encode_texts(tokenizer: Tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], int]:
+    """Each text as BOS + ids, cut from the left to max_len (BOS kept); and how many were cut."""
+    bos = tokenizer.bos_id is not None
+    encoded, cut = [], 0
+    for text in texts:
+        ids, was_cut = truncate_left(tokenizer.encode(text, bos=bos), max_len,
+                                     tokenizer.bos_id if bos else None)
+        encoded.append(ids)
+        cut += was_cut
+    return encoded, cut
+
+
+def pad_rows(rows: list[list[int]], length: int, batch_size: int | None = None):
+    """(tokens (B, length) int32, mask (B, length) bool), right-padded with id 0. Rows beyond
+    len(rows) up to batch_size are filler: one masked-in token, so every row has a last token."""
+    B = batch_size or len(rows)
+    tokens = np.zeros((B, length), np.int32)
+    mask = np.zeros((B, length), bool)
+    mask[len(rows):, 0] = True
+    for i, ids in enumerate(rows):
+        tokens[i, :len(ids)] = ids
+        mask[i, :len(ids)] = True
+    return tokens, mask
+
+
+def length_batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generator | None,
+                   pool: int = 50) -> list[np.ndarray]:
+    """Index batches of similar length. With rng (training): shuffle, sort within pools of
+    `pool` batches, and shuffle the batch order; without (evaluation): sorted by length."""
+    if rng is None:
+        order = np.argsort(lengths, kind="stable")
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    order = rng.permutation(len(lengths))
+    batches = []
+    for start in range(0, len(order), batch_size * pool):
+        chunk = order[start:start + batch_size * pool]
+        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+# ----------------------------------------------------------------------------- the classifier
+
+@dataclass
+class Classifier:
+    """A LlamaClassifier with its params, the LM head it does not use (kept to be saved back),
+    its labels and tokenizer."""
+
+    model: LlamaClassifier
+    params: dict
+    labels: list[str]
+    tokenizer: Tokenizer
+    max_len: int
+    lm_output: np.ndarray | None = None  # the untied LM head's kernel, carried unchanged
+
+    def save(self, path: str | Path, meta: dict | None = None, overwrite: bool = True) -> Path:
+        """The classifier directory: native checkpoint of the backbone + head + tokenizer."""
+        import tempfile
+
+        lm_params = dict(self.params["llama"])
+        if self.lm_output is not None:
+            lm_params["output"] = {"kernel": self.lm_output}
+        head = self.params["classifier"]
+        info = {"labels": self.labels, "max_len": self.max_len, "dropout": self.model.dropout,
+                **(meta or {})}
+        with tempfile.TemporaryDirectory() as tok_dir:
+            files = self.tokenizer.save(tok_dir)
+            save_native(path, self.model.config, lm_params, overwrite=overwrite, extra_files=files,
+                        write_extra=lambda d: write_head(d, np.asarray(head["kernel"]).T,
+                                                         np.asarray(head["bias"]), info))
+        return Path(path)
+
+
+def backbone_params(lm_params: dict) -> tuple[dict, np.ndarray | None]:
+    """LM params -> (the backbone the classifier uses, the untied LM head's kernel or None)."""
+    lm_params = dict(lm_params)
+    output = lm_params.pop("output", None)
+    return lm_params, None if output is None else np.asarray(output["kernel"])
+
+
+def new_classifier(config: LlamaConfig, labels: list[str], tokenizer: Tokenizer, max_len: int,
+                   dropout: float, seed: int, lm_params: dict | None = None) -> Classifier:
+    """A classifier with a fresh head on `lm_params` (LM params, e.g. from jax_llama.load), or on
+    a randomly initialised backbone when None."""
+    model = LlamaClassifier(config, len(labels), dropout)
+    tokens, mask = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+    params = jax.jit(model.init)(jax.random.key(seed), tokens, mask)["params"]
+    if lm_params is None:
+        lm_params = init(config, seed=seed)[1]
+    backbone, output = backbone_params(lm_params)
+    params = {"llama": backbone, "classifier": params["classifier"]}
+    return Classifier(model, params, labels, tokenizer, max_len, output)
+
+
+def load_classifier(path: str | Path, dtype=None) -> Classifier:
+    """A classifier directory written by `finetune` (or Classifier.save)."""
+    from bridge.prompting import find_tokenizer
+
+    model_lm, lm_params = load_checkpoint(path, dtype=dtype)
+    meta, weight, bias = read_head(path, model_lm.config)
+    dtype = model_lm.dtype
+    backbone, output = backbone_params(lm_params)
+    head = {"kernel": jnp.asarray(weight.T, dtype), "bias": jnp.asarray(bias, dtype)}
+    model = LlamaClassifier(model_lm.config, len(meta["labels"]), float(meta.get("dropout", 0.0)),
+                            dtype=dtype, param_dtype=dtype)
+    return Classifier(model, {"llama": backbone, "classifier": head}, list(meta["labels"]),
+                      find_tokenizer(str(path), None), int(meta["max_len"]), output)
+
+
+def predict_ids(clf: Classifier, rows: list[list[int]], batch_size: int = 64,
+                progress: bool = False) -> np.ndarray:
+    """Log-probabilities (N, C) for token rows (each at most clf.max_len long)."""
+    apply = _apply_eval(clf.model)
+    lengths = np.array([len(r) for r in rows])
+    out = np.zeros((len(rows), len(clf.labels)), np.float32)
+    batches = length_batches(lengths, batch_size, None)
+    for idx in tqdm(batches, desc="predict", unit="batch", disable=not progress, leave=False):
+        tokens, mask = pad_rows([rows[i] for i in idx], bucket(int(lengths[idx].max()), clf.max_len),
+                                batch_size)
+        out[idx] = np.asarray(apply(clf.params, tokens, mask))[:len(idx)]
+    return out
+
+
+def predict(clf: Classifier, texts: list[str], batch_size: int = 64, progress: bool = False):
+    """(predicted label indices (N,), log-probabilities (N, C), texts cut to max_len)."""
+    rows, cut = encode_texts(clf.tokenizer, texts, clf.max_len)
+    logp = predict_ids(clf, rows, batch_size, progress)
+    return logp.argmax(-1), logp, cut
+
+
+_EVAL_FNS: dict = {}
+
+
+def _apply_eval(model: LlamaClassifier) -> Callable:
+    if model not in _EVAL_FNS:
+        _EVAL_FNS[model] = jax.jit(lambda p, t, m: model.apply({"params": p}, t, m))
+    return _EVAL_FNS[model]
+
+
+# ----------------------------------------------------------------------------- fine-tuning
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    epochs: int = 5
+    batch_size: int = 32
+    lr: float = 1e-3
+    warmup: float = 0.1           # fraction of the updates spent warming up
+    weight_decay: float = 0.1     # kernels and embeddings, not norms or the head's bias
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    dropout: float = 0.3          # on the pooled hidden state, before the head
+    max_len: int = 512            # tokens per text, BOS included; longer texts lose their start
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("epochs", "batch_size", "grad_accum", "max_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise BridgeError(f"--{name.replace('_', '-')}: must be a positive integer (got {value!r})")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise BridgeError(f"--lr: must be positive (got {self.lr})")
+        if not 0 <= self.warmup < 1:
+            raise BridgeError(f"--warmup: a fraction of the updates in [0, 1) (got {self.warmup})")
+        if not 0 <= self.dropout < 1:
+            raise BridgeError(f"--dropout: must be in [0, 1) (got {self.dropout})")
+
+    def train_config(self, micro_steps: int) -> TrainConfig:
+        updates = max(micro_steps // self.grad_accum, 1)
+        return TrainConfig(steps=max(micro_steps, self.grad_accum), batch_size=self.batch_size,
+                           lr=self.lr, warmup_steps=int(self.warmup * updates), b2=0.98,
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+                           grad_accum=self.grad_accum, seed=self.seed)
+
+
+def make_classifier_step(model: LlamaClassifier, optimizer, seed: int):
+    """(state, batch) -> (state, loss): mean NLL of the labels over the rows with weight 1."""
+    base_key = jax.random.key(seed)
+
+    def loss_fn(params, batch, key):
+        logp_BC = model.apply({"params": params}, batch["tokens"], batch["mask"],
+                              deterministic=False, rngs={"dropout": key})
+        nll_B = -jnp.take_along_axis(logp_BC, batch["labels"][:, None], axis=1)[:, 0]
+        weights = batch["weights"].astype(jnp.float32)
+        return jnp.sum(nll_B * weights) / jnp.maximum(weights.sum(), 1.0)
+
+    def step(state: TrainState, batch):
+        key = jax.random.fold_in(base_key, state.step)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), loss
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConfig, max_len: int,
+                     rng: np.random.Generator) -> Iterator[dict]:
+    """One epoch of padded batches; the last is filled up with weight-0 rows."""
+    lengths = np.array([len(r) for r in rows])
+    for idx in length_batches(lengths, fc.batch_size, rng):
+        tokens, mask = pad_rows([rows[i] for i in idx], bucket(int(lengths[idx].max()), max_len),
+                                fc.batch_size)
+        y = np.zeros(fc.batch_size, np.int32)
+        y[:len(idx)] = labels[idx]
+        weights = np.zeros(fc.batch_size, np.float32)
+        weights[:len(idx)] = 1
+        yield {"tokens": tokens, "mask": mask, "labels": y, "weights": weights}
+
+
+def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, out: Path,
+             on_epoch: Callable[[dict], None] | None = None) -> dict:
+    """Fine-tune `clf` in place on `train`; after each epoch measure `dev`, and keep the best
+    epoch's classifier at out/best with its dev predictions at out/dev_predictions.txt.
+    Per-epoch figures go to out/metrics.jsonl. Returns a summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    train_rows, train_cut = encode_texts(clf.tokenizer, train.texts, clf.max_len)
+    dev_rows, dev_cut = encode_texts(clf.tokenizer, dev.texts, clf.max_len)
+    for name, cut, n in (("train", train_cut, len(train_rows)), ("dev", dev_cut, len(dev_rows))):
+        if cut:
+            _say(f"{name}: {cut} of {n} texts longer than {clf.max_len} tokens were truncated "
+                 f"from the left")
+    per_epoch = math.ceil(len(train_rows) / fc.batch_size)
+    tc = fc.train_config(per_epoch * fc.epochs)
+    optimizer = make_optimizer(tc)
+    state = init_state(clf.params, optimizer)
+    step = make_classifier_step(clf.model, optimizer, fc.seed)
+    rng = np.random.default_rng(fc.seed)
+    train_labels = train.labels
+    best = {"dev_accuracy": -1.0, "epoch": 0}
+    history = []
+    metrics_file = (out / "metrics.jsonl").open("a")
+    try:
+        for epoch in range(1, fc.epochs + 1):
+            losses = []
+            bar = tqdm(training_batches(train_rows, train_labels, fc, clf.max_len, rng),
+                       total=per_epoch, desc=f"epoch {epoch}/{fc.epochs}", unit="batch",
+                       file=sys.stderr, leave=False)
+            for batch in bar:
+                state, loss = step(state, batch)
+                losses.append(loss)
+                if len(losses) % 20 == 0:
+                    bar.set_postfix(loss=f"{float(loss):.3f}")
+            clf.params = state.params
+            train_loss = float(np.mean(jax.device_get(losses)))
+            if not math.isfinite(train_loss):
+                raise BridgeError(f"fine-tuning diverged in epoch {epoch} (loss {train_loss}); "
+                                  f"lower --lr")
+            predictions = predict_ids(clf, dev_rows).argmax(-1)
+            record = {"epoch": epoch, "train_loss": train_loss,
+                      "dev_accuracy": accuracy(predictions, dev.labels),
+                      "seconds": time.time() - started}
+            history.append(record)
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if record["dev_accuracy"] > best["dev_accuracy"]:
+                best = record
+                clf.save(out / "best", {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],
+                                        "finetune": asdict(fc)})
+                write_predictions(out / "dev_predictions.txt", predictions)
+            if on_epoch:
+                on_epoch(record)
+    finally:
+        metrics_file.close()
+    return {"best": best, "history": history, "train_truncated": train_cut,
+            "dev_truncated": dev_cut, "seconds": time.time() - started,
+            "classifier": str(out / "best")}
+
+
+# ----------------------------------------------------------------------------- zero-shot
+
+def fill_template(template: str, text: str) -> str:
+    if "{text}" not in template:
+        raise BridgeError(f"--template: must contain {{text}} (got {template!r})")
+    return template.replace("{text}", text)
+
+
+def zero_shot_rows(tokenizer: Tokenizer, texts: list[str], labels: list[str], template: str,
+                   max_len: int) -> tuple[list[list[int]], list[list[int]], int]:
+    """(prompt ids per text, continuation ids per label, prompts cut from the left). A label is
+    continued after a space unless the prompt already ends in whitespace."""
+    space = "" if template.endswith((" ", "\n", "\t")) else " "
+    continuations = [tokenizer.encode(space + label) for label in labels]
+    if min(map(len, continuations)) == 0:
+        raise BridgeError("labels: a label word encodes to no tokens")
+    room = max_len - max(map(len, continuations))
+    if room < 2:
+        raise BridgeError(f"--max-len: {max_len} tokens leave no room for a prompt before the labels")
+    bos = tokenizer.bos_id is not None
+    prompts, cut = [], 0
+    for text in texts:
+        ids, was_cut = truncate_left(tokenizer.encode(fill_template(template, text), bos=bos), room,
+                                     tokenizer.bos_id if bos else None)
+        prompts.append(ids)
+        cut += was_cut
+    return prompts, continuations, cut
+
+
+def continuation_logprobs(model, params, prompts: list[list[int]], continuations: list[list[int]],
+                          batch_size: int = 64, progress: bool = False) -> np.ndarray:
+    """(N, C): log p(continuation c | prompt n), summed over all of c's tokens. Every (n, c) pair
+    is a row prompt + continuation; rows of similar length share a padded batch, and a mask
+    picks the continuation's positions."""
+    pairs = [(n, c) for n in range(len(prompts)) for c in range(len(continuations))]
+    lengths = np.array([len(prompts[n]) + len(continuations[c]) for n, c in pairs])
+    cap = int(lengths.max())
+    scores = np.zeros((len(prompts), len(continuations)), np.float64)
+    score_fn = _score_fn(model)
+    batches = length_batches(lengths, batch_size, None)
+    for idx in tqdm(batches, desc="zero-shot", unit="batch", disable=not progress, leave=False):
+        S = bucket(int(lengths[idx].max()), max(cap, 16))
+        tokens, mask = pad_rows([prompts[pairs[i][0]] + continuations[pairs[i][1]] for i in idx],
+                                S, batch_size)
+        target = np.zeros_like(mask)  # True where the token is a continuation token
+        for row, i in enumerate(idx):
+            n, c = pairs[i]
+            target[row, len(prompts[n]):len(prompts[n]) + len(continuations[c])] = True
+        row_scores = np.asarray(score_fn(params, tokens, mask, target))
+        for row, i in enumerate(idx):
+            scores[pairs[i]] = row_scores[row]
+    return scores
+
+
+_SCORE_FNS: dict = {}
+
+
+def _score_fn(model) -> Callable:
+    if model not in _SCORE_FNS:
+        def score(params, tokens_BS, mask_BS, target_BS):
+            logits = model.apply({"params": params}, tokens_BS, attention_mask=mask_BS)
+            logp_BSV = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+            token_logp_BS = jnp.take_along_axis(logp_BSV, tokens_BS[:, 1:, None], axis=-1)[..., 0]
+            return jnp.sum(jnp.where(target_BS[:, 1:], token_logp_BS, 0.0), axis=-1)
+        _SCORE_FNS[model] = jax.jit(score)
+    return _SCORE_FNS[model]
+
+
+def zero_shot(model, params, tokenizer: Tokenizer, texts: list[str], labels: list[str],
+              template: str = DEFAULT_TEMPLATE, max_len: int | None = None,
+              batch_size: int = 64, progress: bool = False):
+    """(predicted label indices (N,), scores (N, C), prompts truncated)."""
+    max_len = min(max_len or model.config.max_seq_len, model.config.max_seq_len)
+    prompts, continuations, cut = zero_shot_rows(tokenizer, texts, labels, template, max_len)
+    scores = continuation_logprobs(model, params, prompts, continuations, batch_size, progress)
+    return scores.argmax(-1), scores, cut
+
+
+def load_lm(path: str, dtype=None):
+    """(model, params) of a checkpoint for zero-shot scoring, in float32 unless asked."""
+    return load_checkpoint(path, dtype=as_dtype(dtype) if dtype else "float32")
