@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,7 @@ HEAD_FILE = "classifier.safetensors"
 META_FILE = "classifier.json"
 HEAD_TENSORS = ("classifier.weight", "classifier.bias")
 SEPARATOR = " ||| "
+_INTEGER = re.compile(r"[+-]?\d+")
 
 
 @dataclass(frozen=True)
@@ -86,39 +88,43 @@ def read_examples(path: str | os.PathLike, n_labels: int, *, require_labels: boo
         raise BridgeError(f"{path}: no such file") from None
     except OSError as e:
         raise BridgeError(f"{path}: cannot read ({e.strerror})") from None
-    examples, skipped = [], []
+    parsed, skipped = [], []
     for number, line in enumerate(raw.split(b"\n"), start=1):
         try:
             text = line.decode("utf-8").strip()
         except UnicodeDecodeError:
-            problem = "not UTF-8"
-        else:
-            if not text:
-                continue
-            example, problem = _parse(text, number, n_labels, require_labels)
-            if example is not None:
-                examples.append(example)
-                continue
-        if not skip_malformed:
+            parsed.append((number, None, "not UTF-8"))
+            continue
+        if text:
+            parsed.append((number, *_parse(text, number, n_labels, require_labels)))
+    # A file is labeled when any line is; its lines without a label are then malformed too.
+    labeled = any(ex is not None and ex.label is not None for _, ex, _ in parsed)
+    examples = []
+    for number, example, problem in parsed:
+        if example is not None and labeled and example.label is None:
+            head, sep, _ = example.text.partition("|||")
+            example, problem = None, (f"label {head.strip()!r} is not an integer index into "
+                                      f"labels.json" if sep else "expected 'LABEL ||| TEXT'")
+        if example is not None:
+            examples.append(example)
+        elif not skip_malformed:
             raise BridgeError(f"{path}:{number}: {problem}")
-        skipped.append(f"{number}: {problem}")
+        else:
+            skipped.append(f"{number}: {problem}")
     if not examples:
-        raise BridgeError(f"{path}: no examples" + (f" ({len(skipped)} malformed lines skipped)"
-                                                    if skipped else ""))
-    kinds = {e.label is None for e in examples}
-    if len(kinds) > 1:
-        first = next(e for e in examples if e.label is None)
-        raise BridgeError(f"{path}:{first.line}: a line without a label in a labeled file")
+        raise BridgeError(f"{path}: no examples" + (
+            f" ({len(skipped)} malformed line(s) skipped, the first at line {skipped[0]})"
+            if skipped else ""))
     return Dataset(path, examples, skipped)
 
 
 def _parse(line: str, number: int, n_labels: int, require_labels: bool):
-    head, sep, text = line.partition(SEPARATOR.strip())
-    if not sep:
-        if require_labels:
-            return None, f"expected 'LABEL ||| TEXT'"
-        return Example(line, None, number), None
+    head, sep, text = line.partition("|||")
     head, text = head.strip(), text.strip()
+    if not sep or (not require_labels and not _INTEGER.fullmatch(head)):
+        if require_labels:
+            return None, "expected 'LABEL ||| TEXT'"
+        return Example(line, None, number), None  # a text of its own, '|||' and all
     try:
         label = int(head)
     except ValueError:

@@ -167,7 +167,8 @@ def predict_ids(clf: Classifier, rows: list[list[int]], batch_size: int = 64,
     lengths = np.array([len(r) for r in rows])
     out = np.zeros((len(rows), len(clf.labels)), np.float32)
     batches = length_batches(lengths, batch_size, None)
-    for idx in tqdm(batches, desc="predict", unit="batch", disable=not progress, leave=False):
+    for idx in tqdm(batches, desc="predict", unit="batch", disable=None if progress else True,
+                    leave=False):
         tokens, mask = pad_rows([rows[i] for i in idx], bucket(int(lengths[idx].max()), clf.max_len),
                                 batch_size)
         out[idx] = np.asarray(apply(clf.params, tokens, mask))[:len(idx)]
@@ -282,7 +283,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
     train_labels = train.labels
     best = {"dev_accuracy": -1.0, "epoch": 0}
     history = []
-    metrics_file = (out / "metrics.jsonl").open("a")
+    metrics_file = (out / "metrics.jsonl").open("w")
     try:
         for epoch in range(1, fc.epochs + 1):
             losses = []
@@ -331,7 +332,9 @@ def fill_template(template: str, text: str) -> str:
 def zero_shot_rows(tokenizer: Tokenizer, texts: list[str], labels: list[str], template: str,
                    max_len: int) -> tuple[list[list[int]], list[list[int]], int]:
     """(prompt ids per text, continuation ids per label, prompts cut from the left). A label is
-    continued after a space unless the prompt already ends in whitespace."""
+    continued after a space unless the prompt already ends in whitespace. Prompt and label are
+    tokenized apart, so a BPE merge across their boundary is never taken: the label's tokens are
+    the same after every prompt."""
     space = "" if template.endswith((" ", "\n", "\t")) else " "
     continuations = [tokenizer.encode(space + label) for label in labels]
     if min(map(len, continuations)) == 0:
@@ -360,7 +363,8 @@ def continuation_logprobs(model, params, prompts: list[list[int]], continuations
     scores = np.zeros((len(prompts), len(continuations)), np.float64)
     score_fn = _score_fn(model)
     batches = length_batches(lengths, batch_size, None)
-    for idx in tqdm(batches, desc="zero-shot", unit="batch", disable=not progress, leave=False):
+    for idx in tqdm(batches, desc="zero-shot", unit="batch", disable=None if progress else True,
+                    leave=False):
         S = bucket(int(lengths[idx].max()), max(cap, 16))
         tokens, mask = pad_rows([prompts[pairs[i][0]] + continuations[pairs[i][1]] for i in idx],
                                 S, batch_size)

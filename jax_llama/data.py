@@ -55,7 +55,7 @@ def corpus_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return files
 
 
-_LABEL_PREFIX = re.compile(r"^[ \t]*-?\d+[ \t]*\|\|\|[ \t]*", re.MULTILINE)
+_LABEL_PREFIX = re.compile(r"^[ \t]*\d+[ \t]*\|\|\|[ \t]*", re.MULTILINE)
 
 
 def strip_labels(text: str) -> str:
@@ -74,6 +74,9 @@ def read_documents(files: list[Path], warn=None, labeled: bool = False) -> Itera
             skipped.append(f"{f} ({type(e).__name__})")
             continue
         if labeled:
+            if text.strip() and not _LABEL_PREFIX.search(text):
+                (warn or (lambda m: print(m, file=sys.stderr)))(
+                    f"warning: {f}: no 'LABEL ||| TEXT' line; its text is used as it is")
             text = strip_labels(text)
         if text.strip():
             yield text

@@ -1,0 +1,551 @@
+"""Sequence classification: pooling on the last real token, the two twins' classifiers, the
+classifier directory, fine-tuning, zero-shot scoring, the data format, and the CLI commands
+(finetune, predict, zero-shot, split, train's label stripping)."""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jax_llama
+import torch_llama
+from bridge.classification import read_examples, read_labels, truncate_left
+from bridge.tokenizer import ByteTokenizer
+from conftest import small_config
+from jax_llama import classify
+from jax_llama import cli as jax_cli
+from jax_llama import data
+from jax_llama.model import Llama, LlamaClassifier
+from jax_llama.model import last_real_index as jax_last_real_index
+from jax_llama.train import TrainConfig, init_state, lr_schedule, make_optimizer, make_train_step
+from torch_llama.model import last_real_index as torch_last_real_index
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+LABELS = ["negative", "neutral", "positive"]
+
+
+def pad_batch(rows: list[list[int]], sides: list[str], length: int, seed: int = 0):
+    """(tokens (B, length) int32, mask (B, length) bool): each row padded on its side ('left',
+    'right' or 'none' when it fills the length) with random ids, so padding content that leaks
+    into a result changes it."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, (len(rows), length)).astype(np.int32)
+    mask = np.zeros((len(rows), length), bool)
+    for i, (row, side) in enumerate(zip(rows, sides)):
+        assert side != "none" or len(row) == length
+        start = length - len(row) if side == "left" else 0
+        tokens[i, start:start + len(row)] = row
+        mask[i, start:start + len(row)] = True
+    return tokens, mask
+
+
+def decisive_head(params: dict, n_classes: int, seed: int = 0) -> dict:
+    """params with the head's N(0, 0.02) init replaced by N(0, 0.5), so that the log-probabilities
+    are far from uniform and a wrong hidden state or head cannot pass a comparison by accident."""
+    rng = np.random.default_rng(seed)
+    dim = params["classifier"]["kernel"].shape[0]
+    head = {"kernel": jnp.asarray(rng.normal(0, 0.5, (dim, n_classes)), jnp.float32),
+            "bias": jnp.asarray(rng.normal(0, 0.5, n_classes), jnp.float32)}
+    return {**params, "classifier": head}
+
+
+# -- pooling: the last real token, wherever the padding is ------------------------------------------
+
+def test_last_real_index_under_left_right_and_no_padding():
+    masks = np.array([[0, 0, 1, 1, 1, 1],   # left-padded
+                      [1, 1, 1, 0, 0, 0],   # right-padded
+                      [1, 1, 1, 1, 1, 1],   # no padding
+                      [0, 1, 1, 1, 0, 0],   # both sides
+                      [1, 0, 0, 0, 0, 0]],  # one real token, at the front
+                     dtype=bool)
+    expected = [5, 2, 5, 3, 0]
+    assert np.asarray(jax_last_real_index(masks)).tolist() == expected
+    assert torch_last_real_index(torch.from_numpy(masks)).tolist() == expected
+    assert torch_last_real_index(torch.from_numpy(masks.astype(np.int64))).tolist() == expected
+
+
+@pytest.fixture(scope="module")
+def pooled_classifier():
+    config = small_config(vocab_size=259)
+    model = LlamaClassifier(config, len(LABELS))
+    params = model.init(jax.random.key(3), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool))
+    return config, model, decisive_head(params["params"], len(LABELS), seed=3)
+
+
+def test_classifier_gives_a_row_the_same_log_probs_alone_and_padded(pooled_classifier):
+    _, model, params = pooled_classifier
+    short, long = [256, 72, 105, 33, 10], [256, *range(40, 48)]  # 5 and 9 tokens
+    apply = jax.jit(lambda t, m: model.apply({"params": params}, t, m))
+    alone_short = np.asarray(apply(np.array([short], np.int32), np.ones((1, 5), bool)))[0]
+    alone_long = np.asarray(apply(np.array([long], np.int32), np.ones((1, 9), bool)))[0]
+    assert alone_short.max() - alone_short.min() > 0.1  # a decisive head, not ~log(1/3) everywhere
+    for side in ("left", "right"):
+        tokens, mask = pad_batch([short, long], [side, "none"], 9, seed=7)
+        got = np.asarray(apply(tokens, mask))
+        # The same float32 math on the same real tokens at the same positions; a masked key adds
+        # an exact zero. Only summation order differs: ~1e-7 on log-probs of O(1).
+        np.testing.assert_allclose(got[0], alone_short, rtol=0, atol=1e-5, err_msg=side)
+        np.testing.assert_allclose(got[1], alone_long, rtol=0, atol=1e-5, err_msg=side)
+
+
+def test_reading_the_final_position_of_a_right_padded_row_is_wrong(pooled_classifier):
+    """Without last-real-token pooling a right-padded row would be read at a padding slot."""
+    config, model, params = pooled_classifier
+    short, long = [256, 72, 105, 33, 10], [256, *range(40, 48)]
+    tokens, mask = pad_batch([short, long], ["right", "none"], 9, seed=7)
+    hidden = np.asarray(Llama(config).apply({"params": params["llama"]}, tokens,
+                                            attention_mask=mask, lm_head=False))
+    last = int(jax_last_real_index(mask)[0])
+    assert last == 4
+    assert np.abs(hidden[0, -1] - hidden[0, last]).max() > 0.1  # final-norm outputs are O(1)
+    head = params["classifier"]
+    at_end = np.asarray(jax.nn.log_softmax(hidden[0, -1] @ head["kernel"] + head["bias"]))
+    pooled = np.asarray(model.apply({"params": params}, tokens, mask))[0]
+    np.testing.assert_allclose(  # the head on the last real token is what the model returns
+        np.asarray(jax.nn.log_softmax(hidden[0, last] @ head["kernel"] + head["bias"])), pooled,
+        rtol=0, atol=1e-5)  # float32, the same ops in another order: ~1e-7
+    assert np.abs(at_end - pooled).max() > 1e-2
+
+
+# -- the twins agree; the classifier directory ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory):
+    """An untrained classifier (ByteTokenizer, max_len 32, dropout 0.1) with a decisive head, saved."""
+    config = small_config(vocab_size=259, tie_embeddings=False)
+    clf = classify.new_classifier(config, LABELS, ByteTokenizer(), 32, dropout=0.1, seed=0)
+    clf.params = decisive_head(clf.params, len(LABELS), seed=1)
+    path = tmp_path_factory.mktemp("clf") / "c"
+    clf.save(path)
+    return path, clf
+
+
+TEXTS = ["a fine film", "dull", "the plot thin, acting superb"]
+
+
+def test_jax_and_torch_classifiers_agree_on_mixed_padding(classifier_dir):
+    path, clf = classifier_dir
+    assert sorted(p.name for p in path.iterdir()) == [
+        "classifier.json", "classifier.safetensors", "config.json", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json"]
+    loaded = classify.load_classifier(path)
+    tmodel, meta = torch_llama.load_classifier(path, device="cpu")
+    assert loaded.labels == meta["labels"] == LABELS and loaded.max_len == meta["max_len"] == 32
+    assert loaded.model.dropout == meta["dropout"] == 0.1
+    tok = loaded.tokenizer  # the saved tokenizer.json, read back: the same ids as ByteTokenizer
+    rows = [tok.encode(t, bos=True) for t in TEXTS]
+    assert rows == [ByteTokenizer().encode(t, bos=True) for t in TEXTS]
+    tokens, mask = pad_batch(rows, ["left", "right", "none"], len(rows[2]), seed=2)
+    original = np.asarray(clf.model.apply({"params": clf.params}, tokens, mask))
+    jax_logp = np.asarray(loaded.model.apply({"params": loaded.params}, tokens, mask))
+    # The safetensors round trip is exact and the module the same: equal up to recompilation.
+    np.testing.assert_allclose(jax_logp, original, rtol=0, atol=1e-6)
+    assert (np.ptp(jax_logp, axis=1) > 0.1).all()  # decisive, so agreement means something
+    with torch.no_grad():
+        torch_logp = tmodel(torch.from_numpy(tokens), torch.from_numpy(mask)).numpy()
+    # Two float32 implementations of the same math (XLA vs torch kernels, different summation
+    # orders) through 2 layers: differences are rounding, ~1e-6 on log-probs of O(1).
+    np.testing.assert_allclose(torch_logp, jax_logp, rtol=0, atol=1e-5)
+    # predict() (right padding to a bucket, its own batching) gives the same rows.
+    predicted, logp, cut = classify.predict(loaded, TEXTS)
+    assert cut == 0 and predicted.tolist() == torch_logp.argmax(-1).tolist()
+    np.testing.assert_allclose(logp, torch_logp, rtol=0, atol=1e-5)  # as above
+
+    # A head that differs by 1e-3 in one bias is caught by that tolerance.
+    with torch.no_grad():
+        tmodel.classifier.bias += torch.tensor([1e-3, -1e-3, 0.0])
+        perturbed = tmodel(torch.from_numpy(tokens), torch.from_numpy(mask)).numpy()
+        tmodel.classifier.bias -= torch.tensor([1e-3, -1e-3, 0.0])
+    assert np.abs(perturbed - jax_logp).max() > 5e-4
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(perturbed, jax_logp, rtol=0, atol=1e-5)
+
+
+def test_torch_classifier_in_eval_mode_ignores_dropout(classifier_dir):
+    path, _ = classifier_dir
+    tmodel, _ = torch_llama.load_classifier(path, device="cpu")
+    assert not tmodel.training and tmodel.dropout.p == 0.1
+    tokens = torch.tensor([ByteTokenizer().encode(TEXTS[2], bos=True)])
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    with torch.no_grad():
+        first, second = tmodel(tokens, mask), tmodel(tokens, mask)
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+        tmodel.train()  # the negative: in training mode the same input gives another answer
+        torch.manual_seed(0)
+        trained = tmodel(tokens, mask)
+        tmodel.eval()
+    assert (trained - first).abs().max() > 1e-3
+
+
+def test_classifier_directory_loads_as_a_plain_language_model(classifier_dir):
+    path, clf = classifier_dir
+    model, params = jax_llama.load(path)  # the head files are not tensors of the LM
+    reference = jax_llama.init(clf.model.config, seed=0)[1]  # new_classifier's backbone + LM head
+    assert set(params) == set(reference) and "output" in params
+    for got, want in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(reference)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # saved as float32: exact
+    tlm = torch_llama.load(path, device="cpu")  # strict load: no unexpected classifier tensors
+    np.testing.assert_array_equal(tlm.output.weight.detach().numpy(),
+                                  np.asarray(reference["output"]["kernel"]).T)
+
+
+# -- fine-tuning on a separable task, then predict -------------------------------------------------
+
+FILLER = "the a movie film was plot and actor scene story it with this had".split()
+POSITIVE, NEGATIVE = ["great", "superb", "lovely"], ["awful", "boring", "terrible"]
+
+
+def synthetic_lines(n: int, seed: int) -> str:
+    """`LABEL ||| TEXT` lines: 4-7 filler words and one positive (label 1) or negative word."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        label = int(rng.integers(2))
+        words = [str(w) for w in rng.choice(FILLER, int(rng.integers(4, 8)))]
+        words.insert(int(rng.integers(len(words) + 1)), str(rng.choice(POSITIVE if label else NEGATIVE)))
+        out.append(f"{label} ||| {' '.join(words)}")
+    return "\n".join(out) + "\n"
+
+
+def test_finetune_learns_a_separable_task_and_predict_agrees(tmp_path, capsys):
+    (tmp_path / "train.txt").write_text(synthetic_lines(300, seed=0))
+    (tmp_path / "dev.txt").write_text(synthetic_lines(100, seed=1))
+    (tmp_path / "labels.json").write_text('["negative", "positive"]')
+    out = tmp_path / "run"
+    assert jax_cli.main(["finetune", "--train", str(tmp_path / "train.txt"), "--dev",
+                         str(tmp_path / "dev.txt"), "--labels", str(tmp_path / "labels.json"),
+                         "--out", str(out), "--vocab-size", "300", "--epochs", "3",
+                         "--max-len", "64"]) == 0
+    stdout = capsys.readouterr().out
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in history] == [1, 2, 3]
+    best = max(history, key=lambda r: r["dev_accuracy"])
+    assert best["dev_accuracy"] >= 0.9, history  # chance is ~0.5
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert f"best dev accuracy {best['dev_accuracy']:.4f} (epoch {best['epoch']} of 3)" in stdout
+
+    assert {"classifier.json", "classifier.safetensors", "model.safetensors", "config.json",
+            "tokenizer.json"} <= {p.name for p in (out / "best").iterdir()}
+    meta = json.loads((out / "best" / "classifier.json").read_text())
+    assert meta["labels"] == ["negative", "positive"] and meta["max_len"] == 64
+    assert meta["epoch"] == best["epoch"] and meta["dev_accuracy"] == best["dev_accuracy"]
+    dev_predictions = (out / "dev_predictions.txt").read_text()
+    assert len(dev_predictions.splitlines()) == 100
+    assert set(dev_predictions.split()) <= {"0", "1"}
+    dev_labels = [int(line.split(" ||| ")[0])
+                  for line in (tmp_path / "dev.txt").read_text().splitlines()]
+    assert np.mean(np.array(dev_predictions.split(), int) == dev_labels) == best["dev_accuracy"]
+
+    # predict on the run directory (it finds best/) reproduces best's accuracy and predictions.
+    assert jax_cli.main(["predict", str(out), "--data", str(tmp_path / "dev.txt"), "--out",
+                         str(tmp_path / "pred.txt")]) == 0
+    stdout = capsys.readouterr().out
+    n_right = int(round(best["dev_accuracy"] * 100))
+    assert f"classifier accuracy {best['dev_accuracy']:.4f} ({n_right}/100)" in stdout
+    assert (tmp_path / "pred.txt").read_text() == dev_predictions
+
+
+# -- zero-shot scoring ------------------------------------------------------------------------------
+
+TEMPLATE = "{text}. the review says:"
+ZS_TEXTS = ["a quiet film", "the plot moves", "two actors talk", "rain all day", "an old house",
+            "music and dance"]
+
+
+@pytest.fixture(scope="module")
+def trained_lm():
+    """A tiny LM trained (60 AdamW steps) on 'TEXT. the review says: excellent' for six texts."""
+    tok = ByteTokenizer()
+    config = small_config(vocab_size=259, max_seq_len=64)
+    model, params = jax_llama.init(config, seed=0)
+    rows = [tok.encode(TEMPLATE.format(text=t) + " excellent", bos=True) for t in ZS_TEXTS]
+    length = max(map(len, rows))
+    tokens = np.full((len(rows), length), tok.pad_id, np.int32)
+    mask = np.zeros((len(rows), length - 1), np.float32)
+    for i, r in enumerate(rows):
+        tokens[i, :len(r)] = r
+        mask[i, :len(r) - 1] = 1
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+    tc = TrainConfig(steps=60, batch_size=len(rows), seq_len=length - 1, lr=1e-2, warmup_steps=5)
+    optimizer = make_optimizer(tc)
+    state = init_state(params, optimizer)
+    step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc)))
+    for _ in range(tc.steps):
+        state, metrics = step(state, batch)
+    assert float(metrics["loss"]) < 0.5, "the LM did not learn its sentences"
+    return model, state.params, tok
+
+
+def manual_token_logprobs(model, params, prompt: list[int], continuation: list[int]) -> list[float]:
+    """log p(each continuation token | everything before it), read off one unmasked forward pass
+    of the row alone. The row is right-padded to 64 so that one compilation serves every row;
+    causal attention keeps the trailing padding out of every earlier position."""
+    ids = prompt + continuation
+    tokens = np.zeros((1, 64), np.int32)
+    tokens[0, :len(ids)] = ids
+    logits = _forward(model)(params, tokens)[0]
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1), np.float64)
+    return [float(logp[j - 1, ids[j]]) for j in range(len(prompt), len(ids))]
+
+
+_FORWARDS: dict = {}
+
+
+def _forward(model):
+    if model not in _FORWARDS:
+        _FORWARDS[model] = jax.jit(lambda p, t: model.apply({"params": p}, t))
+    return _FORWARDS[model]
+
+
+def test_zero_shot_ranks_the_trained_label_first(trained_lm):
+    model, params, tok = trained_lm
+    predictions, scores, cut = classify.zero_shot(model, params, tok, ZS_TEXTS, ["awful", "excellent"],
+                                                  template=TEMPLATE)
+    assert cut == 0 and scores.shape == (len(ZS_TEXTS), 2)
+    assert predictions.tolist() == [1] * len(ZS_TEXTS)
+    assert (scores[:, 1] - scores[:, 0] > 5).all()  # by a wide margin, not a near-tie
+    # reversing the label order reverses the predicted index: the score goes with the word
+    predictions, _, _ = classify.zero_shot(model, params, tok, ZS_TEXTS, ["excellent", "awful"],
+                                           template=TEMPLATE)
+    assert predictions.tolist() == [0] * len(ZS_TEXTS)
+
+
+def test_zero_shot_scores_sum_over_every_continuation_token(trained_lm):
+    model, params, tok = trained_lm
+    labels = ["awful", "excellent", "terribly disappointing"]  # 6, 10 and 23 tokens, one batch
+    prompts, continuations, cut = classify.zero_shot_rows(tok, ZS_TEXTS[:3], labels, TEMPLATE, 64)
+    assert cut == 0
+    assert continuations == [tok.encode(" " + w) for w in labels]  # a space after the template
+    assert [len(c) for c in continuations] == [6, 10, 23]
+    scores = classify.continuation_logprobs(model, params, prompts, continuations)
+    for n, prompt in enumerate(prompts):
+        assert prompt == tok.encode(TEMPLATE.format(text=ZS_TEXTS[n]), bos=True)
+        for c, continuation in enumerate(continuations):
+            token_logprobs = manual_token_logprobs(model, params, prompt, continuation)
+            assert len(token_logprobs) == len(continuation)
+            # Padded batch vs one row: float32 rounding over up to 23 summed terms of up to ~10
+            # nats, ~1e-6 each: 1e-4 leaves room without hiding a missing token (>= 1e-2 here).
+            np.testing.assert_allclose(scores[n, c], sum(token_logprobs), rtol=0, atol=1e-4,
+                                       err_msg=f"{n}, {labels[c]}")
+            if c == 2:  # every token counts: the untrained tail of a long label adds a lot
+                assert scores[n, c] < token_logprobs[0] - 1.0
+                assert scores[n, c] < sum(token_logprobs[:-1]) - 1e-2
+
+
+def test_zero_shot_cli(trained_lm, tmp_path, capsys):
+    model, params, tok = trained_lm
+    jax_llama.save(tmp_path / "lm", model.config, params)
+    tok.save(tmp_path / "lm")
+    (tmp_path / "data.txt").write_text("".join(f"1 ||| {t}\n" for t in ZS_TEXTS))
+    (tmp_path / "labels.json").write_text('["awful", "excellent"]')
+    assert jax_cli.main(["zero-shot", str(tmp_path / "lm"), "--data", str(tmp_path / "data.txt"),
+                         "--labels", str(tmp_path / "labels.json"), "--template", TEMPLATE,
+                         "--out", str(tmp_path / "pred.txt")]) == 0
+    captured = capsys.readouterr()
+    assert "zero-shot accuracy 1.0000 (6/6)" in captured.out
+    assert "predicted: awful 0, excellent 6" in captured.err
+    assert (tmp_path / "pred.txt").read_text() == "1\n" * 6
+
+
+# -- bad input through the command line -------------------------------------------------------------
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.fixture
+def task(tmp_path):
+    """A valid train/dev/labels triple; tests overwrite one file to break it."""
+    (tmp_path / "train.txt").write_text("0 ||| bad film\n1 ||| good film\n")
+    (tmp_path / "dev.txt").write_text("1 ||| fine film\n")
+    (tmp_path / "labels.json").write_text('["bad", "good"]')
+    return tmp_path
+
+
+def finetune_argv(task: Path, *extra: str) -> list[str]:
+    return ["finetune", "--train", str(task / "train.txt"), "--dev", str(task / "dev.txt"),
+            "--labels", str(task / "labels.json"), "--out", str(task / "out"), *extra]
+
+
+@pytest.mark.parametrize("train_text, message", [
+    ("0 ||| ok\n\nno separator here\n", ":3: expected 'LABEL ||| TEXT'"),  # blank lines count
+    ("0 ||| ok\n2 ||| too high\n", ":2: label 2 is outside labels.json's 2 labels (0..1)"),
+    ("0 ||| ok\n-1 ||| negative\n", ":2: label -1 is outside labels.json's 2 labels (0..1)"),
+    ("pos ||| not an index\n", ":1: label 'pos' is not an integer index into labels.json"),
+    ("0 ||| ok\n1 |||   \n", ":2: empty text"),
+    ("", ": no examples"),
+    ("\n  \n", ": no examples"),
+])
+def test_finetune_refuses_a_malformed_data_file(task, capsys, train_text, message):
+    (task / "train.txt").write_text(train_text)
+    assert jax_cli.main(finetune_argv(task)) == 2
+    assert one_error_line(capsys) == f"error: {task / 'train.txt'}{message}"
+    assert not (task / "out").exists()
+
+
+def test_skip_malformed_skips_and_counts(task, capsys):
+    (task / "train.txt").write_text("0 ||| ok\nbroken\n1 ||| fine\nx ||| bad label\n")
+    (task / "dev.txt").write_text("broken too\n")  # all skipped: refused before any training
+    assert jax_cli.main(finetune_argv(task, "--skip-malformed")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"warning: {task / 'train.txt'}: skipped 2 malformed line(s), first at line 2: "
+        f"expected 'LABEL ||| TEXT'",
+        f"error: {task / 'dev.txt'}: no examples (1 malformed line(s) skipped, "
+            f"the first at line 1: expected 'LABEL ||| TEXT')"]
+    dataset = read_examples(task / "train.txt", 2, skip_malformed=True)
+    assert [(e.line, e.label, e.text) for e in dataset.examples] == [(1, 0, "ok"), (3, 1, "fine")]
+    assert len(dataset.skipped) == 2 and dataset.skipped[1].startswith("4: label 'x'")
+
+
+@pytest.mark.parametrize("labels_text, why", [
+    ('{"bad": 0, "good": 1}', "not a list"),
+    ('["only"]', "one label"),
+    ('["bad", "bad"]', "duplicates"),
+    ('["bad", ""]', "an empty word"),
+])
+def test_finetune_refuses_bad_labels_json(task, capsys, labels_text, why):
+    (task / "labels.json").write_text(labels_text)
+    assert jax_cli.main(finetune_argv(task)) == 2, why
+    assert one_error_line(capsys) == (f"error: {task / 'labels.json'}: expected a JSON list of at "
+                                      f"least two distinct label words, e.g. [\"bad\", \"good\"]")
+
+
+def test_finetune_refuses_a_non_empty_out_and_init_with_preset(task, capsys):
+    (task / "out").mkdir()
+    (task / "out" / "keep.txt").write_text("mine")
+    assert jax_cli.main(finetune_argv(task)) == 2
+    assert one_error_line(capsys) == f"error: --out: {task / 'out'} is not empty"
+    assert (task / "out" / "keep.txt").read_text() == "mine"
+    (task / "out" / "keep.txt").unlink()
+    assert jax_cli.main(finetune_argv(task, "--init", str(task / "ckpt"), "--preset", "tiny")) == 2
+    assert one_error_line(capsys).startswith("error: --preset: not with --init")
+
+
+def test_zero_shot_refuses_a_template_without_text(task, capsys):
+    assert jax_cli.main(["zero-shot", str(task), "--data", str(task / "dev.txt"), "--labels",
+                         str(task / "labels.json"), "--template", "Overall, it was"]) == 2
+    assert one_error_line(capsys) == "error: --template: must contain {text} (got 'Overall, it was')"
+
+
+def test_predict_truncates_long_texts_from_the_left_and_says_how_many(classifier_dir, tmp_path, capsys):
+    path, _ = classifier_dir  # max_len 32 with a byte tokenizer: BOS + the last 31 bytes
+    long = "this opening is cut away entirely, while this ending stays"
+    (tmp_path / "data.txt").write_text(f"short one\n{long}\nanother short text\n")
+    assert jax_cli.main(["predict", str(path), "--data", str(tmp_path / "data.txt")]) == 0
+    captured = capsys.readouterr()
+    note = f"{tmp_path / 'data.txt'}: 1 of 3 texts longer than 32 tokens were truncated from the left"
+    assert note in captured.err.splitlines()  # (the other stderr output is a progress bar)
+    assert captured.err.count("truncated") == 1
+    assert len(captured.out.split()) == 3  # unlabeled: predictions only, no accuracy
+    clf = classify.load_classifier(path)
+    _, logp_long, cut = classify.predict(clf, [long])
+    _, logp_tail, _ = classify.predict(clf, [long[-31:]])
+    assert cut == 1
+    np.testing.assert_allclose(logp_long, logp_tail, rtol=0, atol=1e-6)  # the same tokens exactly
+    _, logp_head, _ = classify.predict(clf, [long[:31]])
+    assert np.abs(logp_long - logp_head).max() > 1e-3  # it is the start that was dropped
+    assert truncate_left([256, 1, 2, 3, 4], 3, 256) == ([256, 3, 4], True)
+    assert truncate_left([1, 2, 3], 3, 256) == ([1, 2, 3], False)
+
+
+def test_predict_with_skip_malformed_and_on_a_plain_lm(classifier_dir, tmp_path, capsys):
+    path, _ = classifier_dir
+    (tmp_path / "data.txt").write_text("0 ||| fine\nx ||| bad label\n2 ||| also fine\n")
+    assert jax_cli.main(["predict", str(path), "--data", str(tmp_path / "data.txt")]) == 2
+    assert one_error_line(capsys) == (f"error: {tmp_path / 'data.txt'}:2: label 'x' is not an "
+                                      f"integer index into labels.json")
+    assert jax_cli.main(["predict", str(path), "--data", str(tmp_path / "data.txt"),
+                         "--skip-malformed"]) == 0
+    captured = capsys.readouterr()
+    warning = f"warning: {tmp_path / 'data.txt'}: skipped 1 malformed line(s), first at line 2"
+    assert warning in captured.err
+    expected, _, _ = classify.predict(classify.load_classifier(path), ["fine", "also fine"])
+    assert captured.out.split() == [str(p) for p in expected]  # the two good lines, in order
+    right = int((expected == [0, 2]).sum())
+    assert f"classifier accuracy {right / 2:.4f} ({right}/2)" in captured.err
+    model, params = jax_llama.load(path)
+    jax_llama.save(tmp_path / "lm", model.config, params)
+    assert jax_cli.main(["predict", str(tmp_path / "lm"), "--data", str(tmp_path / "data.txt")]) == 2
+    assert "not a classifier (no classifier.json" in one_error_line(capsys)
+
+
+# -- split ------------------------------------------------------------------------------------------
+
+def test_split_partitions_the_lines_reproducibly(tmp_path, capsys):
+    lines = [f"{i % 2} ||| text number {i}" for i in range(50)]
+    (tmp_path / "all.txt").write_text("\n".join(lines[:25]) + "\n\n" + "\n".join(lines[25:]) + "\n")
+
+    def split(out: str, seed: int = 0) -> tuple[list[str], list[str]]:
+        assert jax_cli.main(["split", str(tmp_path / "all.txt"), "--fraction", "0.2", "--out",
+                             str(tmp_path / out), "--seed", str(seed)]) == 0
+        return ((tmp_path / out / "train.txt").read_text().splitlines(),
+                (tmp_path / out / "heldout.txt").read_text().splitlines())
+
+    train, held = split("a")
+    assert len(held) == 10 and len(train) == 40
+    assert not set(train) & set(held) and sorted(train + held) == sorted(lines)  # blank line dropped
+    assert train == [line for line in lines if line in set(train)]  # file order kept
+    assert split("b") == (train, held)  # same seed, same split
+    assert split("c", seed=1)[1] != held
+    capsys.readouterr()
+    assert jax_cli.main(["split", str(tmp_path / "all.txt"), "--fraction", "0.2", "--out",
+                         str(tmp_path / "a")]) == 2  # no silent overwrite
+    assert "already exists" in one_error_line(capsys)
+    assert jax_cli.main(["split", str(tmp_path / "all.txt"), "--fraction", "1.0", "--out",
+                         str(tmp_path / "d")]) == 2
+    assert one_error_line(capsys) == "error: --fraction: must be in (0, 1) (got 1.0)"
+
+
+# -- the label prefix stripped for language-model training ------------------------------------------
+
+LABELED = ("0 ||| a film\n"
+           "1 ||| another ||| with bars inside\n"
+           "  3|||tight, with 2 ||| in it\n"
+           "a line without a label\n"
+           "\n"
+           "12 ||| 7 ||| text that starts with a number\n"
+           "4 ||| last line without newline")
+STRIPPED = ("a film\n"
+            "another ||| with bars inside\n"
+            "tight, with 2 ||| in it\n"
+            "a line without a label\n"
+            "\n"
+            "7 ||| text that starts with a number\n"
+            "last line without newline")
+
+
+def test_strip_labels_removes_only_the_label_prefixes(tmp_path):
+    assert data.strip_labels(LABELED) == STRIPPED
+    assert data.strip_labels(LABELED.replace("\n", "\r\n")) == STRIPPED.replace("\n", "\r\n")
+    (tmp_path / "task.txt").write_text(LABELED)
+    files = data.corpus_files([tmp_path / "task.txt"])
+    assert list(data.read_documents(files, labeled=True)) == [STRIPPED]
+    assert list(data.read_documents(files)) == [LABELED]
+    tok = ByteTokenizer()  # what `train --strip-labels` tokenizes, cached apart from the raw file
+    stripped = data.tokenize_corpus(files, tok, tmp_path / "cache", labeled=True)
+    raw = data.tokenize_corpus(files, tok, tmp_path / "cache")
+    assert tok.decode(stripped) == f"<|bos|>{STRIPPED}<|eos|>"
+    assert tok.decode(raw) == f"<|bos|>{LABELED}<|eos|>"
+
+
+# -- the real task files ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(not ((SHARED_DATA / "sst").is_dir() and (SHARED_DATA / "cfimdb").is_dir()),
+                    reason=f"the SST / CFIMDB task files are not at {SHARED_DATA}")
+def test_read_the_shared_task_files():
+    for task, split_name, count in [("sst", "train", 8544), ("sst", "dev", 1101),
+                                    ("cfimdb", "train", 1707)]:
+        labels = read_labels(SHARED_DATA / task / "labels.json")
+        dataset = read_examples(SHARED_DATA / task / f"{split_name}.txt", len(labels))
+        assert len(dataset.examples) == count and not dataset.skipped, (task, split_name)
+        assert dataset.labeled and all(t.strip() for t in dataset.texts)
+        assert set(dataset.labels.tolist()) == set(range(len(labels))), (task, split_name)
+    assert read_labels(SHARED_DATA / "sst" / "labels.json") == ["awful", "bad", "average", "good",
+                                                                "excellent"]
