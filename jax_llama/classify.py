@@ -51,11 +51,13 @@ def _say(message: str) -> None:
 # ----------------------------------------------------------------------------- tokens and batches
 
 def encode_texts(tokenizer: Tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], int]:
-    """Each text as BOS + ids, cut from the left to max_len (BOS kept); and how many were cut."""
-    bos = tokenizer.bos_id is not None
+    """Each text as BOS + ids + EOS, cut from the left to max_len (BOS kept); and how many were
+    cut. The head reads the hidden state at EOS: the same token ends every row, so it can learn to
+    gather the whole text (GPT's extract token), rather than sit on whatever word ends it."""
+    bos, eos = tokenizer.bos_id is not None, tokenizer.eos_id is not None
     encoded, cut = [], 0
     for text in texts:
-        ids, was_cut = truncate_left(tokenizer.encode(text, bos=bos), max_len,
+        ids, was_cut = truncate_left(tokenizer.encode(text, bos=bos, eos=eos), max_len,
                                      tokenizer.bos_id if bos else None)
         encoded.append(ids)
         cut += was_cut
@@ -394,11 +396,18 @@ def _score_fn(model) -> Callable:
 
 def zero_shot(model, params, tokenizer: Tokenizer, texts: list[str], labels: list[str],
               template: str = DEFAULT_TEMPLATE, max_len: int | None = None,
-              batch_size: int = 64, progress: bool = False):
-    """(predicted label indices (N,), scores (N, C), prompts truncated)."""
+              batch_size: int = 64, progress: bool = False, calibrate: bool = False):
+    """(predicted label indices (N,), scores (N, C), prompts truncated).
+
+    calibrate: subtract each label's score after the template around an empty text, the
+    model's prior for the label word in that place (contextual calibration, Zhao et al. 2021);
+    without it a small model tends to answer its most frequent label word for every text."""
     max_len = min(max_len or model.config.max_seq_len, model.config.max_seq_len)
     prompts, continuations, cut = zero_shot_rows(tokenizer, texts, labels, template, max_len)
     scores = continuation_logprobs(model, params, prompts, continuations, batch_size, progress)
+    if calibrate:
+        empty, _, _ = zero_shot_rows(tokenizer, [""], labels, template, max_len)
+        scores = scores - continuation_logprobs(model, params, empty, continuations, batch_size)
     return scores.argmax(-1), scores, cut
 
 

@@ -228,7 +228,8 @@ def cmd_zero_shot(args) -> int:
     model, params = load_checkpoint_f32(args.checkpoint)
     started = time.time()
     predictions, scores, cut = zero_shot(model, params, tokenizer, dataset.texts, labels,
-                                         args.template, args.max_len, args.batch_size, progress=True)
+                                         args.template, args.max_len, args.batch_size, progress=True,
+                                         calibrate=args.calibrate)
     _cut_note(args.data, cut, len(dataset.examples), args.max_len or model.config.max_seq_len)
     counts = np.bincount(predictions, minlength=len(labels))
     print("predicted: " + ", ".join(f"{w} {c}" for w, c in zip(labels, counts)) +
@@ -340,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prompt around the text, with {{text}} (default {DEFAULT_TEMPLATE!r})")
     p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
     p.add_argument("--max-len", type=int, help="tokens per row; prompts lose their beginning")
+    p.add_argument("--calibrate", action="store_true",
+                   help="subtract each label's score after the template around an empty text "
+                        "(the model's prior for the word there)")
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p)
     p.set_defaults(run=cmd_zero_shot)

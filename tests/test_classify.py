@@ -137,8 +137,8 @@ def test_jax_and_torch_classifiers_agree_on_mixed_padding(classifier_dir):
     assert loaded.labels == meta["labels"] == LABELS and loaded.max_len == meta["max_len"] == 32
     assert loaded.model.dropout == meta["dropout"] == 0.1
     tok = loaded.tokenizer  # the saved tokenizer.json, read back: the same ids as ByteTokenizer
-    rows = [tok.encode(t, bos=True) for t in TEXTS]
-    assert rows == [ByteTokenizer().encode(t, bos=True) for t in TEXTS]
+    rows = [tok.encode(t, bos=True, eos=True) for t in TEXTS]  # as predict() encodes them
+    assert rows == [ByteTokenizer().encode(t, bos=True, eos=True) for t in TEXTS]
     tokens, mask = pad_batch(rows, ["left", "right", "none"], len(rows[2]), seed=2)
     original = np.asarray(clf.model.apply({"params": clf.params}, tokens, mask))
     jax_logp = np.asarray(loaded.model.apply({"params": loaded.params}, tokens, mask))
@@ -435,7 +435,7 @@ def test_zero_shot_refuses_a_template_without_text(task, capsys):
 
 
 def test_predict_truncates_long_texts_from_the_left_and_says_how_many(classifier_dir, tmp_path, capsys):
-    path, _ = classifier_dir  # max_len 32 with a byte tokenizer: BOS + the last 31 bytes
+    path, _ = classifier_dir  # max_len 32 with a byte tokenizer: BOS + the last 30 bytes + EOS
     long = "this opening is cut away entirely, while this ending stays"
     (tmp_path / "data.txt").write_text(f"short one\n{long}\nanother short text\n")
     assert jax_cli.main(["predict", str(path), "--data", str(tmp_path / "data.txt")]) == 0
@@ -446,10 +446,10 @@ def test_predict_truncates_long_texts_from_the_left_and_says_how_many(classifier
     assert len(captured.out.split()) == 3  # unlabeled: predictions only, no accuracy
     clf = classify.load_classifier(path)
     _, logp_long, cut = classify.predict(clf, [long])
-    _, logp_tail, _ = classify.predict(clf, [long[-31:]])
+    _, logp_tail, _ = classify.predict(clf, [long[-30:]])
     assert cut == 1
     np.testing.assert_allclose(logp_long, logp_tail, rtol=0, atol=1e-6)  # the same tokens exactly
-    _, logp_head, _ = classify.predict(clf, [long[:31]])
+    _, logp_head, _ = classify.predict(clf, [long[:30]])
     assert np.abs(logp_long - logp_head).max() > 1e-3  # it is the start that was dropped
     assert truncate_left([256, 1, 2, 3, 4], 3, 256) == ([256, 3, 4], True)
     assert truncate_left([1, 2, 3], 3, 256) == ([1, 2, 3], False)
