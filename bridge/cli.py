@@ -1,4 +1,4 @@
-"""`llama-bridge`: convert and inspect checkpoints, and (until `parity` lands) a round-trip demo.
+"""`llama-bridge`: convert and inspect checkpoints, check the twins' parity, and a round-trip demo.
 
 stdout carries results, stderr errors; exit 0 success, 1 a check failed, 2 bad input.
 """
@@ -118,6 +118,17 @@ def cmd_demo(args) -> int:
         return demo.run(PRESETS[args.preset], Path(tmp), args.batch, args.seq_len, args.seed)
 
 
+def cmd_parity(args) -> int:
+    """The parity report (bridge.parity): exit 0 when every figure is within tolerance, else 1."""
+    from .parity import format_parity_report, parity_report  # imports jax and torch when run
+
+    report = parity_report(args.path, dtype=args.dtype, batch=args.batch, seq_len=args.seq_len,
+                           new_tokens=args.new_tokens, reference=args.reference, seed=args.seed,
+                           progress=lambda message: print(message, file=sys.stderr))
+    print(json.dumps(report, indent=2) if args.json else format_parity_report(report))
+    return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-bridge",
                                      description="Move LLaMA weights between JAX, PyTorch and the "
@@ -157,8 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="keep the checkpoints in this directory (default: a temporary one)")
     p.set_defaults(run=cmd_demo)
 
-    add_planned(parser, sub, [
-        ("parity", "layer-by-layer JAX / torch parity report", "the parity-report issue")])
+    p = sub.add_parser("parity", help="run a checkpoint through the JAX and torch twins (and "
+                                      "transformers) and check, layer by layer, that they agree")
+    p.add_argument("path")
+    # dtype and reference are checked by parity_report, so that a bad value is one line
+    p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    p.add_argument("--batch", type=int, default=2, help="rows of random tokens (default 2)")
+    p.add_argument("--seq-len", type=int, default=16, help="tokens per row (default 16)")
+    p.add_argument("--new-tokens", type=int, default=16,
+                   help="greedy tokens each twin generates (default 16; 0 skips the check)")
+    p.add_argument("--reference", help="also compare with an independent implementation: "
+                                       "transformers (skipped, with the reason, if not installed)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=cmd_parity)
     return parser
 
 

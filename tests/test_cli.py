@@ -39,7 +39,7 @@ def test_inspect(tmp_path, capsys):
     (["inspect", "/nonexistent/ckpt"], "error: /nonexistent/ckpt: no such file or directory"),
     (["demo", "--preset", "llama9"], "error: --preset: unknown preset 'llama9'"),
     (["demo", "--seq-len", "0"], "error: --seq-len: must be positive (got 0)"),
-    (["parity", "a"], "llama-bridge parity: not available yet"),
+    (["parity", "/nonexistent/ckpt"], "error: /nonexistent/ckpt: no such file or directory"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(argv, message, capsys):
     assert bridge_cli.main(argv) == 2
