@@ -549,3 +549,34 @@ def test_read_the_shared_task_files():
         assert set(dataset.labels.tolist()) == set(range(len(labels))), (task, split_name)
     assert read_labels(SHARED_DATA / "sst" / "labels.json") == ["awful", "bad", "average", "good",
                                                                 "excellent"]
+
+
+def test_gradient_accumulation_equals_the_full_batch():
+    """Two micro-batches of 4 with grad_accum=2 make the same update as one batch of 8: MultiSteps
+    averages the micro-batch gradients, each a mean over 4 rows."""
+
+    config = small_config(vocab_size=259)
+    clf = classify.new_classifier(config, LABELS, ByteTokenizer(), 32, dropout=0.0, seed=0)
+    rows = [ByteTokenizer().encode(t, bos=True, eos=True) for t in
+            ["a fine film", "dull", "the plot thin", "acting superb", "meh", "great fun",
+             "too long by half", "worth it"]]
+    tokens, mask = classify.pad_rows(rows, 32)
+    batch = {"tokens": tokens, "mask": mask, "labels": np.array([0, 1, 2, 0, 1, 2, 0, 1], np.int32),
+             "weights": np.ones(8, np.float32)}
+    halves = [{k: v[i:i + 4] for k, v in batch.items()} for i in (0, 4)]
+    # eps = 1: with eps ~ 0 Adam's first step is lr * sign(g), and float32 rounding of a
+    # near-zero gradient entry (summed in another order) could flip a sign.
+    results = []
+    for accum, batches in ((1, [batch]), (2, halves)):
+        optimizer = make_optimizer(TrainConfig(steps=2 * accum, batch_size=8, lr=1e-2,
+                                               warmup_steps=0, eps=1.0, grad_accum=accum))
+        step = classify.make_classifier_step(clf.model, optimizer, seed=0)
+        state = init_state(jax.tree_util.tree_map(jnp.array, clf.params), optimizer)
+        for b in batches:
+            state, _ = step(state, b)
+        results.append(state.params)
+    start = jax.tree_util.tree_leaves(clf.params)
+    for full, accumulated, before in zip(*map(jax.tree_util.tree_leaves, results), start):
+        assert np.abs(np.asarray(full) - np.asarray(before)).max() > 0  # an update happened
+        # float32 sums in another order: ~1e-7 relative on gradients, times lr / eps = 1e-2.
+        np.testing.assert_allclose(accumulated, full, rtol=0, atol=1e-7)
