@@ -14,7 +14,6 @@ in both totals.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import re
 import resource
@@ -24,8 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import write_results
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 ACCURACY = re.compile(r"(?:best dev|zero-shot|classifier) accuracy ([0-9.]+)")
 
 
@@ -110,7 +110,6 @@ def main() -> None:
 
 
 def write(rows: list[dict], steps: dict, args) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()}, {__import__('os').cpu_count()} CPU cores, Python {platform.python_version()}"
     lines = ["# Sequence classification results\n", f"`python benchmarks/bench_classify.py` "
              f"(preset {args.preset}, {args.vocab_size}-token BPE, {args.epochs} epochs, LM "
@@ -130,10 +129,7 @@ def write(rows: list[dict], steps: dict, args) -> None:
             wall += f" + {r['plus_lm']['wall_s']:.0f}"
             cpu += f" + {r['plus_lm']['cpu_s']:.0f}"
         lines.append(f"| {r['task']} | {r['method']} | {acc} | {wall} | {cpu} | `{r['command']}` |")
-    (RESULTS / "classify.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "classify.json").write_text(json.dumps({"rows": rows, "steps": steps,
-                                                       "machine": machine}, indent=2) + "\n")
-    print("\n".join(lines))
+    write_results("classify", lines, {"rows": rows, "steps": steps, "machine": machine})
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
-"""Decode speed of both twins against `transformers` generate, with their KV caches, in one run.
+"""Decode speed of both twins against `transformers` generate, with their KV caches.
 
-Same weights (the 56M config of the training benchmark, random init), fp32, a 16-token prompt and
-128 new tokens, batch 1 and batch 8, greedy. Each implementation is timed in a worker process of
-its own (so that torch's spinning OpenMP threads do not slow XLA's), in alternating rounds.
-Time to first token (prefill + one token) is reported apart from decode: decode tokens/s =
-127 x batch / (time for 128 tokens - time for 1). The bandwidth bound is this machine's measured
-read bandwidth / the weight bytes a decode step reads.
+Same config (random weights), a prompt of `prompt_len` tokens and `new_tokens` new ones, greedy,
+at each batch size; each implementation in a worker process of its own, in alternating rounds
+(benchmarks.common). Time to first token (prefill + one token) is reported apart from decode:
+decode tokens/s = (new_tokens - 1) x batch / (time for new_tokens - time for 1). The bandwidth
+bound of batch 1 is this machine's measured read bandwidth over the weight bytes a decode step
+reads (jax_llama.perf.decode_bytes_per_token).
 
-    python benchmarks/bench_generate.py      # writes benchmarks/results/generate.{md,json}
+    python benchmarks/bench_generate.py     # writes benchmarks/results/generate.{md,json}
 """
 
 from __future__ import annotations
@@ -15,67 +15,107 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_train import CONFIG  # noqa: E402
-
-PROMPT, NEW = list(range(1, 17)), 128
-IMPLEMENTATIONS = ("jax-llama generate", "torch_llama generate", "transformers generate")
+from benchmarks.common import (JAX, REFERENCE, TWIN, Spec, add_ratios, available, describe, missing_note,
+                               probe, ratio, run_rounds, say, spawn, timed, torch_device,
+                               transformers_model)
 
 
-def jax_runner():
+def prompt(spec: Spec) -> list[int]:
+    return [1 + i % (spec.config.vocab_size - 1) for i in range(spec.prompt_len)]
+
+
+def jax_runner(spec: Spec):
     import jax_llama
     from jax_llama.generate import generate
-    model, params = jax_llama.init(CONFIG, seed=0)
-    return lambda batch, n: generate(model, params, [PROMPT] * batch, n)
+    model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype, param_dtype=spec.dtype)
+    return lambda batch, n: generate(model, params, [prompt(spec)] * batch, n), lambda: None
 
 
-def twin_runner():
+def twin_runner(spec: Spec):
     import torch
+
     import torch_llama
+
+    device, sync = torch_device()
     torch.manual_seed(0)
-    model = torch_llama.Llama(CONFIG).eval()
-    return lambda batch, n: torch_llama.generate(model, [PROMPT] * batch, n)
+    model = torch_llama.Llama(spec.config).to(device=device, dtype=getattr(torch, spec.dtype)).eval()
+    return lambda batch, n: torch_llama.generate(model, [prompt(spec)] * batch, n), sync
 
 
-def transformers_runner():
+def transformers_runner(spec: Spec):
     import torch
-    import transformers
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        hidden_size=CONFIG.dim, intermediate_size=CONFIG.ffn_dim, num_hidden_layers=CONFIG.n_layers,
-        num_attention_heads=CONFIG.n_heads, num_key_value_heads=CONFIG.n_kv_heads,
-        vocab_size=CONFIG.vocab_size, max_position_embeddings=CONFIG.max_seq_len,
-        rms_norm_eps=CONFIG.norm_eps, rope_theta=CONFIG.rope_theta, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(hf_config).eval()
+
+    device, sync = torch_device()
+    model = transformers_model(spec.config).to(device=device, dtype=getattr(torch, spec.dtype)).eval()
 
     def run(batch, n):
-        ids = torch.tensor([PROMPT] * batch)
+        ids = torch.tensor([prompt(spec)] * batch, device=device)
         with torch.inference_mode():
             return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                   min_new_tokens=n, do_sample=False, use_cache=True,
                                   pad_token_id=0, eos_token_id=None)
-    return run
+    return run, sync
 
 
-def worker(label: str, repeats: int) -> None:
-    run = {"jax-llama generate": jax_runner, "torch_llama generate": twin_runner,
-           "transformers generate": transformers_runner}[label]()
+def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
+    """In a worker: {"batch/n": seconds of each run} for n = 1 and new_tokens at each batch."""
+    run, sync = {JAX: jax_runner, TWIN: twin_runner, REFERENCE: transformers_runner}[impl](spec)
     result = {}
-    for batch in (1, 8):
-        for n in (1, NEW):
-            run(batch, n)  # warm-up (and, for JAX, the one compilation per bucket)
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                run(batch, n)
-                times.append(time.perf_counter() - start)
-            result[f"{batch}/{n}"] = times
-    print(json.dumps(result))
+    for batch in spec.decode_batches:
+        for n in (1, spec.new_tokens):  # the warm-up also compiles JAX's (batch, cache) bucket
+            result[f"{batch}/{n}"] = timed(lambda: run(batch, n), spec.warmup, spec.repeats, sync)
+    return result
+
+
+def summarize(times: dict[str, dict | None], spec: Spec, bandwidth: float) -> dict:
+    """times[impl] = measure()'s lists pooled over rounds (None: not run) -> the JSON entry."""
+    from jax_llama.perf import decode_bytes_per_token
+    itemsize = 2 if spec.dtype == "bfloat16" else 4
+    weight_bytes = decode_bytes_per_token(spec.config, itemsize)
+    bound = bandwidth / weight_bytes
+    new, rows = spec.new_tokens, {}
+    for impl, t in times.items():
+        rows[impl] = None if t is None else {}
+        for batch in spec.decode_batches if t else ():
+            first, full = statistics.median(t[f"{batch}/1"]), statistics.median(t[f"{batch}/{new}"])
+            # None where decoding is too fast to tell from the noise of the first token's time
+            rate = (new - 1) * batch / (full - first) if full > first else None
+            rows[impl][str(batch)] = {"ttft_s": first, "decode_tokens_per_s": rate,
+                                      "runs_first_s": t[f"{batch}/1"], "runs_full_s": t[f"{batch}/{new}"]}
+    for batch in spec.decode_batches:
+        per_batch = {impl: r and r[str(batch)] for impl, r in rows.items()}
+        add_ratios(per_batch, "decode_tokens_per_s")
+    for r in rows.values():
+        if r and "1" in r:
+            rate = r["1"]["decode_tokens_per_s"]
+            r["1"]["of_bandwidth_bound"] = None if rate is None else rate / bound
+    return {"prompt_len": spec.prompt_len, "new_tokens": new, "batches": list(spec.decode_batches),
+            "weight_bytes_per_token": weight_bytes, "bound_tokens_per_s": bound, "rows": rows}
+
+
+def markdown(result: dict, dtype: str) -> list[str]:
+    lines = [f"## Decode: {result['prompt_len']}-token prompt, {result['new_tokens']} new tokens, "
+             f"greedy, KV cache, {dtype}; batch 1 cannot exceed {result['bound_tokens_per_s']:,.0f} "
+             f"tokens/s (read bandwidth / {result['weight_bytes_per_token'] / 1e6:.3g} MB of "
+             f"weights per step)", "",
+             "| implementation | batch | time to first token | decode tokens/s | vs transformers | "
+             "of bandwidth bound |", "|---|---|---|---|---|---|"]
+    if any(r and (r.get("1", {}).get("of_bandwidth_bound") or 0) > 1 for r in result["rows"].values()):
+        lines[0] += " (above 100%: the weights fit in a cache, so memory bandwidth does not bind)"
+    for impl, r in result["rows"].items():
+        if r is None:
+            lines.append(f"| {impl} | | not installed | | | |")
+            continue
+        for batch, x in r.items():
+            of_bound = f"{x['of_bandwidth_bound']:.0%}" if x.get("of_bandwidth_bound") else "-"
+            rate = x["decode_tokens_per_s"]
+            rate = "too fast to time" if rate is None else f"{rate:,.1f}"
+            lines.append(f"| {impl} | {batch} | {x['ttft_s'] * 1000:.1f} ms | {rate} | "
+                         f"{ratio(x['vs_transformers'])} | {of_bound} |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -83,50 +123,23 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/generate")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker, args.repeats)
-        return 0
-    from jax_llama.perf import decode_bytes_per_token, measure_read_bandwidth
-    bandwidth = measure_read_bandwidth()
-    bound = bandwidth / decode_bytes_per_token(CONFIG)
-    times = {label: {} for label in IMPLEMENTATIONS}
-    for r in range(args.rounds):
-        for label in IMPLEMENTATIONS[::1 if r % 2 == 0 else -1]:
-            print(f"round {r + 1}/{args.rounds}: {label}", file=sys.stderr)
-            out = subprocess.run([sys.executable, __file__, "--worker", label, "--repeats",
-                                  str(args.repeats)], capture_output=True, text=True, check=True)
-            for key, runs in json.loads(out.stdout.strip().splitlines()[-1]).items():
-                times[label].setdefault(key, []).extend(runs)
-    rows = {}
-    for label, t in times.items():
-        rows[label] = {}
-        for batch in (1, 8):
-            first, full = statistics.median(t[f"{batch}/1"]), statistics.median(t[f"{batch}/{NEW}"])
-            rows[label][batch] = {"ttft_s": first, "decode_tokens_per_s": (NEW - 1) * batch / (full - first)}
-    base = rows["transformers generate"]
-    lines = [f"Decode, fp32, dim {CONFIG.dim}, {CONFIG.n_layers} layers, vocab {CONFIG.vocab_size} "
-             f"(56M parameters), {len(PROMPT)}-token prompt, {NEW} new tokens, greedy; measured read "
-             f"bandwidth {bandwidth / 1e9:.1f} GB/s, so the batch-1 bound is {bound:.0f} tokens/s; "
-             f"medians of {args.rounds} rounds x {args.repeats} runs, each implementation in its "
-             f"own process", "",
-             "| implementation | batch | time to first token | decode tokens/s | vs transformers | of bandwidth bound |",
-             "|---|---|---|---|---|---|"]
-    for label, r in rows.items():
-        for batch in (1, 8):
-            x = r[batch]
-            of_bound = f"{x['decode_tokens_per_s'] / bound:.0%}" if batch == 1 else "-"
-            lines.append(f"| {label} | {batch} | {x['ttft_s'] * 1000:.0f} ms | "
-                         f"{x['decode_tokens_per_s']:,.1f} | "
-                         f"{x['decode_tokens_per_s'] / base[batch]['decode_tokens_per_s']:.2f}x | {of_bound} |")
-    table = "\n".join(lines)
+    spec, found = Spec(warmup=1, repeats=args.repeats), probe()
+    if missing_note(found):
+        say(f"warning: {missing_note(found)}")
+    bandwidth = spawn("machine", spec)["read_bandwidth"]
+    times = run_rounds(("decode",), available(found), spec, args.rounds)
+    result = summarize({impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)},
+                       spec, bandwidth)
+    table = "\n".join([f"{describe(spec.config)}; measured read bandwidth {bandwidth / 1e9:.1f} "
+                       f"GB/s; medians of {args.rounds} rounds x {args.repeats} runs, each "
+                       f"implementation in its own process", "", *markdown(result, spec.dtype)])
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(table + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"bandwidth": bandwidth, "bound": bound,
-                                                    "rows": rows, "times": times}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"bandwidth": bandwidth, "decode": result},
+                                                   indent=2) + "\n")
     return 0
 
 

@@ -1,139 +1,161 @@
-"""Train-step throughput of the JAX trainer against Hugging Face transformers, in one process.
+"""Train-step throughput of the JAX trainer against Hugging Face transformers, and compile time
+against depth.
 
-Same config, same batch, float32, this machine: the jitted `train_step` (optax AdamW with
-clipping) against `transformers.LlamaForCausalLM` + `torch.optim.AdamW` (+ clip_grad_norm_), and
-the torch twin with `torch_llama.AdamW` for reference. Each implementation is timed in a worker
-process of its own (torch's OpenMP threads keep spinning after each op and would slow XLA's
-threads in a shared process), and the workers run in alternating rounds so that all see the same
-machine conditions. Each figure is the median over all timed steps of all rounds, after warm-up. MFU is against this machine's measured float32 matmul peak. Then the compile
-time of the train step for 4 vs 32 layers, with and without scan_layers (compiled from abstract
-shapes: nothing is allocated).
+Same config, same batch: the jitted `train_step` (optax AdamW with clipping) against
+`transformers.LlamaForCausalLM` + `torch.optim.AdamW` (+ clip_grad_norm_), and the torch twin with
+`torch_llama.AdamW` for reference; in bfloat16, JAX computes in bfloat16 with float32 params and
+both torch sides run under autocast. Each implementation is timed in a worker process of its own,
+in alternating rounds (benchmarks.common). MFU is against this machine's measured matmul peak.
+Then the compile time of the train step for a shallow and a deep model, with and without
+scan_layers (compiled from abstract shapes: nothing is allocated).
 
-    python benchmarks/bench_train.py            # writes benchmarks/results/train.{md,json}
+    python benchmarks/bench_train.py        # writes benchmarks/results/train.{md,json}
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
-import torch
 
-import jax_llama
-from bridge.config import LlamaConfig
-from jax_llama.perf import measure_matmul_peak, train_flops_per_token
-from jax_llama.train import TrainConfig, init_state, lr_schedule, make_optimizer, make_train_step
+from benchmarks.common import (JAX, REFERENCE, TWIN, Spec, available, describe, missing_note, probe,
+                               run_rounds, say, spawn, throughput_rows, throughput_table, timed,
+                               torch_device, transformers_model)
 
-CONFIG = LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1376, vocab_size=32000,
-                     max_seq_len=1024, rope_theta=10000.0)
-TRAIN = TrainConfig(steps=1000, batch_size=8, seq_len=256, lr=3e-4, warmup_steps=10)
+OPTIMIZER = dict(steps=1000, lr=3e-4, warmup_steps=10)  # the rest: TrainConfig's defaults
 
 
-def batch(seed: int = 0) -> dict[str, np.ndarray]:
+def train_config(spec: Spec):
+    from jax_llama.train import TrainConfig
+    return TrainConfig(batch_size=spec.batch, seq_len=spec.seq_len, dtype=spec.dtype, **OPTIMIZER)
+
+
+def batch(spec: Spec, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    windows = rng.integers(0, CONFIG.vocab_size, (TRAIN.batch_size, TRAIN.seq_len + 1), dtype=np.int32)
+    windows = rng.integers(0, spec.config.vocab_size, (spec.batch, spec.seq_len + 1), dtype=np.int32)
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:],
-            "mask": np.ones((TRAIN.batch_size, TRAIN.seq_len), np.float32)}
+            "mask": np.ones((spec.batch, spec.seq_len), np.float32)}
 
 
-def timed(step, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return times
+def jax_step(spec: Spec):
+    import jax
 
-
-def jax_step(b) -> callable:
-    model, params = jax_llama.init(CONFIG, seed=0)
-    optimizer = make_optimizer(TRAIN)
-    train_step = jax.jit(make_train_step(model, optimizer, lr_schedule(TRAIN)), donate_argnums=0)
+    import jax_llama
+    from jax_llama.train import init_state, lr_schedule, make_optimizer, make_train_step
+    tc = train_config(spec)
+    model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype)
+    optimizer = make_optimizer(tc)
+    train_step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc)), donate_argnums=0)
     holder = {"state": init_state(params, optimizer)}
-    device_batch = jax.device_put(b)
+    device_batch = jax.device_put(batch(spec))
 
     def step():
         holder["state"], metrics = train_step(holder["state"], device_batch)
         jax.block_until_ready(metrics["loss"])
-    return step
+    return step, lambda: None
 
 
-def transformers_step(b) -> callable:
-    import transformers
-    hf_config = transformers.LlamaConfig(
-        hidden_size=CONFIG.dim, intermediate_size=CONFIG.ffn_dim, num_hidden_layers=CONFIG.n_layers,
-        num_attention_heads=CONFIG.n_heads, num_key_value_heads=CONFIG.n_kv_heads,
-        vocab_size=CONFIG.vocab_size, max_position_embeddings=CONFIG.max_seq_len,
-        rms_norm_eps=CONFIG.norm_eps, rope_theta=CONFIG.rope_theta, tie_word_embeddings=False,
-        attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(hf_config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=TRAIN.lr, betas=(TRAIN.b1, TRAIN.b2),
-                                  eps=TRAIN.eps, weight_decay=TRAIN.weight_decay)
-    inputs, targets = torch.as_tensor(b["inputs"], dtype=torch.long), torch.as_tensor(b["targets"], dtype=torch.long)
+def torch_step(spec: Spec, impl: str):
+    import torch
+
+    tc = train_config(spec)
+    device, sync = torch_device()
+    if impl == REFERENCE:
+        model = transformers_model(spec.config).to(device).train()
+        forward = lambda t: model(input_ids=t, use_cache=False).logits  # noqa: E731
+        optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(tc.b1, tc.b2), eps=tc.eps,
+                                      weight_decay=tc.weight_decay)
+        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)  # noqa: E731
+    else:
+        import torch_llama
+        torch.manual_seed(0)
+        model = forward = torch_llama.Llama(spec.config).to(device).train()
+        params = list(model.parameters())
+        optimizer = torch_llama.AdamW(
+            [{"params": [p for p in params if p.ndim == 2], "weight_decay": tc.weight_decay},
+             {"params": [p for p in params if p.ndim != 2], "weight_decay": 0.0}],
+            lr=torch_llama.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps,
+                                                        tc.lr * tc.end_lr_ratio),
+            betas=(tc.b1, tc.b2), eps=tc.eps)
+        clip = lambda: torch_llama.clip_by_global_norm(params, tc.grad_clip)  # noqa: E731
+    b = batch(spec)
+    inputs = torch.as_tensor(b["inputs"], dtype=torch.long, device=device)
+    targets = torch.as_tensor(b["targets"], dtype=torch.long, device=device)
 
     def step():
-        logits = model(input_ids=inputs).logits
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.dtype != "float32"):
+            logits = forward(inputs)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN.grad_clip)
+        clip()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return step
+    return step, sync
 
 
-def twin_step(b) -> callable:
-    import torch_llama
-    torch.manual_seed(0)
-    model = torch_llama.Llama(CONFIG).train()
-    params = list(model.parameters())
-    optimizer = torch_llama.AdamW(
-        [{"params": [p for p in params if p.ndim == 2], "weight_decay": TRAIN.weight_decay},
-         {"params": [p for p in params if p.ndim != 2], "weight_decay": 0.0}],
-        lr=torch_llama.warmup_cosine_decay_schedule(0.0, TRAIN.lr, TRAIN.warmup_steps, TRAIN.steps,
-                                                    TRAIN.lr * TRAIN.end_lr_ratio),
-        betas=(TRAIN.b1, TRAIN.b2), eps=TRAIN.eps)
-    inputs, targets = torch.as_tensor(b["inputs"]), torch.as_tensor(b["targets"], dtype=torch.long)
-
-    def step():
-        loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-        loss.backward()
-        torch_llama.clip_by_global_norm(params, TRAIN.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
+def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
+    """In a worker: seconds per train step of `impl`."""
+    step, sync = jax_step(spec) if impl == JAX else torch_step(spec, impl)
+    return {"step": timed(step, spec.warmup, spec.repeats, sync)}
 
 
-def compile_seconds(n_layers: int, scan_layers: bool) -> float:
-    """Lowering + XLA compile of the train step, from abstract shapes only."""
-    config = CONFIG.replace(n_layers=n_layers)
-    model = jax_llama.Llama(config, scan_layers=scan_layers)
-    optimizer = make_optimizer(TRAIN)
+def summarize(times: dict[str, dict | None], spec: Spec, peak: float) -> dict:
+    """times[impl] = measure()'s lists pooled over rounds (None: not run) -> the JSON entry."""
+    from jax_llama.perf import train_flops_per_token
+    n = spec.batch * spec.seq_len
+    flops = train_flops_per_token(spec.config, spec.seq_len) * n
+    return {"batch": spec.batch, "seq_len": spec.seq_len, "tokens": n, "flops": flops,
+            "optimizer": OPTIMIZER,
+            "rows": throughput_rows({impl: t and t["step"] for impl, t in times.items()}, n, flops, peak)}
+
+
+def markdown(result: dict, dtype: str) -> list[str]:
+    return [f"## Train step: batch {result['batch']} x {result['seq_len']} tokens, {dtype}, "
+            f"AdamW with gradient clipping", "", *throughput_table(result["rows"], "step")]
+
+
+# -- compile time against depth ---------------------------------------------------------------
+
+def compile_seconds(spec: Spec, n_layers: int, scan_layers: bool) -> float:
+    """Lowering + XLA compile of the train step, from abstract shapes only (nothing allocated)."""
+    import jax
+
+    import jax_llama
+    from jax_llama.train import init_state, lr_schedule, make_optimizer, make_train_step
+    config, tc = spec.config.replace(n_layers=n_layers), train_config(spec)
+    model = jax_llama.Llama(config, dtype=spec.dtype, scan_layers=scan_layers)
+    optimizer = make_optimizer(tc)
     state = jax.eval_shape(lambda: init_state(
-        jax_llama.init(config, scan_layers=scan_layers)[1], optimizer))
-    b = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch())
+        jax_llama.init(config, dtype=spec.dtype, scan_layers=scan_layers)[1], optimizer))
+    b = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch(spec))
     start = time.perf_counter()
-    jax.jit(make_train_step(model, optimizer, lr_schedule(TRAIN))).lower(state, b).compile()
+    jax.jit(make_train_step(model, optimizer, lr_schedule(tc))).lower(state, b).compile()
     return time.perf_counter() - start
 
 
-IMPLEMENTATIONS = {"jax-llama (jit, optax AdamW)": "jax_step",
-                   "transformers + torch.optim.AdamW": "transformers_step",
-                   "torch_llama twin + torch_llama.AdamW": "twin_step"}
+def compile_times(spec: Spec, depths: tuple[int, int]) -> dict:
+    """In a worker: {"scan_layers=True": {"layers": {depth: s}, "ratio": deep / shallow}, ...}."""
+    rows = {}
+    for scan in (True, False):
+        seconds = {str(n): compile_seconds(spec, n, scan) for n in depths}
+        rows[f"scan_layers={scan}"] = {"layers": seconds,
+                                       "ratio": seconds[str(depths[1])] / seconds[str(depths[0])]}
+    return {"depths": list(depths), "rows": rows}
 
 
-def worker(label: str, warmup: int, repeats: int) -> None:
-    """Time one implementation in this process; print the step times as JSON."""
-    step = globals()[IMPLEMENTATIONS[label]](batch())
-    print(json.dumps(timed(step, warmup, repeats)))
+def compile_markdown(result: dict) -> list[str]:
+    shallow, deep = result["depths"]
+    lines = ["## Compile time against depth: the train step, lowered and compiled from abstract "
+             "shapes", "", f"| train-step compile | {shallow} layers (s) | {deep} layers (s) | "
+             f"{deep} / {shallow} layers |", "|---|---|---|---|"]
+    for label, r in result["rows"].items():
+        lines.append(f"| {label} | {r['layers'][str(shallow)]:.1f} | {r['layers'][str(deep)]:.1f} | "
+                     f"{r['ratio']:.2f}x |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -142,53 +164,25 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per worker")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/train")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        worker(args.worker, args.warmup, args.repeats)
-        return 0
-    tokens = TRAIN.batch_size * TRAIN.seq_len
-    peak = measure_matmul_peak("float32")
-    flops = train_flops_per_token(CONFIG, TRAIN.seq_len) * tokens
-    times = {label: [] for label in IMPLEMENTATIONS}
-    for r in range(args.rounds):
-        order = list(IMPLEMENTATIONS)[::1 if r % 2 == 0 else -1]
-        for label in order:
-            print(f"round {r + 1}/{args.rounds}: {label}", file=sys.stderr)
-            result = subprocess.run([sys.executable, __file__, "--worker", label, "--warmup",
-                                     str(args.warmup), "--repeats", str(args.repeats)],
-                                    capture_output=True, text=True, check=True)
-            times[label] += json.loads(result.stdout.strip().splitlines()[-1])
-    rows = {}
-    for label, runs in times.items():
-        median = statistics.median(runs)
-        rows[label] = {"median_s": median, "tokens_per_s": tokens / median,
-                       "mfu": flops / median / peak, "runs_s": runs}
-    base = rows["transformers + torch.optim.AdamW"]["tokens_per_s"]
-    compile_times = {f"{n} layers, scan_layers={s}": compile_seconds(n, s)
-                     for s in (True, False) for n in (4, 32)}
-    lines = [f"Train step, float32, batch {TRAIN.batch_size} x {TRAIN.seq_len}, dim {CONFIG.dim}, "
-             f"{CONFIG.n_layers} layers, {CONFIG.n_heads}/{CONFIG.n_kv_heads} heads, ffn {CONFIG.ffn_dim}, "
-             f"vocab {CONFIG.vocab_size}; matmul peak {peak / 1e9:.0f} GFLOP/s (measured); median of "
-             f"{args.rounds} rounds x {args.repeats} steps, each implementation in its own process",
-             "", "| implementation | s/step | tokens/s | vs transformers | MFU | all steps (s) |",
-             "|---|---|---|---|---|---|"]
-    for label, r in rows.items():
-        lines.append(f"| {label} | {r['median_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_s'] / base:.2f}x | {r['mfu']:.1%} | "
-                     f"{', '.join(f'{t:.2f}' for t in r['runs_s'])} |")
-    lines += ["", "| train-step compile | seconds |", "|---|---|"]
-    lines += [f"| {k} | {v:.1f} |" for k, v in compile_times.items()]
-    for s in (True, False):
-        ratio = compile_times[f"32 layers, scan_layers={s}"] / compile_times[f"4 layers, scan_layers={s}"]
-        lines.append(f"| 32 / 4 layers, scan_layers={s} | {ratio:.2f}x |")
-    table = "\n".join(lines)
+    spec, found = Spec(warmup=args.warmup, repeats=args.repeats), probe()
+    if missing_note(found):
+        say(f"warning: {missing_note(found)}")
+    peak = spawn("machine", spec)["peak_flops"]
+    times = run_rounds(("train",), available(found), spec, args.rounds)
+    result = summarize({impl: times.get(impl, {}).get("train") for impl in (JAX, TWIN, REFERENCE)},
+                       spec, peak)
+    compiled = spawn("compile", spec, extra=("--depths", "4,32"))
+    table = "\n".join([f"{describe(spec.config)}; matmul peak {peak / 1e9:.0f} GFLOP/s (measured); "
+                       f"median of {args.rounds} rounds x {args.repeats} steps, each "
+                       f"implementation in its own process", "", *markdown(result, spec.dtype), "",
+                       *compile_markdown(compiled)])
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(table + "\n")
     out.with_suffix(".json").write_text(json.dumps(
-        {"peak_flops": peak, "rows": rows, "compile_s": compile_times}, indent=2) + "\n")
+        {"peak_flops": peak, "train": result, "compile": compiled}, indent=2) + "\n")
     return 0
 
 

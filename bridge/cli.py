@@ -44,19 +44,6 @@ def cli_main(build_parser: Callable[[], argparse.ArgumentParser]) -> Callable[[l
     return main
 
 
-def add_planned(parser: argparse.ArgumentParser, sub, commands: list[tuple[str, str, str]]) -> None:
-    """Subcommands (name, help, issue that builds it) that are planned but not built yet: they
-    show in --help and, when run, say so on one line and exit 2."""
-    for name, help_, issue in commands:
-        p = sub.add_parser(name, help=f"{help_} (not available yet)")
-        p.add_argument("args", nargs=argparse.REMAINDER)
-
-        def run(args, name=name, issue=issue) -> int:
-            print(f"{parser.prog} {name}: not available yet ({issue})", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        p.set_defaults(run=run)
-
-
 def cmd_inspect(args) -> int:
     ckpt = open_checkpoint(args.path, format=args.format)
     report = {

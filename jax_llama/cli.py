@@ -1,4 +1,4 @@
-"""`jax-llama`: the JAX jobs. Commands not built yet say so."""
+"""`jax-llama`: the JAX jobs."""
 
 from __future__ import annotations
 
@@ -8,13 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from bridge.cli import EXIT_CHECK_FAILED, EXIT_OK, add_planned, cli_main
+from bridge.cli import EXIT_CHECK_FAILED, EXIT_OK, cli_main
 from bridge.config import PRESETS, LlamaConfig
 from bridge.errors import BridgeError
 
-PLANNED = [
-    ("bench", "benchmarks side by side with transformers", "the benchmark issue"),
-]
 # TrainConfig fields settable from the command line (None = default, or the resumed run's value)
 TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
                  ("warmup_steps", int), ("weight_decay", float), ("grad_clip", float),
@@ -265,6 +262,15 @@ def cmd_split(args) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args) -> int:
+    try:
+        from benchmarks import suite
+    except ImportError as e:
+        raise BridgeError(f"bench: the benchmarks package does not import ({e}); install this "
+                          f"repository with `pip install -e .`") from None
+    return suite.run_command(args)
+
+
 def _add_task_arguments(p, labels: bool = True) -> None:
     if labels:
         p.add_argument("--labels", required=True, help="labels.json: the label words, in index order")
@@ -363,7 +369,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for train.txt and heldout.txt")
     p.add_argument("--force", action="store_true", help="replace existing files")
     p.set_defaults(run=cmd_split)
-    add_planned(parser, sub, PLANNED)
+
+    p = sub.add_parser("bench", help="benchmarks side by side with transformers on the same config: "
+                                     "forward, train step, decode, conversion, compile time",
+                       description="Measure this machine's matmul peak and read bandwidth, then "
+                       "forward (prefill) and train-step tokens/s with MFU, decode tokens/s at batch "
+                       "1 and 8, conversion throughput and peak RSS against cp -r, and compile time "
+                       "against depth, for jax-llama, the torch twin and transformers on the same "
+                       "config, each in its own worker process. The table goes to stdout and to "
+                       "OUT/bench.md, every figure to OUT/bench.json, progress to stderr.")
+    p.add_argument("--preset", help="model config (default: dim 512, 8 layers, 56M parameters; "
+                                    "with --quick, tiny)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--only", help="comma-separated subset of forward,train,decode,convert,compile "
+                                  "(default: all)")
+    p.add_argument("--repeats", type=int, help="timed runs per worker process and round "
+                                               "(default 3; --quick 2)")
+    p.add_argument("--rounds", type=int, help="rounds of one worker process per implementation, "
+                                              "in alternating order (default 2; --quick 1)")
+    p.add_argument("--batch", type=int, help="rows of a forward pass and a train step (default 8; "
+                                             "--quick 2)")
+    p.add_argument("--seq-len", type=int, help="tokens per row (default 256; --quick 32)")
+    p.add_argument("--convert-preset", help="model of the conversion benchmark (default "
+                                            "llama3.2-1b; with --quick, the --preset)")
+    p.add_argument("--out", default="benchmarks/results",
+                   help="directory for bench.md and bench.json (default benchmarks/results)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, short runs, smaller depths: a smoke run in well under a minute")
+    p.set_defaults(run=cmd_bench)
     return parser
 
 

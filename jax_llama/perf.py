@@ -26,6 +26,14 @@ def train_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     return 6 * matmul_params(config) + attention
 
 
+def forward_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Forward-only FLOPs per token (a prefill): 2 N for the weights plus 4 L H_total S for
+    attention scores and values, a third of train_flops_per_token (the backward pass is twice the
+    forward)."""
+    attention = 4 * config.n_layers * config.n_heads * config.head_dim * seq_len
+    return 2 * matmul_params(config) + attention
+
+
 def measure_matmul_peak(dtype="float32", n: int = 2048, repeats: int = 5) -> float:
     """FLOP/s of a square n x n matmul on the default device: median of `repeats` timed runs
     after a warm-up. The denominator of MFU: what this machine can actually do."""

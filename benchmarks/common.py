@@ -1,0 +1,217 @@
+"""What the benchmarks share: the Spec each worker runs, timing, the worker processes, and the
+rows every table is made of.
+
+Each implementation is timed in a worker process of its own: torch's OpenMP threads keep spinning
+after each op and would slow XLA's threads in a shared process, and on a GPU one framework's
+allocator would hold memory the other needs. The workers run in rounds of alternating order so
+that all see the same machine conditions; each figure is the median over all timed runs of all
+rounds, after warm-up. This module imports neither jax nor torch: the parent only orchestrates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from bridge.config import LlamaConfig
+
+JAX, TWIN, REFERENCE = "jax-llama", "torch_llama", "transformers"
+IMPLEMENTATIONS = (JAX, TWIN, REFERENCE)
+
+# The default benchmark model: LLaMA 2-style at 56M parameters (GQA, untied), big enough that
+# matmuls dominate on a CPU and small enough for a train step in seconds.
+CONFIG = LlamaConfig(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1376, vocab_size=32000,
+                     max_seq_len=1024, rope_theta=10000.0)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a worker measures; travels to it as JSON on its command line."""
+
+    config: LlamaConfig = CONFIG
+    dtype: str = "float32"    # params and compute of forward and decode; train computes in it
+                              # with float32 params (mixed precision, autocast on the torch side)
+    batch: int = 8            # rows of a forward pass and of a train step
+    seq_len: int = 256        # tokens per row of a forward pass and of a train step
+    prompt_len: int = 16      # decode: prompt tokens per row
+    new_tokens: int = 128     # decode: tokens generated per row
+    decode_batches: tuple[int, ...] = (1, 8)
+    warmup: int = 2           # untimed runs first: the first compiles (JAX) or warms caches
+    repeats: int = 3          # timed runs per worker process
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "config": self.config.to_dict()})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Spec":
+        d = json.loads(text)
+        return cls(**{**d, "config": LlamaConfig.from_dict(d["config"]),
+                      "decode_batches": tuple(d["decode_batches"])})
+
+
+def say(message: str) -> None:
+    """Progress goes to stderr (stdout carries the results)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def timed(run: Callable[[], object], warmup: int, repeats: int,
+          sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Seconds taken by each of `repeats` calls of run() after `warmup` untimed ones; sync() waits
+    for the device to finish (a no-op where run() itself blocks)."""
+    for _ in range(warmup):
+        run()
+        sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+# -- torch side (imported in the torch workers only) --------------------------------------------
+
+def torch_device():
+    """CUDA when there is one, else the CPU; and the function that waits for it."""
+    import torch
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.cuda.synchronize
+    return torch.device("cpu"), lambda: None
+
+
+def transformers_model(config: LlamaConfig):
+    """A randomly initialised transformers.LlamaForCausalLM of `config` (float32, SDPA attention)."""
+    import torch
+    import transformers
+
+    from bridge.formats.hf import config_to_hf
+    fields = {k: v for k, v in config_to_hf(config, "float32").items()
+              if k not in ("architectures", "model_type", "torch_dtype")}
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields,
+                                                                  attn_implementation="sdpa"))
+
+
+# -- worker processes -------------------------------------------------------------------------
+
+class WorkerFailed(RuntimeError):
+    """A worker process exited with an error; the message holds the end of its stderr."""
+
+
+def spawn(job: str, spec: Spec = Spec(), benches: tuple[str, ...] = (),
+          extra: tuple[str, ...] = ()) -> dict:
+    """Run `python -m benchmarks.worker JOB` in a fresh process; returns the JSON of its last
+    stdout line."""
+    command = [sys.executable, "-m", "benchmarks.worker", job, "--spec", spec.to_json(),
+               "--benches", ",".join(benches), *extra]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise WorkerFailed(f"the {job} worker exited with {done.returncode}:\n{tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def probe() -> dict:
+    """torch's device and version, and transformers' version or why it does not import, found out
+    in a worker so that this process never imports torch."""
+    return spawn("probe")
+
+
+def available(found: dict) -> tuple[str, ...]:
+    """The implementations to run: ours always, transformers when it imports."""
+    return IMPLEMENTATIONS if found["transformers"] else (JAX, TWIN)
+
+
+def missing_note(found: dict) -> str | None:
+    """One line saying that transformers is missing and what that means, or None."""
+    if found["transformers"]:
+        return None
+    return f"transformers is not installed ({found['transformers_error']}): our side only"
+
+
+def run_rounds(benches: tuple[str, ...], impls: tuple[str, ...], spec: Spec,
+               rounds: int) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """times[impl][bench][key]: seconds of each timed run, pooled over `rounds` rounds of one
+    worker process per implementation (the order reversed every other round)."""
+    times = {impl: {bench: {} for bench in benches} for impl in impls}
+    for r in range(rounds):
+        for impl in impls[::1 if r % 2 == 0 else -1]:
+            started = time.perf_counter()
+            result = spawn(impl, spec, benches)
+            for bench in benches:
+                for key, runs in result[bench].items():
+                    times[impl][bench].setdefault(key, []).extend(runs)
+            say(f"round {r + 1}/{rounds}: {impl} ({', '.join(benches)}) in "
+                f"{time.perf_counter() - started:.0f} s")
+    return times
+
+
+# -- rows and their markdown ------------------------------------------------------------------
+
+def throughput_rows(runs: dict[str, list[float] | None], tokens: int, flops: float,
+                    peak: float) -> dict[str, dict | None]:
+    """Per implementation: median seconds, tokens/s, MFU (`flops` per run over the measured
+    `peak`), tokens/s relative to transformers; None for an implementation that did not run."""
+    rows = {}
+    for impl, r in runs.items():
+        if not r:
+            rows[impl] = None
+            continue
+        median = statistics.median(r)
+        rows[impl] = {"median_s": median, "tokens_per_s": tokens / median,
+                      "mfu": flops / median / peak, "runs_s": r}
+    add_ratios(rows, "tokens_per_s")
+    return rows
+
+
+def add_ratios(rows: dict[str, dict | None], key: str) -> None:
+    """rows[impl]["vs_transformers"] = rows[impl][key] / transformers' (None without either)."""
+    base = (rows.get(REFERENCE) or {}).get(key)
+    for row in rows.values():
+        if row is not None:
+            row["vs_transformers"] = row[key] / base if row[key] is not None and base else None
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def describe(config: LlamaConfig) -> str:
+    from bridge.tensors import count_params
+    return (f"dim {config.dim}, {config.n_layers} layers, {config.n_heads}/{config.n_kv_heads} "
+            f"heads of {config.head_dim}, ffn {config.ffn_dim}, vocab {config.vocab_size} "
+            f"({count_params(config) / 1e6:.1f}M parameters"
+            f"{', tied embeddings' if config.tie_embeddings else ''})")
+
+
+def throughput_table(rows: dict[str, dict | None], unit: str) -> list[str]:
+    """Markdown rows of a throughput_rows() result; `unit` names a run (batch, step)."""
+    lines = [f"| implementation | s/{unit} | tokens/s | vs transformers | MFU | all runs (s) |",
+             "|---|---|---|---|---|---|"]
+    for impl, r in rows.items():
+        if r is None:
+            lines.append(f"| {impl} | not installed | | | | |")
+            continue
+        lines.append(f"| {impl} | {r['median_s']:.4g} | {r['tokens_per_s']:,.0f} | "
+                     f"{ratio(r['vs_transformers'])} | {r['mfu']:.1%} | "
+                     f"{', '.join(f'{t:.3g}' for t in r['runs_s'])} |")
+    return lines
+
+
+def write_results(name: str, lines: list[str], data: dict, directory=None) -> None:
+    """benchmarks/results/NAME.md (the table lines) and NAME.json (the figures); the table is
+    printed too."""
+    from pathlib import Path
+
+    directory = Path(directory) if directory else Path(__file__).resolve().parent / "results"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (directory / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    print("\n".join(lines))

@@ -1,0 +1,90 @@
+"""One worker process of the benchmarks; prints one JSON line.
+
+    python -m benchmarks.worker JOB --spec JSON [--benches forward,train,decode] [--depths 4,32]
+
+JOB is an implementation (jax-llama, torch_llama, transformers: it runs each bench's
+measure(impl, spec) in turn, in this one process), `machine` (the CPU, JAX's device and versions,
+and this machine's matmul peak and read bandwidth measured through JAX), `compile` (train-step
+compile times at two depths) or `probe` (torch's device and version, and transformers' version or
+why it does not import). Started by benchmarks.common.spawn, never by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+from benchmarks import bench_forward, bench_generate, bench_train
+from benchmarks.common import IMPLEMENTATIONS, Spec
+
+MEASURE = {"forward": bench_forward.measure, "train": bench_train.measure,
+           "decode": bench_generate.measure}
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(spec: Spec) -> dict:
+    import flax
+    import jax
+    import jaxlib
+    import numpy as np
+
+    from jax_llama.perf import measure_matmul_peak, measure_read_bandwidth
+    device, n = jax.devices()[0], jax.device_count()
+    kind = (device.platform if device.device_kind == device.platform
+            else f"{device.platform} ({device.device_kind})")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu_model(), "cores": cores, "os": f"{platform.system()} {platform.machine()}",
+            "jax_device": kind + (f" x {n}" if n > 1 else ""),
+            "python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "flax": flax.__version__, "numpy": np.__version__,
+            "peak_dtype": spec.dtype, "peak_flops": measure_matmul_peak(spec.dtype),
+            "read_bandwidth": measure_read_bandwidth()}
+
+
+def probe() -> dict:
+    import torch
+    device = (f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "cpu")
+    info = {"torch": torch.__version__, "torch_device": device, "torch_threads": torch.get_num_threads()}
+    try:
+        import transformers
+        info.update(transformers=transformers.__version__, transformers_error=None)
+    except ImportError as e:  # what `jax-llama bench` reports, and then runs our side only
+        info.update(transformers=None, transformers_error=f"{type(e).__name__}: {e}")
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("job", choices=(*IMPLEMENTATIONS, "machine", "compile", "probe"))
+    parser.add_argument("--spec", required=True, help="a Spec as JSON")
+    parser.add_argument("--benches", default="", help="comma-separated: forward, train, decode")
+    parser.add_argument("--depths", default="4,32", help="compile: shallow,deep layer counts")
+    args = parser.parse_args(argv)
+    spec = Spec.from_json(args.spec)
+    if args.job == "machine":
+        result = machine(spec)
+    elif args.job == "probe":
+        result = probe()
+    elif args.job == "compile":
+        shallow, deep = map(int, args.depths.split(","))
+        result = bench_train.compile_times(spec, (shallow, deep))
+    else:
+        result = {bench: MEASURE[bench](args.job, spec) for bench in args.benches.split(",") if bench}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""`jax-llama bench` end to end on the tiny config: the figures are this machine's and not
+asserted, their form is (every benchmark, every implementation, well-formed markdown tables); and
+the same command where transformers does not import."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from jax_llama import cli as jax_cli
+
+IMPLEMENTATIONS = ("jax-llama", "torch_llama", "transformers")
+
+
+def bench(out, *options, env=None):
+    return subprocess.run([sys.executable, "-m", "jax_llama.cli", "bench", "--quick", "--out", str(out),
+                           *options], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def tables(markdown: str) -> list[list[str]]:
+    """The markdown's tables, each a list of its lines."""
+    found, current = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            found, current = found + [current], []
+    return found
+
+
+def assert_well_formed(markdown: str) -> None:
+    for table in tables(markdown):
+        assert len(table) >= 3 and set(table[1].replace("|", "")) == {"-"}, table
+        columns = table[0].count("|")
+        assert all(line.count("|") == columns and line.endswith("|") for line in table), table
+
+
+def assert_throughput(rows: dict, implementations) -> None:
+    for impl in implementations:
+        row = rows[impl]
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] and len(row["runs_s"]) == 2, impl
+        assert row["median_s"] == pytest.approx(statistics.median(row["runs_s"]))
+
+
+def test_bench_quick_runs_everything_and_writes_json_and_markdown(tmp_path):
+    result = bench(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    markdown = (tmp_path / "bench.md").read_text()
+    assert result.stdout == markdown  # the table on stdout, progress on stderr
+    assert "round 1/1: jax-llama" in result.stderr
+
+    assert report["machine"]["peak_flops"] > 0 and report["machine"]["read_bandwidth"] > 0
+    assert report["transformers"]["available"]
+    assert report["command"].startswith("jax-llama bench --quick")
+    b = report["benchmarks"]
+    assert set(b) == {"forward", "train", "decode", "convert", "compile"}
+    for name in ("forward", "train"):
+        assert_throughput(b[name]["rows"], IMPLEMENTATIONS)
+        assert b[name]["rows"]["transformers"]["vs_transformers"] == pytest.approx(1.0)
+    for impl in IMPLEMENTATIONS:  # decode rates may be None: too fast to time on the tiny model
+        rows = b["decode"]["rows"][impl]
+        assert set(rows) == {"1", "8"} and rows["1"]["ttft_s"] > 0, impl
+        assert {"decode_tokens_per_s", "vs_transformers", "of_bandwidth_bound"} <= set(rows["1"])
+    assert set(b["convert"]["rows"]) == {"cp", "hf -> native", "native -> hf"}
+    assert all(r["peak_rss_bytes"] > 0 and r["median_s"] > 0 for r in b["convert"]["rows"].values())
+    assert set(b["compile"]["rows"]) == {"scan_layers=True", "scan_layers=False"}
+    assert all(set(r["layers"]) == {"2", "8"} for r in b["compile"]["rows"].values())
+
+    assert_well_formed(markdown)
+    lines = markdown.splitlines()
+    assert any(line.startswith("Machine: ") and " cores" in line and "transformers " in line
+               for line in lines)
+    assert any(line.startswith("Measured first: matmul peak ") for line in lines)
+    assert "| implementation | s/batch | tokens/s | vs transformers | MFU | all runs (s) |" in lines
+    assert f"Reproduce: `{report['command']}`" in lines
+    assert len(tables(markdown)) == 5
+
+
+def test_bench_without_transformers_runs_our_side_and_says_so(tmp_path):
+    # A `transformers` that fails to import, first on the path of every worker process.
+    shadow = tmp_path / "shadow" / "transformers"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'transformers'\", name='transformers')\n")
+    path = os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")])
+    result = bench(tmp_path / "out", "--only", "forward", env={"PYTHONPATH": path})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warning: transformers is not installed (ModuleNotFoundError" in result.stderr
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert report["transformers"]["available"] is False and report["machine"]["transformers"] is None
+    rows = report["benchmarks"]["forward"]["rows"]
+    assert rows["transformers"] is None
+    assert_throughput(rows, ("jax-llama", "torch_llama"))
+    assert rows["jax-llama"]["vs_transformers"] is None
+    markdown = (tmp_path / "out" / "bench.md").read_text()
+    assert_well_formed(markdown)
+    assert "transformers is not installed" in markdown and "| transformers | not installed |" in markdown
+    assert "transformers not installed" in markdown  # on the machine line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--only", "forward,fwd"], "error: --only: unknown benchmark 'fwd'"),
+    (["bench", "--preset", "llama9"], "error: --preset: unknown preset 'llama9'"),
+    (["bench", "--quick", "--repeats", "0"], "error: --repeats: must be a positive integer (got 0)"),
+    (["bench", "--quick", "--seq-len", "4096"],
+     "error: --seq-len: 4096 exceeds the model's max_seq_len 256"),
+])
+def test_bench_bad_input_gives_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    assert jax_cli.main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and len(err.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_bench_refuses_an_out_that_is_a_file_before_measuring(capsys, tmp_path):
+    (tmp_path / "results").write_text("not a directory")
+    assert jax_cli.main(["bench", "--quick", "--out", str(tmp_path / "results")]) == 2
+    assert capsys.readouterr().err == f"error: --out: {tmp_path / 'results'} exists and is not a directory\n"
