@@ -1,11 +1,18 @@
 """Write a directory or a file so that readers see all of it or none of it.
 
-Everything is written into a hidden temporary directory (or file) beside the destination and
-renamed into place at the end; an exception (or a kill) leaves the destination untouched.
+Everything is written into a hidden temporary directory (or file) `.DST.partial-XXXXXXXX` beside
+the destination and renamed into place at the end; an exception (or a kill) leaves the
+destination untouched. The writer holds an advisory lock (flock) on its temporary for as long as
+it lives, so a kill -9 - which runs no cleanup - leaves an unlocked `.DST.partial-*` behind, and
+the next write to the same destination removes every such stale one it can lock (live writers'
+temporaries stay locked and untouched). Two writers racing for one destination: the first rename
+wins, the other gets a BridgeError ("already exists") and removes its temporary. A full disk (or
+any OS error writing the temporary) becomes a one-line BridgeError naming the destination.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -15,8 +22,105 @@ from typing import Iterable, Iterator
 
 from .errors import BridgeError
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, so no stale-temporary cleanup either
+    fcntl = None
+
 # A directory we may replace must look like something this project wrote.
 _REPLACEABLE_MARKERS = ("config.json", "params.json")
+# OS errors that can only come from writing (reads never report them): a full disk or quota, a
+# file-size limit, a read-only file system.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+# What rename reports when the destination appeared meanwhile (another writer won the race).
+_TAKEN_ERRNOS = {errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR}
+# mkdtemp / mkstemp create 0700 / 0600; the result should get the usual permissions instead.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def _try_lock(fd: int) -> bool | None:
+    """flock(fd) without waiting: True locked, False someone else holds it, None unsupported."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        return False if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+
+
+def _claim(path: Path, fd: int) -> bool:
+    """Lock our fresh temporary at `path` (open as `fd`). False when a concurrent cleanup got
+    there between its creation and our lock (it then removes it; the caller makes another)."""
+    if _try_lock(fd) is False:
+        return False
+    try:  # a cleanup may have locked, removed and released it just before our lock
+        return os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(fd))
+    except FileNotFoundError:
+        return False
+
+
+def _locked_temp(dst: Path, kind: str, directory: bool) -> tuple[Path, int]:
+    """A fresh `.DST.{kind}-XXXXXXXX` directory or file beside `dst`, and a locked fd on it."""
+    while True:
+        if directory:
+            path = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{kind}-", dir=dst.parent))
+            fd = os.open(path, os.O_RDONLY)
+        else:
+            fd, name = tempfile.mkstemp(prefix=f".{dst.name}.{kind}-", dir=dst.parent)
+            path = Path(name)
+        if _claim(path, fd):
+            return path, fd
+        os.close(fd)
+
+
+def remove_stale_temporaries(dst: str | os.PathLike) -> list[Path]:
+    """Remove the `.DST.partial-*` (and `.DST.old-*`, once DST exists) left beside `dst` by
+    killed writers: those nobody holds a lock on. Returns what was removed."""
+    dst = Path(dst)
+    if fcntl is None or not dst.parent.is_dir():
+        return []
+    kinds = (f".{dst.name}.partial-",) + ((f".{dst.name}.old-",) if dst.exists() else ())
+    removed = []
+    for path in dst.parent.iterdir():
+        if not path.name.startswith(kinds) or path.is_symlink():
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if _try_lock(fd) is True:
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+                removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _is_write_error(e: OSError, tmp: Path) -> bool:
+    if e.errno in _WRITE_ERRNOS:
+        return True
+    inside = os.path.abspath(tmp)
+    return any(f is not None and (os.path.abspath(f) + os.sep).startswith(inside + os.sep)
+               for f in (e.filename, e.filename2))
+
+
+def _write_failed(dst: Path, e: OSError) -> BridgeError:
+    reason = e.strerror or str(e)
+    return BridgeError(f"{dst}: cannot write the output ({reason}); nothing was written")
+
+
+def _prepare(dst: Path) -> None:
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BridgeError(f"{dst}: cannot create its directory ({e.strerror or e})") from None
+    remove_stale_temporaries(dst)
 
 
 @contextmanager
@@ -32,20 +136,50 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool = False) -> Iterato
             raise BridgeError(f"{dst}: already exists (pass overwrite=True / --force to replace it)")
         if not dst.is_dir() or not any((dst / m).is_file() for m in _REPLACEABLE_MARKERS):
             raise BridgeError(f"{dst}: exists and is not a checkpoint directory; refusing to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    _prepare(dst)
     try:
-        yield tmp
-        old = None
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.rename(dst, old / "previous")
-        os.rename(tmp, dst)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        tmp, fd = _locked_temp(dst, "partial", directory=True)
+    except OSError as e:
+        raise _write_failed(dst, e) from None
+    try:
+        try:
+            yield tmp
+        except OSError as e:
+            if _is_write_error(e, tmp):
+                raise _write_failed(dst, e) from None
+            raise
+        os.chmod(tmp, 0o777 & ~_UMASK)
+        _rename_into_place(tmp, dst, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(fd)
+
+
+def _rename_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
+    old = old_fd = None
+    try:
+        if overwrite and (dst.exists() or dst.is_symlink()):
+            old, old_fd = _locked_temp(dst, "old", directory=True)
+            os.rename(dst, old / "previous")
+        try:
+            os.rename(tmp, dst)  # fails if a non-empty dst appeared meanwhile: never merges
+        except OSError as e:
+            if old is not None:
+                try:
+                    os.rename(old / "previous", dst)
+                except OSError:
+                    pass
+            if e.errno in _TAKEN_ERRNOS:
+                raise BridgeError(f"{dst}: already exists (another process wrote it meanwhile); "
+                                  f"nothing was written") from None
+            raise _write_failed(dst, e) from None
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if old_fd is not None:
+            os.close(old_fd)
 
 
 @contextmanager
@@ -57,16 +191,45 @@ def atomic_file(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
             raise BridgeError(f"{dst}: already exists (pass overwrite=True / --force to replace it)")
         if not dst.is_file():
             raise BridgeError(f"{dst}: exists and is not a file; refusing to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{dst.name}.partial-", dir=dst.parent)
-    os.close(fd)
-    tmp = Path(name)
+    _prepare(dst)
     try:
-        yield tmp
-        os.replace(tmp, dst)
+        tmp, fd = _locked_temp(dst, "partial", directory=False)
+    except OSError as e:
+        raise _write_failed(dst, e) from None
+    try:
+        try:
+            yield tmp
+        except OSError as e:
+            if _is_write_error(e, tmp):
+                raise _write_failed(dst, e) from None
+            raise
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        if overwrite:
+            os.replace(tmp, dst)
+        else:
+            _link_into_place(tmp, dst)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        os.close(fd)
+
+
+def _link_into_place(tmp: Path, dst: Path) -> None:
+    """Move `tmp` to `dst` unless `dst` exists by now: link() refuses atomically where rename
+    would replace."""
+    try:
+        os.link(tmp, dst)
+    except FileExistsError:
+        raise BridgeError(f"{dst}: already exists (another process wrote it meanwhile); "
+                          f"nothing was written") from None
+    except OSError:  # a file system without hard links: check, then rename (a tiny window)
+        if dst.exists() or dst.is_symlink():
+            raise BridgeError(f"{dst}: already exists (another process wrote it meanwhile); "
+                              f"nothing was written") from None
+        os.replace(tmp, dst)
+        return
+    tmp.unlink()
 
 
 def copy_files(files: Iterable[Path], directory: Path) -> None:

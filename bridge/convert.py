@@ -6,6 +6,7 @@ size: readers hand out one tensor at a time, writers lay out headers from shapes
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -74,13 +75,44 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str = "native", 
     target = None if dtype is None else DTYPES[dtype]
     specs = {name: (shape, target or stored) for name, (shape, stored) in ckpt.specs.items()}
 
+    reading = False  # so an OS error reading the source is not blamed on the destination
+
     def fetch(name: str) -> np.ndarray:
+        nonlocal reading
+        reading = True
         array = ckpt.tensor(name)
+        reading = False
         return array if target is None or array.dtype == target else array.astype(target)
 
     total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs.values())
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-              disable=not progress, desc=f"{ckpt.format} -> {to}") as bar:
-        return write_checkpoint(to, dst, ckpt.config, specs, fetch, max_shard_size=max_shard_size,
-                                overwrite=force, progress=bar.update, extra_files=ckpt.extra_files,
-                                **options)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                  disable=not progress, desc=f"{ckpt.format} -> {to}") as bar:
+            return write_checkpoint(to, dst, ckpt.config, specs, fetch,
+                                    max_shard_size=max_shard_size, overwrite=force,
+                                    progress=bar.update, extra_files=ckpt.extra_files, **options)
+    except OSError as e:
+        # bridge.atomic already names the destination for errors that carry an errno; what is
+        # left with none is a short write (numpy's tofile reports only "N requested and M
+        # written"). The temporary is gone by now.
+        if reading or e.errno is not None:
+            raise
+        raise BridgeError(f"{dst}: cannot write the output ({_short_write_reason(dst, e)}); "
+                          f"nothing was written") from None
+
+
+def _short_write_reason(dst: Path, e: OSError) -> str:
+    """Why a write came up short, as the OS would have said it: a full disk or a size limit."""
+    try:
+        if os.statvfs(dst.parent).f_bavail == 0:
+            return os.strerror(errno.ENOSPC)
+    except OSError:
+        pass
+    try:
+        import resource
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return f"{os.strerror(errno.EFBIG)}: the file size limit is {limit} bytes"
+    except (ImportError, OSError, ValueError):
+        pass
+    return f"short write: {e}"
