@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from .formats import FORMATS, open_checkpoint
 from .tensors import count_params
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+_SCAN_CHUNK = 1 << 24  # elements per NaN / Inf count: 16 MiB of booleans at a time
 
 
 def exits_cleanly(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
@@ -44,7 +46,37 @@ def cli_main(build_parser: Callable[[], argparse.ArgumentParser]) -> Callable[[l
     return main
 
 
+def scan_non_finite(ckpt, progress: bool = True) -> dict[str, dict[str, int]]:
+    """{tensor name: {"nan": n, "inf": m}} for every tensor holding a NaN or an infinity; empty
+    when all are finite. Reads one tensor at a time, so memory is bounded by the largest one."""
+    from tqdm import tqdm
+
+    bad = {}
+    with tqdm(total=ckpt.nbytes, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              desc="scanning", leave=False, disable=not progress) as bar:
+        for name, (shape, dtype) in ckpt.specs.items():
+            nan, inf = _count_non_finite(ckpt.tensor(name))  # the tensor is freed on return
+            if nan or inf:
+                bad[name] = {"nan": nan, "inf": inf}
+            bar.update(math.prod(shape) * dtype.itemsize)
+    return bad
+
+
+def _count_non_finite(array) -> tuple[int, int]:
+    """(NaN count, Inf count) of an array, in chunks so that the boolean temporaries stay small."""
+    import numpy as np
+
+    flat, nan, inf = array.reshape(-1), 0, 0
+    for start in range(0, flat.size, _SCAN_CHUNK):
+        chunk = flat[start:start + _SCAN_CHUNK]
+        nan += int(np.count_nonzero(np.isnan(chunk)))
+        inf += int(np.count_nonzero(np.isinf(chunk)))
+    return nan, inf
+
+
 def cmd_inspect(args) -> int:
+    """Describe a checkpoint; unless --no-scan, also read every tensor and exit 1 if any holds a
+    NaN or an infinity (a report's check failed)."""
     ckpt = open_checkpoint(args.path, format=args.format)
     report = {
         "path": str(ckpt.path),
@@ -57,9 +89,12 @@ def cmd_inspect(args) -> int:
         "bytes": ckpt.nbytes,
         "notes": ckpt.notes,
     }
+    if not args.no_scan:
+        report["non_finite"] = scan_non_finite(ckpt, progress=not args.quiet)
+    status = EXIT_CHECK_FAILED if report.get("non_finite") else EXIT_OK
     if args.json:
         print(json.dumps(report, indent=2))
-        return EXIT_OK
+        return status
     c = ckpt.config
     print(f"{report['path']}  ({report['format']})")
     print(f"  parameters  {report['parameters']:,} in {report['tensors']} tensors, "
@@ -71,7 +106,13 @@ def cmd_inspect(args) -> int:
           f"rope_scaling {c.rope_scaling}, tie_embeddings {c.tie_embeddings}")
     for note in report["notes"]:
         print(f"  note        {note}")
-    return EXIT_OK
+    if "non_finite" not in report:
+        print("  values      not scanned (--no-scan)")
+    elif not report["non_finite"]:
+        print("  values      all finite")
+    for name, counts in report.get("non_finite", {}).items():
+        print(f"  NON-FINITE  {name}: {counts['nan']:,} NaN, {counts['inf']:,} Inf")
+    return status
 
 
 def cmd_convert(args) -> int:
@@ -122,10 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "formats the world ships them in.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("inspect", help="describe a checkpoint: config, tensors, sizes")
+    p = sub.add_parser("inspect", help="describe a checkpoint: config, tensors, sizes, and "
+                                        "any NaN / Inf values")
     p.add_argument("path")
     p.add_argument("--from", dest="format", choices=FORMATS, help="the format (default: detect)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-scan", action="store_true",
+                   help="do not read the tensors (by default every one is read once, streaming, "
+                        "and NaN / Inf values are counted; exit 1 if there are any)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar for the scan")
     p.set_defaults(run=cmd_inspect)
 
     p = sub.add_parser("convert", help="convert a checkpoint between formats, one tensor at a time")

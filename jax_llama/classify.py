@@ -39,6 +39,7 @@ from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .generate import bucket
 from .model import LlamaClassifier, as_dtype, init
+from .run import TrainingDiverged
 from .train import TrainConfig, TrainState, init_state, make_optimizer
 
 DEFAULT_TEMPLATE = "{text} Overall, it was"
@@ -300,7 +301,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
             clf.params = state.params
             train_loss = float(np.mean(jax.device_get(losses)))
             if not math.isfinite(train_loss):
-                raise BridgeError(f"fine-tuning diverged in epoch {epoch} (loss {train_loss}); "
+                raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss}); "
                                   f"lower --lr")
             predictions = predict_ids(clf, dev_rows).argmax(-1)
             record = {"epoch": epoch, "train_loss": train_loss,

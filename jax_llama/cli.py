@@ -139,6 +139,7 @@ def cmd_finetune(args) -> int:
     import jax
 
     from .classify import FinetuneConfig, finetune, new_classifier
+    from .run import TrainingDiverged
 
     fc = FinetuneConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -181,9 +182,13 @@ def cmd_finetune(args) -> int:
           f"on {len(train.examples)} examples, {len(dev.examples)} dev, {len(labels)} labels",
           file=sys.stderr)
     started, cpu = time.time(), time.process_time()
-    summary = finetune(clf, train, dev, fc, out, on_epoch=lambda r: print(
-        f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, dev accuracy {r['dev_accuracy']:.4f} "
-        f"({r['seconds']:.0f} s)", file=sys.stderr))
+    try:
+        summary = finetune(clf, train, dev, fc, out, on_epoch=lambda r: print(
+            f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, dev accuracy {r['dev_accuracy']:.4f} "
+            f"({r['seconds']:.0f} s)", file=sys.stderr))
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
     best = summary["best"]
     print(f"best dev accuracy {best['dev_accuracy']:.4f} (epoch {best['epoch']} of {fc.epochs}); "
           f"{time.time() - started:.0f} s wall, {time.process_time() - cpu:.0f} s CPU")

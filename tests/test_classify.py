@@ -580,3 +580,19 @@ def test_gradient_accumulation_equals_the_full_batch():
         assert np.abs(np.asarray(full) - np.asarray(before)).max() > 0  # an update happened
         # float32 sums in another order: ~1e-7 relative on gradients, times lr / eps = 1e-2.
         np.testing.assert_allclose(accumulated, full, rtol=0, atol=1e-7)
+
+
+def test_diverging_finetune_names_the_epoch_and_exits_1(task, tmp_path, capsys):
+    # A backbone with a NaN weight gives a NaN loss: a failed run (exit 1, as `jax-llama train`
+    # does), not bad input, and no classifier is kept.
+    config = small_config(vocab_size=259)
+    _, params = jax_llama.init(config, seed=0)
+    params["norm"]["weight"] = params["norm"]["weight"].at[0].set(jnp.nan)
+    tokenizer_files = ByteTokenizer().save(tmp_path / "tok")
+    jax_llama.save(tmp_path / "nan-lm", config, params)
+    for f in tokenizer_files:
+        (tmp_path / "nan-lm" / Path(f).name).write_bytes(Path(f).read_bytes())
+    assert jax_cli.main(finetune_argv(task, "--init", str(tmp_path / "nan-lm"), "--epochs", "2")) == 1
+    err = capsys.readouterr().err
+    assert "error: fine-tuning diverged in epoch 1" in err and "lower --lr" in err
+    assert not (task / "out" / "best").exists()

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 import jax_llama
@@ -31,8 +32,32 @@ def test_inspect(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["parameters"] == sum(v.size for v in jax.tree_util.tree_leaves(params))
     assert report["config"]["n_kv_heads"] == 2 and report["dtypes"] == ["float32"]
+    assert report["non_finite"] == {}
     assert bridge_cli.main(["inspect", str(tmp_path / "ckpt")]) == 0
-    assert "dim 48, 2 layers, 6 heads / 2 kv heads of 8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dim 48, 2 layers, 6 heads / 2 kv heads of 8" in out and "values      all finite" in out
+
+
+def test_inspect_counts_nan_and_inf_per_tensor_and_exits_1(tmp_path, capsys):
+    config = small_config()
+    _, params = jax_llama.init(config)
+    params = jax.tree_util.tree_map(np.array, params)  # writable host copies
+    params["norm"]["weight"][[3, 5]] = np.nan
+    params["layers_1"]["feed_forward"]["w2"]["kernel"][0, 1] = -np.inf
+    jax_llama.save(tmp_path / "bad", config, params)
+    assert bridge_cli.main(["inspect", str(tmp_path / "bad"), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["non_finite"] == {
+        "norm.weight": {"nan": 2, "inf": 0}, "layers.1.feed_forward.w2.weight": {"nan": 0, "inf": 1}}
+    assert "scanning" in captured.err  # the progress bar
+    assert bridge_cli.main(["inspect", str(tmp_path / "bad"), "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "NON-FINITE  norm.weight: 2 NaN, 0 Inf" in captured.out
+    assert "NON-FINITE  layers.1.feed_forward.w2.weight: 0 NaN, 1 Inf" in captured.out
+    assert captured.err == ""
+    # --no-scan reads no tensor data: nothing to find, nothing to fail
+    assert bridge_cli.main(["inspect", str(tmp_path / "bad"), "--no-scan", "--json"]) == 0
+    assert "non_finite" not in json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("argv, message", [

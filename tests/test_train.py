@@ -192,6 +192,27 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corp
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["5"]
 
 
+@pytest.mark.parametrize("poison, step", [("init", 1), ("lr", 2)])
+def test_diverging_run_names_the_step_and_the_cli_exits_1(tmp_path, corpus, capsys, poison, step):
+    """A NaN weight in the --init checkpoint makes the very first loss NaN; lr 1e30 makes the
+    first update blow the weights up, so the second loss is not finite."""
+    from jax_llama import cli
+    extra = ["--lr", "1e30"]
+    if poison == "init":
+        _, params = jax_llama.init(TINY, seed=0)
+        params = jax.tree_util.tree_map(np.array, params)
+        params["norm"]["weight"][0] = np.nan
+        jax_llama.save(tmp_path / "poisoned", TINY, params)
+        extra = ["--init", str(tmp_path / "poisoned")]
+    assert cli.main(["train", "--data", *[str(corpus / f"doc{i}.txt") for i in range(4)],
+                     "--tokenizer", str(corpus / "tokenizer"), "--steps", "5", "--batch-size", "4",
+                     "--seq-len", "16", "--warmup-steps", "0", "--sample-tokens", "0",
+                     "--out", str(tmp_path / "run"), *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: step {step}: loss ") and "Last good checkpoint: none" in err, err
+    assert not (tmp_path / "run" / "model").exists()
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(seq_len=128), "--seq-len: 128 is above the model's max_seq_len 64"),
 ])
