@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..errors import BridgeError
-from ..tensors import canonical_shapes
+from ..tensors import LAYER_SUFFIXES, canonical_shapes
 
 FLOAT_DTYPES = {np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16)}
 # Files that travel with the weights between directory formats (tokenizers, generation defaults).
@@ -62,13 +62,23 @@ def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,
     """Refuse a missing, extra, wrongly shaped or non-float tensor, naming the first one.
 
     Returns the specs in canonical order."""
+    # n_layers comes from a file and may be a corrupt 10^9: find a missing tensor before the
+    # full name table (one entry per tensor of every layer) is built.
+    per_layer = canonical_shapes(config.replace(n_layers=1, tie_embeddings=True))
+    if len(specs) < len(per_layer) + (config.n_layers - 1) * len(LAYER_SUFFIXES):
+        for i in range(config.n_layers):
+            for suffix in LAYER_SUFFIXES:
+                if f"layers.{i}.{suffix}" not in specs:
+                    raise BridgeError(f"{where}: tensor 'layers.{i}.{suffix}' is missing "
+                                      f"({source} says n_layers={config.n_layers}, but "
+                                      f"{len(specs)} tensors are stored)")
     expected = canonical_shapes(config)
     missing = [n for n in expected if n not in specs]
     if missing:
-        raise BridgeError(f"{where}: tensor '{missing[0]}' is missing ({len(missing)} missing in all)")
+        raise BridgeError(f"{where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
     extra = sorted(n for n in specs if n not in expected)
     if extra:
-        raise BridgeError(f"{where}: unexpected tensor '{extra[0]}' for {source} "
+        raise BridgeError(f"{where}: unexpected tensor {extra[0]!r} for {source} "
                           f"({len(extra)} unexpected in all)")
     for name, shape in expected.items():
         got, dtype = specs[name]

@@ -116,11 +116,14 @@ def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
         if key not in d:
             raise BridgeError(f"{where}: missing required field {key!r}")
 
-    rope = dict(d.get("rope_parameters") or {})           # transformers 5.x
-    legacy = d.get("rope_scaling")                        # transformers 4.x
-    if legacy:
-        rope.update(legacy)
+    rope = {}
+    for key in ("rope_parameters", "rope_scaling"):      # transformers 5.x, 4.x
+        if d.get(key) and not isinstance(d[key], dict):
+            raise BridgeError(f"{where}: {key} must be an object or null (got {d[key]!r})")
+        rope.update(d.get(key) or {})
     theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1 < theta < 1e300:
+        raise BridgeError(f"{where}: rope_theta must be a number > 1 (got {theta!r})")
     rope_type = rope.pop("rope_type", rope.pop("type", "default"))
     scaling = None
     if rope_type == "llama3":
@@ -210,7 +213,7 @@ class HFCheckpoint(Checkpoint):
             elif _DERIVABLE.fullmatch(name):
                 derivable.append(name)
             else:
-                raise BridgeError(f"{info.file}: unexpected tensor '{name}' (not part of a "
+                raise BridgeError(f"{info.file}: unexpected tensor {name!r} (not part of a "
                                   f"LlamaForCausalLM this project supports)")
         if derivable:
             self.notes.append(f"skipped {len(derivable)} derivable rotary_emb.inv_freq tensors")
@@ -232,7 +235,7 @@ class HFCheckpoint(Checkpoint):
 
     def tensor(self, name: str) -> np.ndarray:
         if name not in self.specs:
-            raise BridgeError(f"{self.path}: no tensor '{name}'")
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
         array = read_tensor(self.infos[name])
         heads = _heads_to_permute(name, self.config)
         return array if heads is None else from_half_split(array, heads)

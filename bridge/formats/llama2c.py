@@ -102,7 +102,7 @@ class Llama2cCheckpoint(Checkpoint):
 
     def tensor(self, name: str) -> np.ndarray:
         if name not in self.specs:
-            raise BridgeError(f"{self.path}: no tensor '{name}'")
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
         return self._read(name)
 
 
@@ -135,7 +135,7 @@ def _open_export(path: Path):
         offset, shape = table[name]
         array = np.fromfile(path, dtype="<f4", count=math.prod(shape), offset=offset)
         if array.size != math.prod(shape):
-            raise BridgeError(f"{path}: truncated while reading tensor '{name}'")
+            raise BridgeError(f"{path}: truncated while reading tensor {name!r}")
         return array.reshape(shape)
 
     specs = {n: (shape, np.dtype(np.float32)) for n, (_, shape) in table.items()
@@ -200,7 +200,7 @@ def _open_training_checkpoint(path: Path):
     for key, value in ckpt["model"].items():
         name = str(key).removeprefix("_orig_mod.")  # torch.compile's wrapper prefix
         if not isinstance(value, torch.Tensor):
-            raise BridgeError(f"{path}: state dict entry '{key}' is not a tensor")
+            raise BridgeError(f"{path}: state dict entry {key!r} is not a tensor")
         state[name] = value
     skipped = [n for n in ("freqs_cos", "freqs_sin") if state.pop(n, None) is not None]
     if skipped:
@@ -226,7 +226,7 @@ def _config_from_model_args(path: Path, args: dict) -> LlamaConfig:
         raise BridgeError(f"{path}: model_args: unknown key(s) {unknown}")
     missing = [k for k in _REQUIRED_ARGS if k not in args]
     if missing:
-        raise BridgeError(f"{path}: model_args: missing key '{missing[0]}'")
+        raise BridgeError(f"{path}: model_args: missing key {missing[0]!r}")
     a = {**_OPTIONAL_ARGS, **args}
     for key in ("dim", "multiple_of"):
         if not isinstance(a[key], int) or a[key] <= 0:
@@ -249,7 +249,7 @@ def _numpy_view(path: Path, name: str, t) -> np.ndarray:
     try:
         return to_numpy(t)
     except BridgeError as e:
-        raise BridgeError(f"{path}: tensor '{name}': {e}") from None
+        raise BridgeError(f"{path}: tensor {name!r}: {e}") from None
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def write_llama2c(path: str | os.PathLike, config: LlamaConfig, specs: dict[str,
                 continue
             array = fetch(name)
             if tuple(array.shape) != shape:
-                raise BridgeError(f"tensor '{name}': got shape {tuple(array.shape)}, "
+                raise BridgeError(f"tensor {name!r}: got shape {tuple(array.shape)}, "
                                   f"expected {shape}")
             np.asarray(array, dtype=np.float32).astype("<f4", copy=False).tofile(f)
             if progress is not None:

@@ -118,7 +118,7 @@ def _check_ranks_agree(files: list[Path], shards: list[dict]) -> None:
         differ = sorted(n for n in ref.keys() | layout.keys() if ref.get(n) != layout.get(n))
         if differ:
             name = differ[0]
-            raise BridgeError(f"{file}: tensor '{name}' is {layout.get(name, 'absent')}, but "
+            raise BridgeError(f"{file}: tensor {name!r} is {layout.get(name, 'absent')}, but "
                               f"{ref.get(name, 'absent')} in {files[0].name}")
 
 
@@ -133,10 +133,10 @@ def config_from_params(params: dict, where: Path, shapes: dict[str, tuple[int, .
     (vocab_size -1) and cross-checking what it derives (the ffn dim). Appends to `notes`."""
     unknown = sorted(set(params) - PARAMS_KEYS)
     if unknown:
-        raise BridgeError(f"{where}: unsupported key '{unknown[0]}'")
+        raise BridgeError(f"{where}: unsupported key {unknown[0]!r}")
     missing = [k for k in REQUIRED_KEYS if k not in params]
     if missing:
-        raise BridgeError(f"{where}: missing key '{missing[0]}'")
+        raise BridgeError(f"{where}: missing key {missing[0]!r}")
     if "max_batch_size" in params:
         notes.append(f"params.json: max_batch_size={params['max_batch_size']!r} is a setting of "
                      f"Meta's generator, not of the model; ignored")
@@ -208,10 +208,10 @@ class MetaCheckpoint(Checkpoint):
             if name == "tok_embeddings.weight":
                 axis = 0 if t.ndim == 2 and t.shape[1] == params.get("dim") else 1
             if axis is not None and axis >= t.ndim:
-                raise BridgeError(f"{self.files[0]}: tensor '{name}' has shape {tuple(t.shape)}, "
+                raise BridgeError(f"{self.files[0]}: tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"expected 2 dimensions")
             if str(t.dtype) not in NUMPY_DTYPES:
-                raise BridgeError(f"{self.files[0]}: tensor '{name}' has dtype {t.dtype}, expected "
+                raise BridgeError(f"{self.files[0]}: tensor {name!r} has dtype {t.dtype}, expected "
                                   f"a floating type")
             shape = list(t.shape)
             if axis is not None:
@@ -231,7 +231,7 @@ class MetaCheckpoint(Checkpoint):
         for name in (n for n in self.specs if self.axes[n] is None):
             for file, shard in zip(self.files[1:], self.shards[1:]):
                 if not same_bits(to_numpy(first[name]), to_numpy(shard[name])):
-                    raise BridgeError(f"{file}: replicated tensor '{name}' differs from "
+                    raise BridgeError(f"{file}: replicated tensor {name!r} differs from "
                                       f"{self.files[0].name}")
         self.extra_files = find_extra_files(self.path)
 
@@ -255,7 +255,7 @@ class MetaCheckpoint(Checkpoint):
 
     def tensor(self, name: str) -> np.ndarray:
         if name not in self.specs:
-            raise BridgeError(f"{self.path}: no tensor '{name}'")
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
         return self._merged(name)
 
 
@@ -301,7 +301,7 @@ def write_meta(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
     for name, (shape, _) in ordered.items():
         axis = SPLIT_AXIS[_suffix(name)]
         if axis is not None and shape[axis] % shards:
-            raise BridgeError(f"tensor '{name}': size {shape[axis]} along axis {axis} does not "
+            raise BridgeError(f"tensor {name!r}: size {shape[axis]} along axis {axis} does not "
                               f"split into {shards} equal shards")
     ranks: list[dict] = [{} for _ in range(shards)]
     with atomic_directory(path, overwrite=overwrite) as tmp:
@@ -309,7 +309,7 @@ def write_meta(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
         for name, (shape, dtype) in ordered.items():
             array = fetch(name)
             if tuple(array.shape) != shape or array.dtype != dtype:
-                raise BridgeError(f"tensor '{name}': got {array.dtype}{tuple(array.shape)}, "
+                raise BridgeError(f"tensor {name!r}: got {array.dtype}{tuple(array.shape)}, "
                                   f"expected {dtype}{shape}")
             tensor = from_numpy(array)  # bfloat16 crosses bit for bit, never via float32
             axis = SPLIT_AXIS[_suffix(name)]

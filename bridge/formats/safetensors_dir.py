@@ -67,15 +67,18 @@ def read_tensor_infos(directory: Path) -> dict[str, TensorInfo]:
     for file, expected_names in files.items():
         if not file.is_file():
             raise BridgeError(f"{index_path}: lists shard {file.name}, which does not exist")
+        if not file.resolve().is_relative_to(directory.resolve()):
+            raise BridgeError(f"{file}: a link to {file.resolve()}, outside the checkpoint "
+                              f"directory; refused")
         for name, info in _read_file_infos(file).items():
             if name in infos:
-                raise BridgeError(f"{file}: tensor '{name}' is also in {infos[name].file.name}")
+                raise BridgeError(f"{file}: tensor {name!r} is also in {infos[name].file.name}")
             infos[name] = info
         if expected_names is not None:
             in_file = {n for n, i in infos.items() if i.file == file}
             missing = sorted(set(expected_names) - in_file)
             if missing:
-                raise BridgeError(f"{index_path}: says tensor '{missing[0]}' is in {file.name}, "
+                raise BridgeError(f"{index_path}: says tensor {missing[0]!r} is in {file.name}, "
                                   f"but it is not")
     return infos
 
@@ -93,7 +96,7 @@ def _read_file_infos(file: Path) -> dict[str, TensorInfo]:
     for name in names:
         entry = header[name]
         if entry["dtype"] not in DTYPE_OF_CODE:
-            raise BridgeError(f"{file}: tensor '{name}' has unsupported dtype {entry['dtype']}")
+            raise BridgeError(f"{file}: tensor {name!r} has unsupported dtype {entry['dtype']}")
         infos[name] = TensorInfo(file, tuple(entry["shape"]), DTYPE_OF_CODE[entry["dtype"]],
                                  8 + header_len + entry["data_offsets"][0])
     return infos
@@ -109,7 +112,7 @@ def _files_from_index(index_path: Path) -> dict[Path, list[str]]:
     files: dict[Path, list[str]] = {}
     for name, filename in weight_map.items():
         if not isinstance(filename, str) or Path(filename).name != filename or filename in ("", ".", ".."):
-            raise BridgeError(f"{index_path}: tensor '{name}' points outside the directory "
+            raise BridgeError(f"{index_path}: tensor {name!r} points outside the directory "
                               f"({filename!r})")
         files.setdefault(index_path.parent / filename, []).append(name)
     return files
@@ -187,7 +190,7 @@ class _ShardWriter:
         for name, (shape, dtype) in specs.items():
             dtype = np.dtype(dtype)
             if dtype not in _CODES:
-                raise BridgeError(f"tensor '{name}': dtype {dtype} cannot be stored in safetensors")
+                raise BridgeError(f"tensor {name!r}: dtype {dtype} cannot be stored in safetensors")
             nbytes = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": _CODES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
@@ -201,9 +204,9 @@ class _ShardWriter:
     def write(self, name: str, array: np.ndarray) -> None:
         shape, dtype = self.specs[name]
         if name != self.pending[0]:
-            raise RuntimeError(f"{self.path.name}: expected tensor '{self.pending[0]}', got '{name}'")
+            raise RuntimeError(f"{self.path.name}: expected tensor '{self.pending[0]}', got {name!r}")
         if tuple(array.shape) != tuple(shape) or np.dtype(array.dtype) != np.dtype(dtype):
-            raise BridgeError(f"tensor '{name}': got {array.dtype}{tuple(array.shape)}, "
+            raise BridgeError(f"tensor {name!r}: got {array.dtype}{tuple(array.shape)}, "
                               f"expected {np.dtype(dtype)}{tuple(shape)}")
         np.ascontiguousarray(array, dtype=np.dtype(dtype).newbyteorder("<")).tofile(self.file)
         self.pending.pop(0)
