@@ -16,7 +16,6 @@ import signal
 import struct
 import tempfile
 import tracemalloc
-import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_checkpoint
 from bridge.tensors import canonical_shapes
-from bridge.tokenizer import ByteTokenizer, load_tokenizer, train_tokenizer
+from bridge.tokenizer import load_tokenizer, train_tokenizer
 
 CASES: collections.Counter = collections.Counter()  # loader -> fuzz cases run
 SCALE = float(os.environ.get("FUZZ_SCALE", "1"))  # more cases: FUZZ_SCALE=10
