@@ -341,6 +341,19 @@ def test_weights_symlinked_outside_are_refused(pristine, fmt):
             open_checkpoint(path)
 
 
+@pytest.mark.parametrize("fmt, name", [("native", "config.json"), ("hf", "config.json"),
+                                       ("meta", "params.json"), ("meta", "consolidated.00.pth")])
+def test_config_and_pth_symlinked_outside_are_refused(pristine, fmt, name):
+    with _materialised(dict(pristine[fmt])) as (path, root):
+        outside = root / f"elsewhere-{name}"
+        (path / name).rename(outside)
+        (path / name).symlink_to(outside)
+        with pytest.raises(BridgeError, match="outside the checkpoint directory"):
+            ckpt = open_checkpoint(path)
+            for tensor in ckpt.specs:
+                ckpt.tensor(tensor)
+
+
 def test_weights_symlinked_inside_are_read(pristine):
     with _materialised(dict(pristine["native"])) as (path, root):
         (path / "model.safetensors").rename(path / "real.safetensors")

@@ -18,6 +18,15 @@ from ..config import LlamaConfig
 from ..errors import BridgeError
 from ..tensors import LAYER_SUFFIXES, canonical_shapes
 
+
+def check_inside(file: Path, directory: Path) -> Path:
+    """`file`, refused when it is a link that resolves outside `directory` (a checkpoint must not
+    make the reader open files elsewhere on the machine)."""
+    if not file.resolve().is_relative_to(directory.resolve()):
+        raise BridgeError(f"{file}: a link to {file.resolve()}, outside the checkpoint "
+                          f"directory; refused")
+    return file
+
 FLOAT_DTYPES = {np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16)}
 # Files that travel with the weights between directory formats (tokenizers, generation defaults).
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",

@@ -30,7 +30,7 @@ import numpy as np
 from ..atomic import atomic_directory, copy_files
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
-from .base import Checkpoint, Spec, check_specs, find_extra_files
+from .base import Checkpoint, Spec, check_inside, check_specs, find_extra_files
 from .native import read_json
 from .torch_files import from_numpy, load_weights_only, same_bits, to_numpy
 
@@ -107,6 +107,7 @@ def _shard_files(directory: Path) -> list[Path]:
     for file in expected:
         if file not in found:
             raise BridgeError(f"{file}: missing (found {', '.join(f.name for f in found)})")
+        check_inside(file, directory)
     return expected
 
 

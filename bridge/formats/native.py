@@ -16,7 +16,7 @@ import numpy as np
 from ..atomic import atomic_directory, copy_files
 from ..config import LlamaConfig
 from ..errors import BridgeError
-from .base import Checkpoint, Spec, check_specs, find_extra_files
+from .base import Checkpoint, Spec, check_inside, check_specs, find_extra_files
 from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, read_tensor, read_tensor_infos,
                               write_safetensors_dir)
 
@@ -25,6 +25,8 @@ CONFIG_FILE = "config.json"
 
 def read_json(path: Path) -> dict:
     """A JSON object from `path`, or a BridgeError naming the file."""
+    if path.is_file():
+        check_inside(path, path.parent)
     try:
         d = json.loads(path.read_text())
     except FileNotFoundError:

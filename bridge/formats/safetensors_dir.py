@@ -23,6 +23,7 @@ import numpy as np
 from safetensors import safe_open
 
 from ..errors import BridgeError
+from .base import check_inside
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -67,9 +68,7 @@ def read_tensor_infos(directory: Path) -> dict[str, TensorInfo]:
     for file, expected_names in files.items():
         if not file.is_file():
             raise BridgeError(f"{index_path}: lists shard {file.name}, which does not exist")
-        if not file.resolve().is_relative_to(directory.resolve()):
-            raise BridgeError(f"{file}: a link to {file.resolve()}, outside the checkpoint "
-                              f"directory; refused")
+        check_inside(file, directory)
         for name, info in _read_file_infos(file).items():
             if name in infos:
                 raise BridgeError(f"{file}: tensor {name!r} is also in {infos[name].file.name}")
