@@ -136,25 +136,13 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool = False) -> Iterato
             raise BridgeError(f"{dst}: already exists (pass overwrite=True / --force to replace it)")
         if not dst.is_dir() or not any((dst / m).is_file() for m in _REPLACEABLE_MARKERS):
             raise BridgeError(f"{dst}: exists and is not a checkpoint directory; refusing to replace it")
-    _prepare(dst)
-    try:
-        tmp, fd = _locked_temp(dst, "partial", directory=True)
-    except OSError as e:
-        raise _write_failed(dst, e) from None
-    try:
-        try:
-            yield tmp
-        except OSError as e:
-            if _is_write_error(e, tmp):
-                raise _write_failed(dst, e) from None
-            raise
+
+    def place(tmp: Path) -> None:
         os.chmod(tmp, 0o777 & ~_UMASK)
         _rename_into_place(tmp, dst, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        os.close(fd)
+
+    with _temporary(dst, directory=True, place=place) as tmp:
+        yield tmp
 
 
 def _rename_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
@@ -191,9 +179,26 @@ def atomic_file(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
             raise BridgeError(f"{dst}: already exists (pass overwrite=True / --force to replace it)")
         if not dst.is_file():
             raise BridgeError(f"{dst}: exists and is not a file; refusing to replace it")
+
+    def place(tmp: Path) -> None:
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        if overwrite:
+            os.replace(tmp, dst)
+        else:
+            _link_into_place(tmp, dst)
+
+    with _temporary(dst, directory=False, place=place) as tmp:
+        yield tmp
+
+
+@contextmanager
+def _temporary(dst: Path, directory: bool, place) -> Iterator[Path]:
+    """The life of a writer's locked `.DST.partial-*` temporary: made (dead writers' leftovers
+    cleaned first), yielded, OS write errors named as the destination's, `place(tmp)` on
+    success, removed on any failure."""
     _prepare(dst)
     try:
-        tmp, fd = _locked_temp(dst, "partial", directory=False)
+        tmp, fd = _locked_temp(dst, "partial", directory=directory)
     except OSError as e:
         raise _write_failed(dst, e) from None
     try:
@@ -203,13 +208,12 @@ def atomic_file(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
             if _is_write_error(e, tmp):
                 raise _write_failed(dst, e) from None
             raise
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        if overwrite:
-            os.replace(tmp, dst)
-        else:
-            _link_into_place(tmp, dst)
+        place(tmp)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        if directory:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
         raise
     finally:
         os.close(fd)

@@ -15,7 +15,6 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -25,7 +24,6 @@ from .errors import BridgeError
 HEAD_FILE = "classifier.safetensors"
 META_FILE = "classifier.json"
 HEAD_TENSORS = ("classifier.weight", "classifier.bias")
-SEPARATOR = " ||| "
 _INTEGER = re.compile(r"[+-]?\d+")
 
 
@@ -195,7 +193,7 @@ def accuracy(predictions, labels) -> float:
     return float((predictions == labels).mean()) if len(labels) else float("nan")
 
 
-def write_predictions(path: str | os.PathLike, predictions, write: Callable | None = None) -> Path:
+def write_predictions(path: str | os.PathLike, predictions) -> Path:
     """One predicted label index a line (the LABEL field of the data format), written atomically."""
     from .atomic import atomic_file
 

@@ -38,7 +38,7 @@ from bridge.tokenizer import Tokenizer
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .generate import bucket
-from .model import LlamaClassifier, as_dtype, init
+from .model import LlamaClassifier, init
 from .run import TrainingDiverged
 from .train import TrainConfig, TrainState, init_state, make_optimizer
 
@@ -410,8 +410,3 @@ def zero_shot(model, params, tokenizer: Tokenizer, texts: list[str], labels: lis
         empty, _, _ = zero_shot_rows(tokenizer, [""], labels, template, max_len)
         scores = scores - continuation_logprobs(model, params, empty, continuations, batch_size)
     return scores.argmax(-1), scores, cut
-
-
-def load_lm(path: str, dtype=None):
-    """(model, params) of a checkpoint for zero-shot scoring, in float32 unless asked."""
-    return load_checkpoint(path, dtype=as_dtype(dtype) if dtype else "float32")

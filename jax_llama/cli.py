@@ -112,7 +112,7 @@ def _cut_note(name: str, cut: int, total: int, max_len: int) -> None:
               f"left", file=sys.stderr)
 
 
-def _report_predictions(args, dataset, predictions, labels: list[str], what: str) -> float | None:
+def _report_predictions(args, dataset, predictions, what: str) -> float | None:
     """Write predictions to --out (or stdout, one a line) and report accuracy when labeled."""
     from bridge.classification import accuracy, write_predictions
 
@@ -138,6 +138,7 @@ def cmd_finetune(args) -> int:
 
     import jax
 
+    from .checkpoint import load
     from .classify import FinetuneConfig, finetune, new_classifier
     from .run import TrainingDiverged
 
@@ -156,7 +157,7 @@ def cmd_finetune(args) -> int:
         raise BridgeError("--train / --dev: need labels on every line")
     lm_params = None
     if args.init:
-        model_lm, lm_params = load_checkpoint_f32(args.init)
+        model_lm, lm_params = load(args.init, dtype="float32")
         config = model_lm.config
         tokenizer = find_tokenizer(args.init, args.tokenizer)
         if tokenizer.vocab_size > config.vocab_size:
@@ -197,11 +198,6 @@ def cmd_finetune(args) -> int:
     return EXIT_OK
 
 
-def load_checkpoint_f32(path: str):
-    from .checkpoint import load
-    return load(path, dtype="float32")
-
-
 def cmd_predict(args) -> int:
     from .classify import load_classifier, predict
 
@@ -211,7 +207,7 @@ def cmd_predict(args) -> int:
     dataset = _read_task(args, args.data, require_labels=False)
     predictions, _, cut = predict(clf, dataset.texts, args.batch_size, progress=True)
     _cut_note(args.data, cut, len(dataset.examples), clf.max_len)
-    _report_predictions(args, dataset, predictions, clf.labels, "classifier")
+    _report_predictions(args, dataset, predictions, "classifier")
     return EXIT_OK
 
 
@@ -221,13 +217,14 @@ def cmd_zero_shot(args) -> int:
 
     import numpy as np
 
+    from .checkpoint import load
     from .classify import fill_template, zero_shot
 
     fill_template(args.template, "")  # refuse a template without {text} before loading
     tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
     args.label_words = labels = read_labels(args.labels)
     dataset = _read_task(args, args.data, require_labels=False)
-    model, params = load_checkpoint_f32(args.checkpoint)
+    model, params = load(args.checkpoint, dtype="float32")
     started = time.time()
     predictions, scores, cut = zero_shot(model, params, tokenizer, dataset.texts, labels,
                                          args.template, args.max_len, args.batch_size, progress=True,
@@ -236,7 +233,7 @@ def cmd_zero_shot(args) -> int:
     counts = np.bincount(predictions, minlength=len(labels))
     print("predicted: " + ", ".join(f"{w} {c}" for w, c in zip(labels, counts)) +
           f" ({time.time() - started:.0f} s)", file=sys.stderr)
-    _report_predictions(args, dataset, predictions, labels, "zero-shot")
+    _report_predictions(args, dataset, predictions, "zero-shot")
     return EXIT_OK
 
 

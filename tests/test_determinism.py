@@ -16,6 +16,7 @@ import jax_llama
 import torch_llama
 from bridge.sampling import Sampler
 from conftest import small_config
+from test_classify import synthetic_lines
 from jax_llama import cli as jax_cli
 from jax_llama.generate import generate as jax_generate
 from torch_llama.generate import generate as torch_generate
@@ -88,20 +89,9 @@ def test_torch_sampling_repeats_under_a_seed(checkpoint):
 
 # -- classification fine-tuning ----------------------------------------------------------------------
 
-def _task_lines(n: int, seed: int) -> str:
-    """`LABEL ||| TEXT`: a few filler words and one word that gives the label away."""
-    rng = np.random.default_rng(seed)
-    lines = []
-    for _ in range(n):
-        label = int(rng.integers(2))
-        words = [str(w) for w in rng.choice(WORDS, 4)] + ["great" if label else "awful"]
-        lines.append(f"{label} ||| {' '.join(rng.permutation(words))}")
-    return "\n".join(lines) + "\n"
-
-
 def test_two_finetunes_with_one_seed_give_identical_metrics(tmp_path, capsys):
-    (tmp_path / "train.txt").write_text(_task_lines(48, seed=0))
-    (tmp_path / "dev.txt").write_text(_task_lines(16, seed=1))
+    (tmp_path / "train.txt").write_text(synthetic_lines(48, seed=0))
+    (tmp_path / "dev.txt").write_text(synthetic_lines(16, seed=1))
     (tmp_path / "labels.json").write_text('["negative", "positive"]')
 
     def finetune(name: str, seed: int) -> list[dict]:
