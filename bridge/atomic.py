@@ -236,6 +236,15 @@ def _link_into_place(tmp: Path, dst: Path) -> None:
     tmp.unlink()
 
 
+def write_text(path: str | os.PathLike, text: str, overwrite: bool = True) -> Path:
+    """Write `text` (UTF-8) to the file at `path` atomically: readers see the old file or the
+    new one, never a part. Replaces an existing file unless overwrite=False."""
+    path = Path(path)
+    with atomic_file(path, overwrite=overwrite) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return path
+
+
 def copy_files(files: Iterable[Path], directory: Path) -> None:
     """Copy each file into `directory` under its own name (tokenizer files next to weights)."""
     for f in files:

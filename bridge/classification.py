@@ -25,6 +25,8 @@ HEAD_FILE = "classifier.safetensors"
 META_FILE = "classifier.json"
 HEAD_TENSORS = ("classifier.weight", "classifier.bias")
 _INTEGER = re.compile(r"[+-]?\d+")
+# Zero-shot prompting: the text, then the words a label word should continue.
+DEFAULT_TEMPLATE = "{text} Overall, it was"
 
 
 @dataclass(frozen=True)
@@ -116,17 +118,30 @@ def read_examples(path: str | os.PathLike, n_labels: int, *, require_labels: boo
     return Dataset(path, examples, skipped)
 
 
-def _parse(line: str, number: int, n_labels: int, require_labels: bool):
+def split_label(line: str) -> tuple[int | None, str]:
+    """The one reading of a task-file line: `LABEL ||| TEXT` with an integer LABEL gives
+    (LABEL, TEXT), surrounding spaces dropped; any other line gives (None, the line as it is)."""
     head, sep, text = line.partition("|||")
-    head, text = head.strip(), text.strip()
-    if not sep or (not require_labels and not _INTEGER.fullmatch(head)):
-        if require_labels:
+    if sep and _INTEGER.fullmatch(head.strip()):
+        return int(head), text.strip()
+    return None, line
+
+
+def strip_labels(text: str) -> str:
+    """The texts of a `LABEL ||| TEXT` file, one a line (continued pretraining on a task's text);
+    lines without a label stay as they are."""
+    return "\n".join(split_label(line)[1] for line in text.split("\n"))
+
+
+def _parse(line: str, number: int, n_labels: int, require_labels: bool):
+    label, text = split_label(line)
+    if label is None:
+        head, sep, _ = line.partition("|||")
+        if not require_labels:
+            return Example(line, None, number), None  # a text of its own, '|||' and all
+        if not sep:
             return None, "expected 'LABEL ||| TEXT'"
-        return Example(line, None, number), None  # a text of its own, '|||' and all
-    try:
-        label = int(head)
-    except ValueError:
-        return None, f"label {head!r} is not an integer index into labels.json"
+        return None, f"label {head.strip()!r} is not an integer index into labels.json"
     if not 0 <= label < n_labels:
         return None, f"label {label} is outside labels.json's {n_labels} labels (0..{n_labels - 1})"
     if not text:
@@ -141,6 +156,20 @@ def truncate_left(ids: list[int], max_len: int, keep_first: int | None = None) -
     if keep_first is not None and ids and ids[0] == keep_first:
         return [keep_first] + ids[len(ids) - max_len + 1:], True
     return ids[len(ids) - max_len:], True
+
+
+def encode_texts(tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], int]:
+    """Each text as BOS + ids + EOS, cut from the left to max_len (BOS kept); and how many were
+    cut. The head reads the hidden state at EOS: the same token ends every row, so it can learn to
+    gather the whole text (GPT's extract token), rather than sit on whatever word ends it."""
+    bos, eos = tokenizer.bos_id is not None, tokenizer.eos_id is not None
+    encoded, cut = [], 0
+    for text in texts:
+        ids, was_cut = truncate_left(tokenizer.encode(text, bos=bos, eos=eos), max_len,
+                                     tokenizer.bos_id if bos else None)
+        encoded.append(ids)
+        cut += was_cut
+    return encoded, cut
 
 
 def write_head(directory: Path, weight_CD: np.ndarray, bias_C: np.ndarray, meta: dict) -> None:
@@ -195,9 +224,6 @@ def accuracy(predictions, labels) -> float:
 
 def write_predictions(path: str | os.PathLike, predictions) -> Path:
     """One predicted label index a line (the LABEL field of the data format), written atomically."""
-    from .atomic import atomic_file
+    from .atomic import write_text
 
-    path = Path(path)
-    with atomic_file(path, overwrite=True) as tmp:
-        Path(tmp).write_text("".join(f"{int(p)}\n" for p in predictions))
-    return path
+    return write_text(path, "".join(f"{int(p)}\n" for p in predictions))

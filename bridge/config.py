@@ -210,3 +210,10 @@ PRESETS: dict[str, LlamaConfig] = {
                         max_seq_len=256, norm_eps=1e-5, rope_theta=10000.0),
 }
 DEFAULT_PRESET = "llama3-8b"
+
+
+def preset(name: str, field: str = "preset") -> LlamaConfig:
+    """PRESETS[name]; an unknown name is a BridgeError naming `field` and the valid names."""
+    if name not in PRESETS:
+        raise BridgeError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}", field=field)
+    return PRESETS[name]

@@ -12,16 +12,14 @@ import re
 import sys
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from .dtypes import DTYPE_NAMES, numpy_dtype
 from .errors import BridgeError
 from .formats import FORMATS, open_checkpoint, write_checkpoint
 from .formats.safetensors_dir import DEFAULT_MAX_SHARD_SIZE
 
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-          "float16": np.dtype(np.float16)}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", re.IGNORECASE)
 
 
@@ -32,11 +30,12 @@ def parse_size(text: str | int) -> int:
     else:
         m = _SIZE.fullmatch(str(text))
         if not m:
-            raise BridgeError(f"--max-shard-size: cannot read {text!r} as a size (e.g. 5GB, 500MB, 2GiB)")
+            raise BridgeError(f"cannot read {text!r} as a size (e.g. 5GB, 500MB, 2GiB)",
+                              field="max_shard_size")
         base = 1024 if m.group(3) else 1000
         size = int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
     if size <= 0:
-        raise BridgeError(f"--max-shard-size: must be positive (got {text!r})")
+        raise BridgeError(f"must be positive (got {text!r})", field="max_shard_size")
     return size
 
 
@@ -61,18 +60,18 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str = "native", 
     """
     src, dst = Path(src), Path(dst)
     if to not in FORMATS:
-        raise BridgeError(f"--to: unknown format {to!r}; known: {', '.join(FORMATS)}")
-    if dtype is not None and dtype not in DTYPES:
-        raise BridgeError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise BridgeError(f"unknown format {to!r}; known: {', '.join(FORMATS)}", field="to")
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise BridgeError(f"expected one of {', '.join(DTYPE_NAMES)}, got {dtype!r}", field="dtype")
     if to == "llama2c" and dtype not in (None, "float32"):
-        raise BridgeError(f"--dtype: llama2.c .bin files hold float32 only (got {dtype})")
+        raise BridgeError(f"llama2.c .bin files hold float32 only (got {dtype})", field="dtype")
     max_shard_size = parse_size(max_shard_size)
     ckpt = open_checkpoint(src, format=from_format)
     _check_paths(ckpt.path, dst)
     if (dst.exists() or dst.is_symlink()) and not force:
-        raise BridgeError(f"{dst}: already exists (use --force to replace it)")
+        raise BridgeError(f"{dst}: already exists", hint=("force", True, "use {} to replace it"))
 
-    target = None if dtype is None else DTYPES[dtype]
+    target = None if dtype is None else numpy_dtype(dtype)
     specs = {name: (shape, target or stored) for name, (shape, stored) in ckpt.specs.items()}
 
     reading = False  # so an OS error reading the source is not blamed on the destination

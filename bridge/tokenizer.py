@@ -408,6 +408,22 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return _hf_from_file(file, data)
 
 
+def find_tokenizer(checkpoint: str | Path, tokenizer: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint: the file `tokenizer` when given, else the tokenizer.json /
+    tokenizer.model beside the weights (in the checkpoint directory, or the file's directory)."""
+    path = Path(checkpoint)
+    if not path.exists():
+        raise BridgeError(f"{checkpoint}: no such file or directory")
+    if tokenizer:
+        return load_tokenizer(tokenizer)
+    directory = path if path.is_dir() else path.parent
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (directory / name).is_file():
+            return load_tokenizer(directory / name)
+    raise BridgeError(f"{checkpoint}: no tokenizer.json or tokenizer.model beside the weights; "
+                      f"name a tokenizer file", field="tokenizer")
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int,
                     special_tokens: Sequence[str] = ("<|bos|>", "<|eos|>", "<|pad|>")) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style, so any string round-trips) on `texts`.

@@ -20,7 +20,7 @@ from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
 from bridge.tensors import LAYER_SUFFIXES, canonical_shapes
 
-from .model import Llama, as_dtype
+from .model import Llama, resolve_dtype
 
 
 def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None, bool]:
@@ -51,7 +51,7 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
     With scan_layers each per-layer tensor is gathered into one (L, ...) host buffer, so peak
     host memory is one stacked tensor, not the model.
     """
-    dtype = None if dtype is None else np.dtype(as_dtype(dtype))
+    dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
     params: dict = {}
 
     def put(path, value):
@@ -136,7 +136,7 @@ def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, rema
     name, used for the params and for compute.
     """
     ckpt = open_checkpoint(path)
-    dtype = as_dtype(ckpt.stored_dtype() if dtype is None else dtype)
+    dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     params = params_from_tensors(ckpt.tensor, ckpt.config, scan_layers=scan_layers, dtype=dtype)
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat)
     return model, params

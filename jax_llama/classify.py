@@ -1,8 +1,8 @@
 """Sequence classification with a LLaMA: fine-tuning end to end, prediction, and zero-shot prompting.
 
 Fine-tuning trains `LlamaClassifier` (backbone + head on the last real token) with the same optax
-AdamW as pretraining (jax_llama.train.make_optimizer: clipping, warmup + cosine, decay mask,
-gradient accumulation). Batches are padded to a power-of-two length and built from examples of
+AdamW and the same compiled step as pretraining (jax_llama.train: make_optimizer's clipping,
+warmup + cosine, decay mask and gradient accumulation; jit_train_step with classifier_loss). Batches are padded to a power-of-two length and built from examples of
 similar length, so there are few compilations and little padding. The backbone comes from any
 checkpoint the bridge reads, or is initialised at random with a BPE trained on the training texts.
 
@@ -15,6 +15,7 @@ torch twin loads it too (torch_llama.load_classifier).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -26,87 +27,40 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm import tqdm
 
-from bridge.classification import (Dataset, accuracy, read_head, truncate_left, write_head,
-                                   write_predictions)
+from bridge.classification import (DEFAULT_TEMPLATE, Dataset, accuracy, encode_texts, read_head, truncate_left,
+                                   write_head, write_predictions)
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
-from bridge.tokenizer import Tokenizer
+from bridge.inputs import length_batches, pad_rows
+from bridge.tokenizer import Tokenizer, find_tokenizer
 
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
-from .generate import bucket
+from .data import bucket
 from .model import LlamaClassifier, init
-from .run import TrainingDiverged
-from .train import TrainConfig, TrainState, init_state, make_optimizer
+from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 
-DEFAULT_TEMPLATE = "{text} Overall, it was"
 
 
 def _say(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-# ----------------------------------------------------------------------------- tokens and batches
-
-def encode_texts(tokenizer: Tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], int]:
-    """Each text as BOS + ids + EOS, cut from the left to max_len (BOS kept); and how many were
-    cut. The head reads the hidden state at EOS: the same token ends every row, so it can learn to
-    gather the whole text (GPT's extract token), rather than sit on whatever word ends it."""
-    bos, eos = tokenizer.bos_id is not None, tokenizer.eos_id is not None
-    encoded, cut = [], 0
-    for text in texts:
-        ids, was_cut = truncate_left(tokenizer.encode(text, bos=bos, eos=eos), max_len,
-                                     tokenizer.bos_id if bos else None)
-        encoded.append(ids)
-        cut += was_cut
-    return encoded, cut
-
-
-def pad_rows(rows: list[list[int]], length: int, batch_size: int | None = None):
-    """(tokens (B, length) int32, mask (B, length) bool), right-padded with id 0. Rows beyond
-    len(rows) up to batch_size are filler: one masked-in token, so every row has a last token."""
-    B = batch_size or len(rows)
-    tokens = np.zeros((B, length), np.int32)
-    mask = np.zeros((B, length), bool)
-    mask[len(rows):, 0] = True
-    for i, ids in enumerate(rows):
-        tokens[i, :len(ids)] = ids
-        mask[i, :len(ids)] = True
-    return tokens, mask
-
-
-def length_batches(lengths: np.ndarray, batch_size: int, rng: np.random.Generator | None,
-                   pool: int = 50) -> list[np.ndarray]:
-    """Index batches of similar length. With rng (training): shuffle, sort within pools of
-    `pool` batches, and shuffle the batch order; without (evaluation): sorted by length."""
-    if rng is None:
-        order = np.argsort(lengths, kind="stable")
-        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    order = rng.permutation(len(lengths))
-    batches = []
-    for start in range(0, len(order), batch_size * pool):
-        chunk = order[start:start + batch_size * pool]
-        chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
-        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return batches
-
-
 # ----------------------------------------------------------------------------- the classifier
 
 @dataclass
 class Classifier:
-    """A LlamaClassifier with its params, the LM head it does not use (kept to be saved back),
-    its labels and tokenizer."""
+    """A LlamaClassifier with its params, its labels, tokenizer and text length, and the LM head
+    it does not use (kept to be saved back). torch_llama.Classifier is its twin (no params: a
+    torch module holds its own)."""
 
     model: LlamaClassifier
     params: dict
     labels: list[str]
     tokenizer: Tokenizer
-    max_len: int
+    max_len: int                         # tokens per text, BOS and EOS included
     lm_output: np.ndarray | None = None  # the untied LM head's kernel, carried unchanged
 
     def save(self, path: str | Path, meta: dict | None = None, overwrite: bool = True) -> Path:
@@ -150,8 +104,6 @@ def new_classifier(config: LlamaConfig, labels: list[str], tokenizer: Tokenizer,
 
 def load_classifier(path: str | Path, dtype=None) -> Classifier:
     """A classifier directory written by `finetune` (or Classifier.save)."""
-    from bridge.prompting import find_tokenizer
-
     model_lm, lm_params = load_checkpoint(path, dtype=dtype)
     meta, weight, bias = read_head(path, model_lm.config)
     dtype = model_lm.dtype
@@ -166,15 +118,14 @@ def load_classifier(path: str | Path, dtype=None) -> Classifier:
 def predict_ids(clf: Classifier, rows: list[list[int]], batch_size: int = 64,
                 progress: bool = False) -> np.ndarray:
     """Log-probabilities (N, C) for token rows (each at most clf.max_len long)."""
-    apply = _apply_eval(clf.model)
     lengths = np.array([len(r) for r in rows])
     out = np.zeros((len(rows), len(clf.labels)), np.float32)
     batches = length_batches(lengths, batch_size, None)
     for idx in tqdm(batches, desc="predict", unit="batch", disable=None if progress else True,
                     leave=False):
         tokens, mask = pad_rows([rows[i] for i in idx], bucket(int(lengths[idx].max()), clf.max_len),
-                                batch_size)
-        out[idx] = np.asarray(apply(clf.params, tokens, mask))[:len(idx)]
+                                batch_size=batch_size)
+        out[idx] = np.asarray(_log_probs(clf.params, tokens, mask, model=clf.model))[:len(idx)]
     return out
 
 
@@ -185,13 +136,10 @@ def predict(clf: Classifier, texts: list[str], batch_size: int = 64, progress: b
     return logp.argmax(-1), logp, cut
 
 
-_EVAL_FNS: dict = {}
-
-
-def _apply_eval(model: LlamaClassifier) -> Callable:
-    if model not in _EVAL_FNS:
-        _EVAL_FNS[model] = jax.jit(lambda p, t, m: model.apply({"params": p}, t, m))
-    return _EVAL_FNS[model]
+@functools.partial(jax.jit, static_argnames="model")
+def _log_probs(params, tokens_BS, mask_BS, *, model: LlamaClassifier):
+    """(B, C) log-probabilities, without dropout; compiled once per (model, batch shape)."""
+    return model.apply({"params": params}, tokens_BS, mask_BS)
 
 
 # ----------------------------------------------------------------------------- fine-tuning
@@ -213,13 +161,14 @@ class FinetuneConfig:
         for name in ("epochs", "batch_size", "grad_accum", "max_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise BridgeError(f"--{name.replace('_', '-')}: must be a positive integer (got {value!r})")
+                raise BridgeError(f"must be a positive integer (got {value!r})", field=name)
         if not (math.isfinite(self.lr) and self.lr > 0):
-            raise BridgeError(f"--lr: must be positive (got {self.lr})")
+            raise BridgeError(f"must be positive (got {self.lr})", field="lr")
         if not 0 <= self.warmup < 1:
-            raise BridgeError(f"--warmup: a fraction of the updates in [0, 1) (got {self.warmup})")
+            raise BridgeError(f"a fraction of the updates in [0, 1) (got {self.warmup})",
+                              field="warmup")
         if not 0 <= self.dropout < 1:
-            raise BridgeError(f"--dropout: must be in [0, 1) (got {self.dropout})")
+            raise BridgeError(f"must be in [0, 1) (got {self.dropout})", field="dropout")
 
     def train_config(self, micro_steps: int) -> TrainConfig:
         updates = max(micro_steps // self.grad_accum, 1)
@@ -229,25 +178,16 @@ class FinetuneConfig:
                            grad_accum=self.grad_accum, seed=self.seed)
 
 
-def make_classifier_step(model: LlamaClassifier, optimizer, seed: int):
-    """(state, batch) -> (state, loss): mean NLL of the labels over the rows with weight 1."""
-    base_key = jax.random.key(seed)
+def classifier_loss(model: LlamaClassifier) -> Loss:
+    """Mean NLL of the labels over the rows with weight 1, dropout drawn from the step's key."""
 
-    def loss_fn(params, batch, key):
+    def loss(params, batch, key):
         logp_BC = model.apply({"params": params}, batch["tokens"], batch["mask"],
                               deterministic=False, rngs={"dropout": key})
         nll_B = -jnp.take_along_axis(logp_BC, batch["labels"][:, None], axis=1)[:, 0]
         weights = batch["weights"].astype(jnp.float32)
         return jnp.sum(nll_B * weights) / jnp.maximum(weights.sum(), 1.0)
-
-    def step(state: TrainState, batch):
-        key = jax.random.fold_in(base_key, state.step)
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, key)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), loss
-
-    return jax.jit(step, donate_argnums=0)
+    return loss
 
 
 def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConfig, max_len: int,
@@ -256,7 +196,7 @@ def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConf
     lengths = np.array([len(r) for r in rows])
     for idx in length_batches(lengths, fc.batch_size, rng):
         tokens, mask = pad_rows([rows[i] for i in idx], bucket(int(lengths[idx].max()), max_len),
-                                fc.batch_size)
+                                batch_size=fc.batch_size)
         y = np.zeros(fc.batch_size, np.int32)
         y[:len(idx)] = labels[idx]
         weights = np.zeros(fc.batch_size, np.float32)
@@ -281,7 +221,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
     tc = fc.train_config(per_epoch * fc.epochs)
     optimizer = make_optimizer(tc)
     state = init_state(clf.params, optimizer)
-    step = make_classifier_step(clf.model, optimizer, fc.seed)
+    step = jit_train_step(classifier_loss(clf.model), optimizer, tc, state)
     rng = np.random.default_rng(fc.seed)
     train_labels = train.labels
     best = {"dev_accuracy": -1.0, "epoch": 0}
@@ -294,15 +234,15 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
                        total=per_epoch, desc=f"epoch {epoch}/{fc.epochs}", unit="batch",
                        file=sys.stderr, leave=False)
             for batch in bar:
-                state, loss = step(state, batch)
-                losses.append(loss)
+                state, metrics = step(state, batch)
+                losses.append(metrics["loss"])
                 if len(losses) % 20 == 0:
-                    bar.set_postfix(loss=f"{float(loss):.3f}")
+                    bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
             clf.params = state.params
             train_loss = float(np.mean(jax.device_get(losses)))
             if not math.isfinite(train_loss):
                 raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss}); "
-                                  f"lower --lr")
+                                       f"lower the learning rate (lr)")
             predictions = predict_ids(clf, dev_rows).argmax(-1)
             record = {"epoch": epoch, "train_loss": train_loss,
                       "dev_accuracy": accuracy(predictions, dev.labels),
@@ -328,7 +268,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
 
 def fill_template(template: str, text: str) -> str:
     if "{text}" not in template:
-        raise BridgeError(f"--template: must contain {{text}} (got {template!r})")
+        raise BridgeError(f"must contain {{text}} (got {template!r})", field="template")
     return template.replace("{text}", text)
 
 
@@ -344,7 +284,8 @@ def zero_shot_rows(tokenizer: Tokenizer, texts: list[str], labels: list[str], te
         raise BridgeError("labels: a label word encodes to no tokens")
     room = max_len - max(map(len, continuations))
     if room < 2:
-        raise BridgeError(f"--max-len: {max_len} tokens leave no room for a prompt before the labels")
+        raise BridgeError(f"{max_len} tokens leave no room for a prompt before the labels",
+                          field="max_len")
     bos = tokenizer.bos_id is not None
     prompts, cut = [], 0
     for text in texts:
@@ -364,35 +305,29 @@ def continuation_logprobs(model, params, prompts: list[list[int]], continuations
     lengths = np.array([len(prompts[n]) + len(continuations[c]) for n, c in pairs])
     cap = int(lengths.max())
     scores = np.zeros((len(prompts), len(continuations)), np.float64)
-    score_fn = _score_fn(model)
     batches = length_batches(lengths, batch_size, None)
     for idx in tqdm(batches, desc="zero-shot", unit="batch", disable=None if progress else True,
                     leave=False):
         S = bucket(int(lengths[idx].max()), max(cap, 16))
         tokens, mask = pad_rows([prompts[pairs[i][0]] + continuations[pairs[i][1]] for i in idx],
-                                S, batch_size)
+                                S, batch_size=batch_size)
         target = np.zeros_like(mask)  # True where the token is a continuation token
         for row, i in enumerate(idx):
             n, c = pairs[i]
             target[row, len(prompts[n]):len(prompts[n]) + len(continuations[c])] = True
-        row_scores = np.asarray(score_fn(params, tokens, mask, target))
+        row_scores = np.asarray(_continuation_scores(params, tokens, mask, target, model=model))
         for row, i in enumerate(idx):
             scores[pairs[i]] = row_scores[row]
     return scores
 
 
-_SCORE_FNS: dict = {}
-
-
-def _score_fn(model) -> Callable:
-    if model not in _SCORE_FNS:
-        def score(params, tokens_BS, mask_BS, target_BS):
-            logits = model.apply({"params": params}, tokens_BS, attention_mask=mask_BS)
-            logp_BSV = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-            token_logp_BS = jnp.take_along_axis(logp_BSV, tokens_BS[:, 1:, None], axis=-1)[..., 0]
-            return jnp.sum(jnp.where(target_BS[:, 1:], token_logp_BS, 0.0), axis=-1)
-        _SCORE_FNS[model] = jax.jit(score)
-    return _SCORE_FNS[model]
+@functools.partial(jax.jit, static_argnames="model")
+def _continuation_scores(params, tokens_BS, mask_BS, target_BS, *, model):
+    """(B,) summed log-probability of each row's tokens where target_BS is True."""
+    logits = model.apply({"params": params}, tokens_BS, attention_mask=mask_BS)
+    logp_BSV = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    token_logp_BS = jnp.take_along_axis(logp_BSV, tokens_BS[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(target_BS[:, 1:], token_logp_BS, 0.0), axis=-1)
 
 
 def zero_shot(model, params, tokenizer: Tokenizer, texts: list[str], labels: list[str],

@@ -1,4 +1,4 @@
-"""Corpus -> token cache -> batches.
+"""Corpus -> token cache -> batches; rows of different lengths -> padded, length-bucketed batches.
 
 Text files (or directories of them) are tokenized once into a flat uint16 / uint32 file next to
 the run and memory-mapped; the cache is keyed by the files (path, size, mtime) and the tokenizer,
@@ -6,6 +6,10 @@ so an unchanged corpus is never tokenized twice. Each file is one document, fram
 BOS text EOS. Batches are random windows of seq_len + 1 tokens drawn from a generator seeded by
 (seed, step, process), so the batch of any step can be recomputed on resume without saving a
 data position.
+
+Rows of different lengths (texts to classify or score, prompts) are padded to a length `bucket`,
+a power of two, so that a jitted function compiles once per bucket rather than once per length,
+and grouped by bridge.inputs.length_batches so that little of each batch is padding.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import sys
 import sysconfig
 import tempfile
@@ -23,6 +26,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from bridge.atomic import write_text
+from bridge.classification import strip_labels
 from bridge.errors import BridgeError
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".tsv", ".html", ".xml",
@@ -51,16 +56,8 @@ def corpus_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
         else:
             raise BridgeError(f"{path}: no such file or directory")
     if not files:
-        raise BridgeError(f"--data: no text files found in {', '.join(map(str, paths))}")
+        raise BridgeError(f"no text files found in {', '.join(map(str, paths))}", field="data")
     return files
-
-
-_LABEL_PREFIX = re.compile(r"^[ \t]*\d+[ \t]*\|\|\|[ \t]*", re.MULTILINE)
-
-
-def strip_labels(text: str) -> str:
-    """The texts of a `LABEL ||| TEXT` file (the classification format), one a line."""
-    return _LABEL_PREFIX.sub("", text)
 
 
 def read_documents(files: list[Path], warn=None, labeled: bool = False) -> Iterator[str]:
@@ -74,10 +71,11 @@ def read_documents(files: list[Path], warn=None, labeled: bool = False) -> Itera
             skipped.append(f"{f} ({type(e).__name__})")
             continue
         if labeled:
-            if text.strip() and not _LABEL_PREFIX.search(text):
+            stripped = strip_labels(text)
+            if text.strip() and stripped == text:
                 (warn or (lambda m: print(m, file=sys.stderr)))(
                     f"warning: {f}: no 'LABEL ||| TEXT' line; its text is used as it is")
-            text = strip_labels(text)
+            text = stripped
         if text.strip():
             yield text
     if skipped:
@@ -119,11 +117,11 @@ def tokenize_corpus(files: list[Path], tokenizer, cache_dir: str | os.PathLike,
                     np.asarray(ids, dtype=dtype).tofile(out)
                     n_docs += 1
             if n_docs == 0:
-                raise BridgeError(f"--data: the corpus is empty ({len(files)} file(s), no text)")
+                raise BridgeError(f"the corpus is empty ({len(files)} file(s), no text)", field="data")
             os.replace(tmp, path)
         finally:
             Path(tmp).unlink(missing_ok=True)
-        (cache_dir / f"tokens-{key}.json").write_text(json.dumps(
+        write_text(cache_dir / f"tokens-{key}.json", json.dumps(
             {"files": len(files), "documents": n_docs, "dtype": dtype.name}) + "\n")
     return np.memmap(path, dtype=dtype, mode="r")
 
@@ -134,8 +132,8 @@ def split(tokens: np.ndarray, val_fraction: float, min_tokens: int) -> tuple[np.
     n_val = max(int(len(tokens) * val_fraction), min_tokens)
     train, val = tokens[:-n_val], tokens[-n_val:]
     if len(train) < min_tokens or len(val) < min_tokens:
-        raise BridgeError(f"--data: {len(tokens):,} tokens are too few for windows of {min_tokens} "
-                          f"tokens in both the train and validation parts")
+        raise BridgeError(f"{len(tokens):,} tokens are too few for windows of {min_tokens} "
+                          f"tokens in both the train and validation parts", field="data")
     return train, val
 
 
@@ -172,3 +170,14 @@ def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
     counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
     log_p = np.log(counts / counts.sum())
     return float(-log_p[np.asarray(val)].mean())
+
+
+# -- rows of different lengths ------------------------------------------------------------------
+
+_MIN_BUCKET = 16
+
+
+def bucket(n: int, cap: int) -> int:
+    """The power of two >= n (at least 16), but no more than cap: the padded length of a batch
+    whose longest row is n, so that few lengths (and compilations) occur."""
+    return min(max(_MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), cap)

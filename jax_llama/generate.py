@@ -1,10 +1,12 @@
-"""Sampling with a KV cache: prefill and the whole decode loop in one jitted function.
+"""Sampling with a KV cache: a compiled prefill, then the whole decode loop as one compiled call.
 
 Prompts are left-padded to a length bucket (a power of two), and the cache to another, so prompts
-of different lengths reuse one compilation per (batch size, prompt bucket, cache bucket, sampler).
-Inside, a prefill writes the prompts into a preallocated KV cache (layers x batch x length x kv
-heads x head dim, `lax.dynamic_update_slice`), then `lax.while_loop` runs one cached forward per
-new token until every row has produced a stop token or max_new_tokens is reached.
+of different lengths reuse one compilation per (batch size, prompt bucket, cache bucket, sampler):
+jax.jit's static arguments are the cache. The prefill writes the prompts into a preallocated KV
+cache (layers x batch x kv heads x length x head dim, `lax.dynamic_update_slice`) made on the
+device; then `lax.while_loop` runs one cached forward per new token until every row has produced
+a stop token or the requested number of tokens is reached. Streaming runs the same loop program
+one token per call.
 
 Sampling is a few pure functions of (logits, PRNG key) under a bridge.sampling.Sampler:
 temperature (0 = greedy), top-k, top-p; the torch twin implements the same rules.
@@ -18,15 +20,15 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jax.experimental import io_callback
+from flax import struct
 
 from bridge.errors import BridgeError
+from bridge.inputs import pad_rows
 from bridge.sampling import Generation, Sampler, check_generation
 
+from .data import bucket
 from .model import KVCache, check_inputs
 
-_MIN_BUCKET = 16
 _MAX_STOP_IDS = 8  # stop ids travel as a fixed-size array so that their number does not recompile
 
 
@@ -68,66 +70,69 @@ def sample(logits_BV, key, sampler: Sampler):
 
 # -- the compiled loop -----------------------------------------------------------------------------
 
-def bucket(n: int, cap: int) -> int:
-    """The power of two >= n (at least 16), but no more than cap."""
-    return min(max(_MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), cap)
+class Decoding(struct.PyTreeNode):
+    """The state of a generation between compiled calls: everything stays on the device."""
+
+    step: jax.Array       # () int32: new tokens produced so far
+    cache: KVCache
+    token_B: jax.Array    # (B,) int32: the last token of each row (0 once the row is done)
+    done_B: jax.Array     # (B,) bool: the row has produced a stop token
+    tokens_BN: jax.Array  # (B, N) int32: the new tokens, 0 after a row's stop
+    logprobs_BN: jax.Array  # (B, N) float32
+    key: jax.Array
 
 
-TRACES = {"count": 0}  # how many times the loop was traced (= compiled); tests read it
-# The streaming callback of the call in progress: the jitted loop calls this module function, so
-# a new callback per call does not make a new compilation.
-_STREAM: dict[str, Callable | None] = {"on_token": None}
+def _pick(logits_BV, key, sampler: Sampler):
+    """(token (B,), its log-probability under the raw model (B,))."""
+    token_B = sample(logits_BV, key, sampler)
+    logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
+    return token_B, jnp.take_along_axis(logp_BV, token_B[:, None], axis=-1)[:, 0]
 
 
-def _on_step(token_B, done_B) -> None:
-    on_token = _STREAM["on_token"]
-    for row in np.flatnonzero(~np.asarray(done_B)):
-        on_token(int(row), int(token_B[row]))
+def _emit(d: Decoding, token_B, logprob_B, stop_ids) -> Decoding:
+    """Record token_B as new token number d.step of every row not done before it."""
+    token_B = jnp.where(d.done_B, 0, token_B)
+    return d.replace(step=d.step + 1, token_B=token_B,
+                     done_B=d.done_B | jnp.isin(token_B, stop_ids),
+                     tokens_BN=d.tokens_BN.at[:, d.step].set(token_B),
+                     logprobs_BN=d.logprobs_BN.at[:, d.step].set(jnp.where(d.done_B, 0.0, logprob_B)))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len", "stream"))
-def _generate(params, tokens_BP, mask_BP, max_new, stop_ids, key, *, model, sampler,
-              cache_len, stream: bool):
-    TRACES["count"] += 1
+@functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len"))
+def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache_len) -> Decoding:
+    """Write the left-padded prompts into a fresh cache and choose each row's first new token.
+    The cache is made here, on the device: it never exists on the host."""
     B, P = tokens_BP.shape
     n_max = cache_len - P
-    # The cache is made here, inside the compiled function: it is never on the host, and as
-    # while-loop state XLA updates it in place (what donating a host-made one would buy).
-    cache = KVCache.empty(model.config, B, cache_len, model.dtype)
-
-    def emit(step, token_B, logprob_B, done_B, out):
-        tokens_BN, logprobs_BN = out
-        token_B = jnp.where(done_B, 0, token_B)
-        out = (tokens_BN.at[:, step].set(token_B), logprobs_BN.at[:, step].set(jnp.where(done_B, 0.0, logprob_B)))
-        if stream:
-            io_callback(_on_step, None, token_B, done_B, ordered=True)
-        return out, done_B | jnp.isin(token_B, stop_ids)
-
-    def pick(logits_BV, key):
-        token_B = sample(logits_BV, key, sampler)
-        logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BV, axis=-1), token_B[:, None], axis=-1)[:, 0]
-        return token_B, logprob_B
-
-    logits_BPV, cache = model.apply({"params": params}, tokens_BP, attention_mask=mask_BP, cache=cache)
+    cache = KVCache.create(model.config, B, cache_len, model.dtype)
+    out = model.apply({"params": params}, tokens_BP, attention_mask=mask_BP, cache=cache,
+                      method="run")
     key, sub = jax.random.split(key)
-    token_B, logprob_B = pick(logits_BPV[:, -1], sub)  # left padding: the last column is real
-    out = (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B, n_max), jnp.float32))
-    out, done_B = emit(0, token_B, logprob_B, jnp.zeros((B,), bool), out)
+    token_B, logprob_B = _pick(out.logits[:, -1], sub, sampler)  # left padding: the last column is real
+    start = Decoding(step=jnp.zeros((), jnp.int32), cache=out.cache, token_B=token_B,
+                     done_B=jnp.zeros((B,), bool), tokens_BN=jnp.zeros((B, n_max), jnp.int32),
+                     logprobs_BN=jnp.zeros((B, n_max), jnp.float32), key=key)
+    return _emit(start, token_B, logprob_B, stop_ids)
 
-    def cond(state):
-        step, _, _, done_B, _, _ = state
-        return (step < max_new) & ~jnp.all(done_B)
 
-    def body(state):
-        step, cache, token_B, done_B, out, key = state
-        logits_B1V, cache = model.apply({"params": params}, token_B[:, None], cache=cache)
-        key, sub = jax.random.split(key)
-        token_B, logprob_B = pick(logits_B1V[:, 0], sub)
-        out, new_done_B = emit(step, token_B, logprob_B, done_B, out)
-        return step + 1, cache, jnp.where(done_B, 0, token_B), new_done_B, out, key
+@functools.partial(jax.jit, static_argnames=("model", "sampler"), donate_argnames=("d",))
+def _decode(params, d: Decoding, until, stop_ids, *, model, sampler) -> Decoding:
+    """One cached forward per new token while d.step < until and some row is not done. The state
+    is donated: XLA updates the cache in place."""
 
-    step, _, _, _, out, _ = jax.lax.while_loop(cond, body, (1, cache, token_B, done_B, out, key))
-    return out[0], out[1], step
+    def body(d: Decoding) -> Decoding:
+        out = model.apply({"params": params}, d.token_B[:, None], cache=d.cache, method="run")
+        key, sub = jax.random.split(d.key)
+        token_B, logprob_B = _pick(out.logits[:, 0], sub, sampler)
+        return _emit(d.replace(cache=out.cache, key=key), token_B, logprob_B, stop_ids)
+
+    return jax.lax.while_loop(lambda d: (d.step < until) & ~jnp.all(d.done_B), body, d)
+
+
+def compilations() -> int:
+    """How many prefill programs have been compiled (one per batch size, prompt bucket, cache
+    bucket and sampler), from jax.jit's own cache."""
+    return _prefill._cache_size()
 
 
 def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -136,35 +141,40 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     """Continue each prompt (a list of ids) by up to max_new_tokens ids.
 
     A batch is left-padded, so each row gives the tokens it would give alone. on_token(row, id)
-    is called as each token is produced (streaming; it costs a host round trip per step).
+    is called as each token is produced (streaming): the compiled decode loop then runs one
+    token per call and returns to the host between tokens, the same program either way.
     """
     config = model.config
     prompts = [list(map(int, p)) for p in prompts]
     max_new_tokens = check_generation(prompts, max_new_tokens, config)
     if len(stop_ids) > _MAX_STOP_IDS:
-        raise BridgeError(f"stop_ids: at most {_MAX_STOP_IDS} (got {len(stop_ids)})")
+        raise BridgeError(f"at most {_MAX_STOP_IDS} (got {len(stop_ids)})", field="stop_ids")
     longest = max(map(len, prompts))
 
     P = bucket(longest, config.max_seq_len - max_new_tokens)
     cache_len = bucket(P + max_new_tokens, config.max_seq_len)
     if cache_len < P + max_new_tokens:  # the cap bit: fall back to the exact size
         cache_len = P + max_new_tokens
-    tokens = np.zeros((len(prompts), P), np.int32)
-    mask = np.zeros((len(prompts), P), bool)
-    for i, p in enumerate(prompts):
-        tokens[i, P - len(p):], mask[i, P - len(p):] = p, True
-    check_inputs(tokens, config.vocab_size)  # on the host, before the jitted call
+    tokens, mask = pad_rows(prompts, P, side="left")
+    check_inputs(tokens, config.vocab_size)  # on the host, once, before the compiled calls
     stops = np.full((_MAX_STOP_IDS,), -1, np.int32)
     stops[:len(stop_ids)] = stop_ids
-    _STREAM["on_token"] = on_token
-    try:
-        out_tokens, out_logprobs, _ = _generate(
-            params, tokens, mask, jnp.int32(max_new_tokens), jnp.asarray(stops),
-            jax.random.key(seed), model=model, sampler=sampler, cache_len=cache_len,
-            stream=on_token is not None)
-        out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
-    finally:
-        _STREAM["on_token"] = None
+    static = dict(model=model, sampler=sampler)
+    d = _prefill(params, tokens, mask, stops, jax.random.key(seed), cache_len=cache_len, **static)
+    if on_token is None:
+        d = _decode(params, d, jnp.int32(max_new_tokens), stops, **static)
+    else:
+        reported = np.zeros(len(prompts), bool)  # done before the token being reported
+        for step in range(max_new_tokens):
+            if step:
+                d = _decode(params, d, jnp.int32(step + 1), stops, **static)
+            token_B, done_B = np.asarray(d.token_B), np.asarray(d.done_B)
+            for row in np.flatnonzero(~reported):
+                on_token(int(row), int(token_B[row]))
+            reported = done_B
+            if reported.all():
+                break
+    out_tokens, out_logprobs = np.asarray(d.tokens_BN), np.asarray(d.logprobs_BN)
     result = Generation([], [])
     for row in range(len(prompts)):
         ids = out_tokens[row, :max_new_tokens].tolist()

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.config import LlamaConfig, RopeScaling
-from bridge.errors import BridgeError
+from bridge.dtypes import numpy_dtype
 from bridge.inputs import check_inputs as _check_inputs
 from bridge.rope import rope_inv_freq
 
@@ -49,17 +49,16 @@ class RMSNorm(nn.Module):
 
 # -- rotary position embedding: interleaved pairs (2i, 2i+1), as in Meta's release -----------------
 
-def rope_cos_sin(positions, head_dim: int, theta: float = 10000.0,
-                 scaling: RopeScaling | None = None):
+def rope_cos_sin(positions, inv_freq_h):
     """cos and sin of position * inv_freq, each float32 of shape (B or 1, S, h).
 
-    `positions` (S,) or (B, S) integers; only the positions given are computed, never a table.
+    `positions` (S,) or (B, S) integers; inv_freq_h (h,) from bridge.rope.rope_inv_freq. Only the
+    positions given are computed, never a table.
     """
     positions = jnp.asarray(positions)
     if positions.ndim == 1:
         positions = positions[None, :]
-    inv_freq_h = jnp.asarray(rope_inv_freq(head_dim, theta, scaling))
-    angles_BSh = positions[..., None].astype(jnp.float32) * inv_freq_h
+    angles_BSh = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h)
     return jnp.cos(angles_BSh), jnp.sin(angles_BSh)
 
 
@@ -74,7 +73,60 @@ def rotate(x_BSNH, cos_BSh, sin_BSh):
 
 def apply_rope(x_BSNH, positions, theta: float = 10000.0, scaling: RopeScaling | None = None):
     """RoPE on x (B, S, N, H) at `positions` (S,) or (B, S); returns x's shape and dtype."""
-    return rotate(x_BSNH, *rope_cos_sin(positions, x_BSNH.shape[-1], theta, scaling))
+    inv_freq_h = rope_inv_freq(x_BSNH.shape[-1], theta, scaling)
+    return rotate(x_BSNH, *rope_cos_sin(positions, inv_freq_h))
+
+
+# -- the key/value cache for generation ----------------------------------------------------------
+
+class KVCache(struct.PyTreeNode):
+    """Keys and values of every layer for T slots, preallocated once per generation.
+
+    Every row writes the same slot at each step (`index`); a row's left padding occupies slots
+    marked invalid, so its RoPE positions (`positions`) count real tokens only. Heads come before
+    slots, the layout attention reads: with slots first, XLA:CPU transposes the whole cache of
+    every layer at every decode step.
+    """
+
+    k: jax.Array          # (L, B, K, T, H) in the compute dtype
+    v: jax.Array          # (L, B, K, T, H)
+    valid: jax.Array      # (B, T) bool: slots that hold a real (non-padding) token
+    index: jax.Array      # () int32: the next slot to write, shared by all rows
+    positions: jax.Array  # (B,) int32: the RoPE position of each row's next real token
+
+    @classmethod
+    def create(cls, config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
+        """A cache of `length` slots, all invalid (zeros: a masked slot must not hold a NaN)."""
+        shape = (config.n_layers, batch, config.n_kv_heads, length, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   valid=jnp.zeros((batch, length), bool), index=jnp.zeros((), jnp.int32),
+                   positions=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def length(self) -> int:
+        """T, the slots it holds."""
+        return self.k.shape[3]
+
+    def reserve(self, valid_BS):
+        """Make room for S new tokens at slots [index, index + S), valid where valid_BS (B, S) is
+        -> (the cache with valid, index and positions advanced; mask (B, S, T), True where a new
+        query may attend: the valid slots up to its own; positions (B, S) of the new tokens)."""
+        S, T = valid_BS.shape[1], self.length
+        valid_BT = jax.lax.dynamic_update_slice(self.valid, valid_BS, (0, self.index))
+        slots_S = self.index + jnp.arange(S)
+        mask_BST = (jnp.arange(T)[None, None, :] <= slots_S[None, :, None]) & valid_BT[:, None, :]
+        positions_BS = self.positions[:, None] + jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0)
+        advanced = self.replace(valid=valid_BT, index=self.index + S,
+                                positions=self.positions + valid_BS.sum(-1).astype(jnp.int32))
+        return advanced, mask_BST, positions_BS
+
+
+class LlamaOutput(struct.PyTreeNode):
+    """What Llama.run returns, the same in both twins."""
+
+    logits: jax.Array | None       # (B, S, V) float32; None with lm_head=False
+    hidden: jax.Array              # (B, S, D) final hidden states (after the last norm), in dtype
+    cache: KVCache | None = None   # the cache advanced by these S tokens, when one was given
 
 
 # -- the transformer -----------------------------------------------------------------------------
@@ -100,13 +152,14 @@ class Attention(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x_BSD, cos_BSh, sin_BSh, mask_BST, cache=None):
+    def __call__(self, x_BSD, cos_BSh, sin_BSh, mask_BST=None, cache: KVCache | None = None,
+                 layer=0):
         """x (B, S, D) -> (out (B, S, D), cache).
 
-        cache: None, or (k, v, layer, slot) with k and v the whole cache (L, B, K, T, H). The new
-        keys and values are written into this layer's slots [slot, slot + S) first and the
-        queries then read the layer's T slots (mask_BST is then (B, S, T)): each step writes
-        in place and reads once, with no copy of the cache."""
+        mask_BST: bool (B, S, T), True where query s may attend key t; None is plain causal
+        attention over these S tokens. With a cache (already reserved for these tokens), the new
+        keys and values go into slots [index - S, index) of `layer` and the queries read all T
+        slots of that layer: each step writes in place and reads once, with no copy."""
         c = self.config
         N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
         B, S, D = x_BSD.shape
@@ -120,13 +173,14 @@ class Attention(nn.Module):
         # Heads go before positions so that each (kv head, group) is one batched matmul.
         k_BKTH, v_BKTH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
         if cache is not None:
-            k_LBKTH, v_LBKTH, layer, slot = cache
-            start = (layer, 0, 0, slot, 0)
-            k_LBKTH = jax.lax.dynamic_update_slice(k_LBKTH, k_BKTH[None].astype(k_LBKTH.dtype), start)
-            v_LBKTH = jax.lax.dynamic_update_slice(v_LBKTH, v_BKTH[None].astype(v_LBKTH.dtype), start)
+            start = (layer, 0, 0, cache.index - S, 0)
+            k_LBKTH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None].astype(cache.k.dtype), start)
+            v_LBKTH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None].astype(cache.v.dtype), start)
             k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False).astype(self.dtype)
             v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False).astype(self.dtype)
-            cache = (k_LBKTH, v_LBKTH, layer, slot)
+            cache = cache.replace(k=k_LBKTH, v=v_LBKTH)
+        if mask_BST is None:
+            mask_BST = jnp.tril(jnp.ones((S, S), dtype=bool))[None]
         # Query head n = k * G + g reads kv head k (the order Meta's repeat_kv implies).
         q_BKGSH = q_BSNH.reshape(B, S, K, G, H).transpose(0, 2, 3, 1, 4)
         scores_BKGST = jnp.einsum("BKGSH,BKTH->BKGST", q_BKGSH, k_BKTH,
@@ -162,17 +216,17 @@ class Block(nn.Module):
     param_dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, carry, layer, cos_BSh, sin_BSh, mask_BST, slot):
-        """carry = (x (B, S, D), k, v) with k, v the whole KV cache or None; -> (carry, None),
-        the signature nn.scan expects (layer, this block's index, is scanned over)."""
+    def __call__(self, carry, layer, cos_BSh, sin_BSh, mask_BST):
+        """carry = (x (B, S, D), the KVCache or None) -> (carry, None): the signature nn.scan
+        expects (layer, this block's index, is scanned over; the rest is broadcast)."""
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x_BSD, k, v = carry
+        x_BSD, cache = carry
         attended, cache = Attention(c, **kw, name="attention")(
             RMSNorm(c.norm_eps, **kw, name="attention_norm")(x_BSD), cos_BSh, sin_BSh, mask_BST,
-            None if k is None else (k, v, layer, slot))
+            cache, layer)
         h = x_BSD + attended
         out = h + FeedForward(c, **kw, name="feed_forward")(RMSNorm(c.norm_eps, **kw, name="ffn_norm")(h))
-        return (out, *((None, None) if cache is None else cache[:2])), None
+        return (out, cache), None
 
 
 class Llama(nn.Module):
@@ -188,55 +242,57 @@ class Llama(nn.Module):
     scan_layers: bool = False
     remat: bool = False
 
-    @nn.compact
-    def __call__(self, tokens_BS, positions=None, attention_mask=None, return_hidden: bool = False,
-                 cache: "KVCache | None" = None, lm_head: bool = True):
-        """tokens (B, S) int -> logits (B, S, V) float32 [, final hidden states (B, S, D) in dtype]
-        [, the updated cache when one is given].
+    def __call__(self, tokens_BS, positions=None, attention_mask=None):
+        """tokens (B, S) int -> logits (B, S, V) float32 (see run for the arguments)."""
+        return self.run(tokens_BS, positions, attention_mask).logits
 
-        lm_head=False skips the vocabulary projection and returns the final hidden states in place
-        of the logits (what a classification head reads).
+    @nn.compact
+    def run(self, tokens_BS, positions=None, attention_mask=None, cache: KVCache | None = None,
+            lm_head: bool = True) -> LlamaOutput:
+        """tokens (B, S) int -> LlamaOutput(logits (B, S, V) float32, final hidden states
+        (B, S, D), the advanced cache when one is given).
 
         positions: (S,) or (B, S); default 0..S-1, or, when attention_mask is given, each row
         counting only its real tokens, so a left-padded row sees the positions it would alone.
         attention_mask: (B, S), 1 for real tokens and 0 for padding; combined with the causal mask.
         cache: a KVCache; the S tokens then go into its slots [index, index + S), take the
         positions that follow each row's previous tokens, and attend to every earlier valid slot.
+        lm_head=False skips the vocabulary projection (logits None): what a classification head
+        reads is the hidden states.
         """
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         check_inputs(tokens_BS, c.vocab_size, positions, attention_mask)
         B, S = tokens_BS.shape
         valid_BS = (jnp.ones((B, S), bool) if attention_mask is None
                     else jnp.asarray(attention_mask).astype(bool))
-        if cache is None:
-            mask_BST = jnp.tril(jnp.ones((S, S), dtype=bool))[None] & valid_BS[:, None, :]
-            if positions is None:
-                positions = (jnp.arange(S) if attention_mask is None
-                             else jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0))
-        else:
+        mask_BST = None  # plain causal
+        if cache is not None:
             cache, mask_BST, default_positions = cache.reserve(valid_BS)
             positions = default_positions if positions is None else positions
-        cos_BSh, sin_BSh = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
+        elif attention_mask is not None:
+            mask_BST = jnp.tril(jnp.ones((S, S), dtype=bool))[None] & valid_BS[:, None, :]
+            if positions is None:
+                positions = jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0)
+        if positions is None:
+            positions = jnp.arange(S)
+        cos_BSh, sin_BSh = rope_cos_sin(positions, rope_inv_freq(c.head_dim, c.rope_theta,
+                                                                 c.rope_scaling))
 
         embed = nn.Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), name="tok_embeddings")
-        x_BSD = embed(tokens_BS)
+        carry = (embed(tokens_BS), cache)
         block = nn.remat(Block, prevent_cse=not self.scan_layers) if self.remat else Block
-        carry = (x_BSD, None, None) if cache is None else (x_BSD, cache.k, cache.v)
-        slot = None if cache is None else cache.index - S  # where these S tokens go
         if self.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                            in_axes=(0,) + (nn.broadcast,) * 4, length=c.n_layers)
+                            in_axes=(0,) + (nn.broadcast,) * 3, length=c.n_layers)
             carry, _ = stack(c, **kw, name="layers")(carry, jnp.arange(c.n_layers), cos_BSh,
-                                                      sin_BSh, mask_BST, slot)
+                                                      sin_BSh, mask_BST)
         else:
             for i in range(c.n_layers):
-                carry, _ = block(c, **kw, name=f"layers_{i}")(carry, i, cos_BSh, sin_BSh, mask_BST, slot)
-        x_BSD = carry[0]
-        if cache is not None:
-            cache = cache.replace(k=carry[1], v=carry[2])
+                carry, _ = block(c, **kw, name=f"layers_{i}")(carry, i, cos_BSh, sin_BSh, mask_BST)
+        x_BSD, cache = carry
         h_BSD = RMSNorm(c.norm_eps, **kw, name="norm")(x_BSD)
         if not lm_head:
-            return h_BSD if cache is None else (h_BSD, cache)
+            return LlamaOutput(logits=None, hidden=h_BSD, cache=cache)
 
         h_MD = h_BSD.reshape(B * S, c.dim)
         if c.tie_embeddings:
@@ -244,10 +300,7 @@ class Llama(nn.Module):
         else:
             logits_MV = _dense(self, c.vocab_size, "output")(h_MD)
         logits_BSV = logits_MV.reshape(B, S, c.vocab_size).astype(jnp.float32)
-        outputs = (logits_BSV, h_BSD) if return_hidden else (logits_BSV,)
-        if cache is not None:
-            outputs += (cache,)
-        return outputs if len(outputs) > 1 else outputs[0]
+        return LlamaOutput(logits=logits_BSV, hidden=h_BSD, cache=cache)
 
 
 def last_real_index(attention_mask_BS) -> jax.Array:
@@ -277,7 +330,8 @@ class LlamaClassifier(nn.Module):
         """tokens (B, S) int, attention_mask (B, S) with at least one real token per row ->
         log-probabilities (B, C) float32. Training (deterministic=False) needs a 'dropout' rng."""
         h_BSD = Llama(self.config, self.dtype, self.param_dtype, self.scan_layers, self.remat,
-                      name="llama")(tokens_BS, attention_mask=attention_mask, lm_head=False)
+                      name="llama").run(tokens_BS, attention_mask=attention_mask,
+                                        lm_head=False).hidden
         h_BD = h_BSD[jnp.arange(h_BSD.shape[0]), last_real_index(attention_mask)]
         h_BD = nn.Dropout(self.dropout)(h_BD, deterministic=deterministic)
         logits_BC = nn.Dense(self.n_classes, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -285,59 +339,27 @@ class LlamaClassifier(nn.Module):
         return jax.nn.log_softmax(logits_BC.astype(jnp.float32), axis=-1)
 
 
-class KVCache(struct.PyTreeNode):
-    """Keys and values of every layer for up to T tokens per row, preallocated once.
-
-    Slots are shared by all rows (a batch is left-padded, so slot s holds every row's s-th token
-    or padding); `valid` says which slots hold real tokens and `positions` the RoPE position each
-    row's next real token takes. Heads come before slots, the layout attention reads: with slots
-    first, XLA:CPU transposes the whole cache of every layer at every decode step."""
-
-    k: jax.Array          # (L, B, K, T, H)
-    v: jax.Array          # (L, B, K, T, H)
-    valid: jax.Array      # (B, T) bool
-    index: jax.Array      # () int32: the next slot to write
-    positions: jax.Array  # (B,) int32
-
-    @classmethod
-    def empty(cls, config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
-        shape = (config.n_layers, batch, config.n_kv_heads, length, config.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   valid=jnp.zeros((batch, length), bool), index=jnp.zeros((), jnp.int32),
-                   positions=jnp.zeros((batch,), jnp.int32))
-
-    def reserve(self, valid_BS):
-        """Make room for S new tokens at slots [index, index + S) -> (cache with valid, index and
-        positions advanced, mask (B, S, T): each new query sees the valid slots up to its own,
-        positions (B, S) of the new tokens)."""
-        S, T = valid_BS.shape[1], self.k.shape[3]
-        valid_BT = jax.lax.dynamic_update_slice(self.valid, valid_BS, (0, self.index))
-        slots_S = self.index + jnp.arange(S)
-        mask_BST = (jnp.arange(T)[None, None, :] <= slots_S[None, :, None]) & valid_BT[:, None, :]
-        positions_BS = self.positions[:, None] + jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0)
-        advanced = self.replace(valid=valid_BT, index=self.index + S,
-                                positions=self.positions + valid_BS.sum(-1).astype(jnp.int32))
-        return advanced, mask_BST, positions_BS
-
-
 def check_inputs(tokens, vocab_size: int, positions=None, attention_mask=None) -> None:
-    """bridge.inputs.check_inputs on JAX values: shapes always, token values only when concrete
-    (on the host, before a jitted call), since a traced value has none."""
-    _check_inputs(tokens.shape, jnp.issubdtype(tokens.dtype, jnp.integer), vocab_size,
-                  ids=None if isinstance(tokens, jax.core.Tracer) else np.asarray(tokens),
+    """bridge.inputs.check_inputs on JAX values: shapes always, token values only where they are
+    on the host already (a numpy array, or a concrete array on the CPU): never a traced value,
+    and never a copy off an accelerator."""
+    _check_inputs(jnp.shape(tokens), jnp.issubdtype(jnp.result_type(tokens), jnp.integer),
+                  vocab_size, ids=tokens if _on_host(tokens) else None,
                   positions_shape=None if positions is None else jnp.shape(positions),
                   mask_shape=None if attention_mask is None else jnp.shape(attention_mask))
 
 
-def as_dtype(dtype) -> jnp.dtype:
+def _on_host(x) -> bool:
+    if isinstance(x, jax.core.Tracer):
+        return False
+    if isinstance(x, jax.Array):
+        return all(device.platform == "cpu" for device in x.devices())
+    return True  # numpy, lists
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
     """A jnp dtype from a dtype or its name ('float32', 'bfloat16', 'float16')."""
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        raise BridgeError(f"dtype: unknown dtype {dtype!r}") from None
-    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise BridgeError(f"dtype: expected float32, bfloat16 or float16, got {dt}")
-    return dt
+    return jnp.dtype(numpy_dtype(dtype))
 
 
 def init(config: LlamaConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32,
@@ -346,7 +368,7 @@ def init(config: LlamaConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=j
 
     Traceable: `jax.eval_shape(lambda: init(cfg)[1])` gives the shapes without allocating.
     """
-    model = Llama(config, dtype=as_dtype(dtype), param_dtype=as_dtype(param_dtype),
+    model = Llama(config, dtype=resolve_dtype(dtype), param_dtype=resolve_dtype(param_dtype),
                   scan_layers=scan_layers, remat=remat)
     tokens = jnp.zeros((1, 1), dtype=jnp.int32)
     params = jax.jit(model.init)(jax.random.key(seed), tokens)["params"]

@@ -14,7 +14,6 @@ A run directory holds:
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from bridge.atomic import write_text
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
@@ -35,11 +35,10 @@ from .checkpoint import save as save_native
 from .model import Llama, init
 from .perf import measure_matmul_peak, train_flops_per_token
 from .sharding import check_batch, global_batch, make_mesh, tree_shardings
-from .train import TrainConfig, compile_steps, init_state, make_optimizer, place_state
+from .train import (TrainConfig, TrainingDiverged, init_state, jit_eval_step, jit_train_step,
+                    lm_loss, make_optimizer, place_state)
 
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm stopped being finite."""
+__all__ = ["RunSpec", "TrainingDiverged", "train"]
 
 
 @dataclass
@@ -63,12 +62,6 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
     return {"model": config.to_dict(), "train": spec.train.to_dict(), "data": spec.data,
             "tokenizer": spec.tokenizer, "init": spec.init, "strip_labels": spec.strip_labels}
@@ -85,7 +78,8 @@ def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
     if saved.get("strip_labels", False) != now["strip_labels"]:
         diffs.append(f"strip_labels: {saved.get('strip_labels', False)} -> {now['strip_labels']}")
     if diffs:
-        raise BridgeError(f"--resume: {spec.out} was trained with a different setup ({'; '.join(diffs)})")
+        raise BridgeError(f"{spec.out} was trained with a different setup ({'; '.join(diffs)})",
+                          field="resume")
 
 
 def _tokenizer(spec: RunSpec, files: list[Path]):
@@ -104,14 +98,14 @@ def _model_config(spec: RunSpec, tokenizer) -> LlamaConfig:
     if spec.init:
         config = open_checkpoint(spec.init).config
         if tokenizer.vocab_size > config.vocab_size:
-            raise BridgeError(f"--tokenizer: {tokenizer.vocab_size} ids do not fit the vocabulary "
-                              f"of {spec.init} ({config.vocab_size})")
+            raise BridgeError(f"{tokenizer.vocab_size} ids do not fit the vocabulary "
+                              f"of {spec.init} ({config.vocab_size})", field="tokenizer")
     else:
         config = spec.model.replace(vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id,
                                     eos_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,))
     if spec.train.seq_len > config.max_seq_len:
-        raise BridgeError(f"--seq-len: {spec.train.seq_len} is above the model's max_seq_len "
-                          f"{config.max_seq_len}")
+        raise BridgeError(f"{spec.train.seq_len} is above the model's max_seq_len "
+                          f"{config.max_seq_len}", field="seq_len")
     return config
 
 
@@ -119,9 +113,10 @@ def train(spec: RunSpec) -> dict:
     """Run (or resume) training; returns a summary with the final losses and output paths."""
     tc = spec.train
     if spec.resume and not (spec.out / "run.json").is_file():
-        raise BridgeError(f"--resume: {spec.out} holds no run to resume (no run.json)")
+        raise BridgeError(f"{spec.out} holds no run to resume (no run.json)", field="resume")
     if not spec.resume and spec.out.exists() and any(spec.out.iterdir()):
-        raise BridgeError(f"--out: {spec.out} is not empty (pass --resume to continue that run)")
+        raise BridgeError(f"{spec.out} is not empty", field="out",
+                          hint=("resume", True, "pass {} to continue that run"))
     files = data_lib.corpus_files(spec.data) if spec.data else data_lib.default_corpus()
     cache = spec.out.parent / "token-cache"
     tokenizer = _tokenizer(spec, files)
@@ -134,7 +129,7 @@ def train(spec: RunSpec) -> dict:
     if not (spec.out / "tokenizer").is_dir():
         (spec.out / "tokenizer").mkdir()
         tokenizer.save(spec.out / "tokenizer")
-    _write_json(spec.out / "run.json", _run_record(spec, config))
+    write_text(spec.out / "run.json", json.dumps(_run_record(spec, config), indent=2) + "\n")
 
     tokens = data_lib.tokenize_corpus(files, tokenizer, cache,
                                       progress=lambda it: tqdm(it, total=len(files), desc="tokenizing",
@@ -161,7 +156,8 @@ def train(spec: RunSpec) -> dict:
     if spec.resume and manager.latest_step() is not None:
         state = _restore(manager, state, mesh)
         _say(f"resumed {spec.out} at step {int(state.step)}")
-    train_step, eval_step = compile_steps(model, optimizer, tc, state, mesh)
+    train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh)
+    eval_step = jit_eval_step(model, state, mesh)
 
     def evaluate(params) -> float:
         losses = [eval_step(params, global_batch(val_batches.batch(i), mesh)) for i in range(tc.eval_batches)]

@@ -39,13 +39,15 @@ def parse_mesh(spec: str | None, n_devices: int) -> dict[str, int]:
         name, _, value = part.partition("=")
         name = name.strip()
         if name not in AXES:
-            raise BridgeError(f"--mesh: unknown axis {name!r} in {spec!r}; axes are {', '.join(AXES)}")
+            raise BridgeError(f"unknown axis {name!r} in {spec!r}; axes are {', '.join(AXES)}",
+                              field="mesh")
         if not value.strip().isdigit() or int(value) < 1:
-            raise BridgeError(f"--mesh: {name} must be a positive integer (got {value!r})")
+            raise BridgeError(f"{name} must be a positive integer (got {value!r})", field="mesh")
         sizes[name] = int(value)
     used = int(np.prod(list(sizes.values())))
     if used != n_devices:
-        raise BridgeError(f"--mesh: {spec!r} uses {used} devices, but {n_devices} are available")
+        raise BridgeError(f"{spec!r} uses {used} devices, but {n_devices} are available",
+                          field="mesh")
     return sizes
 
 
@@ -92,5 +94,5 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
 def check_batch(batch_size: int, mesh: Mesh) -> None:
     split = mesh.shape["data"] * mesh.shape["fsdp"]
     if batch_size % split or batch_size % jax.process_count():
-        raise BridgeError(f"--batch-size: {batch_size} does not divide over data x fsdp = {split} "
-                          f"mesh slots and {jax.process_count()} process(es)")
+        raise BridgeError(f"{batch_size} does not divide over data x fsdp = {split} "
+                          f"mesh slots and {jax.process_count()} process(es)", field="batch_size")

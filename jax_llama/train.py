@@ -1,6 +1,10 @@
-"""The pure pieces of training: hyperparameters, loss, optimizer, and `train_step(state, batch)`.
+"""The pure pieces of training: hyperparameters, losses, optimizer, and `train_step(state, batch)`.
 
-The loop that drives them (data, checkpoints, progress) is in jax_llama/run.py.
+One step factory serves every training mode: `make_train_step(loss, ...)` for any
+loss(params, batch, key) -> scalar, and `jit_train_step` compiles it once, the state donated (and,
+on a mesh, sharded by role). Pretraining (jax_llama/run.py) uses it with `lm_loss`, classification
+fine-tuning (jax_llama/classify.py) with its own loss. The loops that drive them (data,
+checkpoints, progress) live in those modules.
 """
 
 from __future__ import annotations
@@ -16,9 +20,16 @@ import optax
 from flax import struct
 from jax.sharding import Mesh
 
+from bridge.dtypes import dtype_name
 from bridge.errors import BridgeError
 
 from .sharding import batch_sharding, tree_shardings
+
+Loss = Callable[[Any, dict, jax.Array], jax.Array]  # (params, batch, PRNG key) -> scalar
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm stopped being finite."""
 
 
 @dataclass(frozen=True)
@@ -50,16 +61,16 @@ class TrainConfig:
                      "checkpoint_every", "keep_checkpoints"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise BridgeError(f"--{name.replace('_', '-')}: must be a positive integer (got {value!r})")
+                raise BridgeError(f"must be a positive integer (got {value!r})", field=name)
         for name in ("lr", "eps", "grad_clip"):
             if not math.isfinite(getattr(self, name)) or getattr(self, name) <= 0:
-                raise BridgeError(f"--{name.replace('_', '-')}: must be positive (got {getattr(self, name)})")
+                raise BridgeError(f"must be positive (got {getattr(self, name)})", field=name)
         if self.warmup_steps is None:
             object.__setattr__(self, "warmup_steps", self.steps // self.grad_accum // 10)
         if not 0 <= self.warmup_steps <= self.steps // self.grad_accum:
-            raise BridgeError(f"--warmup-steps: must be within [0, steps / grad_accum] (got {self.warmup_steps})")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise BridgeError(f"--dtype: expected float32, bfloat16 or float16 (got {self.dtype!r})")
+            raise BridgeError(f"must be within [0, steps / grad_accum] (got {self.warmup_steps})",
+                              field="warmup_steps")
+        dtype_name(self.dtype)  # float32, bfloat16 or float16
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -106,29 +117,44 @@ def loss_fn(params, model, batch) -> jax.Array:
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def make_train_step(model, optimizer, schedule: Callable, grad_accum: int = 1):
-    """The pure step: (state, batch) -> (new state, metrics)."""
+def lm_loss(model) -> Loss:
+    """loss_fn of `model` as a Loss (the key is unused: no dropout in pretraining)."""
+    return lambda params, batch, key: loss_fn(params, model, batch)
+
+
+def make_train_step(loss: Loss, optimizer: optax.GradientTransformation, schedule: Callable,
+                    grad_accum: int = 1, seed: int = 0):
+    """The pure step: (state, batch) -> (new state, metrics {loss, grad_norm, lr}). loss gets a
+    PRNG key that depends on (seed, step) only, so a resumed run draws the same dropout."""
+    base_key = jax.random.key(seed)
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
-        loss, grads = jax.value_and_grad(loss_fn)(state.params, model, batch)
+        key = jax.random.fold_in(base_key, state.step)
+        value, grads = jax.value_and_grad(loss)(state.params, batch, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+        metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step // grad_accum)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
     return train_step
 
 
-def compile_steps(model, optimizer, tc: TrainConfig, state: TrainState, mesh: Mesh):
-    """(train_step, eval_step), jitted once for the mesh: state sharded by role and donated,
-    batches split over data x fsdp."""
+def jit_train_step(loss: Loss, optimizer: optax.GradientTransformation, tc: TrainConfig,
+                   state: TrainState, mesh: Mesh | None = None):
+    """make_train_step for tc's schedule, accumulation and seed, jitted once with the state
+    donated; on a mesh, the state sharded by role and the batch split over data x fsdp."""
+    step = make_train_step(loss, optimizer, lr_schedule(tc), tc.grad_accum, tc.seed)
+    if mesh is None:
+        return jax.jit(step, donate_argnums=0)
     state_sharding = tree_shardings(state, mesh)
-    train_step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc), tc.grad_accum),
-                         in_shardings=(state_sharding, batch_sharding(mesh)),
-                         out_shardings=(state_sharding, None), donate_argnums=0)
-    eval_step = jax.jit(lambda params, batch: loss_fn(params, model, batch),
-                        in_shardings=(state_sharding.params, batch_sharding(mesh)))
-    return train_step, eval_step
+    return jax.jit(step, in_shardings=(state_sharding, batch_sharding(mesh)),
+                   out_shardings=(state_sharding, None), donate_argnums=0)
+
+
+def jit_eval_step(model, state: TrainState, mesh: Mesh):
+    """loss_fn on the mesh: params sharded as in the state, batches split over data x fsdp."""
+    return jax.jit(lambda params, batch: loss_fn(params, model, batch),
+                   in_shardings=(tree_shardings(state, mesh).params, batch_sharding(mesh)))
 
 
 def place_state(state: TrainState, mesh: Mesh) -> TrainState:

@@ -2,21 +2,29 @@
 
     tmodel = torch_llama.load(path, device="auto", dtype=None)
     logits = tmodel(tokens)                               # int (B, S) -> float32 (B, S, V)
+    out = tmodel.run(tokens, cache=cache)                 # LlamaOutput, as in jax_llama
     torch_llama.save(path, tmodel)
     opt = torch_llama.AdamW(params, lr=schedule, betas=(0.9, 0.95), weight_decay=0.1,
                             mask=torch_llama.decay_mask)    # optax.adamw's exact semantics
+
+jax_llama exports the same names wherever the concept exists in both twins
+(tests/test_layers.py compares the two lists).
 """
 
 from bridge.config import PRESETS, LlamaConfig
+from bridge.sampling import Generation, Sampler
 
-from .checkpoint import load, load_classifier, resolve_device, resolve_dtype, save
-from .generate import Generation, Sampler, generate
-from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, RMSNorm,
-                    apply_rope, check_inputs)
+from .checkpoint import load, resolve_device, resolve_dtype, save
+from .classify import Classifier, load_classifier, predict
+from .generate import generate
+from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, LlamaOutput,
+                    RMSNorm, apply_rope, check_inputs, init, last_real_index, rope_cos_sin)
 from .optim import (AdamW, clip_by_global_norm, cosine_decay_schedule, decay_mask, linear_schedule,
                     warmup_cosine_decay_schedule)
 
-__all__ = ["AdamW", "Attention", "Block", "FeedForward", "Generation", "KVCache", "Llama", "LlamaClassifier", "LlamaConfig", "PRESETS", "RMSNorm",
-           "apply_rope", "check_inputs", "clip_by_global_norm", "cosine_decay_schedule",
-           "decay_mask", "generate", "linear_schedule", "load", "load_classifier", "resolve_device", "resolve_dtype",
-           "Sampler", "save", "warmup_cosine_decay_schedule"]
+__all__ = ["AdamW", "Attention", "Block", "Classifier", "FeedForward", "Generation", "KVCache",
+           "Llama", "LlamaClassifier", "LlamaConfig", "LlamaOutput", "PRESETS", "RMSNorm",
+           "Sampler", "apply_rope", "check_inputs", "clip_by_global_norm",
+           "cosine_decay_schedule", "decay_mask", "generate", "init", "last_real_index",
+           "linear_schedule", "load", "load_classifier", "predict", "resolve_device",
+           "resolve_dtype", "rope_cos_sin", "save", "warmup_cosine_decay_schedule"]

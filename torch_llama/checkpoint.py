@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import os
 
-import ml_dtypes
-import numpy as np
 import torch
 
+from bridge.dtypes import dtype_name, numpy_dtype
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
 
-from .model import Llama, LlamaClassifier
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-                 torch.float16: np.dtype(np.float16)}
+from .model import Llama
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -36,13 +31,8 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype) -> torch.dtype:
-    """A torch dtype from a torch dtype or its name ('float32', 'bfloat16', 'float16')."""
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise BridgeError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[name]
+    """A torch dtype from a dtype or its name ('float32', 'bfloat16', 'float16')."""
+    return getattr(torch, dtype_name(dtype))
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None) -> Llama:
@@ -68,27 +58,8 @@ def save(path: str | os.PathLike, model: Llama, *, overwrite: bool = False,
     if not isinstance(model, Llama):
         raise BridgeError(f"model: expected a torch_llama.Llama, got {type(model).__name__}")
     state = model.state_dict()
-    for name, t in state.items():
-        if t.dtype not in _NUMPY_DTYPES:
-            raise BridgeError(f"tensor '{name}': dtype {t.dtype} cannot be saved")
-    specs = {name: (tuple(t.shape), _NUMPY_DTYPES[t.dtype]) for name, t in state.items()}
+    specs = {name: (tuple(t.shape), numpy_dtype(t.dtype, field=f"tensor '{name}'"))
+             for name, t in state.items()}
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     write_native(path, model.config, specs, lambda name: to_numpy(state[name]), overwrite=overwrite,
                  **kwargs)
-
-
-def load_classifier(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None):
-    """(LlamaClassifier in eval mode, classifier.json's contents) from a classifier directory
-    written by `jax-llama finetune`: the backbone as `load` reads it, the head from
-    classifier.safetensors."""
-    from bridge.classification import read_head
-
-    backbone = load(path, device=device, dtype=dtype)
-    meta, weight, bias = read_head(path, backbone.config)
-    param = next(backbone.parameters())
-    with torch.device("meta"):
-        model = LlamaClassifier(backbone.config, len(meta["labels"]), float(meta.get("dropout", 0.0)))
-    model.llama = backbone
-    model.classifier.weight = torch.nn.Parameter(to_torch(weight).to(param.device, param.dtype))
-    model.classifier.bias = torch.nn.Parameter(to_torch(bias).to(param.device, param.dtype))
-    return model.eval(), meta

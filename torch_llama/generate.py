@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from bridge.inputs import check_ids, pad_rows
 from bridge.sampling import Generation, Sampler, check_generation
 
 from .model import KVCache, Llama
@@ -58,7 +59,7 @@ def sample(logits: torch.Tensor, sampler: Sampler,
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampler: Sampler = Sampler(), stop_ids: Sequence[int] = (), seed: int = 0,
-             pad_id: int = 0, on_token: Callable[[int, int], None] | None = None) -> Generation:
+             on_token: Callable[[int, int], None] | None = None, pad_id: int = 0) -> Generation:
     """Continue each prompt (a list of token ids) by up to max_new_tokens tokens.
 
     Prompts are left-padded with pad_id to the longest, so that the last column holds every
@@ -66,27 +67,24 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
     tokens (B, 1). A row stops after sampling a token in stop_ids; the loop ends when all have.
     on_token(row, token_id) is called as each token is produced. Runs on the model's device,
     under torch.inference_mode (entered inside, so that a clipping warning points at the caller).
+    The prompts are checked on the host, once; the decode steps feed the model's own samples.
     """
     c = model.config
     max_new_tokens = check_generation(prompts, max_new_tokens, c, pad_id)
-    B, longest = len(prompts), max(len(p) for p in prompts)
+    B = len(prompts)
     tokens, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
-
-    tokens_BS = torch.full((B, longest), pad_id, dtype=torch.long)
-    mask_BS = torch.zeros((B, longest), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        tokens_BS[row, longest - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
-        mask_BS[row, longest - len(prompt):] = True
+    tokens_BS, mask_BS = pad_rows(prompts, side="left", pad_id=pad_id)
+    check_ids(tokens_BS, c.vocab_size)
     weight = model.tok_embeddings.weight
     device = weight.device
     stop, done = set(stop_ids), [False] * B
     with torch.inference_mode():
-        cache = KVCache.empty(c, B, longest + max_new_tokens, weight.dtype, device)
+        cache = KVCache.create(c, B, tokens_BS.shape[1] + max_new_tokens, weight.dtype, device)
         generator = torch.Generator(device=device).manual_seed(seed)
-        logits_BSV, cache = model(tokens_BS.to(device), attention_mask=mask_BS.to(device),
-                                  cache=cache)
+        out = model.run(torch.from_numpy(tokens_BS).long().to(device),
+                        attention_mask=torch.from_numpy(mask_BS).to(device), cache=cache)
         for step in range(max_new_tokens):
-            logits_BV = logits_BSV[:, -1]
+            logits_BV = out.logits[:, -1]
             next_B = sample(logits_BV, sampler, generator)
             logprob_B = logits_BV.log_softmax(dim=-1).gather(-1, next_B[:, None])[:, 0]
             for row, (token, logprob) in enumerate(zip(next_B.tolist(), logprob_B.tolist())):
@@ -100,5 +98,5 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
             if all(done) or step == max_new_tokens - 1:
                 break
             # Finished rows keep decoding (their outputs are dropped): the batch keeps its shape.
-            logits_BSV, cache = model(next_B[:, None], cache=cache)
+            out = model.run(next_B[:, None], cache=cache)
     return Generation(tokens, logprobs)

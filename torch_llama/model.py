@@ -4,8 +4,9 @@ Axis legend: B batch, S query sequence, T key sequence, D model dim, N query hea
 G = N/K, H head dim, h = H/2 rotated pairs, F ffn dim, V vocab, L layers.
 
 `state_dict()` keys are the canonical names (bridge.tensors). The model runs in the dtype of its
-parameters; RMSNorm statistics, RoPE rotation and logits are float32. With a KVCache, a forward
-call appends its tokens to the cache and attends over everything cached so far (generation).
+parameters; RMSNorm statistics, RoPE rotation and logits are float32. `model(tokens)` gives the
+logits; `model.run(...)` gives a LlamaOutput (logits, hidden states, cache) and, with a KVCache,
+appends its tokens to the cache and attends over everything cached so far (generation).
 """
 
 from __future__ import annotations
@@ -40,10 +41,16 @@ class RMSNorm(nn.Module):
 
 # -- rotary position embedding: interleaved pairs (2i, 2i+1), as in Meta's release -----------------
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq_h: torch.Tensor):
-    """cos and sin of position * inv_freq, each float32 (B or 1, S, h)."""
+def rope_cos_sin(positions, inv_freq_h):
+    """cos and sin of position * inv_freq, each float32 of shape (B or 1, S, h).
+
+    `positions` (S,) or (B, S) integers; inv_freq_h (h,) from bridge.rope.rope_inv_freq (numpy,
+    or a tensor already on the positions' device). Only the positions given are computed.
+    """
+    positions = torch.as_tensor(positions)
     if positions.ndim == 1:
         positions = positions[None, :]
+    inv_freq_h = torch.as_tensor(inv_freq_h, device=positions.device)
     angles_BSh = positions[..., None].float() * inv_freq_h
     return angles_BSh.cos(), angles_BSh.sin()
 
@@ -60,9 +67,8 @@ def rotate(x_BSNH: torch.Tensor, cos_BSh: torch.Tensor, sin_BSh: torch.Tensor) -
 def apply_rope(x_BSNH: torch.Tensor, positions, theta: float = 10000.0,
                scaling: RopeScaling | None = None) -> torch.Tensor:
     """RoPE on x (B, S, N, H) at `positions` (S,) or (B, S); returns x's shape and dtype."""
-    inv_freq = torch.from_numpy(rope_inv_freq(x_BSNH.shape[-1], theta, scaling)).to(x_BSNH.device)
-    positions = torch.as_tensor(positions, device=x_BSNH.device)
-    return rotate(x_BSNH, *rope_cos_sin(positions, inv_freq))
+    inv_freq_h = rope_inv_freq(x_BSNH.shape[-1], theta, scaling)
+    return rotate(x_BSNH, *rope_cos_sin(torch.as_tensor(positions, device=x_BSNH.device), inv_freq_h))
 
 
 # -- the key/value cache for generation ----------------------------------------------------------
@@ -72,17 +78,18 @@ class KVCache:
     """Keys and values of every layer for T slots, preallocated once per generation.
 
     Every row writes the same slot at each step (`index`); a row's left padding occupies slots
-    marked invalid, so its RoPE positions (`positions`) count real tokens only.
+    marked invalid, so its RoPE positions (`positions`) count real tokens only. Heads come before
+    slots, the layout SDPA reads without a copy. Updated in place (jax_llama's is functional).
     """
-    k: torch.Tensor          # (L, B, K, T, H) in the model's dtype: heads before slots, the
-    v: torch.Tensor          # (L, B, K, T, H)   layout SDPA reads without a copy
+    k: torch.Tensor          # (L, B, K, T, H) in the model's dtype
+    v: torch.Tensor          # (L, B, K, T, H)
     valid: torch.Tensor      # (B, T) bool: slots that hold a real (non-padding) token
     index: int               # the next slot to write, shared by all rows
     positions: torch.Tensor  # (B,) int64: the RoPE position of each row's next real token
 
     @classmethod
-    def empty(cls, config: LlamaConfig, batch: int, length: int, dtype: torch.dtype,
-              device: torch.device | str) -> "KVCache":
+    def create(cls, config: LlamaConfig, batch: int, length: int,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
         """A cache of `length` slots, all invalid. Zeros, not torch.empty: unwritten slots are
         masked, but a masked NaN would still poison the weighted sum (0 * NaN = NaN)."""
         shape = (config.n_layers, batch, config.n_kv_heads, length, config.head_dim)
@@ -93,7 +100,37 @@ class KVCache:
 
     @property
     def length(self) -> int:
+        """T, the slots it holds."""
         return self.k.shape[3]
+
+    def reserve(self, valid_BS: torch.Tensor):
+        """Make room for S new tokens at slots [index, index + S), valid where valid_BS (B, S) is
+        -> (this cache, advanced in place; mask (B, S, T), True where a new query may attend: the
+        valid slots up to its own; positions (B, S) of the new tokens)."""
+        (B, S), T, start = valid_BS.shape, self.length, self.index
+        if self.valid.shape[0] != B:
+            raise BridgeError(f"batch {self.valid.shape[0]} does not match tokens {B}", field="cache")
+        if start + S > T:
+            raise BridgeError(f"{S} tokens at slot {start} do not fit the cache length {T}",
+                              field="cache")
+        valid_BS = valid_BS.to(self.valid.device)
+        self.valid[:, start:start + S] = valid_BS
+        slots_S = torch.arange(start, start + S, device=self.valid.device)
+        mask_BST = (torch.arange(T, device=self.valid.device)[None, None, :] <= slots_S[None, :, None]
+                    ) & self.valid[:, None, :]
+        positions_BS = self.positions[:, None] + (valid_BS.long().cumsum(-1) - 1).clamp(min=0)
+        self.positions += valid_BS.sum(-1)
+        self.index += S
+        return self, mask_BST, positions_BS
+
+
+@dataclass
+class LlamaOutput:
+    """What Llama.run returns, the same in both twins."""
+
+    logits: torch.Tensor | None      # (B, S, V) float32; None with lm_head=False
+    hidden: torch.Tensor             # (B, S, D) final hidden states (after the last norm)
+    cache: KVCache | None = None     # the cache advanced by these S tokens, when one was given
 
 
 # -- the transformer -----------------------------------------------------------------------------
@@ -110,27 +147,30 @@ class Attention(nn.Module):
         self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
-    def forward(self, x_BSD, cos_BSh, sin_BSh, bias_B1ST=None, cache: KVCache | None = None,
+    def forward(self, x_BSD, cos_BSh, sin_BSh, mask_BST=None, cache: KVCache | None = None,
                 layer: int = 0):
-        """bias_B1ST: None for plain causal attention, else an additive float mask (B, 1, S, T).
+        """x (B, S, D) -> out (B, S, D).
 
-        With a cache, this step's keys and values go to slots [cache.index, cache.index + S) of
-        `layer`, and the queries attend over all T slots of the cache (bias_B1ST then required).
+        mask_BST: bool (B, S, T), True where query s may attend key t; None is plain causal
+        attention over these S tokens. With a cache (already reserved for these tokens), the new
+        keys and values go into slots [index - S, index) of `layer` and the queries read all T
+        slots of that layer.
         """
         c = self.config
         B, S, _ = x_BSD.shape
         q_BSNH = rotate(self.wq(x_BSD).view(B, S, c.n_heads, c.head_dim), cos_BSh, sin_BSh)
-        k_BTKH = rotate(self.wk(x_BSD).view(B, S, c.n_kv_heads, c.head_dim), cos_BSh, sin_BSh)
-        v_BTKH = self.wv(x_BSD).view(B, S, c.n_kv_heads, c.head_dim)
+        k_BSKH = rotate(self.wk(x_BSD).view(B, S, c.n_kv_heads, c.head_dim), cos_BSh, sin_BSh)
+        v_BSKH = self.wv(x_BSD).view(B, S, c.n_kv_heads, c.head_dim)
         # SDPA wants heads before sequence: (B, N, S, H) and (B, K, T, H).
-        k_BKTH, v_BKTH = k_BTKH.transpose(1, 2), v_BTKH.transpose(1, 2)
+        k_BKTH, v_BKTH = k_BSKH.transpose(1, 2), v_BSKH.transpose(1, 2)
         if cache is not None:
-            cache.k[layer, :, :, cache.index:cache.index + S] = k_BKTH
-            cache.v[layer, :, :, cache.index:cache.index + S] = v_BKTH
+            cache.k[layer, :, :, cache.index - S:cache.index] = k_BKTH
+            cache.v[layer, :, :, cache.index - S:cache.index] = v_BKTH
             k_BKTH, v_BKTH = cache.k[layer], cache.v[layer]
+        bias_B1ST = None if mask_BST is None else _additive(mask_BST[:, None], q_BSNH.dtype)
         out_BNSH = F.scaled_dot_product_attention(
             q_BSNH.transpose(1, 2), k_BKTH, v_BKTH,
-            attn_mask=bias_B1ST, is_causal=bias_B1ST is None, enable_gqa=c.n_groups > 1)
+            attn_mask=bias_B1ST, is_causal=mask_BST is None, enable_gqa=c.n_groups > 1)
         return self.wo(out_BNSH.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim))
 
 
@@ -157,8 +197,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x_BSD, cos_BSh, sin_BSh, bias_B1ST=None, cache=None, layer: int = 0):
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_BSh, sin_BSh, bias_B1ST,
+    def forward(self, x_BSD, cos_BSh, sin_BSh, mask_BST=None, cache: KVCache | None = None,
+                layer: int = 0):
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_BSh, sin_BSh, mask_BST,
                                    cache, layer)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -190,34 +231,33 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None,
-                return_hidden: bool = False, cache: KVCache | None = None, lm_head: bool = True):
-        """tokens (B, S) int -> logits (B, S, V) float32 [, final hidden states (B, S, D)].
+    def forward(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None) -> torch.Tensor:
+        """tokens (B, S) int -> logits (B, S, V) float32 (see run for the arguments)."""
+        return self.run(tokens_BS, positions, attention_mask).logits
 
-        lm_head=False skips the vocabulary projection and returns the final hidden states in place
-        of the logits (what a classification head reads).
+    def run(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None,
+            cache: KVCache | None = None, lm_head: bool = True) -> LlamaOutput:
+        """tokens (B, S) int -> LlamaOutput(logits (B, S, V) float32, final hidden states
+        (B, S, D), the cache advanced in place when one is given).
 
-        positions and attention_mask as in jax_llama.Llama: positions (S,) or (B, S), default
-        counting only real tokens when attention_mask (B, S, 1 = real) is given.
-
-        With a cache, the S tokens are appended at slot cache.index, their default positions
-        continue from cache.positions, and the cache (updated in place) is returned last:
-        (logits, cache) or (logits, hidden, cache).
+        positions, attention_mask, cache and lm_head as in jax_llama.Llama.run: positions (S,) or
+        (B, S), by default counting only real tokens when attention_mask (B, S, 1 = real) is
+        given; with a cache the S tokens go into slots [index, index + S) and attend to every
+        earlier valid slot; lm_head=False skips the vocabulary projection (logits None).
         """
         c = self.config
         check_inputs(tokens_BS, c.vocab_size, positions, attention_mask)
         B, S = tokens_BS.shape
         device = tokens_BS.device
-        dtype = self.tok_embeddings.weight.dtype
-        bias_B1ST = None
+        valid_BS = (torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None
+                    else torch.as_tensor(attention_mask, device=device).bool())
+        mask_BST = None  # plain causal
         if cache is not None:
-            bias_B1ST, positions, n_real_B = self._cache_step(cache, B, S, positions,
-                                                              attention_mask)
+            cache, mask_BST, default_positions = cache.reserve(valid_BS)
+            positions = default_positions if positions is None else positions
         elif attention_mask is not None:
-            valid_BS = torch.as_tensor(attention_mask, device=device).bool()
             causal_ST = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-            allowed_B1ST = causal_ST[None, None] & valid_BS[:, None, None, :]
-            bias_B1ST = _additive(allowed_B1ST, dtype)
+            mask_BST = causal_ST[None] & valid_BS[:, None, :]
             if positions is None:
                 positions = (valid_BS.long().cumsum(-1) - 1).clamp(min=0)
         if positions is None:
@@ -227,44 +267,12 @@ class Llama(nn.Module):
 
         x_BSD = self.tok_embeddings(tokens_BS)
         for i, layer in enumerate(self.layers):
-            x_BSD = layer(x_BSD, cos_BSh, sin_BSh, bias_B1ST, cache, i)
+            x_BSD = layer(x_BSD, cos_BSh, sin_BSh, mask_BST, cache, i)
         h_BSD = self.norm(x_BSD)
         if not lm_head:
-            if cache is None:
-                return h_BSD
-            cache.positions += n_real_B
-            cache.index += S
-            return h_BSD, cache
+            return LlamaOutput(logits=None, hidden=h_BSD, cache=cache)
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
-        logits_BSV = F.linear(h_BSD, head).float()
-        if cache is None:
-            return (logits_BSV, h_BSD) if return_hidden else logits_BSV
-        cache.positions += n_real_B
-        cache.index += S
-        return (logits_BSV, h_BSD, cache) if return_hidden else (logits_BSV, cache)
-
-    def _cache_step(self, cache: KVCache, B: int, S: int, positions, attention_mask):
-        """Mark S new slots valid where attention_mask says so and build the attention bias over
-        the whole cache: slot s sees slots t <= s that hold real tokens. Returns the bias
-        (B, 1, S, T), the positions (given, or (B, S) continuing each row's count of real tokens)
-        and the number of real tokens per row (B,)."""
-        start, T = cache.index, cache.length
-        if cache.valid.shape[0] != B:
-            raise BridgeError(f"cache: batch {cache.valid.shape[0]} does not match tokens {B}")
-        if start + S > T:
-            raise BridgeError(f"cache: {S} tokens at slot {start} do not fit the cache length {T}")
-        device = cache.valid.device
-        if attention_mask is None:
-            real_BS = torch.ones(B, S, dtype=torch.bool, device=device)
-        else:
-            real_BS = torch.as_tensor(attention_mask, device=device).bool()
-        cache.valid[:, start:start + S] = real_BS
-        slots_S = torch.arange(start, start + S, device=device)
-        causal_ST = torch.arange(T, device=device)[None, :] <= slots_S[:, None]
-        allowed_B1ST = causal_ST[None, None] & cache.valid[:, None, None, :]
-        if positions is None:
-            positions = cache.positions[:, None] + (real_BS.long().cumsum(-1) - 1).clamp(min=0)
-        return _additive(allowed_B1ST, self.tok_embeddings.weight.dtype), positions, real_BS.sum(-1)
+        return LlamaOutput(logits=F.linear(h_BSD, head).float(), hidden=h_BSD, cache=cache)
 
     def _inv_freq_for(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq_on:
@@ -272,7 +280,19 @@ class Llama(nn.Module):
         return self._inv_freq_on[device]
 
 
-def last_real_index(attention_mask_BS: torch.Tensor) -> torch.Tensor:
+def init(config: LlamaConfig, seed: int = 0, *, dtype=torch.float32,
+         device: torch.device | str = "cpu") -> Llama:
+    """A Llama with freshly initialised weights drawn from `seed` (the caller's torch RNG is left
+    as it was), in eval mode; jax_llama.init's twin (the same distributions, not the same draws)."""
+    from .checkpoint import resolve_device, resolve_dtype
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Llama(config)
+    return model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
+
+
+def last_real_index(attention_mask_BS) -> torch.Tensor:
     """(B,) index of each row's last real token, wherever the padding is (left, right or both)."""
     mask_BS = torch.as_tensor(attention_mask_BS).bool()
     return mask_BS.shape[1] - 1 - mask_BS.flip(1).int().argmax(1)
@@ -298,7 +318,7 @@ class LlamaClassifier(nn.Module):
     def forward(self, tokens_BS: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """tokens (B, S) int, attention_mask (B, S) with at least one real token per row ->
         log-probabilities (B, C) float32."""
-        h_BSD = self.llama(tokens_BS, attention_mask=attention_mask, lm_head=False)
+        h_BSD = self.llama.run(tokens_BS, attention_mask=attention_mask, lm_head=False).hidden
         last_B = last_real_index(attention_mask).to(h_BSD.device)
         h_BD = self.dropout(h_BSD[torch.arange(h_BSD.shape[0], device=h_BSD.device), last_B])
         return F.log_softmax(self.classifier(h_BD).float(), dim=-1)
@@ -312,9 +332,11 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def check_inputs(tokens: torch.Tensor, vocab_size: int, positions=None, attention_mask=None) -> None:
-    """bridge.inputs.check_inputs on torch values (the same rules as jax_llama.check_inputs)."""
+    """bridge.inputs.check_inputs on torch values (the same rules as jax_llama.check_inputs):
+    shapes always, token values only where they are on the host already (a CPU tensor) - never
+    a copy off an accelerator, which would stall every decode step."""
     integer = not (tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool)
     _check_inputs(tokens.shape, integer, vocab_size,
-                  ids=tokens.detach().cpu().numpy() if integer else None,
+                  ids=tokens.detach().numpy() if integer and tokens.device.type == "cpu" else None,
                   positions_shape=None if positions is None else np.shape(positions),
                   mask_shape=None if attention_mask is None else np.shape(attention_mask))

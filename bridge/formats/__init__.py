@@ -84,7 +84,7 @@ def write_checkpoint(format: str, path: str | os.PathLike, config: LlamaConfig,
     """Write canonical tensors (`specs`: name -> (shape, dtype); `fetch(name)` -> array) in
     `format` at `path`, atomically. `options` are format-specific (e.g. llama2c version)."""
     if format not in FORMATS:
-        raise BridgeError(f"--to: unknown format {format!r}; known: {', '.join(FORMATS)}")
+        raise BridgeError(f"unknown format {format!r}; known: {', '.join(FORMATS)}", field="format")
     if format in _SHARDED:
         options["max_shard_size"] = max_shard_size
     return _member(format, 1)(path, config, specs, fetch, overwrite=overwrite, progress=progress,

@@ -1,12 +1,12 @@
 """One worker process of the benchmarks; prints one JSON line.
 
-    python -m benchmarks.worker JOB --spec JSON [--benches forward,train,decode] [--depths 4,32]
+    python -m llama_twins.bench.worker JOB --spec JSON [--benches forward,train,decode] [--depths 4,32]
 
 JOB is an implementation (jax-llama, torch_llama, transformers: it runs each bench's
 measure(impl, spec) in turn, in this one process), `machine` (the CPU, JAX's device and versions,
 and this machine's matmul peak and read bandwidth measured through JAX), `compile` (train-step
 compile times at two depths) or `probe` (torch's device and version, and transformers' version or
-why it does not import). Started by benchmarks.common.spawn, never by hand.
+why it does not import). Started by llama_twins.bench.common.spawn, never by hand.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import os
 import platform
 import sys
 
-from benchmarks import bench_forward, bench_generate, bench_train
-from benchmarks.common import IMPLEMENTATIONS, Spec
+from . import decode, forward, train
+from .common import IMPLEMENTATIONS, Spec
 
-MEASURE = {"forward": bench_forward.measure, "train": bench_train.measure,
-           "decode": bench_generate.measure}
+MEASURE = {"forward": forward.measure, "train": train.measure,
+           "decode": decode.measure}
 
 
 def cpu_model() -> str:
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         result = probe()
     elif args.job == "compile":
         shallow, deep = map(int, args.depths.split(","))
-        result = bench_train.compile_times(spec, (shallow, deep))
+        result = train.compile_times(spec, (shallow, deep))
     else:
         result = {bench: MEASURE[bench](args.job, spec) for bench in args.benches.split(",") if bench}
     print(json.dumps(result))

@@ -1,4 +1,9 @@
-"""`jax-llama`: the JAX jobs."""
+"""`jax-llama`: the JAX jobs - train, generate, finetune, predict, zero-shot, split - and the
+two that also need the torch twin: `generate --compare-torch` and `bench`.
+
+Each subcommand parses its flags, calls into jax_llama (imported when the subcommand runs, so that
+`--help` and bad flags answer at once), and prints results to stdout; errors name flags.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from bridge.cli import EXIT_CHECK_FAILED, EXIT_OK, cli_main
-from bridge.config import PRESETS, LlamaConfig
+from bridge.classification import DEFAULT_TEMPLATE
+from bridge.config import LlamaConfig, preset
+from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
+
+from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_generate_arguments,
+                       command_main, print_results, read_prompts, report_warnings)
 
 # TrainConfig fields settable from the command line (None = default, or the resumed run's value)
 TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
@@ -20,22 +29,20 @@ TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", f
 
 
 def cmd_train(args) -> int:
-    from .run import RunSpec, TrainingDiverged, train
-    from .train import TrainConfig
+    from jax_llama.run import RunSpec, train
+    from jax_llama.train import TrainConfig, TrainingDiverged
 
     out = Path(args.out) if args.out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
     given = {name: getattr(args, name) for name, _ in TRAIN_OPTIONS if getattr(args, name) is not None}
     saved = {}
     if args.resume:
         if not (out / "run.json").is_file():
-            raise BridgeError(f"--resume: {out} holds no run to resume (no run.json)")
+            raise BridgeError(f"{out} holds no run to resume (no run.json)", field="resume")
         saved = json.loads((out / "run.json").read_text())
         train_config = TrainConfig(**{**saved["train"], **given})
         model = LlamaConfig.from_dict(saved["model"])
     else:
-        if args.preset not in PRESETS:
-            raise BridgeError(f"--preset: unknown preset {args.preset!r}; valid: {', '.join(PRESETS)}")
-        train_config, model = TrainConfig(**given), PRESETS[args.preset]
+        train_config, model = TrainConfig(**given), preset(args.preset)
     spec = RunSpec(out=out, model=model, train=train_config,
                    data=args.data if args.data is not None else saved.get("data", []),
                    tokenizer=args.tokenizer or saved.get("tokenizer"),
@@ -64,34 +71,33 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     import warnings
 
-    from bridge import prompting
+    from bridge.prompts import Streamer, encode_prompts, stop_ids
     from bridge.sampling import Sampler
-
-    from .checkpoint import load
-    from .generate import generate
+    from bridge.tokenizer import find_tokenizer
+    from jax_llama.checkpoint import load
+    from jax_llama.generate import generate
 
     sampler = Sampler(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading
-    tokenizer = prompting.find_tokenizer(args.checkpoint, args.tokenizer)
-    texts = prompting.read_prompts(args)
+    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
+    texts = read_prompts(args)
     model, params = load(args.checkpoint, dtype=args.dtype)
-    prompts = prompting.encode_prompts(tokenizer, texts, model.config.max_seq_len, args.chat,
-                                       args.truncate)
-    stops = prompting.stop_ids(tokenizer, args.stop)
+    prompts = encode_prompts(tokenizer, texts, model.config.max_seq_len, args.chat, args.truncate)
+    stops = stop_ids(tokenizer, args.stop)
     if args.compare_torch:
-        from bridge.parity import format_greedy_parity, greedy_parity
+        from .parity import format_greedy_parity, greedy_parity
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             report = greedy_parity(args.checkpoint, prompts, args.max_new_tokens, stops, args.dtype)
-        prompting.report_warnings(caught)
+        report_warnings(caught)
         print(format_greedy_parity(report, tokenizer.decode))
         return EXIT_OK if report["identical"] else EXIT_CHECK_FAILED
-    stream = prompting.Streamer(tokenizer) if len(prompts) == 1 else None
+    stream = Streamer(tokenizer) if len(prompts) == 1 else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         result = generate(model, params, prompts, args.max_new_tokens, sampler, stops, args.seed,
                           on_token=stream)
-    prompting.report_warnings(w for w in caught if "donated buffers" not in str(w.message))
-    prompting.print_results(tokenizer, texts, result.tokens, stream is not None)
+    report_warnings(w for w in caught if "donated buffers" not in str(w.message))
+    print_results(tokenizer, texts, result.tokens, stream is not None)
     return EXIT_OK
 
 
@@ -132,15 +138,13 @@ def _report_predictions(args, dataset, predictions, what: str) -> float | None:
 
 
 def cmd_finetune(args) -> int:
-    from bridge.classification import read_labels
-    from bridge.prompting import find_tokenizer
-    from bridge.tokenizer import load_tokenizer, train_tokenizer
-
     import jax
 
-    from .checkpoint import load
-    from .classify import FinetuneConfig, finetune, new_classifier
-    from .run import TrainingDiverged
+    from bridge.classification import read_labels
+    from bridge.tokenizer import find_tokenizer, load_tokenizer, train_tokenizer
+    from jax_llama.checkpoint import load
+    from jax_llama.classify import FinetuneConfig, finetune, new_classifier
+    from jax_llama.train import TrainingDiverged
 
     fc = FinetuneConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -148,9 +152,10 @@ def cmd_finetune(args) -> int:
                         seed=args.seed)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
-        raise BridgeError(f"--out: {out} is not empty")
+        raise BridgeError(f"{out} is not empty", field="out")
     if args.init and args.preset:
-        raise BridgeError("--preset: not with --init (the backbone's config comes from the checkpoint)")
+        raise BridgeError("not with --init (the backbone's config comes from the checkpoint)",
+                          field="preset")
     args.label_words = labels = read_labels(args.labels)
     train, dev = _read_task(args, args.train), _read_task(args, args.dev)
     if not (train.labeled and dev.labeled):
@@ -161,21 +166,19 @@ def cmd_finetune(args) -> int:
         config = model_lm.config
         tokenizer = find_tokenizer(args.init, args.tokenizer)
         if tokenizer.vocab_size > config.vocab_size:
-            raise BridgeError(f"--tokenizer: {tokenizer.vocab_size} ids do not fit the vocabulary "
-                              f"of {args.init} ({config.vocab_size})")
+            raise BridgeError(f"{tokenizer.vocab_size} ids do not fit the vocabulary "
+                              f"of {args.init} ({config.vocab_size})", field="tokenizer")
     else:
-        preset = args.preset or "tiny"
-        if preset not in PRESETS:
-            raise BridgeError(f"--preset: unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+        base = preset(args.preset or "tiny")
         if args.tokenizer:
             tokenizer = load_tokenizer(args.tokenizer)
         else:
             print(f"training a {args.vocab_size}-token byte-level BPE on {train.path}", file=sys.stderr)
             tokenizer = train_tokenizer(train.texts, args.vocab_size)
-        config = PRESETS[preset].replace(
+        config = base.replace(
             vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id,
             eos_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,),
-            max_seq_len=max(PRESETS[preset].max_seq_len, fc.max_len))
+            max_seq_len=max(base.max_seq_len, fc.max_len))
     max_len = min(fc.max_len, config.max_seq_len)
     clf = new_classifier(config, labels, tokenizer, max_len, fc.dropout, fc.seed, lm_params)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(clf.params))
@@ -199,7 +202,7 @@ def cmd_finetune(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from .classify import load_classifier, predict
+    from jax_llama.classify import load_classifier, predict
 
     clf = load_classifier(args.classifier if not (Path(args.classifier) / "best").is_dir()
                           else Path(args.classifier) / "best")
@@ -212,13 +215,12 @@ def cmd_predict(args) -> int:
 
 
 def cmd_zero_shot(args) -> int:
-    from bridge.classification import read_labels
-    from bridge.prompting import find_tokenizer
-
     import numpy as np
 
-    from .checkpoint import load
-    from .classify import fill_template, zero_shot
+    from bridge.classification import read_labels
+    from bridge.tokenizer import find_tokenizer
+    from jax_llama.checkpoint import load
+    from jax_llama.classify import fill_template, zero_shot
 
     fill_template(args.template, "")  # refuse a template without {text} before loading
     tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
@@ -240,7 +242,7 @@ def cmd_zero_shot(args) -> int:
 def cmd_split(args) -> int:
     import numpy as np
 
-    from bridge.atomic import atomic_file
+    from bridge.atomic import write_text
 
     src = Path(args.file)
     try:
@@ -248,7 +250,7 @@ def cmd_split(args) -> int:
     except (OSError, UnicodeDecodeError) as e:
         raise BridgeError(f"{src}: cannot read ({e})") from None
     if not 0 < args.fraction < 1:
-        raise BridgeError(f"--fraction: must be in (0, 1) (got {args.fraction})")
+        raise BridgeError(f"must be in (0, 1) (got {args.fraction})", field="fraction")
     n_held = int(round(args.fraction * len(lines)))
     if n_held == 0 or n_held == len(lines):
         raise BridgeError(f"{src}: {len(lines)} lines cannot be split {args.fraction:g} / "
@@ -257,19 +259,15 @@ def cmd_split(args) -> int:
     held, kept = sorted(order[:n_held]), sorted(order[n_held:])
     out = Path(args.out)
     for name, idx in (("train.txt", kept), ("heldout.txt", held)):
-        with atomic_file(out / name, overwrite=args.force) as tmp:
-            tmp.write_text("".join(lines[i] + "\n" for i in idx), encoding="utf-8")
+        write_text(out / name, "".join(lines[i] + "\n" for i in idx), overwrite=args.force)
     print(f"{out / 'train.txt'}: {len(kept)} lines; {out / 'heldout.txt'}: {len(held)} lines "
           f"(seed {args.seed})")
     return EXIT_OK
 
 
 def cmd_bench(args) -> int:
-    try:
-        from benchmarks import suite
-    except ImportError as e:
-        raise BridgeError(f"bench: the benchmarks package does not import ({e}); install this "
-                          f"repository with `pip install -e .`") from None
+    from .bench import suite
+
     return suite.run_command(args)
 
 
@@ -285,8 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jax-llama", description="LLaMA in JAX: train, generate, "
                                      "fine-tune, benchmark.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("train", help="train (or fine-tune from --init) a LLaMA with optax AdamW; "
-                                     "with no --data, on the Python standard library's sources")
+    p = add_command(sub, "train", cmd_train,
+                    help="train (or fine-tune from --init) a LLaMA with optax AdamW; with no "
+                         "--data, on the Python standard library's sources")
     p.add_argument("--preset", default="tiny", help="model config (default tiny)")
     p.add_argument("--data", nargs="+", help="text files or directories (default: the embedded corpus)")
     p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: --init's, or a "
@@ -305,19 +304,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "train on the texts only, e.g. continued pretraining on a task's text")
     for name, kind in TRAIN_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
-                       choices=("float32", "bfloat16", "float16") if name == "dtype" else None)
-    p.set_defaults(run=cmd_train)
+                       choices=DTYPE_NAMES if name == "dtype" else None)
 
-    from bridge.prompting import add_generate_arguments
-    p = sub.add_parser("generate", help="continue prompts with a KV cache (greedy, temperature, "
-                                        "top-k, top-p); text streams as it is produced")
+    p = add_command(sub, "generate", cmd_generate,
+                    help="continue prompts with a KV cache (greedy, temperature, top-k, top-p); "
+                         "text streams as it is produced")
     add_generate_arguments(p)
     p.add_argument("--compare-torch", action="store_true",
                    help="decode greedily with both twins and report where they first differ")
-    p.set_defaults(run=cmd_generate)
-    from .classify import DEFAULT_TEMPLATE
-    p = sub.add_parser("finetune", help="fine-tune a LLaMA as a sequence classifier, end to end "
-                                        "(head on the last real token)")
+    p = add_command(sub, "finetune", cmd_finetune,
+                    help="fine-tune a LLaMA as a sequence classifier, end to end (head on the "
+                         "last real token)")
     p.add_argument("--train", required=True, help="LABEL ||| TEXT lines")
     p.add_argument("--dev", required=True, help="LABEL ||| TEXT lines, measured after each epoch")
     p.add_argument("--labels", required=True, help="labels.json: the label words, in index order")
@@ -339,10 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-malformed", action="store_true",
                    help="skip malformed lines (counted) instead of stopping at the first")
-    p.set_defaults(run=cmd_finetune)
 
-    p = sub.add_parser("zero-shot", help="classify by prompting: the log-likelihood of each label "
-                                         "word after a template around the text")
+    p = add_command(sub, "zero-shot", cmd_zero_shot,
+                    help="classify by prompting: the log-likelihood of each label word after a "
+                         "template around the text")
     p.add_argument("checkpoint", help="a language model, any format the bridge reads")
     p.add_argument("--data", required=True, help="LABEL ||| TEXT lines (or TEXT lines)")
     p.add_argument("--template", default=DEFAULT_TEMPLATE,
@@ -354,32 +351,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the model's prior for the word there)")
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p)
-    p.set_defaults(run=cmd_zero_shot)
 
-    p = sub.add_parser("predict", help="a fine-tuned classifier's predictions, and accuracy when "
-                                       "the file has labels")
+    p = add_command(sub, "predict", cmd_predict,
+                    help="a fine-tuned classifier's predictions, and accuracy when the file has "
+                         "labels")
     p.add_argument("classifier", help="a finetune --out directory (or its best/)")
     p.add_argument("--data", required=True, help="LABEL ||| TEXT lines (or TEXT lines)")
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p, labels=False)
-    p.set_defaults(run=cmd_predict)
 
-    p = sub.add_parser("split", help="hold out a random fraction of a data file's lines")
+    p = add_command(sub, "split", cmd_split,
+                    help="hold out a random fraction of a data file's lines")
     p.add_argument("file")
     p.add_argument("--fraction", type=float, default=0.15, help="held out (default 0.15)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="directory for train.txt and heldout.txt")
     p.add_argument("--force", action="store_true", help="replace existing files")
-    p.set_defaults(run=cmd_split)
 
-    p = sub.add_parser("bench", help="benchmarks side by side with transformers on the same config: "
-                                     "forward, train step, decode, conversion, compile time",
-                       description="Measure this machine's matmul peak and read bandwidth, then "
-                       "forward (prefill) and train-step tokens/s with MFU, decode tokens/s at batch "
-                       "1 and 8, conversion throughput and peak RSS against cp -r, and compile time "
-                       "against depth, for jax-llama, the torch twin and transformers on the same "
-                       "config, each in its own worker process. The table goes to stdout and to "
-                       "OUT/bench.md, every figure to OUT/bench.json, progress to stderr.")
+    p = add_command(sub, "bench", cmd_bench,
+                    help="benchmarks side by side with transformers on the same config: forward, "
+                         "train step, decode, conversion, compile time",
+                    description="Measure this machine's matmul peak and read bandwidth, then "
+                    "forward (prefill) and train-step tokens/s with MFU, decode tokens/s at batch "
+                    "1 and 8, conversion throughput and peak RSS against cp -r, and compile time "
+                    "against depth, for jax-llama, the torch twin and transformers on the same "
+                    "config, each in its own worker process. The table goes to stdout and to "
+                    "OUT/bench.md (OUT: the current directory unless --out), every figure to "
+                    "OUT/bench.json, progress to stderr.")
     p.add_argument("--preset", help="model config (default: dim 512, 8 layers, 56M parameters; "
                                     "with --quick, tiny)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -394,15 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, help="tokens per row (default 256; --quick 32)")
     p.add_argument("--convert-preset", help="model of the conversion benchmark (default "
                                             "llama3.2-1b; with --quick, the --preset)")
-    p.add_argument("--out", default="benchmarks/results",
-                   help="directory for bench.md and bench.json (default benchmarks/results)")
+    p.add_argument("--out", default=".",
+                   help="directory for bench.md and bench.json (default: the current directory)")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, short runs, smaller depths: a smoke run in well under a minute")
-    p.set_defaults(run=cmd_bench)
     return parser
 
 
-main = cli_main(build_parser)
+main = command_main(build_parser)
 
 
 if __name__ == "__main__":

@@ -5,26 +5,24 @@ Same config, same batch: the jitted `train_step` (optax AdamW with clipping) aga
 `transformers.LlamaForCausalLM` + `torch.optim.AdamW` (+ clip_grad_norm_), and the torch twin with
 `torch_llama.AdamW` for reference; in bfloat16, JAX computes in bfloat16 with float32 params and
 both torch sides run under autocast. Each implementation is timed in a worker process of its own,
-in alternating rounds (benchmarks.common). MFU is against this machine's measured matmul peak.
+in alternating rounds (llama_twins.bench.common). MFU is against this machine's measured matmul peak.
 Then the compile time of the train step for a shallow and a deep model, with and without
 scan_layers (compiled from abstract shapes: nothing is allocated).
 
-    python benchmarks/bench_train.py        # writes benchmarks/results/train.{md,json}
+    python -m llama_twins.bench.train [--out DIR]     # writes DIR/train.{md,json} (DIR: .)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (JAX, REFERENCE, TWIN, Spec, available, describe, missing_note, probe,
-                               run_rounds, say, spawn, throughput_rows, throughput_table, timed,
-                               torch_device, transformers_model)
+from .common import (JAX, REFERENCE, TWIN, Spec, available, describe, missing_note, probe,
+                     run_rounds, say, spawn, throughput_rows, throughput_table, timed,
+                     torch_device, transformers_model, write_results)
 
 OPTIMIZER = dict(steps=1000, lr=3e-4, warmup_steps=10)  # the rest: TrainConfig's defaults
 
@@ -45,12 +43,12 @@ def jax_step(spec: Spec):
     import jax
 
     import jax_llama
-    from jax_llama.train import init_state, lr_schedule, make_optimizer, make_train_step
+    from jax_llama.train import init_state, jit_train_step, lm_loss, make_optimizer
     tc = train_config(spec)
     model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype)
     optimizer = make_optimizer(tc)
-    train_step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc)), donate_argnums=0)
     holder = {"state": init_state(params, optimizer)}
+    train_step = jit_train_step(lm_loss(model), optimizer, tc, holder["state"])
     device_batch = jax.device_put(batch(spec))
 
     def step():
@@ -125,7 +123,7 @@ def compile_seconds(spec: Spec, n_layers: int, scan_layers: bool) -> float:
     import jax
 
     import jax_llama
-    from jax_llama.train import init_state, lr_schedule, make_optimizer, make_train_step
+    from jax_llama.train import init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
     config, tc = spec.config.replace(n_layers=n_layers), train_config(spec)
     model = jax_llama.Llama(config, dtype=spec.dtype, scan_layers=scan_layers)
     optimizer = make_optimizer(tc)
@@ -133,7 +131,7 @@ def compile_seconds(spec: Spec, n_layers: int, scan_layers: bool) -> float:
         jax_llama.init(config, dtype=spec.dtype, scan_layers=scan_layers)[1], optimizer))
     b = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch(spec))
     start = time.perf_counter()
-    jax.jit(make_train_step(model, optimizer, lr_schedule(tc))).lower(state, b).compile()
+    jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc))).lower(state, b).compile()
     return time.perf_counter() - start
 
 
@@ -163,7 +161,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per worker")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/train")
+    parser.add_argument("--out", default=".", help="directory for train.{md,json} (default .)")
     args = parser.parse_args(argv)
     spec, found = Spec(warmup=args.warmup, repeats=args.repeats), probe()
     if missing_note(found):
@@ -173,16 +171,11 @@ def main(argv=None) -> int:
     result = summarize({impl: times.get(impl, {}).get("train") for impl in (JAX, TWIN, REFERENCE)},
                        spec, peak)
     compiled = spawn("compile", spec, extra=("--depths", "4,32"))
-    table = "\n".join([f"{describe(spec.config)}; matmul peak {peak / 1e9:.0f} GFLOP/s (measured); "
-                       f"median of {args.rounds} rounds x {args.repeats} steps, each "
-                       f"implementation in its own process", "", *markdown(result, spec.dtype), "",
-                       *compile_markdown(compiled)])
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + "\n")
-    out.with_suffix(".json").write_text(json.dumps(
-        {"peak_flops": peak, "train": result, "compile": compiled}, indent=2) + "\n")
+    lines = [f"{describe(spec.config)}; matmul peak {peak / 1e9:.0f} GFLOP/s (measured); median of "
+             f"{args.rounds} rounds x {args.repeats} steps, each implementation in its own "
+             f"process", "", *markdown(result, spec.dtype), "", *compile_markdown(compiled)]
+    write_results("train", lines, {"peak_flops": peak, "train": result, "compile": compiled},
+                  args.out)
     return 0
 
 

@@ -1,9 +1,9 @@
 """Cross-framework checks that load both twins: the parity report behind `llama-bridge parity` and
 the greedy comparison behind `jax-llama generate --compare-torch`.
 
-This is the one place besides tests and benchmarks that imports jax_llama and torch_llama
-together; both (and transformers) are imported inside the functions, so `bridge` stays importable
-without them.
+Like everything in llama_twins it sits above both twins; jax_llama, torch_llama (and transformers)
+are imported inside the functions, so that the commands start fast and a missing reference is
+reported rather than fatal.
 
 How the figures are measured. Differences are taken over the real (non-padding) tokens only, in
 float64 on the host. "Relative" means relative to the scale of the tensor, max |a - b| / max |a|
@@ -22,9 +22,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import BridgeError
-from .formats import open_checkpoint
-from .sampling import Sampler
+from bridge.dtypes import dtype_name
+from bridge.errors import BridgeError
+from bridge.formats import open_checkpoint
+from bridge.sampling import Sampler
 
 REFERENCES = ("transformers",)
 ADAMW_STEPS = 10
@@ -140,18 +141,18 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     Bad arguments or a checkpoint the twins do not support raise BridgeError naming the field."""
     say = progress or (lambda message: None)
     if dtype not in TOLERANCES:
-        raise BridgeError(f"--dtype: expected one of {', '.join(TOLERANCES)}, got {dtype!r}")
+        raise BridgeError(f"expected one of {', '.join(TOLERANCES)}, got {dtype!r}", field="dtype")
     if reference is not None and reference not in REFERENCES:
-        raise BridgeError(f"--reference: expected one of {', '.join(REFERENCES)}, "
-                          f"got {reference!r}")
-    for name, value, least in (("--batch", batch, 1), ("--seq-len", seq_len, 2),
-                               ("--new-tokens", new_tokens, 0)):
+        raise BridgeError(f"expected one of {', '.join(REFERENCES)}, got {reference!r}",
+                          field="reference")
+    for name, value, least in (("batch", batch, 1), ("seq_len", seq_len, 2),
+                               ("new_tokens", new_tokens, 0)):
         if value < least:  # seq_len 2 at least: the loss needs a next token
-            raise BridgeError(f"{name}: must be at least {least} (got {value})")
+            raise BridgeError(f"must be at least {least} (got {value})", field=name)
     config = open_checkpoint(path).config  # an unsupported config is refused here, by field
     if seq_len > config.max_seq_len:
-        raise BridgeError(f"--seq-len: {seq_len} exceeds the checkpoint's max_seq_len "
-                          f"{config.max_seq_len}")
+        raise BridgeError(f"{seq_len} exceeds the checkpoint's max_seq_len {config.max_seq_len}",
+                          field="seq_len")
     import jax_llama
     import torch_llama
 
@@ -180,8 +181,8 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
         say(f"greedy generation of {n_new} tokens by both twins")
         checks.append(_greedy_check(model, params, tmodel, tokens, real, n_new, logit_tolerance))
     else:
-        why = ("--new-tokens 0" if new_tokens == 0 else
-               f"--seq-len {seq_len} leaves no room in max_seq_len {config.max_seq_len}")
+        why = ("new_tokens 0" if new_tokens == 0 else
+               f"seq_len {seq_len} leaves no room in max_seq_len {config.max_seq_len}")
         notes.append(f"greedy tokens: skipped ({why})")
 
     say(f"one training step, then {ADAMW_STEPS} AdamW steps in both twins")
@@ -239,7 +240,7 @@ def _jax_forward(model, params, tokens, mask) -> tuple[list[np.ndarray], np.ndar
                            capture_intermediates=lambda module, _: isinstance(module, Block))
 
     logits, state = jax.jit(run)(params, tokens, mask)
-    # Each block's __call__ returned ((x, k, v), None): its output x is [0][0][0] of the capture.
+    # Each block's __call__ returned ((x, cache), None): its output x is [0][0][0] of the capture.
     blocks = state["intermediates"]
     hidden = [blocks[f"layers_{i}"]["__call__"][0][0][0] for i in range(model.config.n_layers)]
     return [_f64(h) for h in hidden], _f64(logits)
@@ -261,7 +262,7 @@ def _transformers_forward(path, dtype: str, tokens, mask) -> tuple[list[np.ndarr
     import torch
     import transformers
 
-    from .convert import convert
+    from bridge.convert import convert
 
     with tempfile.TemporaryDirectory(prefix="llama-bridge-parity-") as tmp:
         # float32 on disk, which every transformers version loads as float32; then the parameters
@@ -269,7 +270,7 @@ def _transformers_forward(path, dtype: str, tokens, mask) -> tuple[list[np.ndarr
         hf_dir = convert(path, Path(tmp) / "hf", to="hf", dtype="float32", progress=False)
         hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
     for p in hf.parameters():
-        p.data = p.data.to(getattr(torch, dtype))
+        p.data = p.data.to(getattr(torch, dtype_name(dtype)))
     positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)  # real tokens counted, as the twins do
     with torch.inference_mode(), _capture(hf.model.layers) as hidden:
         logits = hf(input_ids=torch.as_tensor(tokens, dtype=torch.long),

@@ -107,9 +107,9 @@ class WorkerFailed(RuntimeError):
 
 def spawn(job: str, spec: Spec = Spec(), benches: tuple[str, ...] = (),
           extra: tuple[str, ...] = ()) -> dict:
-    """Run `python -m benchmarks.worker JOB` in a fresh process; returns the JSON of its last
-    stdout line."""
-    command = [sys.executable, "-m", "benchmarks.worker", job, "--spec", spec.to_json(),
+    """Run `python -m llama_twins.bench.worker JOB` in a fresh process; returns the JSON of its
+    last stdout line."""
+    command = [sys.executable, "-m", "llama_twins.bench.worker", job, "--spec", spec.to_json(),
                "--benches", ",".join(benches), *extra]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -205,13 +205,15 @@ def throughput_table(rows: dict[str, dict | None], unit: str) -> list[str]:
     return lines
 
 
-def write_results(name: str, lines: list[str], data: dict, directory=None) -> None:
-    """benchmarks/results/NAME.md (the table lines) and NAME.json (the figures); the table is
-    printed too."""
+def write_results(name: str, lines: list[str], data, directory: str = ".") -> None:
+    """DIRECTORY/NAME.md (the table lines) and DIRECTORY/NAME.json (the figures), each written
+    atomically; the table is printed too. The directory is the caller's choice (--out), by
+    default the current one: never a folder of the installed package."""
     from pathlib import Path
 
-    directory = Path(directory) if directory else Path(__file__).resolve().parent / "results"
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}.md").write_text("\n".join(lines) + "\n")
-    (directory / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    from bridge.atomic import write_text
+
+    directory = Path(directory)
+    write_text(directory / f"{name}.md", "\n".join(lines) + "\n")
+    write_text(directory / f"{name}.json", json.dumps(data, indent=2) + "\n")
     print("\n".join(lines))

@@ -6,7 +6,7 @@ native -> HF, each followed by `sync` so that both sides pay for getting the byt
 resident memory is the command's own (getrusage of the child, as `/usr/bin/time -v` reports it:
 mapped file pages count too; see _STARTER). Reports medians as a markdown table and JSON.
 
-    python benchmarks/bench_convert.py --presets llama3.2-1b llama3.2-3b --repeats 3
+    python -m llama_twins.bench.convert --presets llama3.2-1b llama3.2-3b --repeats 3 [--out DIR]
 
 Targets (issue: weight bridge): peak RSS below 1.5 x the largest tensor + 300 MB at every model
 size; throughput at least half of cp's.
@@ -15,7 +15,6 @@ size; throughput at least half of cp's.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import statistics
@@ -31,10 +30,10 @@ from bridge.config import PRESETS, LlamaConfig
 from bridge.formats import write_checkpoint
 from bridge.tensors import canonical_shapes
 
-from benchmarks.common import WorkerFailed, say
+from .common import WorkerFailed, say, write_results
 
 MB = 10**6
-BRIDGE = [sys.executable, "-m", "bridge.cli"]  # `llama-bridge`, whatever PATH holds
+BRIDGE = [sys.executable, "-m", "llama_twins.bridge_cli"]  # `llama-bridge`, whatever PATH holds
 
 
 def synthetic_hf(config: LlamaConfig, directory: Path, seed: int = 0) -> None:
@@ -129,18 +128,12 @@ def main(argv=None) -> int:
     parser.add_argument("--presets", nargs="+", default=["llama3.2-1b", "llama3.2-3b"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/jax-llama-bench-convert")
-    parser.add_argument("--out", default="benchmarks/results/convert",
-                        help="writes OUT.md and OUT.json")
+    parser.add_argument("--out", default=".", help="directory for convert.{md,json} (default .)")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
     results = [bench_model(p, PRESETS[p], workdir, args.repeats) for p in args.presets]
-    table = markdown(results)
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + "\n")
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results("convert", [markdown(results)], results, args.out)
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

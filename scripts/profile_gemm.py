@@ -6,7 +6,7 @@ median of 20 calls after warm-up. The shapes are those of one forward pass of `j
 default config (batch 8 x 256 tokens = 2048 rows; dim 512, kv dim 256, ffn 1376, vocab 32000), as
 (M, K, N) for X (M, K) @ W (K, N); the backward pass multiplies the same sizes transposed.
 
-    python benchmarks/profile_gemm.py        # writes benchmarks/results/gemm.{md,json}
+    python scripts/profile_gemm.py [OUT]     # writes OUT/gemm.{md,json} (OUT: the current directory)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import write_results
+from llama_twins.bench.common import write_results
 
 M = 2048
 SHAPES = {  # name: (M, K, N, calls per forward pass of the 8-layer config)
@@ -72,7 +72,7 @@ def main() -> None:
              sum(2 * m * k * n * c / results[fw][name] for name, (m, k, n, c) in SHAPES.items())
              for fw in results}
     lines = ["# GEMM speed: XLA:CPU vs torch, the benchmark config's shapes\n",
-             "`python benchmarks/profile_gemm.py`; float32, median of 20 calls, each framework in "
+             "`python scripts/profile_gemm.py`; float32, median of 20 calls, each framework in "
              "its own process.\n",
              "| GEMM | M x K x N | calls per forward | XLA GFLOP/s | torch GFLOP/s | XLA / torch |",
              "|---|---|---|---|---|---|"]
@@ -81,7 +81,8 @@ def main() -> None:
         lines.append(f"| {name} | {m} x {k} x {n} | {c} | {j:.0f} | {t:.0f} | {j / t:.2f}x |")
     lines.append(f"| all, weighted by FLOPs | | | {total['jax']:.0f} | {total['torch']:.0f} | "
                  f"{total['jax'] / total['torch']:.2f}x |")
-    write_results("gemm", lines, {"shapes": SHAPES, "gflops": results, "weighted": total})
+    write_results("gemm", lines, {"shapes": SHAPES, "gflops": results, "weighted": total},
+                  sys.argv[1] if len(sys.argv) > 1 else ".")
 
 
 if __name__ == "__main__":

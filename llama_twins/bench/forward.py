@@ -5,7 +5,7 @@ Random weights (each its own; speed does not depend on their values), full logit
 every implementation, no KV cache. MFU counts 2 x matmul parameters x tokens plus the attention
 FLOPs (jax_llama.perf.forward_flops_per_token) against this machine's measured matmul peak.
 
-    python benchmarks/bench_forward.py      # prints the table; `jax-llama bench` runs it with the rest
+    python -m llama_twins.bench.forward     # prints the table; `jax-llama bench` runs it with the rest
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 
 import numpy as np
 
-from benchmarks.common import (JAX, REFERENCE, TWIN, Spec, available, describe, missing_note, probe,
-                               run_rounds, say, spawn, throughput_rows, throughput_table, timed,
-                               torch_device, transformers_model)
+from .common import (JAX, REFERENCE, TWIN, Spec, available, describe, missing_note, probe,
+                     run_rounds, say, spawn, throughput_rows, throughput_table, timed,
+                     torch_device, transformers_model)
 
 
 def tokens(spec: Spec) -> np.ndarray:

@@ -1,7 +1,5 @@
-"""The round-trip demo behind `llama-bridge demo`: one fresh model, both twins, one checkpoint format.
-
-jax and torch are imported inside `run`, so that the bridge stays importable without them.
-"""
+"""The round-trip demo behind `llama-bridge demo`: one fresh model, both twins, one checkpoint
+format. jax and torch are imported inside `run`, so that `llama-bridge` starts fast."""
 
 from __future__ import annotations
 
@@ -10,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import LlamaConfig
-from .errors import BridgeError
-from .tensors import count_params
+from bridge.config import LlamaConfig
+from bridge.errors import BridgeError
+from bridge.tensors import count_params
 
 # float32 through the same weights: the twins differ only by the order of float32 roundings
 # (matmul blocking, softmax), about 1e-7 relative per op, so 1e-5 of the logit scale is generous
@@ -22,11 +20,12 @@ RELATIVE_TOLERANCE = 1e-5
 
 def run(config: LlamaConfig, out: Path, batch: int, seq_len: int, seed: int) -> int:
     """Returns the exit code: 0 when both directions agree within tolerance, 1 otherwise."""
-    for name, value in (("--batch", batch), ("--seq-len", seq_len)):
+    for name, value in (("batch", batch), ("seq_len", seq_len)):
         if value <= 0:
-            raise BridgeError(f"{name}: must be positive (got {value})")
+            raise BridgeError(f"must be positive (got {value})", field=name)
     if seq_len > config.max_seq_len:
-        raise BridgeError(f"--seq-len: {seq_len} exceeds the config's max_seq_len {config.max_seq_len}")
+        raise BridgeError(f"{seq_len} exceeds the config's max_seq_len {config.max_seq_len}",
+                          field="seq_len")
     import jax_llama
     import torch
     import torch_llama

@@ -2,9 +2,9 @@
 pretraining - every figure produced by a `jax-llama` command, run here one after another, with its
 wall and CPU time.
 
-    python benchmarks/bench_classify.py [--data ../shared/data] [--out runs/classify]
+    python scripts/classify_results.py [--data ../shared/data] [--out runs/classify]
 
-Writes benchmarks/results/classify.md and classify.json. CFIMDB has no dev file: 15% of its train
+Writes OUT/classify.md and OUT/classify.json (the repository keeps the last ones in results/). CFIMDB has no dev file: 15% of its train
 file is held out first (`jax-llama split`, seed 0), and nothing held out is trained on, not even
 as unlabeled text. The continued-pretraining language model is trained once, on the texts (labels
 stripped) of SST train and the CFIMDB training part, and used by both tasks, so its time counts
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import write_results
+from llama_twins.bench.common import write_results
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCURACY = re.compile(r"(?:best dev|zero-shot|classifier) accuracy ([0-9.]+)")
@@ -111,7 +111,7 @@ def main() -> None:
 
 def write(rows: list[dict], steps: dict, args) -> None:
     machine = f"{platform.machine()}, {__import__('os').cpu_count()} CPU cores, Python {platform.python_version()}"
-    lines = ["# Sequence classification results\n", f"`python benchmarks/bench_classify.py` "
+    lines = ["# Sequence classification results\n", f"`python scripts/classify_results.py` "
              f"(preset {args.preset}, {args.vocab_size}-token BPE, {args.epochs} epochs, LM "
              f"{args.lm_steps} steps) on {machine}; {time.strftime('%Y-%m-%d')}.\n",
              f"Continued-pretraining LM: {steps['lm']['wall_s']:.0f} s wall, "
@@ -129,7 +129,7 @@ def write(rows: list[dict], steps: dict, args) -> None:
             wall += f" + {r['plus_lm']['wall_s']:.0f}"
             cpu += f" + {r['plus_lm']['cpu_s']:.0f}"
         lines.append(f"| {r['task']} | {r['method']} | {acc} | {wall} | {cpu} | `{r['command']}` |")
-    write_results("classify", lines, {"rows": rows, "steps": steps, "machine": machine})
+    write_results("classify", lines, {"rows": rows, "steps": steps, "machine": machine}, args.out)
 
 
 if __name__ == "__main__":

@@ -2,25 +2,23 @@
 
 Same config (random weights), a prompt of `prompt_len` tokens and `new_tokens` new ones, greedy,
 at each batch size; each implementation in a worker process of its own, in alternating rounds
-(benchmarks.common). Time to first token (prefill + one token) is reported apart from decode:
+(llama_twins.bench.common). Time to first token (prefill + one token) is reported apart from decode:
 decode tokens/s = (new_tokens - 1) x batch / (time for new_tokens - time for 1). The bandwidth
 bound of batch 1 is this machine's measured read bandwidth over the weight bytes a decode step
 reads (jax_llama.perf.decode_bytes_per_token).
 
-    python benchmarks/bench_generate.py     # writes benchmarks/results/generate.{md,json}
+    python -m llama_twins.bench.decode [--out DIR]    # writes DIR/generate.{md,json} (DIR: .)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
-from benchmarks.common import (JAX, REFERENCE, TWIN, Spec, add_ratios, available, describe, missing_note,
-                               probe, ratio, run_rounds, say, spawn, timed, torch_device,
-                               transformers_model)
+from .common import (JAX, REFERENCE, TWIN, Spec, add_ratios, available, describe, missing_note,
+                     probe, ratio, run_rounds, say, spawn, timed, torch_device, transformers_model,
+                     write_results)
 
 
 def prompt(spec: Spec) -> list[int]:
@@ -122,7 +120,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/results/generate")
+    parser.add_argument("--out", default=".", help="directory for generate.{md,json} (default .)")
     args = parser.parse_args(argv)
     spec, found = Spec(warmup=1, repeats=args.repeats), probe()
     if missing_note(found):
@@ -131,15 +129,10 @@ def main(argv=None) -> int:
     times = run_rounds(("decode",), available(found), spec, args.rounds)
     result = summarize({impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)},
                        spec, bandwidth)
-    table = "\n".join([f"{describe(spec.config)}; measured read bandwidth {bandwidth / 1e9:.1f} "
-                       f"GB/s; medians of {args.rounds} rounds x {args.repeats} runs, each "
-                       f"implementation in its own process", "", *markdown(result, spec.dtype)])
-    print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"bandwidth": bandwidth, "decode": result},
-                                                   indent=2) + "\n")
+    lines = [f"{describe(spec.config)}; measured read bandwidth {bandwidth / 1e9:.1f} GB/s; "
+             f"medians of {args.rounds} rounds x {args.repeats} runs, each implementation in its "
+             f"own process", "", *markdown(result, spec.dtype)]
+    write_results("generate", lines, {"bandwidth": bandwidth, "decode": result}, args.out)
     return 0
 
 

@@ -19,21 +19,21 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bridge.atomic import atomic_file
-from bridge.config import PRESETS, LlamaConfig
+from bridge.atomic import write_text
+from bridge.config import PRESETS, LlamaConfig, preset as lookup_preset
 from bridge.errors import BridgeError
 from bridge.tensors import count_params
 
-from benchmarks import bench_convert, bench_forward, bench_generate, bench_train
-from benchmarks.common import (CONFIG, IMPLEMENTATIONS, Spec, WorkerFailed, available, describe,
-                               missing_note, probe, run_rounds, say, spawn)
+from . import convert, decode, forward, train
+from .common import (CONFIG, IMPLEMENTATIONS, Spec, WorkerFailed, available, describe,
+                     missing_note, probe, run_rounds, say, spawn)
 
 BENCHES = ("forward", "train", "decode", "convert", "compile")
 IN_WORKERS = ("forward", "train", "decode")  # one worker process per implementation and round
-SUMMARIZE = {"forward": bench_forward.summarize, "train": bench_train.summarize,
-             "decode": bench_generate.summarize}
-MARKDOWN = {"forward": bench_forward.markdown, "train": bench_train.markdown,
-            "decode": bench_generate.markdown}
+SUMMARIZE = {"forward": forward.summarize, "train": train.summarize,
+             "decode": decode.summarize}
+MARKDOWN = {"forward": forward.markdown, "train": train.markdown,
+            "decode": decode.markdown}
 # (full run, --quick): shapes, repetitions, compile depths, conversion model
 DEFAULTS = {"batch": (8, 2), "seq_len": (256, 32), "prompt_len": (16, 8), "new_tokens": (128, 64),
             "warmup": (2, 1), "repeats": (3, 2), "rounds": (2, 1), "depths": ((4, 32), (2, 8)),
@@ -43,7 +43,7 @@ DEFAULTS = {"batch": (8, 2), "seq_len": (256, 32), "prompt_len": (16, 8), "new_t
 @dataclass(frozen=True)
 class Plan:
     spec: Spec
-    preset: str | None          # None: benchmarks.common.CONFIG (56M parameters)
+    preset: str | None          # None: llama_twins.bench.common.CONFIG (56M parameters)
     benches: tuple[str, ...]
     rounds: int
     depths: tuple[int, int]
@@ -64,14 +64,8 @@ class Plan:
 
 def _positive(name: str, value: int) -> int:
     if value < 1:
-        raise BridgeError(f"--{name.replace('_', '-')}: must be a positive integer (got {value})")
+        raise BridgeError(f"must be a positive integer (got {value})", field=name)
     return value
-
-
-def _preset(option: str, name: str) -> LlamaConfig:
-    if name not in PRESETS:
-        raise BridgeError(f"--{option}: unknown preset {name!r}; valid: {', '.join(PRESETS)}")
-    return PRESETS[name]
 
 
 def make_plan(args) -> Plan:
@@ -79,24 +73,24 @@ def make_plan(args) -> Plan:
     pick = lambda key: DEFAULTS[key][1 if args.quick else 0]  # noqa: E731
     given = lambda key: getattr(args, key) if getattr(args, key) is not None else pick(key)  # noqa: E731
     preset = args.preset or ("tiny" if args.quick else None)
-    config = _preset("preset", preset) if preset else CONFIG
+    config = lookup_preset(preset) if preset else CONFIG
     benches = tuple(b.strip() for b in (args.only or ",".join(BENCHES)).split(",") if b.strip())
     unknown = [b for b in benches if b not in BENCHES]
     if unknown or not benches:
-        raise BridgeError(f"--only: unknown benchmark {unknown[0] if unknown else args.only!r}; "
-                          f"valid: {', '.join(BENCHES)}")
+        raise BridgeError(f"unknown benchmark {unknown[0] if unknown else args.only!r}; "
+                          f"valid: {', '.join(BENCHES)}", field="only")
     spec = Spec(config=config, dtype=args.dtype, batch=_positive("batch", given("batch")),
                 seq_len=_positive("seq_len", given("seq_len")), prompt_len=pick("prompt_len"),
                 new_tokens=pick("new_tokens"), warmup=pick("warmup"),
                 repeats=_positive("repeats", given("repeats")))
     if spec.seq_len > config.max_seq_len:
-        raise BridgeError(f"--seq-len: {spec.seq_len} exceeds the model's max_seq_len "
-                          f"{config.max_seq_len}")
+        raise BridgeError(f"{spec.seq_len} exceeds the model's max_seq_len {config.max_seq_len}",
+                          field="seq_len")
     if "decode" in benches and spec.prompt_len + spec.new_tokens > config.max_seq_len:
-        raise BridgeError(f"--preset: decode needs {spec.prompt_len + spec.new_tokens} positions; "
-                          f"{preset} has max_seq_len {config.max_seq_len}")
+        raise BridgeError(f"decode needs {spec.prompt_len + spec.new_tokens} positions; "
+                          f"{preset} has max_seq_len {config.max_seq_len}", field="preset")
     convert_preset = args.convert_preset or pick("convert_preset") or preset
-    _preset("convert-preset", convert_preset)
+    lookup_preset(convert_preset, field="convert_preset")
     return Plan(spec=spec, preset=preset,
                 benches=tuple(b for b in BENCHES if b in benches),
                 rounds=_positive("rounds", given("rounds")), depths=pick("depths"),
@@ -129,7 +123,7 @@ def run(plan: Plan, command: str) -> dict:
         results["compile"] = spawn("compile", spec, extra=("--depths", ",".join(map(str, plan.depths))))
     if "convert" in plan.benches:
         with tempfile.TemporaryDirectory(prefix="jax-llama-bench-") as workdir:
-            results["convert"] = bench_convert.bench_model(
+            results["convert"] = convert.bench_model(
                 plan.convert_preset, PRESETS[plan.convert_preset], Path(workdir), spec.repeats)
     return {"command": command, "machine": machine,
             "transformers": {"available": note is None, "note": note},
@@ -170,19 +164,19 @@ def markdown(result: dict) -> str:
         lines += ["", f"## Conversion: {c['model']}, a random bfloat16 HF checkpoint of "
                       f"{c['bytes'] / 1e9:.2f} GB; the reference is `cp -r`; each command "
                       f"followed by `sync`; peak RSS of the command", "",
-                  bench_convert.markdown([c])]
+                  convert.markdown([c])]
     if "compile" in b:
-        lines += ["", *bench_train.compile_markdown(b["compile"])]
+        lines += ["", *train.compile_markdown(b["compile"])]
     return "\n".join(lines) + "\n"
 
 
 def _check_out(out: Path) -> None:
     """Refuse an --out that cannot become a directory now, not after minutes of measuring."""
     if out.exists() and not out.is_dir():
-        raise BridgeError(f"--out: {out} exists and is not a directory")
+        raise BridgeError(f"{out} exists and is not a directory", field="out")
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not os.access(parent, os.W_OK):
-        raise BridgeError(f"--out: {parent} is not writable")
+        raise BridgeError(f"{parent} is not writable", field="out")
 
 
 def run_command(args) -> int:
@@ -198,15 +192,9 @@ def run_command(args) -> int:
         return 1
     table = markdown(result)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("bench.json", json.dumps(result, indent=2) + "\n"), ("bench.md", table)):
-        with atomic_file(out / name, overwrite=True) as tmp:
-            tmp.write_text(text)
+    write_text(out / "bench.json", json.dumps(result, indent=2) + "\n")
+    write_text(out / "bench.md", table)
     sys.stdout.write(table)
     say(f"{out / 'bench.md'}, {out / 'bench.json'} ({result['seconds']:.0f} s)")
     return 0
 
-
-if __name__ == "__main__":
-    from jax_llama.cli import main
-    sys.exit(main(["bench", *sys.argv[1:]]))

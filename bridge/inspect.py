@@ -1,0 +1,55 @@
+"""What `llama-bridge inspect` reports about a checkpoint: its description, and a scan of every
+tensor for NaN and Inf values, one tensor in memory at a time."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from .formats import Checkpoint
+from .tensors import count_params
+
+_SCAN_CHUNK = 1 << 24  # elements per NaN / Inf count: 16 MiB of booleans at a time
+
+
+def describe(ckpt: Checkpoint) -> dict:
+    """path, format, config, parameters, tensors, files, dtypes, bytes and notes, as JSON values."""
+    return {
+        "path": str(ckpt.path),
+        "format": ckpt.format,
+        "config": ckpt.config.to_dict(),
+        "parameters": count_params(ckpt.config),
+        "tensors": len(ckpt.specs),
+        "files": [str(f.relative_to(ckpt.path)) if f != ckpt.path else f.name for f in ckpt.files],
+        "dtypes": sorted({dtype.name for _, dtype in ckpt.specs.values()}),
+        "bytes": ckpt.nbytes,
+        "notes": ckpt.notes,
+    }
+
+
+def scan_non_finite(ckpt: Checkpoint, progress: bool = True) -> dict[str, dict[str, int]]:
+    """{tensor name: {"nan": n, "inf": m}} for every tensor holding a NaN or an infinity; empty
+    when all are finite. Reads one tensor at a time, so memory is bounded by the largest one."""
+    from tqdm import tqdm
+
+    bad = {}
+    with tqdm(total=ckpt.nbytes, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              desc="scanning", leave=False, disable=not progress) as bar:
+        for name, (shape, dtype) in ckpt.specs.items():
+            nan, inf = _count_non_finite(ckpt.tensor(name))  # the tensor is freed on return
+            if nan or inf:
+                bad[name] = {"nan": nan, "inf": inf}
+            bar.update(math.prod(shape) * dtype.itemsize)
+    return bad
+
+
+def _count_non_finite(array: np.ndarray) -> tuple[int, int]:
+    """(NaN count, Inf count) of an array, in chunks so that the boolean temporaries stay small."""
+    flat, nan, inf = array.reshape(-1), 0, 0
+    for start in range(0, flat.size, _SCAN_CHUNK):
+        chunk = flat[start:start + _SCAN_CHUNK]
+        nan += int(np.count_nonzero(np.isnan(chunk)))
+        inf += int(np.count_nonzero(np.isinf(chunk)))
+    return nan, inf

@@ -1,0 +1,73 @@
+"""Text in and out of generation, framework-neutral: prompts as token ids (BOS, the LLaMA 3 chat
+template, truncation), the ids that stop a row, and text printed as its tokens arrive. Both
+twins' generate commands use these; each twin brings its own model and generate()."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from .errors import BridgeError
+from .tokenizer import Tokenizer
+
+# LLaMA 3 instruct: one user turn, then the assistant header the model continues from.
+CHAT_TEMPLATE = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>"
+                 "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def encode_prompts(tokenizer: Tokenizer, texts: Sequence[str], max_seq_len: int, chat: bool = False,
+                   truncate: str | None = None, warn=None) -> list[list[int]]:
+    """Token ids per prompt: BOS + text, or the chat template; an empty prompt is just BOS. A
+    prompt that leaves no room for one new token is refused, or cut from the left (keeping BOS)
+    when truncate == "left"; warn(message) hears each cut (default: stderr)."""
+    if chat and "<|start_header_id|>" not in tokenizer.special_tokens:
+        raise BridgeError("the LLaMA 3 instruct template needs a LLaMA 3 tokenizer", field="chat")
+    prompts = []
+    for i, text in enumerate(texts):
+        if chat:
+            ids = tokenizer.encode(CHAT_TEMPLATE.format(prompt=text), allow_special=True)
+        else:
+            ids = tokenizer.encode(text, bos=tokenizer.bos_id is not None)
+        if not ids:
+            raise BridgeError(f"prompt {i}: empty, and the tokenizer has no BOS to start from")
+        limit = max_seq_len - 1
+        if len(ids) > limit:
+            if truncate != "left":
+                raise BridgeError(f"prompt {i}: {len(ids)} tokens, but the context holds "
+                                  f"{max_seq_len} (truncate 'left' keeps the end)")
+            keep = ids[:1] if ids[0] == tokenizer.bos_id else []
+            ids = keep + ids[len(ids) - (limit - len(keep)):]
+            (warn or (lambda m: print(m, file=sys.stderr)))(
+                f"warning: prompt {i} cut from the left to {len(ids)} tokens")
+        prompts.append(ids)
+    return prompts
+
+
+def stop_ids(tokenizer: Tokenizer, stop: Sequence[str] = ()) -> tuple[int, ...]:
+    """The tokenizer's own stops (EOS, <|eot_id|>, <|eom_id|>) and each `stop` string's one id."""
+    ids = list(tokenizer.stop_ids)
+    for text in stop:
+        encoded = tokenizer.encode(text, allow_special=True)
+        if len(encoded) != 1:
+            raise BridgeError(f"{text!r} is {len(encoded)} tokens; a stop must be one token",
+                              field="stop")
+        ids.append(encoded[0])
+    return tuple(dict.fromkeys(ids))
+
+
+class Streamer:
+    """Prints row 0's text as its tokens arrive: decodes everything so far and writes what is new,
+    so that a character split across tokens appears whole."""
+
+    def __init__(self, tokenizer: Tokenizer, out=None):
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], ""
+
+    def __call__(self, row: int, token: int) -> None:
+        if row != 0 or token in self.tokenizer.stop_ids:
+            return
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text

@@ -1,0 +1,112 @@
+"""What the three commands (`llama-bridge`, `jax-llama`, `torch-llama`) share: exit codes, one
+line per error with the flag that set the field at fault, and the generate commands' options.
+
+Library code names fields in its errors (`BridgeError(..., field="steps")`); here, where the
+arguments are parsed, a field becomes its flag (`--steps: must be a positive integer`) from the
+subcommand's own argparse definitions, so the mapping is written once and cannot drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from bridge.dtypes import DTYPE_NAMES
+from bridge.errors import BridgeError, python_setting
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def add_command(sub, name: str, run: Callable[[argparse.Namespace], int],
+                **kwargs) -> argparse.ArgumentParser:
+    """A subcommand whose run(args) returns the exit code; its parser travels with the args so
+    that an error can name the subcommand's flags."""
+    p = sub.add_parser(name, **kwargs)
+    p.set_defaults(run=run, command_parser=p)
+    return p
+
+
+def flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """dest -> the option that sets it (its long form), for every option of `parser`."""
+    return {action.dest: max(action.option_strings, key=len)
+            for action in parser._actions if action.option_strings}
+
+
+def error_line(error: BridgeError, parser: argparse.ArgumentParser | None) -> str:
+    """The one line a BridgeError becomes: its field, and the parameter of its hint, shown as the
+    flags that set them where the subcommand has such flags."""
+    known = flags(parser) if parser is not None else {}
+
+    def setting(parameter, value) -> str:
+        if parameter not in known:
+            return python_setting(parameter, value)
+        return known[parameter] if value is True else f"{known[parameter]} {value}"
+    return "error: " + error.render(name=lambda field: known.get(field, field), setting=setting)
+
+
+def command_main(build_parser: Callable[[], argparse.ArgumentParser]
+                 ) -> Callable[[list[str] | None], int]:
+    """The console-script entry point of a parser whose subcommands were made by add_command:
+    bad input (BridgeError) is one line on stderr and exit code 2, never a traceback."""
+
+    def main(argv: list[str] | None = None) -> int:
+        args = build_parser().parse_args(argv)
+        try:
+            return args.run(args)
+        except BridgeError as e:
+            print(error_line(e, getattr(args, "command_parser", None)), file=sys.stderr)
+            return EXIT_BAD_INPUT
+    return main
+
+
+# -- what `jax-llama generate` and `torch-llama generate` share -----------------------------------
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CKPT", help="any checkpoint the bridge reads")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the text to continue ('' starts from BOS)")
+    source.add_argument("--prompt-file", help="a batch of prompts, one per line")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: the checkpoint's)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the LLaMA 3 instruct template")
+    p.add_argument("--truncate", choices=("left",), help="cut over-long prompts from the left "
+                                                         "instead of refusing them")
+    p.add_argument("--stop", nargs="*", default=[], help="more stop strings (each one token)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="weights and compute (default: as stored)")
+
+
+def read_prompts(args) -> list[str]:
+    """--prompt, or the lines of --prompt-file."""
+    if args.prompt is not None:
+        return [args.prompt]
+    try:
+        lines = Path(args.prompt_file).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BridgeError(f"{args.prompt_file}: {e}", field="prompt_file") from None
+    if not lines:
+        raise BridgeError(f"{args.prompt_file} holds no prompts", field="prompt_file")
+    return lines
+
+
+def print_results(tokenizer, texts: Sequence[str], outputs: list[list[int]], streamed: bool,
+                  out=None) -> None:
+    """After streaming one prompt: a final newline. For a batch: each continuation in turn."""
+    out = out or sys.stdout
+    if streamed:
+        out.write("\n")
+        return
+    stops = set(tokenizer.stop_ids)
+    for text, ids in zip(texts, outputs):
+        out.write(f"--- {text}\n{tokenizer.decode([t for t in ids if t not in stops])}\n")
+
+
+def report_warnings(caught: Iterable) -> None:
+    """Warnings recorded with warnings.catch_warnings(record=True), one clean line each."""
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
