@@ -129,8 +129,10 @@ def split_label(line: str) -> tuple[int | None, str]:
 
 def strip_labels(text: str) -> str:
     """The texts of a `LABEL ||| TEXT` file, one a line (continued pretraining on a task's text);
-    lines without a label stay as they are."""
-    return "\n".join(split_label(line)[1] for line in text.split("\n"))
+    lines without a label, and the line endings, stay as they are."""
+    lines = text.splitlines(keepends=True)
+    bodies = [line.rstrip("\r\n") for line in lines]
+    return "".join(split_label(body)[1] + line[len(body):] for body, line in zip(bodies, lines))
 
 
 def _parse(line: str, number: int, n_labels: int, require_labels: bool):

@@ -34,7 +34,7 @@ def encode_prompts(tokenizer: Tokenizer, texts: Sequence[str], max_seq_len: int,
         if len(ids) > limit:
             if truncate != "left":
                 raise BridgeError(f"prompt {i}: {len(ids)} tokens, but the context holds "
-                                  f"{max_seq_len} (truncate 'left' keeps the end)")
+                                  f"{max_seq_len}", hint=("truncate", "left", "pass {} to keep the end"))
             keep = ids[:1] if ids[0] == tokenizer.bos_id else []
             ids = keep + ids[len(ids) - (limit - len(keep)):]
             (warn or (lambda m: print(m, file=sys.stderr)))(

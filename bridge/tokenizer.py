@@ -420,8 +420,8 @@ def find_tokenizer(checkpoint: str | Path, tokenizer: str | Path | None = None) 
     for name in ("tokenizer.json", "tokenizer.model"):
         if (directory / name).is_file():
             return load_tokenizer(directory / name)
-    raise BridgeError(f"{checkpoint}: no tokenizer.json or tokenizer.model beside the weights; "
-                      f"name a tokenizer file", field="tokenizer")
+    raise BridgeError(f"{checkpoint}: no tokenizer.json or tokenizer.model beside the weights",
+                      hint=("tokenizer", "PATH", "pass {}"))
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int,

@@ -241,8 +241,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
             clf.params = state.params
             train_loss = float(np.mean(jax.device_get(losses)))
             if not math.isfinite(train_loss):
-                raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss}); "
-                                       f"lower the learning rate (lr)")
+                raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss})")
             predictions = predict_ids(clf, dev_rows).argmax(-1)
             record = {"epoch": epoch, "train_loss": train_loss,
                       "dev_accuracy": accuracy(predictions, dev.labels),

@@ -350,11 +350,11 @@ def check_inputs(tokens, vocab_size: int, positions=None, attention_mask=None) -
 
 
 def _on_host(x) -> bool:
-    if isinstance(x, jax.core.Tracer):
-        return False
-    if isinstance(x, jax.Array):
-        return all(device.platform == "cpu" for device in x.devices())
-    return True  # numpy, lists
+    """Values readable without a transfer: numpy data, or a concrete array on the CPU."""
+    if isinstance(x, (np.ndarray, np.generic, list, tuple)):
+        return True
+    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+            and all(device.platform == "cpu" for device in x.devices()))
 
 
 def resolve_dtype(dtype) -> jnp.dtype:

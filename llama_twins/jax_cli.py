@@ -191,7 +191,7 @@ def cmd_finetune(args) -> int:
             f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, dev accuracy {r['dev_accuracy']:.4f} "
             f"({r['seconds']:.0f} s)", file=sys.stderr))
     except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}; lower --lr", file=sys.stderr)
         return EXIT_CHECK_FAILED
     best = summary["best"]
     print(f"best dev accuracy {best['dev_accuracy']:.4f} (epoch {best['epoch']} of {fc.epochs}); "
@@ -380,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "OUT/bench.json, progress to stderr.")
     p.add_argument("--preset", help="model config (default: dim 512, 8 layers, 56M parameters; "
                                     "with --quick, tiny)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="params and compute of forward and decode; train computes in it with "
+                        "float32 params (default float32)")
     p.add_argument("--only", help="comma-separated subset of forward,train,decode,convert,compile "
                                   "(default: all)")
     p.add_argument("--repeats", type=int, help="timed runs per worker process and round "

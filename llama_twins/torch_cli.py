@@ -14,7 +14,7 @@ def cmd_generate(args) -> int:
     from bridge.prompts import Streamer, encode_prompts, stop_ids
     from bridge.sampling import Sampler
     from bridge.tokenizer import find_tokenizer
-    from torch_llama.checkpoint import load, resolve_device
+    from torch_llama import load, resolve_device
     from torch_llama.generate import generate
 
     sampler = Sampler(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading

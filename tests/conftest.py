@@ -1,12 +1,18 @@
-"""Shared fixtures. Sizes are deliberately distinct (dim 48, 6 heads, 2 kv heads, head_dim 8,
-ffn 80, vocab 97) so that a swapped axis cannot pass by accident."""
+"""Shared fixtures and helpers. Sizes are deliberately distinct (dim 48, 6 heads, 2 kv heads,
+head_dim 8, ffn 80, vocab 97) so that a swapped axis cannot pass by accident."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bridge.config import LlamaConfig, RopeScaling
+
+# The real data and tokenizer files beside the repository (../shared); tests that read them skip
+# with the reason when it is absent, as in a user's fresh clone.
+SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 # Exercises all three llama3 bands with head_dim 8 and rope_theta 100: wavelengths 6.3 (kept),
 # 19.9 (interpolated between 32/4 = 8 and 32/1 = 32) and 62.8, 199 (divided by the factor).
@@ -31,3 +37,48 @@ def rng():
 
 def random_tokens(config: LlamaConfig, batch: int = 3, seq_len: int = 11, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, config.vocab_size, (batch, seq_len), dtype=np.int32)
+
+
+# -- the two twins' logits as numpy, and random models ---------------------------------------------
+
+def jax_logits(model, params, tokens, **kw) -> np.ndarray:
+    """model.apply's logits (B, S, V) as numpy; kw (attention_mask, positions) passed on."""
+    return np.asarray(model.apply({"params": params}, tokens, **kw))
+
+
+def torch_logits(tmodel, tokens, **kw) -> np.ndarray:
+    """The torch twin's logits (B, S, V) as numpy, under inference_mode; numpy kw become tensors."""
+    import torch
+
+    with torch.inference_mode():
+        kw = {k: torch.as_tensor(v) for k, v in kw.items()}
+        return tmodel(torch.as_tensor(tokens), **kw).float().numpy()
+
+
+def torch_model(config: LlamaConfig, seed: int = 0, head_scale: float = 1.0):
+    """A random torch_llama.Llama in eval mode; head_scale > 1 sharpens the logits so that greedy
+    choices are decided by margins far above float32 rounding (a near-tie could flip between two
+    summation orders)."""
+    import torch
+
+    import torch_llama
+
+    torch.manual_seed(seed)
+    model = torch_llama.Llama(config).eval()
+    if head_scale != 1.0:
+        with torch.no_grad():
+            model.output.weight.mul_(head_scale)
+    return model
+
+
+def save_random_checkpoint(path: Path, config: LlamaConfig, seed: int = 0,
+                           tokenizer: bool = False) -> Path:
+    """A native checkpoint of jax_llama.init(config, seed) at `path` (with the byte-level
+    tokenizer's files when asked, so that the generate commands can read it)."""
+    import jax_llama
+    from bridge.tokenizer import ByteTokenizer
+
+    jax_llama.save(path, config, jax_llama.init(config, seed=seed)[1])
+    if tokenizer:
+        ByteTokenizer().save(path)
+    return path

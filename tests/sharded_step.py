@@ -15,8 +15,8 @@ from bridge.errors import BridgeError
 from jax_llama import init
 from jax_llama.model import Llama
 from jax_llama.sharding import batch_sharding, check_batch, global_batch, make_mesh, tree_shardings
-from jax_llama.train import (TrainConfig, compile_steps, init_state, loss_fn, make_optimizer,
-                             place_state)
+from jax_llama.train import (TrainConfig, init_state, jit_train_step, lm_loss, loss_fn,
+                             make_optimizer, place_state)
 
 MESHES = ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"]
 
@@ -45,7 +45,7 @@ def main() -> None:
                        in_shardings=(tree_shardings(state.params, mesh), batch_sharding(mesh)))
         grads = [np.asarray(g) for g in jax.tree_util.tree_leaves(
             grad(state.params, model, global_batch(batches[0], mesh)))]
-        step, _ = compile_steps(model, optimizer, tc, state, mesh)
+        step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh)
         losses = []
         for batch in batches:
             state, metrics = step(state, global_batch(batch, mesh))
@@ -76,7 +76,7 @@ def main() -> None:
 def single_device(model, params, optimizer, tc, batches):
     """The same three steps with plain jit on one device: no mesh, no shardings."""
     from jax_llama.train import lr_schedule, make_train_step
-    step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc)))
+    step = jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc)))
     device = jax.devices()[0]
     state = jax.device_put(init_state(params, optimizer), device)
     grads = [np.asarray(g) for g in jax.tree_util.tree_leaves(

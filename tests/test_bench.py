@@ -7,18 +7,26 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from jax_llama import cli as jax_cli
+import llama_twins
+from llama_twins import jax_cli
 
 IMPLEMENTATIONS = ("jax-llama", "torch_llama", "transformers")
 
 
-def bench(out, *options, env=None):
-    return subprocess.run([sys.executable, "-m", "jax_llama.cli", "bench", "--quick", "--out", str(out),
-                           *options], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+def bench(out, *options, env=None, cwd=None):
+    out_option = [] if out is None else ["--out", str(out)]
+    return subprocess.run([sys.executable, "-m", "llama_twins.jax_cli", "bench", "--quick",
+                           *out_option, *options], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def files_under(directory: Path) -> dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_mtime_ns for p in directory.rglob("*")
+            if "__pycache__" not in p.parts}
 
 
 def tables(markdown: str) -> list[list[str]]:
@@ -47,8 +55,14 @@ def assert_throughput(rows: dict, implementations) -> None:
 
 
 def test_bench_quick_runs_everything_and_writes_json_and_markdown(tmp_path):
-    result = bench(tmp_path)
+    """Run from another directory without --out: the results land in the current directory,
+    and nothing is written into the installed package."""
+    package = Path(llama_twins.__file__).parent
+    before = files_under(package)
+    result = bench(None, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert files_under(package) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "bench.md"]
     report = json.loads((tmp_path / "bench.json").read_text())
     markdown = (tmp_path / "bench.md").read_text()
     assert result.stdout == markdown  # the table on stdout, progress on stderr

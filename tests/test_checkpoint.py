@@ -13,7 +13,7 @@ import jax_llama
 import torch_llama
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
-from conftest import ATTENTION_KINDS, SCALING, random_tokens, small_config
+from conftest import ATTENTION_KINDS, SCALING, jax_logits, random_tokens, small_config, torch_logits
 from jax_llama.checkpoint import tensor_specs
 
 # Random-init logits here are O(0.5) (asserted below). Both twins compute in float32 from the same
@@ -32,15 +32,6 @@ CASES = [
 def case_config(kind, tied, scaled):
     extra = dict(rope_scaling=SCALING, rope_theta=100.0) if scaled else {}
     return small_config(n_kv_heads=ATTENTION_KINDS[kind], tie_embeddings=tied, **extra)
-
-
-def jax_logits(model, params, tokens):
-    return np.asarray(model.apply({"params": params}, tokens))
-
-
-def torch_logits(tmodel, tokens):
-    with torch.inference_mode():
-        return tmodel(torch.as_tensor(tokens)).numpy()
 
 
 @pytest.mark.parametrize("kind, tied, scaled, scan", CASES)

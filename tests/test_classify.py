@@ -2,6 +2,7 @@
 classifier directory, fine-tuning, zero-shot scoring, the data format, and the CLI commands
 (finetune, predict, zero-shot, split, train's label stripping)."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -13,18 +14,20 @@ import torch
 
 import jax_llama
 import torch_llama
-from bridge.classification import read_examples, read_labels, truncate_left
+from bridge.classification import read_examples, read_labels, strip_labels, truncate_left
+from bridge.inputs import pad_rows
 from bridge.tokenizer import ByteTokenizer
-from conftest import small_config
+from conftest import SHARED, small_config
 from jax_llama import classify
-from jax_llama import cli as jax_cli
+from llama_twins import jax_cli
 from jax_llama import data
 from jax_llama.model import Llama, LlamaClassifier
 from jax_llama.model import last_real_index as jax_last_real_index
-from jax_llama.train import TrainConfig, init_state, lr_schedule, make_optimizer, make_train_step
+from jax_llama.train import (TrainConfig, init_state, jit_train_step, lm_loss, lr_schedule,
+                             make_optimizer, make_train_step)
 from torch_llama.model import last_real_index as torch_last_real_index
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = SHARED / "data"
 LABELS = ["negative", "neutral", "positive"]
 
 
@@ -98,7 +101,7 @@ def test_reading_the_final_position_of_a_right_padded_row_is_wrong(pooled_classi
     short, long = [256, 72, 105, 33, 10], [256, *range(40, 48)]
     tokens, mask = pad_batch([short, long], ["right", "none"], 9, seed=7)
     hidden = np.asarray(Llama(config).apply({"params": params["llama"]}, tokens,
-                                            attention_mask=mask, lm_head=False))
+                                            attention_mask=mask, lm_head=False, method="run").hidden)
     last = int(jax_last_real_index(mask)[0])
     assert last == 4
     assert np.abs(hidden[0, -1] - hidden[0, last]).max() > 0.1  # final-norm outputs are O(1)
@@ -133,9 +136,11 @@ def test_jax_and_torch_classifiers_agree_on_mixed_padding(classifier_dir):
         "classifier.json", "classifier.safetensors", "config.json", "model.safetensors",
         "tokenizer.json", "tokenizer_config.json"]
     loaded = classify.load_classifier(path)
-    tmodel, meta = torch_llama.load_classifier(path, device="cpu")
-    assert loaded.labels == meta["labels"] == LABELS and loaded.max_len == meta["max_len"] == 32
-    assert loaded.model.dropout == meta["dropout"] == 0.1
+    tclf = torch_llama.load_classifier(path, device="cpu")  # the same kind of object
+    assert type(tclf).__name__ == type(loaded).__name__ == "Classifier"
+    tmodel = tclf.model
+    assert loaded.labels == tclf.labels == LABELS and loaded.max_len == tclf.max_len == 32
+    assert loaded.model.dropout == tmodel.dropout.p == 0.1
     tok = loaded.tokenizer  # the saved tokenizer.json, read back: the same ids as ByteTokenizer
     rows = [tok.encode(t, bos=True, eos=True) for t in TEXTS]  # as predict() encodes them
     assert rows == [ByteTokenizer().encode(t, bos=True, eos=True) for t in TEXTS]
@@ -154,6 +159,10 @@ def test_jax_and_torch_classifiers_agree_on_mixed_padding(classifier_dir):
     predicted, logp, cut = classify.predict(loaded, TEXTS)
     assert cut == 0 and predicted.tolist() == torch_logp.argmax(-1).tolist()
     np.testing.assert_allclose(logp, torch_logp, rtol=0, atol=1e-5)  # as above
+    # and so does the torch twin's predict (its own batching, no buckets)
+    t_predicted, t_logp, t_cut = torch_llama.predict(tclf, TEXTS)
+    assert t_cut == 0 and t_predicted.tolist() == predicted.tolist()
+    np.testing.assert_allclose(t_logp, logp, rtol=0, atol=1e-5)  # as above
 
     # A head that differs by 1e-3 in one bias is caught by that tolerance.
     with torch.no_grad():
@@ -167,7 +176,7 @@ def test_jax_and_torch_classifiers_agree_on_mixed_padding(classifier_dir):
 
 def test_torch_classifier_in_eval_mode_ignores_dropout(classifier_dir):
     path, _ = classifier_dir
-    tmodel, _ = torch_llama.load_classifier(path, device="cpu")
+    tmodel = torch_llama.load_classifier(path, device="cpu").model
     assert not tmodel.training and tmodel.dropout.p == 0.1
     tokens = torch.tensor([ByteTokenizer().encode(TEXTS[2], bos=True)])
     mask = torch.ones_like(tokens, dtype=torch.bool)
@@ -273,7 +282,7 @@ def trained_lm():
     tc = TrainConfig(steps=60, batch_size=len(rows), seq_len=length - 1, lr=1e-2, warmup_steps=5)
     optimizer = make_optimizer(tc)
     state = init_state(params, optimizer)
-    step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc)))
+    step = jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc)))
     for _ in range(tc.steps):
         state, metrics = step(state, batch)
     assert float(metrics["loss"]) < 0.5, "the LM did not learn its sentences"
@@ -287,18 +296,14 @@ def manual_token_logprobs(model, params, prompt: list[int], continuation: list[i
     ids = prompt + continuation
     tokens = np.zeros((1, 64), np.int32)
     tokens[0, :len(ids)] = ids
-    logits = _forward(model)(params, tokens)[0]
+    logits = _logits(params, tokens, model=model)[0]
     logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1), np.float64)
     return [float(logp[j - 1, ids[j]]) for j in range(len(prompt), len(ids))]
 
 
-_FORWARDS: dict = {}
-
-
-def _forward(model):
-    if model not in _FORWARDS:
-        _FORWARDS[model] = jax.jit(lambda p, t: model.apply({"params": p}, t))
-    return _FORWARDS[model]
+@functools.partial(jax.jit, static_argnames="model")
+def _logits(params, tokens, *, model):
+    return model.apply({"params": params}, tokens)
 
 
 def test_zero_shot_ranks_the_trained_label_first(trained_lm):
@@ -522,8 +527,12 @@ STRIPPED = ("a film\n"
 
 
 def test_strip_labels_removes_only_the_label_prefixes(tmp_path):
-    assert data.strip_labels(LABELED) == STRIPPED
-    assert data.strip_labels(LABELED.replace("\n", "\r\n")) == STRIPPED.replace("\n", "\r\n")
+    assert strip_labels(LABELED) == STRIPPED
+    assert strip_labels(LABELED.replace("\n", "\r\n")) == STRIPPED.replace("\n", "\r\n")
+    # the same reading of a line as read_examples: its texts are what the LM is trained on
+    dataset = read_examples(_write(tmp_path / "labeled.txt", LABELED), 13, skip_malformed=True)
+    assert [e.text for e in dataset.examples] == [line for line in STRIPPED.splitlines()
+                                                  if line and line != "a line without a label"]
     (tmp_path / "task.txt").write_text(LABELED)
     files = data.corpus_files([tmp_path / "task.txt"])
     assert list(data.read_documents(files, labeled=True)) == [STRIPPED]
@@ -560,7 +569,7 @@ def test_gradient_accumulation_equals_the_full_batch():
     rows = [ByteTokenizer().encode(t, bos=True, eos=True) for t in
             ["a fine film", "dull", "the plot thin", "acting superb", "meh", "great fun",
              "too long by half", "worth it"]]
-    tokens, mask = classify.pad_rows(rows, 32)
+    tokens, mask = pad_rows(rows, 32)
     batch = {"tokens": tokens, "mask": mask, "labels": np.array([0, 1, 2, 0, 1, 2, 0, 1], np.int32),
              "weights": np.ones(8, np.float32)}
     halves = [{k: v[i:i + 4] for k, v in batch.items()} for i in (0, 4)]
@@ -570,8 +579,9 @@ def test_gradient_accumulation_equals_the_full_batch():
     for accum, batches in ((1, [batch]), (2, halves)):
         optimizer = make_optimizer(TrainConfig(steps=2 * accum, batch_size=8, lr=1e-2,
                                                warmup_steps=0, eps=1.0, grad_accum=accum))
-        step = classify.make_classifier_step(clf.model, optimizer, seed=0)
+        tc = TrainConfig(steps=2 * accum, batch_size=8, grad_accum=accum)
         state = init_state(jax.tree_util.tree_map(jnp.array, clf.params), optimizer)
+        step = jit_train_step(classify.classifier_loss(clf.model), optimizer, tc, state)
         for b in batches:
             state, _ = step(state, b)
         results.append(state.params)
@@ -596,3 +606,8 @@ def test_diverging_finetune_names_the_epoch_and_exits_1(task, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: fine-tuning diverged in epoch 1" in err and "lower --lr" in err
     assert not (task / "out" / "best").exists()
+
+
+def _write(path, text: str):
+    path.write_text(text)
+    return path

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import jax_llama
-from bridge import cli as bridge_cli
+from bridge.convert import convert
+from bridge.errors import BridgeError
 from conftest import small_config
-from jax_llama import cli as jax_cli
-from torch_llama import cli as torch_cli
+from jax_llama.train import TrainConfig
+from llama_twins import bridge_cli, jax_cli, torch_cli
 
 
 def test_demo_runs_as_installed_console_script(tmp_path):
@@ -74,7 +75,7 @@ def test_bad_input_gives_one_line_and_exit_2(argv, message, capsys):
 
 def test_bad_input_from_a_subprocess_has_no_traceback(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"dim": 48, "n_layers": 2, "n_heads": 5, "n_kv_heads": 5}))
-    result = subprocess.run([sys.executable, "-m", "bridge.cli", "inspect", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "llama_twins.bridge_cli", "inspect", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: {tmp_path}/config.json: LlamaConfig.dim: must be "
@@ -90,3 +91,30 @@ def test_every_command_is_built(capsys):
     with pytest.raises(SystemExit) as e:
         jax_cli.main(["bench", "--help"])
     assert e.value.code == 0 and "--quick" in capsys.readouterr().out
+
+
+def test_library_errors_name_fields_and_the_command_line_names_flags(tmp_path, capsys):
+    """A Python caller reads the field it passed; the command line maps it to its flag once,
+    from the subcommand's own argparse definitions."""
+    with pytest.raises(BridgeError) as caught:
+        TrainConfig(steps=0)
+    assert str(caught.value) == "steps: must be a positive integer (got 0)"
+    assert caught.value.field == "steps" and "--" not in str(caught.value)
+    assert jax_cli.main(["train", "--steps", "0"]) == 2
+    assert capsys.readouterr().err == "error: --steps: must be a positive integer (got 0)\n"
+
+    with pytest.raises(BridgeError, match=r"^warmup_steps: must be within"):
+        TrainConfig(steps=10, warmup_steps=11)
+    assert jax_cli.main(["train", "--steps", "10", "--warmup-steps", "11"]) == 2
+    assert capsys.readouterr().err.startswith("error: --warmup-steps: must be within")
+
+    # A remedy names a parameter too: force=True in Python, --force on the command line.
+    config = small_config()
+    jax_llama.save(tmp_path / "a", config, jax_llama.init(config)[1])
+    (tmp_path / "b").mkdir()
+    with pytest.raises(BridgeError) as caught:
+        convert(tmp_path / "a", tmp_path / "b", progress=False)
+    assert str(caught.value) == f"{tmp_path / 'b'}: already exists (use force=True to replace it)"
+    assert bridge_cli.main(["convert", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'b'}: already exists "
+                                       f"(use --force to replace it)\n")

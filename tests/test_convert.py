@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_llama
-from bridge import cli
+from llama_twins import bridge_cli as cli
 from bridge.convert import convert, parse_size
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
@@ -76,8 +76,9 @@ def test_parse_size(text, expected):
 
 @pytest.mark.parametrize("text", ["lots", "-1GB", "0"])
 def test_parse_size_refuses(text):
-    with pytest.raises(BridgeError, match="--max-shard-size"):
+    with pytest.raises(BridgeError, match="^max_shard_size: ") as caught:
         parse_size(text)
+    assert caught.value.field == "max_shard_size"  # the CLI shows it as --max-shard-size
 
 
 def test_inspect_reports_format_shards_and_notes(native, tmp_path, capsys):

@@ -9,7 +9,8 @@ import jax_llama
 import torch_llama
 from conftest import small_config
 from jax_llama.data import Batches
-from jax_llama.train import TrainConfig, init_state, lr_schedule, make_optimizer, make_train_step
+from jax_llama.train import (TrainConfig, init_state, lm_loss, lr_schedule, make_optimizer,
+                             make_train_step)
 
 STEPS = 50
 
@@ -27,7 +28,7 @@ def test_jax_trainer_and_torch_twin_follow_the_same_trajectory(tmp_path):
     model, params = jax_llama.init(config, seed=0)
     jax_llama.save(tmp_path / "init", config, params)
     optimizer = make_optimizer(tc)
-    step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc)))
+    step = jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc)))
     state, jax_losses = init_state(params, optimizer), []
     for b in batches:
         state, metrics = step(state, b)

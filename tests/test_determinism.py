@@ -15,9 +15,9 @@ import pytest
 import jax_llama
 import torch_llama
 from bridge.sampling import Sampler
-from conftest import small_config
+from conftest import save_random_checkpoint, small_config
 from test_classify import synthetic_lines
-from jax_llama import cli as jax_cli
+from llama_twins import jax_cli
 from jax_llama.generate import generate as jax_generate
 from torch_llama.generate import generate as torch_generate
 
@@ -39,7 +39,7 @@ def test_two_training_runs_with_one_seed_give_identical_bytes(tmp_path):
     # No --tokenizer, so the BPE trained on the corpus must come out the same too.
     runs = [tmp_path / name / "run" for name in ("a", "b")]
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "jax_llama.cli", "train", "--data", str(corpus), "--vocab-size", "300",
+        [sys.executable, "-m", "llama_twins.jax_cli", "train", "--data", str(corpus), "--vocab-size", "300",
          "--steps", "20", "--batch-size", "4", "--seq-len", "32", "--eval-every", "10",
          "--checkpoint-every", "20", "--sample-tokens", "0", "--seed", "3",
          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -62,10 +62,7 @@ PROMPTS = [[1, 5, 9, 2], [7, 3]]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    config = small_config()
-    path = tmp_path_factory.mktemp("ckpt") / "model"
-    jax_llama.save(path, config, jax_llama.init(config, seed=0)[1])
-    return path
+    return save_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "model", small_config())
 
 
 def test_jax_sampling_repeats_under_a_seed(checkpoint):

@@ -3,7 +3,6 @@ greedy agreement with the torch twin and with transformers, and the CLIs."""
 
 import subprocess
 import warnings
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -12,16 +11,15 @@ import torch
 
 import jax_llama
 import torch_llama
-from bridge import prompting
+from bridge.prompts import encode_prompts, stop_ids
 from bridge.errors import BridgeError
 from bridge.sampling import Sampler
-from bridge.tokenizer import ByteTokenizer, load_tokenizer
-from conftest import ATTENTION_KINDS, random_tokens, small_config
-from jax_llama import cli as jax_cli
-from jax_llama.generate import TRACES, generate, top_p_mask
+from bridge.tokenizer import load_tokenizer
+from conftest import ATTENTION_KINDS, SHARED, random_tokens, save_random_checkpoint, small_config
+from llama_twins import jax_cli
+from jax_llama.generate import compilations, generate, top_p_mask
 from jax_llama.model import KVCache
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 LLAMA3 = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
 
 
@@ -41,12 +39,13 @@ def test_cached_logits_equal_the_full_forward_step_by_step(scan, kind):
     mask = np.ones_like(tokens)
     mask[1, :3] = 0  # row 1 left-padded
     full = np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))
-    step = jax.jit(lambda p, t, m, c: model.apply({"params": p}, t, attention_mask=m, cache=c))
-    logits, cache = step(params, tokens[:, :6], mask[:, :6], KVCache.empty(config, 2, 32))
-    got = [np.asarray(logits)]
+    step = jax.jit(lambda p, t, m, c: model.apply({"params": p}, t, attention_mask=m, cache=c,
+                                                  method="run"))
+    out = step(params, tokens[:, :6], mask[:, :6], KVCache.create(config, 2, 32))
+    got = [np.asarray(out.logits)]
     for t in range(6, 14):
-        logits, cache = step(params, tokens[:, t:t + 1], mask[:, t:t + 1], cache)
-        got.append(np.asarray(logits))
+        out = step(params, tokens[:, t:t + 1], mask[:, t:t + 1], out.cache)
+        got.append(np.asarray(out.logits))
     # Same float32 math over the same keys, in another order (a masked slot contributes an exact
     # zero): differences are rounding, ~1e-7 on logits of O(1).
     np.testing.assert_allclose(np.concatenate(got, axis=1)[mask.astype(bool)],
@@ -76,12 +75,17 @@ def test_greedy_equals_argmax_of_the_full_forward_with_logprobs(tiny):
 
 def test_one_compilation_for_prompts_within_a_bucket(tiny):
     _, model, params = tiny
-    before = TRACES["count"]
+    before = compilations()  # jax.jit's own cache of the prefill program
     for length in (3, 9, 16):  # all in the 16-token prompt bucket
         generate(model, params, [list(range(1, length + 1))] * 2, 8)
-    assert TRACES["count"] - before == 1
+    assert compilations() - before == 1
     generate(model, params, [list(range(1, 20))] * 2, 8)  # the 32-token bucket: one more
-    assert TRACES["count"] - before == 2
+    assert compilations() - before == 2
+    streamed = []  # streaming runs the same programs: no new compilation
+    out = generate(model, params, [list(range(1, 20))] * 2, 8,
+                   on_token=lambda row, token: streamed.append((row, token)))
+    assert compilations() - before == 2
+    assert [t for r, t in streamed if r == 0] == out.tokens[0]
 
 
 def test_sampling_top_k_1_is_greedy_and_seeds_reproduce(tiny):
@@ -164,11 +168,9 @@ def test_greedy_agrees_with_the_torch_twin_and_transformers(tmp_path):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gen") / "ckpt"
-    config = small_config(vocab_size=259, max_seq_len=64)
-    jax_llama.save(path, config, jax_llama.init(config, seed=1)[1])
-    ByteTokenizer().save(path)
-    return path
+    return save_random_checkpoint(tmp_path_factory.mktemp("gen") / "ckpt",
+                                  small_config(vocab_size=259, max_seq_len=64), seed=1,
+                                  tokenizer=True)
 
 
 def test_generate_clis_agree_and_stream(checkpoint):
@@ -216,7 +218,8 @@ def test_missing_tokenizer_and_truncation(checkpoint, tmp_path, capsys):
     model, params = jax_llama.load(checkpoint)
     jax_llama.save(bare, model.config, params)
     assert jax_cli.main(["generate", str(bare), "--prompt", "x"]) == 2
-    assert "no tokenizer.json or tokenizer.model beside the weights; pass --tokenizer" in capsys.readouterr().err
+    assert ("no tokenizer.json or tokenizer.model beside the weights (pass --tokenizer PATH)"
+            in capsys.readouterr().err)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert jax_cli.main(["generate", str(bare), "--tokenizer", str(checkpoint), "--prompt",
@@ -229,6 +232,6 @@ def test_missing_tokenizer_and_truncation(checkpoint, tmp_path, capsys):
 @pytest.mark.skipif(not LLAMA3.is_file(), reason=f"the real LLaMA 3 tokenizer is not at {LLAMA3}")
 def test_chat_template_with_the_llama3_tokenizer():
     tok = load_tokenizer(LLAMA3)
-    (ids,) = prompting.encode_prompts(tok, ["Hi"], 8192, chat=True)
+    (ids,) = encode_prompts(tok, ["Hi"], 8192, chat=True)
     assert ids[:2] == [128000, 128006] and ids[-5:] == [128009, 128006, 78191, 128007, 271]
-    assert 128009 in prompting.stop_ids(tok)  # <|eot_id|> ends the assistant's turn
+    assert 128009 in stop_ids(tok)  # <|eot_id|> ends the assistant's turn

@@ -6,23 +6,13 @@ import pytest
 import torch
 
 from bridge.errors import BridgeError
-from conftest import ATTENTION_KINDS, small_config
+from conftest import ATTENTION_KINDS, small_config, torch_model
 from torch_llama.generate import Generation, Sampler, filter_logits, generate, sample, top_p_mask
-from torch_llama.model import KVCache, Llama
+from torch_llama.model import KVCache
 
 # The cache changes only the order of float32 sums (attention over T slots, masked ones
 # contributing exactly 0, instead of S keys): logits O(0.5) agree to ~1e-7, so 1e-5 is tight.
 ATOL = 1e-5
-
-
-def torch_model(config, seed=0, head_scale=1.0) -> Llama:
-    """A random model; head_scale > 1 sharpens the logits so that greedy choices are decided by
-    margins far above float32 rounding (a near-tie could flip between two summation orders)."""
-    torch.manual_seed(seed)
-    model = Llama(config).eval()
-    with torch.no_grad():
-        model.output.weight.mul_(head_scale)
-    return model
 
 
 def full_logits(model, tokens) -> torch.Tensor:
@@ -46,12 +36,13 @@ def test_cached_decoding_matches_the_full_forward(kind):
     assert 0.1 < expected.abs().max() < 10  # the scale ATOL is judged against
 
     with torch.inference_mode():
-        cache = KVCache.empty(config, 1, 16, torch.float32, "cpu")  # longer than needed: T > S
-        logits, cache = model(torch.as_tensor([seq[:5]]), cache=cache)
-        torch.testing.assert_close(logits[0], expected[:5], rtol=0, atol=ATOL)
+        cache = KVCache.create(config, 1, 16, torch.float32, "cpu")  # longer than needed: T > S
+        out = model.run(torch.as_tensor([seq[:5]]), cache=cache)
+        torch.testing.assert_close(out.logits[0], expected[:5], rtol=0, atol=ATOL)
         for i in range(5, 11):
-            logits, cache = model(torch.as_tensor([[seq[i]]]), cache=cache)
-            torch.testing.assert_close(logits[0, 0], expected[i], rtol=0, atol=ATOL)
+            out = model.run(torch.as_tensor([[seq[i]]]), cache=out.cache)
+            torch.testing.assert_close(out.logits[0, 0], expected[i], rtol=0, atol=ATOL)
+    cache = out.cache
     assert cache.index == 11 and cache.positions.tolist() == [11]
     assert cache.valid[0].tolist() == [True] * 11 + [False] * 5
 
@@ -66,12 +57,12 @@ def test_cached_decoding_of_a_left_padded_batch_matches_the_unpadded_rows():
 
     def decode(attention_mask):
         with torch.inference_mode():
-            cache = KVCache.empty(config, 2, 12, torch.float32, "cpu")
-            logits, cache = model(tokens, attention_mask=attention_mask, cache=cache)
-            steps = [logits[:, -1]]
+            cache = KVCache.create(config, 2, 12, torch.float32, "cpu")
+            out = model.run(tokens, attention_mask=attention_mask, cache=cache)
+            steps = [out.logits[:, -1]]
             for t in extra:
-                logits, cache = model(torch.as_tensor([[t], [t]]), cache=cache)
-                steps.append(logits[:, 0])
+                out = model.run(torch.as_tensor([[t], [t]]), cache=cache)
+                steps.append(out.logits[:, 0])
         return torch.stack(steps, dim=1), cache  # (B, 6, V)
 
     got, cache = decode(mask)
@@ -90,14 +81,14 @@ def test_cache_returns_hidden_and_refuses_to_overflow():
     config = small_config()
     model = torch_model(config)
     with torch.inference_mode():
-        cache = KVCache.empty(config, 1, 6, torch.float32, "cpu")
-        logits, hidden, cache = model(torch.as_tensor([[1, 2, 3, 4]]), return_hidden=True,
-                                      cache=cache)
-        assert logits.shape == (1, 4, 97) and hidden.shape == (1, 4, 48)
+        cache = KVCache.create(config, 1, 6, torch.float32, "cpu")
+        out = model.run(torch.as_tensor([[1, 2, 3, 4]]), cache=cache)
+        assert out.logits.shape == (1, 4, 97) and out.hidden.shape == (1, 4, 48)
+        assert out.cache is cache and cache.index == 4  # advanced in place
         with pytest.raises(BridgeError, match=r"cache: 3 tokens at slot 4 .* cache length 6"):
-            model(torch.as_tensor([[5, 6, 7]]), cache=cache)
+            model.run(torch.as_tensor([[5, 6, 7]]), cache=cache)
         with pytest.raises(BridgeError, match=r"cache: batch 1 does not match tokens 2"):
-            model(torch.as_tensor([[5], [6]]), cache=cache)
+            model.run(torch.as_tensor([[5], [6]]), cache=cache)
 
 
 # -- generate --------------------------------------------------------------------------------------
@@ -145,7 +136,7 @@ def test_stop_token_ends_one_row_while_the_others_continue():
         np.testing.assert_allclose(out.logprobs[row], expected.numpy(), rtol=0, atol=ATOL)
 
     calls = []
-    model.register_forward_hook(lambda *_: calls.append(1))
+    model.norm.register_forward_hook(lambda *_: calls.append(1))  # once per forward pass
     both = generate(model, prompts, max_new_tokens=8, stop_ids=[stop_id, free[1][0]])
     assert both.tokens[1] == free[1][:1]
     # Every row done: the loop stops; one prefill plus a decode per further token of the longest.

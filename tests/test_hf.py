@@ -13,7 +13,7 @@ from bridge.convert import convert
 from bridge.errors import BridgeError
 from bridge.formats import hf as hf_format
 from bridge.formats import open_checkpoint
-from conftest import random_tokens, small_config
+from conftest import jax_logits, random_tokens, small_config, torch_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,14 +50,10 @@ def hf_logits(model, tokens):
         return model.float()(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-def jax_logits(path, tokens, **kw):
-    model, params = jax_llama.load(path, **kw)
-    return np.asarray(model.apply({"params": params}, tokens))
-
-
-def torch_logits(path, tokens, **kw):
-    with torch.inference_mode():
-        return torch_llama.load(path, device="cpu", **kw)(torch.as_tensor(tokens)).numpy()
+def loaded_logits(path, tokens, **kw) -> tuple[np.ndarray, np.ndarray]:
+    """(JAX logits, torch logits) of the checkpoint at `path`, each twin loading it itself."""
+    return (jax_logits(*jax_llama.load(path, **kw), tokens),
+            torch_logits(torch_llama.load(path, device="cpu", **kw), tokens))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -74,9 +70,8 @@ def test_twins_match_transformers(tmp_path, case):
     assert 0.1 < np.abs(expected).max() < 10
 
     for path in (tmp_path / "native", tmp_path / "hf"):  # converted, and read in place
-        np.testing.assert_allclose(jax_logits(path, tokens, dtype="float32"), expected, rtol=0, atol=ATOL)
-        np.testing.assert_allclose(torch_logits(path, tokens, dtype="float32"), expected, rtol=0,
-                                   atol=ATOL)
+        for logits in loaded_logits(path, tokens, dtype="float32"):
+            np.testing.assert_allclose(logits, expected, rtol=0, atol=ATOL)
     if case == "bf16":
         assert open_checkpoint(tmp_path / "native").stored_dtype() == "bfloat16"
 
@@ -86,7 +81,7 @@ def test_skipping_the_qk_permutation_is_caught(tmp_path, monkeypatch):
     model.save_pretrained(tmp_path / "hf")
     tokens = random_tokens(small_config(), seq_len=20)
     monkeypatch.setattr(hf_format, "from_half_split", lambda w, n_heads: w)
-    diff = np.abs(torch_logits(tmp_path / "hf", tokens) - hf_logits(model, tokens)).max()
+    diff = np.abs(loaded_logits(tmp_path / "hf", tokens)[1] - hf_logits(model, tokens)).max()
     assert diff > 100 * ATOL
 
 

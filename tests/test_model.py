@@ -11,7 +11,7 @@ import jax_llama
 import torch_llama
 from bridge.errors import BridgeError
 from bridge.rope import rope_inv_freq
-from conftest import ATTENTION_KINDS, SCALING, random_tokens, small_config
+from conftest import ATTENTION_KINDS, SCALING, random_tokens, small_config, torch_logits, torch_model
 from jax_llama.checkpoint import params_from_tensors, tensor_specs
 from reference import forward as reference_forward
 
@@ -23,17 +23,6 @@ ATOL = 1e-5
 def canonical(params, config) -> dict[str, np.ndarray]:
     specs, fetch = tensor_specs(params, config)
     return {name: fetch(name) for name in specs}
-
-
-def torch_model(config, seed=0) -> torch_llama.Llama:
-    torch.manual_seed(seed)
-    return torch_llama.Llama(config).eval()
-
-
-def torch_logits(model, tokens, **kw):
-    with torch.inference_mode():
-        kw = {k: torch.as_tensor(v) for k, v in kw.items()}
-        return model(torch.as_tensor(tokens), **kw).numpy()
 
 
 @pytest.mark.parametrize("kind", ATTENTION_KINDS)
@@ -144,15 +133,42 @@ def test_left_padded_rows_equal_the_unpadded_prompt(twin):
     assert np.isfinite(padded).all()  # pad queries see no real key, yet nothing becomes NaN
 
 
-def test_return_hidden_gives_final_normed_states():
+def test_run_gives_one_output_type_in_both_twins():
+    """model(tokens) is the logits; model.run(...) a LlamaOutput whatever is asked for: logits,
+    the final normed hidden states, and the cache only when one is given."""
     config = small_config()
     model, params = jax_llama.init(config)
     tokens = random_tokens(config)
-    logits, hidden = model.apply({"params": params}, tokens, return_hidden=True)
-    assert hidden.shape == (3, 11, 48)
-    np.testing.assert_allclose(logits, hidden @ params["output"]["kernel"], rtol=0, atol=1e-6)
-    tlogits, thidden = torch_model(config)(torch.as_tensor(tokens), return_hidden=True)
-    assert thidden.shape == (3, 11, 48) and tlogits.dtype == torch.float32
+    out = model.apply({"params": params}, tokens, method="run")
+    assert isinstance(out, jax_llama.LlamaOutput) and out.cache is None
+    assert out.hidden.shape == (3, 11, 48)
+    np.testing.assert_allclose(out.logits, out.hidden @ params["output"]["kernel"], rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(out.logits, model.apply({"params": params}, tokens))
+    bare = model.apply({"params": params}, tokens, method="run", lm_head=False)
+    assert bare.logits is None
+    np.testing.assert_array_equal(bare.hidden, out.hidden)
+    tmodel = torch_model(config)
+    with torch.inference_mode():
+        tout = tmodel.run(torch.as_tensor(tokens))
+        assert isinstance(tout, torch_llama.LlamaOutput) and tout.cache is None
+        assert tout.hidden.shape == (3, 11, 48) and tout.logits.dtype == torch.float32
+        torch.testing.assert_close(tout.logits, tmodel(torch.as_tensor(tokens)), rtol=0, atol=0)
+        assert tmodel.run(torch.as_tensor(tokens), lm_head=False).logits is None
+
+
+def test_token_values_are_read_only_where_they_already_are_on_the_host():
+    """A device-resident batch is checked by shape alone: reading its values would copy it off
+    the device at every decode step. A tensor on torch's 'meta' device has no values at all, so
+    any read would raise; the same ids on the CPU are refused."""
+    bad = np.array([[1, 2, 97]])
+    torch_llama.check_inputs(torch.as_tensor(bad, device="meta"), 97)  # shape only: no read
+    with pytest.raises(BridgeError, match="tokens: id 97 is outside the vocabulary"):
+        torch_llama.check_inputs(torch.as_tensor(bad), 97)
+    with pytest.raises(BridgeError, match="tokens: expected integer ids"):
+        torch_llama.check_inputs(torch.ones((1, 3), device="meta"), 97)
+    jax_llama.check_inputs(jax.ShapeDtypeStruct((1, 3), jnp.int32), 97)  # abstract: shape only
+    with pytest.raises(BridgeError, match="tokens: id 97 is outside the vocabulary"):
+        jax_llama.check_inputs(jnp.asarray(bad), 97)  # a concrete array on the CPU
 
 
 def test_bfloat16_compute_stays_close_to_float32():

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-import jax_llama
 import torch_llama
-from bridge import cli as bridge_cli
-from bridge import parity
+from llama_twins import bridge_cli
+from llama_twins import parity
 from bridge.formats.hf import config_to_hf
-from conftest import small_config
+from conftest import save_random_checkpoint, small_config
 
 TORCH_FIGURES = {"hidden after block 0", "hidden after block 1", "logits", "KL, max over positions",
                  "KL, mean over positions", "greedy tokens, first difference", "loss, one step",
@@ -27,10 +26,7 @@ REFERENCE_FIGURES = {"hidden after block 0", "hidden after block 1", "logits",
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """small_config: 2 layers, dim 48, 6 heads / 2 kv heads, vocab 97, max_seq_len 64."""
-    path = tmp_path_factory.mktemp("parity") / "ckpt"
-    config = small_config()
-    jax_llama.save(path, config, jax_llama.init(config, seed=0)[1])
-    return path
+    return save_random_checkpoint(tmp_path_factory.mktemp("parity") / "ckpt", small_config())
 
 
 @pytest.fixture(scope="module")

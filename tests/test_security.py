@@ -19,7 +19,7 @@ from bridge.formats.meta import params_json
 from conftest import small_config
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("bridge", "jax_llama", "torch_llama")
+PACKAGES = ("bridge", "jax_llama", "torch_llama", "llama_twins")
 
 
 # -- a static check of the sources -----------------------------------------------------------------

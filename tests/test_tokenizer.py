@@ -3,17 +3,16 @@ round trips on any text (hypothesis), detection by content and its refusals, and
 byte-level BPE."""
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.errors import BridgeError
+from conftest import SHARED
 from bridge.tokenizer import (ByteTokenizer, _split_long_runs, detect_tokenizer_kind,
                               load_tokenizer, train_tokenizer)
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 LLAMA3_FILE = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
 LLAMA2_FILE = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
 needs_llama3 = pytest.mark.skipif(not LLAMA3_FILE.is_file(),

@@ -21,8 +21,8 @@ from conftest import random_tokens, small_config
 from jax_llama import run as run_lib
 from jax_llama.run import RunSpec, TrainingDiverged, train
 from jax_llama.sharding import parse_mesh
-from jax_llama.train import (TrainConfig, init_state, loss_fn, lr_schedule, make_optimizer,
-                             make_train_step)
+from jax_llama.train import (TrainConfig, init_state, lm_loss, loss_fn, lr_schedule,
+                             make_optimizer, make_train_step)
 
 TINY = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=259,
                    max_seq_len=64, rope_theta=10000.0)
@@ -92,7 +92,7 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path):
 
     def params_after(tc, batches):
         optimizer = make_optimizer(tc)
-        step = jax.jit(make_train_step(model, optimizer, lr_schedule(tc), tc.grad_accum))
+        step = jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc), tc.grad_accum))
         state = init_state(jax.tree_util.tree_map(np.asarray, params), optimizer)
         after = []
         for b in batches:
@@ -131,11 +131,11 @@ def test_sharded_step_equals_the_single_device_step():
         assert r["loss_rel_diff"] <= 1e-6 and r["grad_rel_diff"] <= 1e-6, r
         assert r["param_diff"] <= 1e-6 and r["param_moved"] > 1e-3, r
     assert [r["params_sharded"] for r in meshes] == [False, True, True]
-    assert rows[-1]["refusal"].startswith("--batch-size: 6 does not divide over data x fsdp = 8")
+    assert rows[-1]["refusal"].startswith("batch_size: 6 does not divide over data x fsdp = 8")
 
 
 def cli(*args, **popen):
-    return subprocess.Popen([sys.executable, "-m", "jax_llama.cli", "train", *map(str, args)],
+    return subprocess.Popen([sys.executable, "-m", "llama_twins.jax_cli", "train", *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -167,7 +167,7 @@ def test_resume_with_a_different_setup_is_refused(tmp_path, corpus):
     train(spec(tmp_path, corpus, steps=10, checkpoint_every=5, eval_every=5))
     other = spec(tmp_path, corpus, steps=10, checkpoint_every=5, eval_every=5, lr=5e-3)
     other.resume = True
-    with pytest.raises(BridgeError, match=r"--resume: .* different setup \(train.lr: 0.01 -> 0.005\)"):
+    with pytest.raises(BridgeError, match=r"resume: .* different setup \(train.lr: 0.01 -> 0.005\)"):
         train(other)
     fresh = spec(tmp_path, corpus, steps=10)
     with pytest.raises(BridgeError, match="is not empty"):
@@ -175,18 +175,18 @@ def test_resume_with_a_different_setup_is_refused(tmp_path, corpus):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus, monkeypatch):
-    real = run_lib.compile_steps
+    real = run_lib.jit_train_step
 
     def poisoned(*args, **kwargs):
-        step, evaluate = real(*args, **kwargs)
+        step = real(*args, **kwargs)
 
         def train_step(state, batch):
             state, metrics = step(state, batch)
             if int(state.step) == 7:
                 metrics = dict(metrics, loss=float("nan"))
             return state, metrics
-        return train_step, evaluate
-    monkeypatch.setattr(run_lib, "compile_steps", poisoned)
+        return train_step
+    monkeypatch.setattr(run_lib, "jit_train_step", poisoned)
     with pytest.raises(TrainingDiverged, match=r"step 7: loss nan.*Last good checkpoint: .*checkpoints/5"):
         train(spec(tmp_path, corpus, steps=20, checkpoint_every=5))
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["5"]
@@ -196,7 +196,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corp
 def test_diverging_run_names_the_step_and_the_cli_exits_1(tmp_path, corpus, capsys, poison, step):
     """A NaN weight in the --init checkpoint makes the very first loss NaN; lr 1e30 makes the
     first update blow the weights up, so the second loss is not finite."""
-    from jax_llama import cli
+    from llama_twins import jax_cli as cli
     extra = ["--lr", "1e30"]
     if poison == "init":
         _, params = jax_llama.init(TINY, seed=0)
@@ -214,7 +214,7 @@ def test_diverging_run_names_the_step_and_the_cli_exits_1(tmp_path, corpus, caps
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(seq_len=128), "--seq-len: 128 is above the model's max_seq_len 64"),
+    (dict(seq_len=128), "seq_len: 128 is above the model's max_seq_len 64"),
 ])
 def test_bad_run_settings(tmp_path, corpus, kw, message):
     with pytest.raises(BridgeError, match=message):
@@ -242,7 +242,7 @@ def test_mesh_specs(mesh, message):
 
 
 def test_cli_unknown_preset_lists_valid_ones(capsys):
-    from jax_llama import cli
+    from llama_twins import jax_cli as cli
     assert cli.main(["train", "--preset", "llama5"]) == 2
     err = capsys.readouterr().err
     assert "unknown preset 'llama5'; valid: llama2-7b" in err and "tiny" in err

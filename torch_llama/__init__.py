@@ -14,11 +14,12 @@ jax_llama exports the same names wherever the concept exists in both twins
 from bridge.config import PRESETS, LlamaConfig
 from bridge.sampling import Generation, Sampler
 
-from .checkpoint import load, resolve_device, resolve_dtype, save
+from .checkpoint import load, save
 from .classify import Classifier, load_classifier, predict
 from .generate import generate
 from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, LlamaOutput,
-                    RMSNorm, apply_rope, check_inputs, init, last_real_index, rope_cos_sin)
+                    RMSNorm, apply_rope, check_inputs, init, last_real_index, resolve_device,
+                    resolve_dtype, rope_cos_sin)
 from .optim import (AdamW, clip_by_global_norm, cosine_decay_schedule, decay_mask, linear_schedule,
                     warmup_cosine_decay_schedule)
 

@@ -7,32 +7,13 @@ import os
 
 import torch
 
-from bridge.dtypes import dtype_name, numpy_dtype
+from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
 
-from .model import Llama
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """'auto' picks CUDA, then MPS, then CPU; anything else is passed to torch.device."""
-    if str(device) != "auto":
-        try:
-            return torch.device(device)
-        except RuntimeError as e:
-            raise BridgeError(f"device: {e}") from None
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    """A torch dtype from a dtype or its name ('float32', 'bfloat16', 'float16')."""
-    return getattr(torch, dtype_name(dtype))
+from .model import Llama, resolve_device, resolve_dtype
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None) -> Llama:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bridge.config import LlamaConfig, RopeScaling
+from bridge.dtypes import dtype_name
 from bridge.errors import BridgeError
 from bridge.inputs import check_inputs as _check_inputs
 from bridge.rope import rope_inv_freq
@@ -280,12 +281,29 @@ class Llama(nn.Module):
         return self._inv_freq_on[device]
 
 
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """'auto' picks CUDA, then MPS, then CPU; anything else is passed to torch.device."""
+    if str(device) != "auto":
+        try:
+            return torch.device(device)
+        except RuntimeError as e:
+            raise BridgeError(f"device: {e}") from None
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """A torch dtype from a dtype or its name ('float32', 'bfloat16', 'float16')."""
+    return getattr(torch, dtype_name(dtype))
+
+
 def init(config: LlamaConfig, seed: int = 0, *, dtype=torch.float32,
          device: torch.device | str = "cpu") -> Llama:
     """A Llama with freshly initialised weights drawn from `seed` (the caller's torch RNG is left
     as it was), in eval mode; jax_llama.init's twin (the same distributions, not the same draws)."""
-    from .checkpoint import resolve_device, resolve_dtype
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Llama(config)

@@ -26,7 +26,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from bridge.config import PRESETS, LlamaConfig
+from bridge.config import LlamaConfig, preset
 from bridge.formats import write_checkpoint
 from bridge.tensors import canonical_shapes
 
@@ -132,7 +132,8 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
     args = parser.parse_args(argv)
     workdir = Path(args.workdir)
-    results = [bench_model(p, PRESETS[p], workdir, args.repeats) for p in args.presets]
+    results = [bench_model(p, preset(p, field="presets"), workdir, args.repeats)
+               for p in args.presets]
     write_results("convert", [markdown(results)], results, args.out)
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -16,6 +16,8 @@ import argparse
 import statistics
 import sys
 
+from bridge.dtypes import numpy_dtype
+
 from .common import (JAX, REFERENCE, TWIN, Spec, add_ratios, available, describe, missing_note,
                      probe, ratio, run_rounds, say, spawn, timed, torch_device, transformers_model,
                      write_results)
@@ -71,8 +73,7 @@ def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
 def summarize(times: dict[str, dict | None], spec: Spec, bandwidth: float) -> dict:
     """times[impl] = measure()'s lists pooled over rounds (None: not run) -> the JSON entry."""
     from jax_llama.perf import decode_bytes_per_token
-    itemsize = 2 if spec.dtype == "bfloat16" else 4
-    weight_bytes = decode_bytes_per_token(spec.config, itemsize)
+    weight_bytes = decode_bytes_per_token(spec.config, numpy_dtype(spec.dtype).itemsize)
     bound = bandwidth / weight_bytes
     new, rows = spec.new_tokens, {}
     for impl, t in times.items():

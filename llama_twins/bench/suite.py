@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bridge.atomic import write_text
-from bridge.config import PRESETS, LlamaConfig, preset as lookup_preset
+from bridge.config import LlamaConfig
+from bridge.config import preset as lookup_preset
 from bridge.errors import BridgeError
 from bridge.tensors import count_params
 
@@ -124,7 +125,8 @@ def run(plan: Plan, command: str) -> dict:
     if "convert" in plan.benches:
         with tempfile.TemporaryDirectory(prefix="jax-llama-bench-") as workdir:
             results["convert"] = convert.bench_model(
-                plan.convert_preset, PRESETS[plan.convert_preset], Path(workdir), spec.repeats)
+                plan.convert_preset, lookup_preset(plan.convert_preset), Path(workdir),
+                spec.repeats)
     return {"command": command, "machine": machine,
             "transformers": {"available": note is None, "note": note},
             "model": {"preset": plan.preset, "config": spec.config.to_dict(),
