@@ -1,4 +1,10 @@
-"""Framework-neutral core of jax-llama: config, tensor names, on-disk formats (numpy only)."""
+"""bridge: the framework-neutral bottom layer of jax-llama, which both twins build on.
+
+numpy, safetensors and ml_dtypes only (torch inside the .pth/.pt readers alone, JAX never): the
+config and presets, canonical tensor names, RoPE frequencies, the dtype table, input rules and
+padding, sampling rules, prompts and tokenizers, task files, the on-disk formats (native, Hugging
+Face, Meta, llama2.c), conversion, atomic writes and the one error type.
+"""
 
 from .config import PRESETS, LlamaConfig, RopeScaling
 from .errors import BridgeError

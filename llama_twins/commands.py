@@ -81,6 +81,38 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="weights and compute (default: as stored)")
 
 
+def generation_inputs(args, load: Callable[[], tuple]) -> tuple:
+    """What both generate commands check and prepare, in an order that refuses bad input before
+    the weights are read: (model, tokenizer, texts, prompt ids, sampler, stop ids), with
+    load() -> (model, its LlamaConfig)."""
+    from bridge.prompts import encode_prompts, stop_ids
+    from bridge.sampling import Sampler
+    from bridge.tokenizer import find_tokenizer
+
+    sampler = Sampler(args.temperature, args.top_k, args.top_p)
+    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
+    texts = read_prompts(args)
+    model, config = load()
+    prompts = encode_prompts(tokenizer, texts, config.max_seq_len, args.chat, args.truncate)
+    return model, tokenizer, texts, prompts, sampler, stop_ids(tokenizer, args.stop)
+
+
+def run_generation(generate: Callable, tokenizer, texts: Sequence[str], prompts) -> int:
+    """generate(prompts, on_token) -> Generation, streamed when there is one prompt; warnings
+    (a clipped max_new_tokens) as clean lines; then the results."""
+    import warnings
+
+    from bridge.prompts import Streamer
+
+    stream = Streamer(tokenizer) if len(prompts) == 1 else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = generate(prompts, stream)
+    report_warnings(w for w in caught if "donated buffers" not in str(w.message))
+    print_results(tokenizer, texts, result.tokens, stream is not None)
+    return EXIT_OK
+
+
 def read_prompts(args) -> list[str]:
     """--prompt, or the lines of --prompt-file."""
     if args.prompt is not None:

@@ -19,7 +19,7 @@ from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_generate_arguments,
-                       command_main, print_results, read_prompts, report_warnings)
+                       command_main, generation_inputs, report_warnings, run_generation)
 
 # TrainConfig fields settable from the command line (None = default, or the resumed run's value)
 TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
@@ -71,18 +71,14 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     import warnings
 
-    from bridge.prompts import Streamer, encode_prompts, stop_ids
-    from bridge.sampling import Sampler
-    from bridge.tokenizer import find_tokenizer
     from jax_llama.checkpoint import load
     from jax_llama.generate import generate
 
-    sampler = Sampler(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading
-    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
-    texts = read_prompts(args)
-    model, params = load(args.checkpoint, dtype=args.dtype)
-    prompts = encode_prompts(tokenizer, texts, model.config.max_seq_len, args.chat, args.truncate)
-    stops = stop_ids(tokenizer, args.stop)
+    def load_model():
+        model, params = load(args.checkpoint, dtype=args.dtype)
+        return (model, params), model.config
+
+    (model, params), tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
     if args.compare_torch:
         from .parity import format_greedy_parity, greedy_parity
         with warnings.catch_warnings(record=True) as caught:
@@ -91,14 +87,9 @@ def cmd_generate(args) -> int:
         report_warnings(caught)
         print(format_greedy_parity(report, tokenizer.decode))
         return EXIT_OK if report["identical"] else EXIT_CHECK_FAILED
-    stream = Streamer(tokenizer) if len(prompts) == 1 else None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UserWarning)
-        result = generate(model, params, prompts, args.max_new_tokens, sampler, stops, args.seed,
-                          on_token=stream)
-    report_warnings(w for w in caught if "donated buffers" not in str(w.message))
-    print_results(tokenizer, texts, result.tokens, stream is not None)
-    return EXIT_OK
+    return run_generation(lambda prompts, stream: generate(
+        model, params, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
+        tokenizer, texts, prompts)
 
 
 def _read_task(args, path: str, require_labels: bool = True):

@@ -4,33 +4,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
-from .commands import (EXIT_OK, add_command, add_generate_arguments, command_main, print_results,
-                       read_prompts, report_warnings)
+from .commands import (add_command, add_generate_arguments, command_main, generation_inputs,
+                       run_generation)
 
 
 def cmd_generate(args) -> int:
-    from bridge.prompts import Streamer, encode_prompts, stop_ids
-    from bridge.sampling import Sampler
-    from bridge.tokenizer import find_tokenizer
-    from torch_llama import load, resolve_device
-    from torch_llama.generate import generate
+    from torch_llama import generate, load, resolve_device
 
-    sampler = Sampler(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading
-    device = resolve_device(args.device)
-    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
-    texts = read_prompts(args)
-    model = load(args.checkpoint, device=device, dtype=args.dtype)
-    prompts = encode_prompts(tokenizer, texts, model.config.max_seq_len, args.chat, args.truncate)
-    stream = Streamer(tokenizer) if len(prompts) == 1 else None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UserWarning)
-        result = generate(model, prompts, args.max_new_tokens, sampler,
-                          stop_ids(tokenizer, args.stop), args.seed, on_token=stream)
-    report_warnings(caught)
-    print_results(tokenizer, texts, result.tokens, stream is not None)
-    return EXIT_OK
+    device = resolve_device(args.device)  # a bad --device is refused before anything is read
+
+    def load_model():
+        model = load(args.checkpoint, device=device, dtype=args.dtype)
+        return model, model.config
+
+    model, tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
+    return run_generation(lambda prompts, stream: generate(
+        model, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
+        tokenizer, texts, prompts)
 
 
 def build_parser() -> argparse.ArgumentParser:

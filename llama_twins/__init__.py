@@ -1,0 +1,9 @@
+"""llama_twins: the top layer of jax-llama, everything that needs both twins side by side.
+
+The parity report (parity.py) and the round-trip demo (demo.py), which load a checkpoint into
+jax_llama and torch_llama at once; the benchmark suite (bench/), which runs each twin and
+transformers in worker processes of their own; and the three commands that drive everything:
+`llama-bridge` (bridge_cli.py), `jax-llama` (jax_cli.py) and `torch-llama` (torch_cli.py), with
+what they share in commands.py. Imports point down only: llama_twins -> jax_llama | torch_llama
+-> bridge (pyproject.toml's import-linter contracts, checked by tests/test_architecture.py).
+"""
