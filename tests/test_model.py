@@ -211,3 +211,17 @@ def test_bad_inputs_are_refused(twin, tokens, kw, message):
             model.apply({"params": params}, tokens, **kw)
         else:
             torch_model(config)(torch.as_tensor(tokens), **{k: torch.as_tensor(v) for k, v in kw.items()})
+
+
+def test_torch_init_is_seeded_and_leaves_the_callers_rng_alone():
+    config = small_config()
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    a, b, c = (torch_llama.init(config, seed=s) for s in (7, 7, 8))
+    assert torch.equal(torch.rand(3), expected_next)  # the global generator did not move
+    assert not a.training and a.tok_embeddings.weight.dtype == torch.float32
+    for (name, x), y, z in zip(a.state_dict().items(), b.state_dict().values(), c.state_dict().values()):
+        assert torch.equal(x, y), name
+    assert not torch.equal(a.output.weight, c.output.weight)  # another seed, other weights
+    assert torch_llama.init(config, dtype="bfloat16").output.weight.dtype == torch.bfloat16

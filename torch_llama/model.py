@@ -281,35 +281,6 @@ class Llama(nn.Module):
         return self._inv_freq_on[device]
 
 
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """'auto' picks CUDA, then MPS, then CPU; anything else is passed to torch.device."""
-    if str(device) != "auto":
-        try:
-            return torch.device(device)
-        except RuntimeError as e:
-            raise BridgeError(f"device: {e}") from None
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    """A torch dtype from a dtype or its name ('float32', 'bfloat16', 'float16')."""
-    return getattr(torch, dtype_name(dtype))
-
-
-def init(config: LlamaConfig, seed: int = 0, *, dtype=torch.float32,
-         device: torch.device | str = "cpu") -> Llama:
-    """A Llama with freshly initialised weights drawn from `seed` (the caller's torch RNG is left
-    as it was), in eval mode; jax_llama.init's twin (the same distributions, not the same draws)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Llama(config)
-    return model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
-
-
 def last_real_index(attention_mask_BS) -> torch.Tensor:
     """(B,) index of each row's last real token, wherever the padding is (left, right or both)."""
     mask_BS = torch.as_tensor(attention_mask_BS).bool()
@@ -358,3 +329,32 @@ def check_inputs(tokens: torch.Tensor, vocab_size: int, positions=None, attentio
                   ids=tokens.detach().numpy() if integer and tokens.device.type == "cpu" else None,
                   positions_shape=None if positions is None else np.shape(positions),
                   mask_shape=None if attention_mask is None else np.shape(attention_mask))
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """'auto' picks CUDA, then MPS, then CPU; anything else is passed to torch.device."""
+    if str(device) != "auto":
+        try:
+            return torch.device(device)
+        except RuntimeError as e:
+            raise BridgeError(f"device: {e}") from None
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """A torch dtype from a dtype or its name ('float32', 'bfloat16', 'float16')."""
+    return getattr(torch, dtype_name(dtype))
+
+
+def init(config: LlamaConfig, seed: int = 0, *, dtype=torch.float32,
+         device: torch.device | str = "cpu") -> Llama:
+    """A Llama with freshly initialised weights drawn from `seed` (the caller's torch RNG is left
+    as it was), in eval mode; jax_llama.init's twin (the same distributions, not the same draws)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Llama(config)
+    return model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
