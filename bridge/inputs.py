@@ -11,10 +11,12 @@ from .errors import BridgeError
 
 
 def check_inputs(tokens_shape, is_integer: bool, vocab_size: int, *, ids: np.ndarray | None = None,
-                 positions_shape=None, mask_shape=None) -> None:
+                 positions_shape=None, mask_shape=None, segments_shape=None,
+                 segments_integer: bool = True) -> None:
     """Refuse malformed model inputs with one clear line naming the input.
 
-    tokens must be (B, S) integers with B, S > 0; attention_mask (B, S); positions (S,) or (B, S).
+    tokens must be (B, S) integers with B, S > 0; attention_mask (B, S); positions (S,) or (B, S);
+    segment_ids (B, S) integers.
     Token values are checked when `ids` is given: the twins pass the ids when they are on the
     host already (numpy, a CPU tensor or array), never by copying them off a device - a traced
     value has none, and ids on an accelerator were put there by a caller who checked them (as
@@ -33,6 +35,11 @@ def check_inputs(tokens_shape, is_integer: bool, vocab_size: int, *, ids: np.nda
     if positions_shape is not None and tuple(positions_shape) not in (shape, shape[1:]):
         raise BridgeError(f"shape {tuple(positions_shape)}, expected {shape} or {shape[1:]}",
                           field="positions")
+    if segments_shape is not None and tuple(segments_shape) != shape:
+        raise BridgeError(f"shape {tuple(segments_shape)} does not match tokens {shape}",
+                          field="segment_ids")
+    if segments_shape is not None and not segments_integer:
+        raise BridgeError("expected integer segment ids", field="segment_ids")
     if ids is not None:
         check_ids(ids, vocab_size)
 

@@ -20,6 +20,7 @@ from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
 from bridge.tensors import LAYER_SUFFIXES, canonical_shapes
 
+from .attention import choose
 from .model import Llama, resolve_dtype
 
 
@@ -129,14 +130,17 @@ def save(path: str | os.PathLike, config: LlamaConfig, params, *, overwrite: boo
                  write_extra=write_extra, **kwargs)
 
 
-def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, remat: bool = False):
+def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, remat: bool = False,
+         attention: str = "auto"):
     """(Llama module, params) from a checkpoint of any supported format.
 
     dtype None keeps the stored dtype (float32 when tensors are mixed); otherwise a dtype or its
-    name, used for the params and for compute.
+    name, used for the params and for compute. attention: the implementation (jax_llama.attention).
     """
+    choose(attention, 1, 1)
     ckpt = open_checkpoint(path)
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     params = params_from_tensors(ckpt.tensor, ckpt.config, scan_layers=scan_layers, dtype=dtype)
-    model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat)
+    model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
+                  attention=attention)
     return model, params

@@ -7,7 +7,8 @@ Axis legend (used in einsum strings, shape comments and variable suffixes):
   the same contraction over two leading axes).
 
 Parameters live in `param_dtype`, activations in `dtype`; RMSNorm statistics, RoPE rotation,
-attention softmax and logits are float32 whatever `dtype` is.
+attention softmax and logits are float32 whatever `dtype` is. Attention itself is one call,
+jax_llama.attention.attend, whichever implementation runs it (`attention=`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import numpy as np
 
 from bridge.config import LlamaConfig, RopeScaling
 from bridge.dtypes import numpy_dtype
+from bridge.errors import BridgeError
 from bridge.inputs import check_inputs as _check_inputs
 from bridge.rope import rope_inv_freq
 
+from .attention import AttentionMask, attend, choose
+
 Dtype = Any
-# Masked scores are set to the most negative float32 rather than -inf, so a row whose every key is
-# masked (a left-padding query) gets a uniform distribution instead of NaN.
-_MASKED = float(np.finfo(np.float32).min)
 
 
 class RMSNorm(nn.Module):
@@ -77,6 +78,22 @@ def apply_rope(x_BSNH, positions, theta: float = 10000.0, scaling: RopeScaling |
     return rotate(x_BSNH, *rope_cos_sin(positions, inv_freq_h))
 
 
+def default_positions(valid_BS, segments_BS=None):
+    """(B, S) RoPE positions that count only real tokens (valid_BS True), restarting at 0 where a
+    segment begins, so a left-padded row, or a document packed into a row, sees the positions it
+    would alone. Segments are contiguous runs of one id."""
+    valid_BS = jnp.asarray(valid_BS).astype(jnp.int32)
+    seen_BS = jnp.cumsum(valid_BS, axis=-1)                 # real tokens up to and including s
+    if segments_BS is None:
+        return jnp.maximum(seen_BS - 1, 0)
+    S = valid_BS.shape[1]
+    starts_BS = jnp.concatenate([jnp.ones_like(segments_BS[:, :1], bool),
+                                 segments_BS[:, 1:] != segments_BS[:, :-1]], axis=1)
+    start_BS = jax.lax.cummax(jnp.where(starts_BS, jnp.arange(S), 0), axis=1)
+    before_BS = jnp.take_along_axis(seen_BS - valid_BS, start_BS, axis=1)  # real tokens before it
+    return jnp.maximum(seen_BS - 1 - before_BS, 0)
+
+
 # -- the key/value cache for generation ----------------------------------------------------------
 
 class KVCache(struct.PyTreeNode):
@@ -109,16 +126,15 @@ class KVCache(struct.PyTreeNode):
 
     def reserve(self, valid_BS):
         """Make room for S new tokens at slots [index, index + S), valid where valid_BS (B, S) is
-        -> (the cache with valid, index and positions advanced; mask (B, S, T), True where a new
-        query may attend: the valid slots up to its own; positions (B, S) of the new tokens)."""
-        S, T = valid_BS.shape[1], self.length
+        -> (the cache with valid, index and positions advanced; the AttentionMask of the new
+        queries: each sees the valid slots up to its own; positions (B, S) of the new tokens)."""
+        S = valid_BS.shape[1]
         valid_BT = jax.lax.dynamic_update_slice(self.valid, valid_BS, (0, self.index))
-        slots_S = self.index + jnp.arange(S)
-        mask_BST = (jnp.arange(T)[None, None, :] <= slots_S[None, :, None]) & valid_BT[:, None, :]
-        positions_BS = self.positions[:, None] + jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0)
+        mask = AttentionMask(q_slots=self.index + jnp.arange(S, dtype=jnp.int32), valid=valid_BT)
+        positions_BS = self.positions[:, None] + default_positions(valid_BS)
         advanced = self.replace(valid=valid_BT, index=self.index + S,
                                 positions=self.positions + valid_BS.sum(-1).astype(jnp.int32))
-        return advanced, mask_BST, positions_BS
+        return advanced, mask, positions_BS
 
 
 class LlamaOutput(struct.PyTreeNode):
@@ -145,18 +161,20 @@ def _dense(module: nn.Module, features: int, name: str, residual: bool = False) 
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V."""
+    """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V.
+    `attention` names the implementation (jax_llama.attention: xla, chunked, cudnn, auto)."""
 
     config: LlamaConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention: str = "auto"
 
     @nn.compact
-    def __call__(self, x_BSD, cos_BSh, sin_BSh, mask_BST=None, cache: KVCache | None = None,
-                 layer=0):
+    def __call__(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
+                 cache: KVCache | None = None, layer=0):
         """x (B, S, D) -> (out (B, S, D), cache).
 
-        mask_BST: bool (B, S, T), True where query s may attend key t; None is plain causal
+        mask: which key each query may attend (causal, padding, segments); None is plain causal
         attention over these S tokens. With a cache (already reserved for these tokens), the new
         keys and values go into slots [index - S, index) of `layer` and the queries read all T
         slots of that layer: each step writes in place and reads once, with no copy."""
@@ -179,15 +197,11 @@ class Attention(nn.Module):
             k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False).astype(self.dtype)
             v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False).astype(self.dtype)
             cache = cache.replace(k=k_LBKTH, v=v_LBKTH)
-        if mask_BST is None:
-            mask_BST = jnp.tril(jnp.ones((S, S), dtype=bool))[None]
+        if mask is None:
+            mask = AttentionMask.causal(S)
         # Query head n = k * G + g reads kv head k (the order Meta's repeat_kv implies).
         q_BKGSH = q_BSNH.reshape(B, S, K, G, H).transpose(0, 2, 3, 1, 4)
-        scores_BKGST = jnp.einsum("BKGSH,BKTH->BKGST", q_BKGSH, k_BKTH,
-                                  preferred_element_type=jnp.float32) / math.sqrt(H)
-        scores_BKGST = jnp.where(mask_BST[:, None, None, :, :], scores_BKGST, _MASKED)
-        probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(self.dtype)
-        out_BKGSH = jnp.einsum("BKGST,BKTH->BKGSH", probs_BKGST, v_BKTH)
+        out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
         return _dense(self, c.dim, "wo", residual=True)(out_MNH).reshape(B, S, D), cache
 
@@ -214,15 +228,16 @@ class Block(nn.Module):
     config: LlamaConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    attention: str = "auto"
 
     @nn.compact
-    def __call__(self, carry, layer, cos_BSh, sin_BSh, mask_BST):
+    def __call__(self, carry, layer, cos_BSh, sin_BSh, mask: AttentionMask | None):
         """carry = (x (B, S, D), the KVCache or None) -> (carry, None): the signature nn.scan
         expects (layer, this block's index, is scanned over; the rest is broadcast)."""
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         x_BSD, cache = carry
-        attended, cache = Attention(c, **kw, name="attention")(
-            RMSNorm(c.norm_eps, **kw, name="attention_norm")(x_BSD), cos_BSh, sin_BSh, mask_BST,
+        attended, cache = Attention(c, **kw, attention=self.attention, name="attention")(
+            RMSNorm(c.norm_eps, **kw, name="attention_norm")(x_BSD), cos_BSh, sin_BSh, mask,
             cache, layer)
         h = x_BSD + attended
         out = h + FeedForward(c, **kw, name="feed_forward")(RMSNorm(c.norm_eps, **kw, name="ffn_norm")(h))
@@ -234,6 +249,7 @@ class Llama(nn.Module):
 
     scan_layers: run the blocks with nn.scan (parameters stacked on a leading L axis), so compile
     time does not grow with depth. remat: recompute each block's activations in the backward pass.
+    attention: xla, chunked, cudnn or auto (jax_llama.attention).
     """
 
     config: LlamaConfig
@@ -241,38 +257,47 @@ class Llama(nn.Module):
     param_dtype: Dtype = jnp.float32
     scan_layers: bool = False
     remat: bool = False
+    attention: str = "auto"
 
-    def __call__(self, tokens_BS, positions=None, attention_mask=None):
+    def __call__(self, tokens_BS, positions=None, attention_mask=None, segment_ids=None):
         """tokens (B, S) int -> logits (B, S, V) float32 (see run for the arguments)."""
-        return self.run(tokens_BS, positions, attention_mask).logits
+        return self.run(tokens_BS, positions, attention_mask, segment_ids).logits
 
     @nn.compact
-    def run(self, tokens_BS, positions=None, attention_mask=None, cache: KVCache | None = None,
-            lm_head: bool = True) -> LlamaOutput:
+    def run(self, tokens_BS, positions=None, attention_mask=None, segment_ids=None,
+            cache: KVCache | None = None, lm_head: bool = True) -> LlamaOutput:
         """tokens (B, S) int -> LlamaOutput(logits (B, S, V) float32, final hidden states
         (B, S, D), the advanced cache when one is given).
 
         positions: (S,) or (B, S); default 0..S-1, or, when attention_mask is given, each row
         counting only its real tokens, so a left-padded row sees the positions it would alone.
         attention_mask: (B, S), 1 for real tokens and 0 for padding; combined with the causal mask.
+        segment_ids: (B, S) ints, one per document of a packed row (contiguous runs): a token
+        attends only to earlier tokens of its own segment, and positions restart at each one.
         cache: a KVCache; the S tokens then go into its slots [index, index + S), take the
         positions that follow each row's previous tokens, and attend to every earlier valid slot.
         lm_head=False skips the vocabulary projection (logits None): what a classification head
         reads is the hidden states.
         """
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        check_inputs(tokens_BS, c.vocab_size, positions, attention_mask)
+        check_inputs(tokens_BS, c.vocab_size, positions, attention_mask, segment_ids)
         B, S = tokens_BS.shape
+        T = S if cache is None else cache.length
+        choose(self.attention, S, T)  # an implementation the backend lacks: refused here
         valid_BS = (jnp.ones((B, S), bool) if attention_mask is None
                     else jnp.asarray(attention_mask).astype(bool))
-        mask_BST = None  # plain causal
+        mask = None  # plain causal
         if cache is not None:
-            cache, mask_BST, default_positions = cache.reserve(valid_BS)
-            positions = default_positions if positions is None else positions
-        elif attention_mask is not None:
-            mask_BST = jnp.tril(jnp.ones((S, S), dtype=bool))[None] & valid_BS[:, None, :]
+            if segment_ids is not None:
+                raise BridgeError("not with a KV cache (segments are for packed training rows)",
+                                  field="segment_ids")
+            cache, mask, cached_positions = cache.reserve(valid_BS)
+            positions = cached_positions if positions is None else positions
+        elif attention_mask is not None or segment_ids is not None:
+            segments_BS = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+            mask = AttentionMask.causal(S, None if attention_mask is None else valid_BS, segments_BS)
             if positions is None:
-                positions = jnp.maximum(jnp.cumsum(valid_BS, axis=-1) - 1, 0)
+                positions = default_positions(valid_BS, segments_BS)
         if positions is None:
             positions = jnp.arange(S)
         cos_BSh, sin_BSh = rope_cos_sin(positions, rope_inv_freq(c.head_dim, c.rope_theta,
@@ -281,14 +306,16 @@ class Llama(nn.Module):
         embed = nn.Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), name="tok_embeddings")
         carry = (embed(tokens_BS), cache)
         block = nn.remat(Block, prevent_cse=not self.scan_layers) if self.remat else Block
+        kw_blocks = dict(kw, attention=self.attention)
         if self.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                             in_axes=(0,) + (nn.broadcast,) * 3, length=c.n_layers)
-            carry, _ = stack(c, **kw, name="layers")(carry, jnp.arange(c.n_layers), cos_BSh,
-                                                      sin_BSh, mask_BST)
+            carry, _ = stack(c, **kw_blocks, name="layers")(carry, jnp.arange(c.n_layers), cos_BSh,
+                                                             sin_BSh, mask)
         else:
             for i in range(c.n_layers):
-                carry, _ = block(c, **kw, name=f"layers_{i}")(carry, i, cos_BSh, sin_BSh, mask_BST)
+                carry, _ = block(c, **kw_blocks, name=f"layers_{i}")(carry, i, cos_BSh, sin_BSh,
+                                                                     mask)
         x_BSD, cache = carry
         h_BSD = RMSNorm(c.norm_eps, **kw, name="norm")(x_BSD)
         if not lm_head:
@@ -324,13 +351,14 @@ class LlamaClassifier(nn.Module):
     param_dtype: Dtype = jnp.float32
     scan_layers: bool = False
     remat: bool = False
+    attention: str = "auto"
 
     @nn.compact
     def __call__(self, tokens_BS, attention_mask, deterministic: bool = True):
         """tokens (B, S) int, attention_mask (B, S) with at least one real token per row ->
         log-probabilities (B, C) float32. Training (deterministic=False) needs a 'dropout' rng."""
         h_BSD = Llama(self.config, self.dtype, self.param_dtype, self.scan_layers, self.remat,
-                      name="llama").run(tokens_BS, attention_mask=attention_mask,
+                      self.attention, name="llama").run(tokens_BS, attention_mask=attention_mask,
                                         lm_head=False).hidden
         h_BD = h_BSD[jnp.arange(h_BSD.shape[0]), last_real_index(attention_mask)]
         h_BD = nn.Dropout(self.dropout)(h_BD, deterministic=deterministic)
@@ -339,14 +367,18 @@ class LlamaClassifier(nn.Module):
         return jax.nn.log_softmax(logits_BC.astype(jnp.float32), axis=-1)
 
 
-def check_inputs(tokens, vocab_size: int, positions=None, attention_mask=None) -> None:
+def check_inputs(tokens, vocab_size: int, positions=None, attention_mask=None,
+                 segment_ids=None) -> None:
     """bridge.inputs.check_inputs on JAX values: shapes always, token values only where they are
     on the host already (a numpy array, or a concrete array on the CPU): never a traced value,
     and never a copy off an accelerator."""
     _check_inputs(jnp.shape(tokens), jnp.issubdtype(jnp.result_type(tokens), jnp.integer),
                   vocab_size, ids=tokens if _on_host(tokens) else None,
                   positions_shape=None if positions is None else jnp.shape(positions),
-                  mask_shape=None if attention_mask is None else jnp.shape(attention_mask))
+                  mask_shape=None if attention_mask is None else jnp.shape(attention_mask),
+                  segments_shape=None if segment_ids is None else jnp.shape(segment_ids),
+                  segments_integer=segment_ids is None
+                  or jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer))
 
 
 def _on_host(x) -> bool:
@@ -363,13 +395,14 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 def init(config: LlamaConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32,
-         scan_layers: bool = False, remat: bool = False):
+         scan_layers: bool = False, remat: bool = False, attention: str = "auto"):
     """A Llama module and freshly initialised params.
 
     Traceable: `jax.eval_shape(lambda: init(cfg)[1])` gives the shapes without allocating.
     """
+    choose(attention, 1, 1)  # a bad name, or one the backend lacks, is refused before anything
     model = Llama(config, dtype=resolve_dtype(dtype), param_dtype=resolve_dtype(param_dtype),
-                  scan_layers=scan_layers, remat=remat)
+                  scan_layers=scan_layers, remat=remat, attention=attention)
     tokens = jnp.zeros((1, 1), dtype=jnp.int32)
     params = jax.jit(model.init)(jax.random.key(seed), tokens)["params"]
     return model, params

@@ -12,6 +12,7 @@ import torch_llama
 from bridge.errors import BridgeError
 from bridge.rope import rope_inv_freq
 from conftest import ATTENTION_KINDS, SCALING, random_tokens, small_config, torch_logits, torch_model
+from jax_llama.attention import AttentionMask
 from jax_llama.checkpoint import params_from_tensors, tensor_specs
 from reference import forward as reference_forward
 
@@ -43,16 +44,17 @@ def test_both_twins_match_independent_reference(kind, scaled):
     np.testing.assert_allclose(torch_logits(tmodel, tokens), expected, rtol=0, atol=ATOL)
 
 
-def test_gqa_with_all_kv_heads_is_plain_multi_head_attention(rng):
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_gqa_with_all_kv_heads_is_plain_multi_head_attention(rng, implementation):
     """The grouped (B, S, K, G, H) attention with K = N equals textbook per-head attention."""
     config = small_config(n_kv_heads=6)
-    attn = jax_llama.Attention(config)
+    attn = jax_llama.Attention(config, attention=implementation)
     x = rng.standard_normal((2, 5, 48)).astype(np.float32)
     cos = np.ones((1, 5, 4), np.float32)   # identity rotation: isolate the attention itself
     sin = np.zeros((1, 5, 4), np.float32)
+    params = attn.init(jax.random.key(0), x, cos, sin)["params"]
+    out = np.asarray(attn.apply({"params": params}, x, cos, sin, AttentionMask.causal(5))[0])
     mask = np.tril(np.ones((5, 5), bool))[None]
-    params = attn.init(jax.random.key(0), x, cos, sin, mask)["params"]
-    out = np.asarray(attn.apply({"params": params}, x, cos, sin, mask)[0])
 
     w = {k: np.asarray(v["kernel"], np.float64) for k, v in params.items()}
     expected = np.zeros((2, 5, 48))

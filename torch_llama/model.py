@@ -72,6 +72,51 @@ def apply_rope(x_BSNH: torch.Tensor, positions, theta: float = 10000.0,
     return rotate(x_BSNH, *rope_cos_sin(torch.as_tensor(positions, device=x_BSNH.device), inv_freq_h))
 
 
+def default_positions(valid_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, S) RoPE positions that count only real tokens (valid_BS True), restarting at 0 where a
+    segment begins (jax_llama.model.default_positions' twin). Segments are contiguous runs."""
+    valid_BS = valid_BS.long()
+    seen_BS = valid_BS.cumsum(-1)                              # real tokens up to and including s
+    if segments_BS is None:
+        return (seen_BS - 1).clamp(min=0)
+    S = valid_BS.shape[1]
+    starts_BS = torch.ones_like(segments_BS, dtype=torch.bool)
+    starts_BS[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
+    index_S = torch.arange(S, device=valid_BS.device)
+    start_BS = torch.where(starts_BS, index_S, 0).cummax(dim=1).values
+    before_BS = (seen_BS - valid_BS).gather(1, start_BS)     # real tokens before the segment
+    return (seen_BS - 1 - before_BS).clamp(min=0)
+
+
+@dataclass
+class AttentionMask:
+    """Query s may attend key slot t when t <= q_slots[s] (causal), valid[b, t] (a real token)
+    and q_segments[b, s] == k_segments[b, t] (same document); None fields are not restrictions
+    (jax_llama.attention.AttentionMask's twin, which builds the dense mask only for the
+    implementations that need it; SDPA here always does)."""
+
+    q_slots: torch.Tensor                      # (S,) int64: the key slot each query occupies
+    valid: torch.Tensor | None = None          # (B, T) bool
+    q_segments: torch.Tensor | None = None     # (B, S)
+    k_segments: torch.Tensor | None = None     # (B, T)
+
+    @classmethod
+    def causal(cls, S: int, valid_BS=None, segments_BS=None, device=None) -> "AttentionMask":
+        """S tokens attending to themselves (no cache): query s at slot s."""
+        return cls(q_slots=torch.arange(S, device=device), valid=valid_BS,
+                   q_segments=segments_BS, k_segments=segments_BS)
+
+    def dense(self, T: int) -> torch.Tensor:
+        """The (B or 1, S, T) boolean mask."""
+        k_slots = torch.arange(T, device=self.q_slots.device)
+        allowed = (k_slots[None, :] <= self.q_slots[:, None])[None]
+        if self.valid is not None:
+            allowed = allowed & self.valid[:, None, :]
+        if self.q_segments is not None:
+            allowed = allowed & (self.q_segments[:, :, None] == self.k_segments[:, None, :])
+        return allowed
+
+
 # -- the key/value cache for generation ----------------------------------------------------------
 
 @dataclass
@@ -106,7 +151,7 @@ class KVCache:
 
     def reserve(self, valid_BS: torch.Tensor):
         """Make room for S new tokens at slots [index, index + S), valid where valid_BS (B, S) is
-        -> (this cache, advanced in place; mask (B, S, T), True where a new query may attend: the
+        -> (this cache, advanced in place; the AttentionMask of the new queries: each sees the
         valid slots up to its own; positions (B, S) of the new tokens)."""
         (B, S), T, start = valid_BS.shape, self.length, self.index
         if self.valid.shape[0] != B:
@@ -116,13 +161,12 @@ class KVCache:
                               field="cache")
         valid_BS = valid_BS.to(self.valid.device)
         self.valid[:, start:start + S] = valid_BS
-        slots_S = torch.arange(start, start + S, device=self.valid.device)
-        mask_BST = (torch.arange(T, device=self.valid.device)[None, None, :] <= slots_S[None, :, None]
-                    ) & self.valid[:, None, :]
-        positions_BS = self.positions[:, None] + (valid_BS.long().cumsum(-1) - 1).clamp(min=0)
+        mask = AttentionMask(q_slots=torch.arange(start, start + S, device=self.valid.device),
+                             valid=self.valid)
+        positions_BS = self.positions[:, None] + default_positions(valid_BS)
         self.positions += valid_BS.sum(-1)
         self.index += S
-        return self, mask_BST, positions_BS
+        return self, mask, positions_BS
 
 
 @dataclass
@@ -148,12 +192,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
-    def forward(self, x_BSD, cos_BSh, sin_BSh, mask_BST=None, cache: KVCache | None = None,
-                layer: int = 0):
+    def forward(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
+                cache: KVCache | None = None, layer: int = 0):
         """x (B, S, D) -> out (B, S, D).
 
-        mask_BST: bool (B, S, T), True where query s may attend key t; None is plain causal
-        attention over these S tokens. With a cache (already reserved for these tokens), the new
+        mask: which key each query may attend (causal, padding, segments); None is plain causal
+        attention over these S tokens (SDPA's is_causal: its flash kernels). With a cache (already reserved for these tokens), the new
         keys and values go into slots [index - S, index) of `layer` and the queries read all T
         slots of that layer.
         """
@@ -168,10 +212,11 @@ class Attention(nn.Module):
             cache.k[layer, :, :, cache.index - S:cache.index] = k_BKTH
             cache.v[layer, :, :, cache.index - S:cache.index] = v_BKTH
             k_BKTH, v_BKTH = cache.k[layer], cache.v[layer]
-        bias_B1ST = None if mask_BST is None else _additive(mask_BST[:, None], q_BSNH.dtype)
+        bias_B1ST = (None if mask is None
+                     else _additive(mask.dense(k_BKTH.shape[2])[:, None], q_BSNH.dtype))
         out_BNSH = F.scaled_dot_product_attention(
             q_BSNH.transpose(1, 2), k_BKTH, v_BKTH,
-            attn_mask=bias_B1ST, is_causal=mask_BST is None, enable_gqa=c.n_groups > 1)
+            attn_mask=bias_B1ST, is_causal=mask is None, enable_gqa=c.n_groups > 1)
         return self.wo(out_BNSH.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim))
 
 
@@ -198,10 +243,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
 
-    def forward(self, x_BSD, cos_BSh, sin_BSh, mask_BST=None, cache: KVCache | None = None,
-                layer: int = 0):
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_BSh, sin_BSh, mask_BST,
-                                   cache, layer)
+    def forward(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
+                cache: KVCache | None = None, layer: int = 0):
+        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_BSh, sin_BSh, mask, cache,
+                                   layer)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -232,35 +277,41 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None) -> torch.Tensor:
+    def forward(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None,
+                segment_ids=None) -> torch.Tensor:
         """tokens (B, S) int -> logits (B, S, V) float32 (see run for the arguments)."""
-        return self.run(tokens_BS, positions, attention_mask).logits
+        return self.run(tokens_BS, positions, attention_mask, segment_ids).logits
 
-    def run(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None,
+    def run(self, tokens_BS: torch.Tensor, positions=None, attention_mask=None, segment_ids=None,
             cache: KVCache | None = None, lm_head: bool = True) -> LlamaOutput:
         """tokens (B, S) int -> LlamaOutput(logits (B, S, V) float32, final hidden states
         (B, S, D), the cache advanced in place when one is given).
 
-        positions, attention_mask, cache and lm_head as in jax_llama.Llama.run: positions (S,) or
-        (B, S), by default counting only real tokens when attention_mask (B, S, 1 = real) is
-        given; with a cache the S tokens go into slots [index, index + S) and attend to every
+        positions, attention_mask, segment_ids, cache and lm_head as in jax_llama.Llama.run:
+        positions (S,) or (B, S), by default counting only real tokens when attention_mask
+        (B, S, 1 = real) is given and restarting at each segment (segment_ids (B, S), one id per
+        document of a packed row: a token attends only within its own); with a cache the S tokens go into slots [index, index + S) and attend to every
         earlier valid slot; lm_head=False skips the vocabulary projection (logits None).
         """
         c = self.config
-        check_inputs(tokens_BS, c.vocab_size, positions, attention_mask)
+        check_inputs(tokens_BS, c.vocab_size, positions, attention_mask, segment_ids)
         B, S = tokens_BS.shape
         device = tokens_BS.device
         valid_BS = (torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None
                     else torch.as_tensor(attention_mask, device=device).bool())
-        mask_BST = None  # plain causal
+        mask = None  # plain causal
         if cache is not None:
-            cache, mask_BST, default_positions = cache.reserve(valid_BS)
-            positions = default_positions if positions is None else positions
-        elif attention_mask is not None:
-            causal_ST = torch.ones(S, S, dtype=torch.bool, device=device).tril()
-            mask_BST = causal_ST[None] & valid_BS[:, None, :]
+            if segment_ids is not None:
+                raise BridgeError("not with a KV cache (segments are for packed training rows)",
+                                  field="segment_ids")
+            cache, mask, cached_positions = cache.reserve(valid_BS)
+            positions = cached_positions if positions is None else positions
+        elif attention_mask is not None or segment_ids is not None:
+            segments_BS = None if segment_ids is None else torch.as_tensor(segment_ids, device=device)
+            mask = AttentionMask.causal(S, None if attention_mask is None else valid_BS,
+                                        segments_BS, device=device)
             if positions is None:
-                positions = (valid_BS.long().cumsum(-1) - 1).clamp(min=0)
+                positions = default_positions(valid_BS, segments_BS)
         if positions is None:
             positions = torch.arange(S, device=device)
         positions = torch.as_tensor(positions, device=device)
@@ -268,7 +319,7 @@ class Llama(nn.Module):
 
         x_BSD = self.tok_embeddings(tokens_BS)
         for i, layer in enumerate(self.layers):
-            x_BSD = layer(x_BSD, cos_BSh, sin_BSh, mask_BST, cache, i)
+            x_BSD = layer(x_BSD, cos_BSh, sin_BSh, mask, cache, i)
         h_BSD = self.norm(x_BSD)
         if not lm_head:
             return LlamaOutput(logits=None, hidden=h_BSD, cache=cache)
@@ -320,15 +371,22 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def check_inputs(tokens: torch.Tensor, vocab_size: int, positions=None, attention_mask=None) -> None:
+def check_inputs(tokens: torch.Tensor, vocab_size: int, positions=None, attention_mask=None,
+                 segment_ids=None) -> None:
     """bridge.inputs.check_inputs on torch values (the same rules as jax_llama.check_inputs):
     shapes always, token values only where they are on the host already (a CPU tensor) - never
     a copy off an accelerator, which would stall every decode step."""
-    integer = not (tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool)
+    integer = _is_integer(tokens)
     _check_inputs(tokens.shape, integer, vocab_size,
                   ids=tokens.detach().numpy() if integer and tokens.device.type == "cpu" else None,
                   positions_shape=None if positions is None else np.shape(positions),
-                  mask_shape=None if attention_mask is None else np.shape(attention_mask))
+                  mask_shape=None if attention_mask is None else np.shape(attention_mask),
+                  segments_shape=None if segment_ids is None else np.shape(segment_ids),
+                  segments_integer=segment_ids is None or _is_integer(torch.as_tensor(segment_ids)))
+
+
+def _is_integer(x: torch.Tensor) -> bool:
+    return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
