@@ -1,0 +1,264 @@
+"""Attention implementations and segment ids: chunked (flash-style) against the xla reference,
+forward and gradients, with GQA, left padding, segments and the KV cache; memory that stays
+linear in S; packed documents that give what each document gives alone, in both twins; refusals.
+
+Blocks are made small (8 queries x 8 keys) in most tests, so that a 37-token sequence crosses
+several blocks, partial blocks and the causal diagonal - the cases a block-boundary bug would hit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jax_llama
+import torch_llama
+from bridge.errors import BridgeError
+from conftest import ATTENTION_KINDS, random_tokens, small_config, torch_logits
+from jax_llama import attention
+from jax_llama.attention import AttentionMask, attend
+from jax_llama.generate import generate
+from jax_llama.model import KVCache, default_positions
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(attention, "KEY_BLOCK", 8)
+
+
+def qkv(B=2, K=2, G=3, S=37, T=None, H=8, seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    T = T or S
+    return (jnp.asarray(rng.standard_normal((B, K, G, S, H)), dtype),
+            jnp.asarray(rng.standard_normal((B, K, T, H)), dtype),
+            jnp.asarray(rng.standard_normal((B, K, T, H)), dtype))
+
+
+def padded_segmented_mask(B=2, S=37):
+    """Row 1 left-padded over 5 tokens; row 0 two segments (documents) of 20 and 17 tokens."""
+    valid = np.ones((B, S), bool)
+    valid[1, :5] = False
+    segments = np.zeros((B, S), np.int32)
+    segments[0, 20:] = 1
+    return AttentionMask.causal(S, jnp.asarray(valid), jnp.asarray(segments)), valid
+
+
+# -- chunked against the reference ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, tolerance", [
+    # float32: the same sums in another order (blocks, online rescaling): ~1e-7 of values O(1).
+    (jnp.float32, 1e-5),
+    # bfloat16 inputs, float32 statistics: the probabilities are rounded to bfloat16 before the
+    # weighted sum in both (8 bits of mantissa, 4e-3 relative), at different moments.
+    (jnp.bfloat16, 3e-2),
+])
+def test_chunked_equals_xla_forward_and_gradients(small_blocks, dtype, tolerance):
+    q, k, v = qkv(dtype=dtype)
+    mask, valid = padded_segmented_mask()
+    real = jnp.asarray(valid)[:, None, None, :, None]  # a query that sees no key is never read
+    weights = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32) * real
+
+    def loss(implementation):
+        return lambda q, k, v: jnp.sum(attend(q, k, v, mask, implementation).astype(jnp.float32)
+                                       * weights)
+    ref, chunked = attend(q, k, v, mask, "xla"), attend(q, k, v, mask, "chunked")
+    assert chunked.dtype == dtype
+    np.testing.assert_allclose(np.where(real, chunked.astype(jnp.float32), 0),
+                               np.where(real, ref.astype(jnp.float32), 0), rtol=0, atol=tolerance)
+    grads_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.grad(loss("chunked"), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", grads, grads_ref):
+        scale = float(jnp.abs(b.astype(jnp.float32)).max())
+        np.testing.assert_allclose(a.astype(jnp.float32), b.astype(jnp.float32), rtol=0,
+                                   atol=tolerance * scale, err_msg=name)
+
+
+def test_a_wrong_block_mask_is_caught(small_blocks, monkeypatch):
+    """The comparison above can fail: a chunked path that forgets the segments differs."""
+    q, k, v = qkv()
+    mask, valid = padded_segmented_mask()
+    real = np.asarray(valid)[:, None, None, :, None]
+    ref = attend(q, k, v, mask, "xla")
+    no_segments = mask.replace(q_segments=None, k_segments=None)
+    wrong = attend(q, k, v, no_segments, "chunked")
+    assert np.abs(np.where(real, wrong - ref, 0)).max() > 0.1
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+def test_models_agree_across_implementations_with_padding(small_blocks, kind):
+    config = small_config(n_kv_heads=ATTENTION_KINDS[kind])
+    tokens = random_tokens(config, batch=2, seq_len=37)
+    mask = np.ones_like(tokens)
+    mask[1, :6] = 0
+    model, params = jax_llama.init(config, seed=3, attention="xla")
+    chunked = jax_llama.Llama(config, attention="chunked")
+    ref = np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))
+    got = np.asarray(chunked.apply({"params": params}, tokens, attention_mask=mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], ref[real], rtol=0, atol=1e-5)  # float32 reordering
+
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1), "mask": mask.astype(np.float32)}
+    from jax_llama.train import loss_fn
+    grad = jax.jit(jax.grad(loss_fn), static_argnums=1)
+    g_ref, g = grad(params, model, batch), grad(params, chunked, batch)
+    scale = max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(g_ref))
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_cached_decoding_equals_the_full_forward(small_blocks, implementation):
+    config = small_config()
+    model, params = jax_llama.init(config, seed=2, attention=implementation)
+    tokens = random_tokens(config, batch=2, seq_len=30)
+    mask = np.ones_like(tokens)
+    mask[1, :3] = 0
+    full = np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))
+    step = jax.jit(lambda p, t, m, c: model.apply({"params": p}, t, attention_mask=m, cache=c,
+                                                  method="run"))
+    out = step(params, tokens[:, :19], mask[:, :19], KVCache.create(config, 2, 40))
+    got = [np.asarray(out.logits)]
+    for t in range(19, 30):
+        out = step(params, tokens[:, t:t + 1], mask[:, t:t + 1], out.cache)
+        got.append(np.asarray(out.logits))
+    np.testing.assert_allclose(np.concatenate(got, axis=1)[mask.astype(bool)],
+                               full[mask.astype(bool)], rtol=0, atol=1e-5)
+
+
+def test_generation_is_the_same_with_either_implementation(small_blocks):
+    config = small_config(vocab_size=97, max_seq_len=64)
+    model, params = jax_llama.init(config, seed=4, attention="xla")
+    chunked = jax_llama.Llama(config, attention="chunked")
+    prompts = [list(range(1, 30)), [5, 6, 7]]
+    assert generate(chunked, params, prompts, 12).tokens == generate(model, params, prompts, 12).tokens
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+def compiled_temp_bytes(implementation: str, S: int) -> int:
+    """Scratch memory XLA plans for the forward and backward of one attention call."""
+    q = jax.ShapeDtypeStruct((1, 2, 2, S, 16), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, 2, S, 16), jnp.float32)
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v, AttentionMask.causal(S), implementation) ** 2)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_memory_stays_linear_in_the_sequence():
+    """From S = 1024 to 8192 (8x): the materialised scores grow 64x, chunked's scratch stays
+    within 2x (it holds one 512 x 512 block per head and vectors of length S)."""
+    xla = [compiled_temp_bytes("xla", S) for S in (1024, 8192)]
+    chunked = [compiled_temp_bytes("chunked", S) for S in (1024, 8192)]
+    assert xla[1] / xla[0] > 30
+    assert chunked[1] / chunked[0] < 2
+    assert chunked[1] < xla[1] / 50
+
+
+# -- segments: packed documents ------------------------------------------------------------------
+
+def packed_row(config, lengths=(5, 9, 3), pad=2, seed=0):
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(1, config.vocab_size, n).tolist() for n in lengths]
+    row = sum(docs, [])
+    tokens = np.array([row + [0] * pad], np.int32)
+    segments = np.array([sum([[i] * len(d) for i, d in enumerate(docs)], []) + [len(docs)] * pad],
+                        np.int32)
+    mask = np.array([[1] * len(row) + [0] * pad], np.int32)
+    return docs, tokens, segments, mask
+
+
+def test_positions_restart_at_each_segment_and_skip_padding():
+    valid = np.array([[0, 1, 1, 1, 1, 1, 1, 0]], bool)
+    segments = np.array([[0, 0, 0, 1, 1, 2, 2, 2]])
+    expected = [[0, 0, 1, 0, 1, 0, 1, 1]]
+    assert np.asarray(default_positions(valid, segments)).tolist() == expected
+    assert torch_llama.model.default_positions(torch.as_tensor(valid),
+                                               torch.as_tensor(segments)).tolist() == expected
+
+
+@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+def test_packed_documents_give_what_each_gives_alone_in_both_twins(small_blocks, implementation,
+                                                                  tmp_path):
+    """Per-document logits, losses and gradients of a packed row equal those of each document run
+    alone (float32: the same sums in another order, ~1e-7)."""
+    config = small_config()
+    model, params = jax_llama.init(config, seed=5, attention=implementation)
+    docs, tokens, segments, mask = packed_row(config)
+    packed = np.asarray(model.apply({"params": params}, tokens, attention_mask=mask,
+                                    segment_ids=segments))
+    jax_llama.save(tmp_path / "m", config, params)
+    tmodel = torch_llama.load(tmp_path / "m", device="cpu")
+    torch_packed = torch_logits(tmodel, tokens, attention_mask=mask, segment_ids=segments)
+    start = 0
+    for doc in docs:
+        alone = np.asarray(model.apply({"params": params}, np.array([doc], np.int32)))[0]
+        np.testing.assert_allclose(packed[0, start:start + len(doc)], alone, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(torch_packed[0, start:start + len(doc)], alone, rtol=0, atol=1e-5)
+        start += len(doc)
+    # Without segment ids the second document attends to the first: the check can fail.
+    plain = np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))
+    assert np.abs(plain[0, 5:14] - packed[0, 5:14]).max() > 1e-2
+
+    # Gradients: the packed row's loss (no target across a boundary) is the sum of the
+    # documents' own losses, so its gradient is the sum of theirs.
+    from jax_llama.train import loss_fn
+
+    def doc_batch(ids):
+        ids = np.array([ids], np.int32)
+        return {"inputs": ids[:, :-1], "targets": ids[:, 1:], "mask": np.ones((1, ids.shape[1] - 1))}
+    boundary = np.diff(segments[0]) == 0                     # target in the same document
+    packed_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                    "mask": (boundary & mask[0, 1:].astype(bool))[None].astype(np.float32),
+                    "segment_ids": segments[:, :-1], "attention_mask": mask[:, :-1]}
+    n_targets = [len(d) - 1 for d in docs]
+
+    def packed_loss(p):
+        logits = model.apply({"params": p}, packed_batch["inputs"],
+                             attention_mask=packed_batch["attention_mask"],
+                             segment_ids=packed_batch["segment_ids"])
+        logp = jax.nn.log_softmax(logits, -1)
+        nll = -jnp.take_along_axis(logp, packed_batch["targets"][..., None], -1)[..., 0]
+        return jnp.sum(nll * packed_batch["mask"])
+    expected = jax.jit(jax.grad(lambda p: sum(loss_fn(p, model, doc_batch(d)) * n
+                                              for d, n in zip(docs, n_targets))))(params)
+    got = jax.jit(jax.grad(packed_loss))(params)
+    scale = max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(expected))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("twin", ["jax", "torch"])
+@pytest.mark.parametrize("segments, message", [
+    (np.zeros((1, 3), np.int32), r"segment_ids: shape \(1, 3\) does not match tokens \(1, 4\)"),
+    (np.zeros((1, 4), np.float32), "segment_ids: expected integer segment ids"),
+])
+def test_bad_segment_ids_are_refused(twin, segments, message):
+    config = small_config()
+    tokens = np.array([[1, 2, 3, 4]])
+    with pytest.raises(BridgeError, match=message):
+        if twin == "jax":
+            model, params = jax_llama.init(config)
+            model.apply({"params": params}, tokens, segment_ids=segments)
+        else:
+            torch_llama.init(config)(torch.as_tensor(tokens), segment_ids=torch.as_tensor(segments))
+
+
+def test_segments_with_a_cache_and_unknown_implementations_are_refused():
+    config = small_config()
+    model, params = jax_llama.init(config)
+    with pytest.raises(BridgeError, match="segment_ids: not with a KV cache"):
+        model.apply({"params": params}, np.array([[1, 2]]), segment_ids=np.array([[0, 0]]),
+                    cache=KVCache.create(config, 1, 8), method="run")
+    with pytest.raises(BridgeError, match="attention: expected one of xla, chunked, cudnn, auto"):
+        jax_llama.init(config, attention="flash")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(BridgeError, match="attention: cudnn needs an NVIDIA GPU"):
+            jax_llama.init(config, attention="cudnn")
