@@ -4,8 +4,8 @@ Axis legend as in jax_llama.model; here q is grouped as (B, K, G, S, H) so that 
 its G query heads without a copy.
 
   xla      the scores (B, K, G, S, T) materialised whole, softmax, weighted sum: the reference.
-  chunked  blockwise attention with an online softmax (flash-style): query blocks of Q and key
-           blocks of C; memory linear in S, blocks above the causal diagonal skipped, and a backward
+  chunked  blockwise attention with an online softmax (flash-style): query blocks of Q positions
+           (Q x G rows: a kv head's G query heads together) and key blocks of C; memory linear in S, blocks above the causal diagonal skipped, and a backward
            pass (custom VJP) that recomputes each block from the saved log-sum-exp, so it stays
            linear too. Any backend.
   cudnn    jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, float16 / bfloat16.
@@ -137,13 +137,33 @@ def _pad_to(x, n: int, axis: int, value=0):
 
 
 def _padded_mask(mask: AttentionMask, S_pad: int, T: int, T_pad: int) -> AttentionMask:
-    """The mask over padded queries and keys: padded keys are never valid."""
-    valid = mask.valid if mask.valid is not None else jnp.ones((1, T), bool)
+    """The mask over padded queries and keys: padded keys are never valid (valid stays None
+    when every key is real, which lets the blocks below the diagonal skip the mask)."""
+    valid = mask.valid
+    if valid is None and T_pad > T:
+        valid = jnp.ones((1, T), bool)
     return AttentionMask(
         q_slots=_pad_to(mask.q_slots, S_pad, 0, value=-1),  # a padded query sees nothing
-        valid=_pad_to(valid, T_pad, 1, value=False),
+        valid=None if valid is None else _pad_to(valid, T_pad, 1, value=False),
         q_segments=None if mask.q_segments is None else _pad_to(mask.q_segments, S_pad, 1),
         k_segments=None if mask.k_segments is None else _pad_to(mask.k_segments, T_pad, 1))
+
+
+def _interior(mask: AttentionMask, q_start, Q: int, k_start, C: int):
+    """True when every query of the block may see every key of the block: wholly below the
+    causal diagonal, with no padding or segments to mask. Such a block needs no mask at all."""
+    if mask.valid is not None or mask.q_segments is not None:
+        return False
+    first_slot = jnp.min(jax.lax.dynamic_slice_in_dim(mask.q_slots, q_start, Q))
+    return k_start + C - 1 <= first_slot
+
+
+def _masked_where(interior, allowed_fn, x, fill):
+    """x where the block mask allows, else fill; the mask is not even built for an interior
+    block (lax.cond runs one branch)."""
+    if interior is False:
+        return jnp.where(allowed_fn(), x, fill)
+    return jax.lax.cond(interior, lambda: x, lambda: jnp.where(allowed_fn(), x, fill))
 
 
 def _key_blocks_needed(mask: AttentionMask, q_start, Q: int, C: int, n_k: int):
@@ -157,10 +177,12 @@ def _chunked(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask):
     S, T = q_BKGSH.shape[3], k_BKTH.shape[2]
     Q, n_q = _blocks(S, QUERY_BLOCK)
     C, n_k = _blocks(T, KEY_BLOCK)
-    q = _pad_to(q_BKGSH, Q * n_q, 3)
+    # Positions before groups: a block of Q queries is then Q * G contiguous rows (M), one plain
+    # batched matmul against a key block, which XLA:CPU runs far faster than over (G, Q).
+    q = _pad_to(q_BKGSH.transpose(0, 1, 3, 2, 4), Q * n_q, 2)        # (B, K, S, G, H)
     k, v = _pad_to(k_BKTH, C * n_k, 2), _pad_to(v_BKTH, C * n_k, 2)
     out = _flash(q, k, v, _padded_mask(mask, Q * n_q, T, C * n_k), Q, C)
-    return out[:, :, :, :S]
+    return out[:, :, :S].transpose(0, 1, 3, 2, 4)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -168,41 +190,57 @@ def _flash(q, k, v, mask, Q: int, C: int):
     return _flash_forward(q, k, v, mask, Q, C)[0]
 
 
+def _rows(x, start, Q: int):
+    """Queries [start, start + Q) of x (B, K, S, G, ...) as Q * G rows: (B, K, M, ...)."""
+    block = jax.lax.dynamic_slice_in_dim(x, start, Q, axis=2)
+    return block.reshape(*block.shape[:2], -1, *block.shape[4:])
+
+
+def _row_mask(mask: AttentionMask, q_start, Q: int, G: int, k_start, C: int):
+    """The block mask broadcast over the G query heads of each position: (B or 1, 1, M, C)."""
+    allowed = mask.block(q_start, Q, k_start, C)                         # (B, Q, C)
+    allowed = jnp.broadcast_to(allowed[:, :, None, :], (allowed.shape[0], Q, G, C))
+    return allowed.reshape(allowed.shape[0], 1, Q * G, C)
+
+
 def _flash_forward(q, k, v, mask: AttentionMask, Q: int, C: int):
-    """(out (B, K, G, S, H) in q's dtype, log-sum-exp (B, K, G, S) float32; +inf where a query
+    """(out (B, K, S, G, H) in q's dtype, log-sum-exp (B, K, S, G) float32; +inf where a query
     sees no key)."""
-    B, K, G, S, H = q.shape
-    n_q, n_k, scale = S // Q, k.shape[2] // C, 1.0 / math.sqrt(H)
+    B, K, S, G, H = q.shape
+    n_q, n_k, scale, M = S // Q, k.shape[2] // C, 1.0 / math.sqrt(H), Q * G
+    k_T = k.transpose(0, 1, 3, 2)                                       # (B, K, H, T)
 
     def query_block(i):
-        q_blk = jax.lax.dynamic_slice_in_dim(q, i * Q, Q, axis=3)
+        q_blk = _rows(q, i * Q, Q)                                      # (B, K, M, H)
 
         def key_block(j, carry):
             m, l, acc = carry
-            k_blk = jax.lax.dynamic_slice_in_dim(k, j * C, C, axis=2)
+            kT_blk = jax.lax.dynamic_slice_in_dim(k_T, j * C, C, axis=3)
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * C, C, axis=2)
-            allowed = mask.block(i * Q, Q, j * C, C)[:, None, None]          # (B, 1, 1, Q, C)
-            s = jnp.einsum("BKGQH,BKCH->BKGQC", q_blk, k_blk,
+            allowed = lambda: _row_mask(mask, i * Q, Q, G, j * C, C)  # noqa: E731
+            interior = _interior(mask, i * Q, Q, j * C, C)
+            s = jnp.einsum("BKMH,BKHC->BKMC", q_blk, kT_blk,
                            preferred_element_type=jnp.float32) * scale
-            m_new = jnp.maximum(m, jnp.max(jnp.where(allowed, s, _MASKED), axis=-1))
-            p = jnp.where(allowed, jnp.exp(s - m_new[..., None]), 0.0)
+            s = _masked_where(interior, allowed, s, _MASKED)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = _masked_where(interior, allowed, jnp.exp(s - m_new[..., None]), 0.0)
             correction = jnp.exp(m - m_new)
             l = l * correction + p.sum(-1)
             acc = acc * correction[..., None] + jnp.einsum(
-                "BKGQC,BKCH->BKGQH", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+                "BKMC,BKCH->BKMH", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
             return m_new, l, acc
 
-        start = (jnp.full((B, K, G, Q), _MASKED, jnp.float32), jnp.zeros((B, K, G, Q), jnp.float32),
-                 jnp.zeros((B, K, G, Q, H), jnp.float32))
+        start = (jnp.full((B, K, M), _MASKED, jnp.float32), jnp.zeros((B, K, M), jnp.float32),
+                 jnp.zeros((B, K, M, H), jnp.float32))
         m, l, acc = jax.lax.fori_loop(0, _key_blocks_needed(mask, i * Q, Q, C, n_k), key_block, start)
         seen = l > 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
-        return out.astype(q.dtype), lse
+        return out.astype(q.dtype).reshape(B, K, Q, G, H), lse.reshape(B, K, Q, G)
 
-    out, lse = jax.lax.map(query_block, jnp.arange(n_q))   # (n_q, B, K, G, Q, ...)
-    out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, S, H)
-    lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, S)
+    out, lse = jax.lax.map(query_block, jnp.arange(n_q))   # (n_q, B, K, Q, G, ...)
+    out = jnp.moveaxis(out, 0, 2).reshape(B, K, S, G, H)
+    lse = jnp.moveaxis(lse, 0, 2).reshape(B, K, S, G)
     return out, lse
 
 
@@ -212,47 +250,56 @@ def _flash_fwd(q, k, v, mask, Q, C):
 
 
 def _flash_bwd(Q, C, residuals, d_out):
-    """The flash backward: per key block, the query blocks that can see it; each (Q, C) block of
-    probabilities is recomputed from the log-sum-exp, so nothing of size S x T is kept."""
+    """The flash backward in two passes that keep only block-sized accumulators: per key block,
+    dK and dV over the query blocks that can see it; then per query block, dQ over the key blocks
+    it sees. Each (Q, C) block of probabilities is recomputed from the log-sum-exp (twice), so
+    nothing of size S x T is kept, and no full-size array is updated inside a loop."""
     q, k, v, mask, out, lse = residuals
-    B, K, G, S, H = q.shape
+    B, K, S, G, H = q.shape
     n_q, n_k, scale = S // Q, k.shape[2] // C, 1.0 / math.sqrt(H)
+    k_T, v_T = k.transpose(0, 1, 3, 2), v.transpose(0, 1, 3, 2)          # (B, K, H, T)
     # D = rowsum(dO * O): the softmax's own term in dS = P (dP - D)
-    delta = jnp.einsum("BKGSH,BKGSH->BKGS", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = jnp.einsum("BKSGH,BKSGH->BKSG", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
-    def key_block(d_q, j):
-        k_blk = jax.lax.dynamic_slice_in_dim(k, j * C, C, axis=2)
-        v_blk = jax.lax.dynamic_slice_in_dim(v, j * C, C, axis=2)
+    def block(i, j):
+        """(q rows, dO rows, P, dS) of query block i against key block j, (B, K, M, ...)."""
+        q_blk, do_blk = _rows(q, i * Q, Q), _rows(d_out, i * Q, Q)
+        lse_blk, delta_blk = _rows(lse, i * Q, Q), _rows(delta, i * Q, Q)
+        kT_blk = jax.lax.dynamic_slice_in_dim(k_T, j * C, C, axis=3)
+        vT_blk = jax.lax.dynamic_slice_in_dim(v_T, j * C, C, axis=3)
+        allowed = lambda: _row_mask(mask, i * Q, Q, G, j * C, C)  # noqa: E731
+        s = jnp.einsum("BKMH,BKHC->BKMC", q_blk, kT_blk, preferred_element_type=jnp.float32) * scale
+        p = _masked_where(_interior(mask, i * Q, Q, j * C, C), allowed,
+                          jnp.exp(s - lse_blk[..., None]), 0.0)
+        d_p = jnp.einsum("BKMH,BKHC->BKMC", do_blk, vT_blk, preferred_element_type=jnp.float32)
+        return q_blk, do_blk, p, p * (d_p - delta_blk[..., None]) * scale
 
-        def query_block(i, carry):
-            d_q, d_k, d_v = carry
-            q_blk = jax.lax.dynamic_slice_in_dim(q, i * Q, Q, axis=3)
-            do_blk = jax.lax.dynamic_slice_in_dim(d_out, i * Q, Q, axis=3)
-            lse_blk = jax.lax.dynamic_slice_in_dim(lse, i * Q, Q, axis=3)
-            delta_blk = jax.lax.dynamic_slice_in_dim(delta, i * Q, Q, axis=3)
-            allowed = mask.block(i * Q, Q, j * C, C)[:, None, None]
-            s = jnp.einsum("BKGQH,BKCH->BKGQC", q_blk, k_blk,
-                           preferred_element_type=jnp.float32) * scale
-            p = jnp.where(allowed, jnp.exp(s - lse_blk[..., None]), 0.0)
-            d_v = d_v + jnp.einsum("BKGQC,BKGQH->BKCH", p.astype(do_blk.dtype), do_blk,
+    def key_block(j):
+        def step(i, carry):
+            d_k, d_v = carry
+            q_blk, do_blk, p, d_s = block(i, j)
+            d_v = d_v + jnp.einsum("BKMC,BKMH->BKCH", p.astype(do_blk.dtype), do_blk,
                                    preferred_element_type=jnp.float32)
-            d_p = jnp.einsum("BKGQH,BKCH->BKGQC", do_blk, v_blk, preferred_element_type=jnp.float32)
-            d_s = p * (d_p - delta_blk[..., None]) * scale
-            d_q_blk = jnp.einsum("BKGQC,BKCH->BKGQH", d_s, k_blk.astype(jnp.float32))
-            d_q = jax.lax.dynamic_update_slice_in_dim(
-                d_q, jax.lax.dynamic_slice_in_dim(d_q, i * Q, Q, axis=3) + d_q_blk, i * Q, axis=3)
-            d_k = d_k + jnp.einsum("BKGQC,BKGQH->BKCH", d_s, q_blk.astype(jnp.float32))
-            return d_q, d_k, d_v
-
-        # Causality: query block i sees key block j only if its last slot reaches j * C.
-        first = _first_query_block(mask, j * C, Q, n_q)
+            d_k = d_k + jnp.einsum("BKMC,BKMH->BKCH", d_s, q_blk.astype(jnp.float32))
+            return d_k, d_v
         zeros = jnp.zeros((B, K, C, H), jnp.float32)
-        d_q, d_k, d_v = jax.lax.fori_loop(first, n_q, query_block, (d_q, zeros, zeros))
-        return d_q, (d_k, d_v)
+        # Causality: query block i sees key block j only if its last slot reaches j * C.
+        return jax.lax.fori_loop(_first_query_block(mask, j * C, Q, n_q), n_q, step, (zeros, zeros))
 
-    d_q, (d_k, d_v) = jax.lax.scan(key_block, jnp.zeros(q.shape, jnp.float32), jnp.arange(n_k))
+    def query_block(i):
+        def step(j, d_q):
+            _, _, _, d_s = block(i, j)
+            k_blk = jax.lax.dynamic_slice_in_dim(k, j * C, C, axis=2)
+            return d_q + jnp.einsum("BKMC,BKCH->BKMH", d_s, k_blk.astype(jnp.float32))
+        d_q = jax.lax.fori_loop(0, _key_blocks_needed(mask, i * Q, Q, C, n_k), step,
+                                jnp.zeros((B, K, Q * G, H), jnp.float32))
+        return d_q.reshape(B, K, Q, G, H)
+
+    d_k, d_v = jax.lax.map(key_block, jnp.arange(n_k))        # (n_k, B, K, C, H) each
+    d_q = jax.lax.map(query_block, jnp.arange(n_q))            # (n_q, B, K, Q, G, H)
     d_k = jnp.moveaxis(d_k, 0, 2).reshape(k.shape)
     d_v = jnp.moveaxis(d_v, 0, 2).reshape(v.shape)
+    d_q = jnp.moveaxis(d_q, 0, 2).reshape(q.shape)
     d_mask = jax.tree_util.tree_map(_zero_cotangent, mask)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_mask
 

@@ -36,6 +36,7 @@ from bridge.errors import BridgeError
 from bridge.inputs import length_batches, pad_rows
 from bridge.tokenizer import Tokenizer, find_tokenizer
 
+from .attention import choose
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .data import bucket
@@ -89,10 +90,12 @@ def backbone_params(lm_params: dict) -> tuple[dict, np.ndarray | None]:
 
 
 def new_classifier(config: LlamaConfig, labels: list[str], tokenizer: Tokenizer, max_len: int,
-                   dropout: float, seed: int, lm_params: dict | None = None) -> Classifier:
+                   dropout: float, seed: int, lm_params: dict | None = None,
+                   attention: str = "auto") -> Classifier:
     """A classifier with a fresh head on `lm_params` (LM params, e.g. from jax_llama.load), or on
     a randomly initialised backbone when None."""
-    model = LlamaClassifier(config, len(labels), dropout)
+    choose(attention, 1, 1)
+    model = LlamaClassifier(config, len(labels), dropout, attention=attention)
     tokens, mask = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
     params = jax.jit(model.init)(jax.random.key(seed), tokens, mask)["params"]
     if lm_params is None:
@@ -102,15 +105,15 @@ def new_classifier(config: LlamaConfig, labels: list[str], tokenizer: Tokenizer,
     return Classifier(model, params, labels, tokenizer, max_len, output)
 
 
-def load_classifier(path: str | Path, dtype=None) -> Classifier:
+def load_classifier(path: str | Path, dtype=None, attention: str = "auto") -> Classifier:
     """A classifier directory written by `finetune` (or Classifier.save)."""
-    model_lm, lm_params = load_checkpoint(path, dtype=dtype)
+    model_lm, lm_params = load_checkpoint(path, dtype=dtype, attention=attention)
     meta, weight, bias = read_head(path, model_lm.config)
     dtype = model_lm.dtype
     backbone, output = backbone_params(lm_params)
     head = {"kernel": jnp.asarray(weight.T, dtype), "bias": jnp.asarray(bias, dtype)}
     model = LlamaClassifier(model_lm.config, len(meta["labels"]), float(meta.get("dropout", 0.0)),
-                            dtype=dtype, param_dtype=dtype)
+                            dtype=dtype, param_dtype=dtype, attention=attention)
     return Classifier(model, {"llama": backbone, "classifier": head}, list(meta["labels"]),
                       find_tokenizer(str(path), None), int(meta["max_len"]), output)
 

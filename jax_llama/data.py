@@ -14,6 +14,7 @@ and grouped by bridge.inputs.length_batches so that little of each batch is padd
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -162,6 +163,96 @@ class Batches:
         mask = np.ones_like(targets, dtype=np.float32) if self.bos_id is None else (
             targets != self.bos_id).astype(np.float32)
         return {"inputs": inputs, "targets": targets, "mask": mask}
+
+
+def documents(tokens: np.ndarray, bos_id: int | None) -> np.ndarray:
+    """(N, 2) int64 (start, length) of each document in a flat token array: each begins at a
+    BOS (tokenize_corpus frames every file as BOS text EOS); without a BOS id, one document."""
+    if bos_id is None:
+        return np.array([[0, len(tokens)]], np.int64)
+    starts = np.flatnonzero(np.asarray(tokens) == bos_id)
+    if len(starts) == 0 or starts[0] != 0:
+        starts = np.concatenate([[0], starts])
+    return np.stack([starts, np.diff(np.append(starts, len(tokens)))], axis=1).astype(np.int64)
+
+
+def pack(docs: np.ndarray, row_len: int) -> list[list[tuple[int, int]]]:
+    """Rows of at most row_len tokens, each a list of (start, length) pieces of whole documents:
+    a document longer than a row is cut into row-sized pieces (the last piece is packed like a
+    short document); the rest are placed first-fit, longest first, so little room is left over."""
+    rows: list[list[tuple[int, int]]] = []
+    short = []
+    for start, length in docs.tolist():
+        while length > row_len:
+            rows.append([(start, row_len)])
+            start, length = start + row_len, length - row_len
+        if length:
+            short.append((start, length))
+    short.sort(key=lambda piece: -piece[1])
+    room: list[int] = []        # free tokens of each open row, in the order the rows were opened
+    open_rows: list[list[tuple[int, int]]] = []
+    for piece in short:
+        for i, free in enumerate(room):
+            if free >= piece[1]:
+                open_rows[i].append(piece)
+                room[i] -= piece[1]
+                break
+        else:
+            open_rows.append([piece])
+            room.append(row_len - piece[1])
+    return rows + open_rows
+
+
+@dataclass(frozen=True)
+class PackedBatches:
+    """Rows of whole documents (`--pack`): inputs, targets, a loss mask and segment ids.
+
+    Each row holds seq_len + 1 tokens from pack(); its documents are segments (a token attends
+    only within its own, positions restart at each), the tail it cannot fill is padding in a
+    segment of its own, and no target crosses a document boundary. batch(step) is a pure
+    function of (seed, step, process_index): rows are dealt out in an order drawn per epoch.
+    """
+
+    tokens: np.ndarray
+    batch_size: int          # rows drawn by this process
+    seq_len: int
+    seed: int = 0
+    process_index: int = 0
+    bos_id: int | None = None
+    pad_id: int = 0
+
+    @functools.cached_property
+    def rows(self) -> list[list[tuple[int, int]]]:
+        return pack(documents(self.tokens, self.bos_id), self.seq_len + 1)
+
+    def padding(self) -> float:
+        """The fraction of row tokens that are padding."""
+        used = sum(length for row in self.rows for _, length in row)
+        return 1.0 - used / (len(self.rows) * (self.seq_len + 1))
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        n = len(self.rows)
+        picks = []
+        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
+            epoch, at = divmod(i, n)
+            order = np.random.default_rng([self.seed, epoch, self.process_index]).permutation(n)
+            picks.append(self.rows[order[at]])
+        L = self.seq_len + 1
+        windows = np.full((len(picks), L), self.pad_id, np.int32)
+        segments = np.zeros((len(picks), L), np.int32)
+        for r, row in enumerate(picks):
+            at = 0
+            for s, (start, length) in enumerate(row):
+                windows[r, at:at + length] = np.asarray(self.tokens[start:start + length])
+                segments[r, at:at + length] = s
+                at += length
+            segments[r, at:] = len(row)  # the padding: a segment of its own
+        real = np.zeros((len(picks), L), bool)
+        for r, row in enumerate(picks):
+            real[r, :sum(length for _, length in row)] = True
+        same = (segments[:, 1:] == segments[:, :-1]) & real[:, 1:]
+        return {"inputs": windows[:, :-1], "targets": windows[:, 1:],
+                "mask": same.astype(np.float32), "segment_ids": segments[:, :-1]}
 
 
 def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:

@@ -282,6 +282,9 @@ class Llama(nn.Module):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         check_inputs(tokens_BS, c.vocab_size, positions, attention_mask, segment_ids)
         B, S = tokens_BS.shape
+        if S > c.max_seq_len:
+            raise BridgeError(f"{S} tokens in a row, more than max_seq_len {c.max_seq_len}",
+                              field="tokens")
         T = S if cache is None else cache.length
         choose(self.attention, S, T)  # an implementation the backend lacks: refused here
         valid_BS = (jnp.ones((B, S), bool) if attention_mask is None

@@ -30,6 +30,7 @@ from bridge.formats import open_checkpoint
 from bridge.tokenizer import load_tokenizer, train_tokenizer
 
 from . import data as data_lib
+from .attention import choose as choose_attention
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .model import Llama, init
@@ -56,6 +57,8 @@ class RunSpec:
     resume: bool = False
     sample_tokens: int = 64
     strip_labels: bool = False         # data files are `LABEL ||| TEXT` lines: train on the texts
+    pack: bool = False                 # rows of whole documents with segment ids, not windows
+    attention: str = "auto"            # the attention implementation (jax_llama.attention)
 
 
 def _say(message: str) -> None:
@@ -64,7 +67,8 @@ def _say(message: str) -> None:
 
 def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
     return {"model": config.to_dict(), "train": spec.train.to_dict(), "data": spec.data,
-            "tokenizer": spec.tokenizer, "init": spec.init, "strip_labels": spec.strip_labels}
+            "tokenizer": spec.tokenizer, "init": spec.init, "strip_labels": spec.strip_labels,
+            "pack": spec.pack}
 
 
 def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
@@ -75,8 +79,9 @@ def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
              if saved[part].get(k) != now[part].get(k)]
     diffs += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("data", "tokenizer", "init")
               if saved.get(k) != now[k]]
-    if saved.get("strip_labels", False) != now["strip_labels"]:
-        diffs.append(f"strip_labels: {saved.get('strip_labels', False)} -> {now['strip_labels']}")
+    for flag in ("strip_labels", "pack"):
+        if saved.get(flag, False) != now[flag]:
+            diffs.append(f"{flag}: {saved.get(flag, False)} -> {now[flag]}")
     if diffs:
         raise BridgeError(f"{spec.out} was trained with a different setup ({'; '.join(diffs)})",
                           field="resume")
@@ -112,6 +117,7 @@ def _model_config(spec: RunSpec, tokenizer) -> LlamaConfig:
 def train(spec: RunSpec) -> dict:
     """Run (or resume) training; returns a summary with the final losses and output paths."""
     tc = spec.train
+    choose_attention(spec.attention, 1, 1)  # refused before anything is read or written
     if spec.resume and not (spec.out / "run.json").is_file():
         raise BridgeError(f"{spec.out} holds no run to resume (no run.json)", field="resume")
     if not spec.resume and spec.out.exists() and any(spec.out.iterdir()):
@@ -138,14 +144,19 @@ def train(spec: RunSpec) -> dict:
     train_tokens, val_tokens = data_lib.split(tokens, 0.05, tc.seq_len + 1)
     unigram = data_lib.unigram_loss(train_tokens, val_tokens, config.vocab_size)
     local_batch = tc.batch_size // jax.process_count()
-    batches = data_lib.Batches(train_tokens, local_batch, tc.seq_len, tc.seed, jax.process_index(),
-                               tokenizer.bos_id)
-    val_batches = data_lib.Batches(val_tokens, local_batch, tc.seq_len, tc.seed + 1,
-                                   jax.process_index(), tokenizer.bos_id)
+    kind = data_lib.PackedBatches if spec.pack else data_lib.Batches
+    batches = kind(train_tokens, local_batch, tc.seq_len, tc.seed, jax.process_index(),
+                   tokenizer.bos_id)
+    val_batches = kind(val_tokens, local_batch, tc.seq_len, tc.seed + 1, jax.process_index(),
+                       tokenizer.bos_id)
     _say(f"{len(tokens):,} tokens ({len(train_tokens):,} train, {len(val_tokens):,} validation); "
          f"unigram baseline {unigram:.3f} nats/token")
+    if spec.pack:
+        _say(f"packed {len(batches.rows):,} rows of whole documents, {batches.padding():.1%} "
+             f"padding")
 
-    model = Llama(config, dtype=tc.dtype, scan_layers=spec.scan_layers, remat=spec.remat)
+    model = Llama(config, dtype=tc.dtype, scan_layers=spec.scan_layers, remat=spec.remat,
+                  attention=spec.attention)
     if spec.init:
         params = load_checkpoint(spec.init, dtype="float32", scan_layers=spec.scan_layers)[1]
     else:
@@ -255,18 +266,15 @@ def _plot(out: Path, unigram: float) -> str | None:
 
 
 def _sample(model, params, tokenizer, val_tokens, seq_len: int, n_new: int, seed: int) -> str:
-    """A short temperature-0.8 continuation of a validation prompt (full forward per token on a
-    fixed-size buffer, so it compiles once; the KV-cache generator is jax_llama.generate)."""
+    """A short temperature-0.8 continuation of the start of the validation tokens, with the
+    KV-cache generator."""
+    from bridge.sampling import Sampler
+
+    from .generate import generate
+
     if n_new <= 0:
         return ""
-    prompt = [int(t) for t in val_tokens[:max(1, seq_len // 4)]]
-    buffer = np.zeros((1, seq_len), np.int32)
-    n = min(len(prompt), seq_len - 1)
-    buffer[0, :n] = prompt[:n]
-    logits_at = jax.jit(lambda p, b, i: model.apply({"params": p}, b)[0, i])
-    key = jax.random.key(seed)
-    for _ in range(min(n_new, seq_len - n)):
-        key, sub = jax.random.split(key)
-        buffer[0, n] = int(jax.random.categorical(sub, logits_at(params, buffer, n - 1) / 0.8))
-        n += 1
-    return tokenizer.decode(buffer[0, :n].tolist())
+    prompt = [int(t) for t in val_tokens[:max(1, min(seq_len // 4, 64))]]
+    n_new = min(n_new, model.config.max_seq_len - len(prompt))
+    new = generate(model, params, [prompt], n_new, Sampler(temperature=0.8), seed=seed).tokens[0]
+    return tokenizer.decode(prompt + new)

@@ -110,8 +110,9 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
 
 
 def loss_fn(params, model, batch) -> jax.Array:
-    """Mean next-token cross-entropy over the tokens whose mask is 1, in float32."""
-    logits = model.apply({"params": params}, batch["inputs"])
+    """Mean next-token cross-entropy over the tokens whose mask is 1, in float32. A packed batch
+    carries segment_ids (each document attends only within itself)."""
+    logits = model.apply({"params": params}, batch["inputs"], segment_ids=batch.get("segment_ids"))
     nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
     mask = batch["mask"].astype(jnp.float32)
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)

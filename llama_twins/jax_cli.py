@@ -43,12 +43,17 @@ def cmd_train(args) -> int:
         model = LlamaConfig.from_dict(saved["model"])
     else:
         train_config, model = TrainConfig(**given), preset(args.preset)
+        if train_config.seq_len > model.max_seq_len and not args.init:
+            # A model trained from scratch has the context it is trained at.
+            model = model.replace(max_seq_len=train_config.seq_len)
     spec = RunSpec(out=out, model=model, train=train_config,
                    data=args.data if args.data is not None else saved.get("data", []),
                    tokenizer=args.tokenizer or saved.get("tokenizer"),
                    init=args.init or saved.get("init"), vocab_size=args.vocab_size, mesh=args.mesh,
                    scan_layers=args.scan_layers, remat=args.remat, resume=args.resume,
-                   sample_tokens=args.sample_tokens, strip_labels=args.strip_labels)
+                   sample_tokens=args.sample_tokens, strip_labels=args.strip_labels,
+                   pack=args.pack or saved.get("pack", False),
+                   attention=args.attention)
     if args.multi_host:
         import jax
         jax.distributed.initialize()
@@ -75,7 +80,7 @@ def cmd_generate(args) -> int:
     from jax_llama.generate import generate
 
     def load_model():
-        model, params = load(args.checkpoint, dtype=args.dtype)
+        model, params = load(args.checkpoint, dtype=args.dtype, attention=args.attention)
         return (model, params), model.config
 
     (model, params), tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
@@ -153,7 +158,7 @@ def cmd_finetune(args) -> int:
         raise BridgeError("--train / --dev: need labels on every line")
     lm_params = None
     if args.init:
-        model_lm, lm_params = load(args.init, dtype="float32")
+        model_lm, lm_params = load(args.init, dtype="float32", attention=args.attention)
         config = model_lm.config
         tokenizer = find_tokenizer(args.init, args.tokenizer)
         if tokenizer.vocab_size > config.vocab_size:
@@ -171,7 +176,8 @@ def cmd_finetune(args) -> int:
             eos_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,),
             max_seq_len=max(base.max_seq_len, fc.max_len))
     max_len = min(fc.max_len, config.max_seq_len)
-    clf = new_classifier(config, labels, tokenizer, max_len, fc.dropout, fc.seed, lm_params)
+    clf = new_classifier(config, labels, tokenizer, max_len, fc.dropout, fc.seed, lm_params,
+                         attention=args.attention)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(clf.params))
     print(f"fine-tuning {n_params / 1e6:.1f}M parameters ({'from ' + args.init if args.init else 'from scratch'}) "
           f"on {len(train.examples)} examples, {len(dev.examples)} dev, {len(labels)} labels",
@@ -196,7 +202,7 @@ def cmd_predict(args) -> int:
     from jax_llama.classify import load_classifier, predict
 
     clf = load_classifier(args.classifier if not (Path(args.classifier) / "best").is_dir()
-                          else Path(args.classifier) / "best")
+                          else Path(args.classifier) / "best", attention=args.attention)
     args.label_words = clf.labels
     dataset = _read_task(args, args.data, require_labels=False)
     predictions, _, cut = predict(clf, dataset.texts, args.batch_size, progress=True)
@@ -217,7 +223,7 @@ def cmd_zero_shot(args) -> int:
     tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
     args.label_words = labels = read_labels(args.labels)
     dataset = _read_task(args, args.data, require_labels=False)
-    model, params = load(args.checkpoint, dtype="float32")
+    model, params = load(args.checkpoint, dtype="float32", attention=args.attention)
     started = time.time()
     predictions, scores, cut = zero_shot(model, params, tokenizer, dataset.texts, labels,
                                          args.template, args.max_len, args.batch_size, progress=True,
@@ -262,6 +268,14 @@ def cmd_bench(args) -> int:
     return suite.run_command(args)
 
 
+def _add_attention_argument(p) -> None:
+    # Checked by the library (jax_llama.attention.choose), which also knows what the backend has.
+    p.add_argument("--attention", default="auto",
+                   help="attention implementation: xla (scores materialised), chunked (flash-style, "
+                        "memory linear in the sequence), cudnn (NVIDIA GPUs), auto (default: xla "
+                        "for short sequences, chunked for long ones)")
+
+
 def _add_task_arguments(p, labels: bool = True) -> None:
     if labels:
         p.add_argument("--labels", required=True, help="labels.json: the label words, in index order")
@@ -293,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strip-labels", action="store_true",
                    help="the data files are LABEL ||| TEXT lines (the classification format): "
                         "train on the texts only, e.g. continued pretraining on a task's text")
+    p.add_argument("--pack", action="store_true",
+                   help="rows of whole documents (split only when longer than a row), each its "
+                        "own segment: no attention and no loss across documents")
+    _add_attention_argument(p)
     for name, kind in TRAIN_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                        choices=DTYPE_NAMES if name == "dtype" else None)
@@ -301,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue prompts with a KV cache (greedy, temperature, top-k, top-p); "
                          "text streams as it is produced")
     add_generate_arguments(p)
+    _add_attention_argument(p)
     p.add_argument("--compare-torch", action="store_true",
                    help="decode greedily with both twins and report where they first differ")
     p = add_command(sub, "finetune", cmd_finetune,
@@ -327,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-malformed", action="store_true",
                    help="skip malformed lines (counted) instead of stopping at the first")
+    _add_attention_argument(p)
 
     p = add_command(sub, "zero-shot", cmd_zero_shot,
                     help="classify by prompting: the log-likelihood of each label word after a "
@@ -342,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the model's prior for the word there)")
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p)
+    _add_attention_argument(p)
 
     p = add_command(sub, "predict", cmd_predict,
                     help="a fine-tuned classifier's predictions, and accuracy when the file has "
@@ -350,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="LABEL ||| TEXT lines (or TEXT lines)")
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p, labels=False)
+    _add_attention_argument(p)
 
     p = add_command(sub, "split", cmd_split,
                     help="hold out a random fraction of a data file's lines")

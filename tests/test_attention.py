@@ -254,6 +254,11 @@ def test_bad_segment_ids_are_refused(twin, segments, message):
 def test_segments_with_a_cache_and_unknown_implementations_are_refused():
     config = small_config()
     model, params = jax_llama.init(config)
+    too_long = np.ones((1, config.max_seq_len + 1), np.int32)
+    with pytest.raises(BridgeError, match="tokens: 65 tokens in a row, more than max_seq_len 64"):
+        model.apply({"params": params}, too_long)
+    with pytest.raises(BridgeError, match="tokens: 65 tokens in a row, more than max_seq_len 64"):
+        torch_llama.init(config)(torch.as_tensor(too_long))
     with pytest.raises(BridgeError, match="segment_ids: not with a KV cache"):
         model.apply({"params": params}, np.array([[1, 2]]), segment_ids=np.array([[0, 0]]),
                     cache=KVCache.create(config, 1, 8), method="run")

@@ -92,3 +92,53 @@ def test_unigram_loss_by_hand():
     # Train counts [2, 1, 0] + 1 smoothing -> p = [3/6, 2/6, 1/6]; val tokens 0 and 2.
     loss = data.unigram_loss(np.array([0, 0, 1]), np.array([0, 2]), vocab_size=3)
     assert loss == pytest.approx(-(math.log(3 / 6) + math.log(1 / 6)) / 2, rel=1e-12)
+
+
+# -- packing: rows of whole documents ----------------------------------------------------------
+
+def corpus_of(lengths, bos=0, seed=0):
+    """A flat token stream of documents of the given lengths, each starting with BOS."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([np.concatenate([[bos], rng.integers(1, 50, n - 1)]) for n in lengths]
+                          ).astype(np.uint16)
+
+
+def test_documents_are_found_at_each_bos():
+    tokens = corpus_of([3, 5, 1, 4])
+    assert data.documents(tokens, 0).tolist() == [[0, 3], [3, 5], [8, 1], [9, 4]]
+    assert data.documents(tokens, None).tolist() == [[0, 13]]
+
+
+def test_pack_keeps_documents_whole_unless_longer_than_a_row():
+    lengths = [10, 3, 25, 7, 16, 1, 9]
+    docs = data.documents(corpus_of(lengths), 0)
+    rows = data.pack(docs, 16)
+    pieces = sorted(piece for row in rows for piece in row)
+    assert all(sum(n for _, n in row) <= 16 for row in rows)
+    # every token exactly once: the pieces tile the stream
+    assert pieces[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
+    assert pieces[-1][0] + pieces[-1][1] == sum(lengths)
+    # only the 25-token document is cut (into 16 + 9); the rest stay whole
+    starts = {start for start, _ in pieces}
+    doc_starts = set(docs[:, 0].tolist())
+    assert starts - doc_starts == {13 + 16}
+    assert len(rows) == 5  # 71 tokens in rows of 16: first-fit leaves one row's worth of room
+
+
+def test_packed_batches_mask_every_target_across_a_boundary():
+    tokens = corpus_of([6, 4, 9, 3, 2, 7], seed=1)  # BOS is 0, and so is the padding
+    packed = data.PackedBatches(tokens, batch_size=3, seq_len=8, seed=0, bos_id=0)
+    b = packed.batch(0)
+    assert b["inputs"].shape == b["mask"].shape == b["segment_ids"].shape == (3, 8)
+    np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+    order = np.random.default_rng([0, 0, 0]).permutation(len(packed.rows))
+    for r in range(3):
+        row = packed.rows[order[r]]
+        # Only the targets inside a document count: n - 1 of each n-token piece.
+        assert b["mask"][r].sum() == sum(n - 1 for _, n in row)
+        assert not b["mask"][r][b["targets"][r] == 0].any()   # no BOS, no padding learned
+        same = b["segment_ids"][r][1:] == b["segment_ids"][r][:-1]
+        assert not (b["mask"][r][:-1].astype(bool) & ~same).any()  # never across a boundary
+    assert packed.batch(0)["inputs"].tolist() == b["inputs"].tolist()  # a pure function of step
+    assert packed.batch(1)["inputs"].tolist() != b["inputs"].tolist()
+    assert 0 <= packed.padding() < 0.5

@@ -246,3 +246,22 @@ def test_cli_unknown_preset_lists_valid_ones(capsys):
     assert cli.main(["train", "--preset", "llama5"]) == 2
     err = capsys.readouterr().err
     assert "unknown preset 'llama5'; valid: llama2-7b" in err and "tiny" in err
+
+
+def test_packed_long_context_run_from_the_command_line(tmp_path, corpus, capsys):
+    """--pack with chunked attention at 4,096 tokens a row: a tiny model trained from scratch
+    gets the context it is trained at (the preset's max_seq_len is 256), packed rows keep each
+    document to itself, and a resume must keep --pack."""
+    from llama_twins import jax_cli as cli
+    argv = ["train", "--preset", "tiny", "--data", *[str(corpus / f"doc{i}.txt") for i in range(4)],
+            "--tokenizer", str(corpus / "tokenizer"), "--seq-len", "4096", "--batch-size", "2",
+            "--steps", "2", "--eval-every", "2", "--checkpoint-every", "2",
+            "--sample-tokens", "4", "--pack", "--attention", "chunked", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "packed" in err and "padding" in err
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["pack"] is True and record["model"]["max_seq_len"] == 4096
+    losses = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(np.isfinite(r["loss"]) for r in losses)
+    assert np.isfinite(losses[-1]["val_loss"])

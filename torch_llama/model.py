@@ -296,6 +296,9 @@ class Llama(nn.Module):
         c = self.config
         check_inputs(tokens_BS, c.vocab_size, positions, attention_mask, segment_ids)
         B, S = tokens_BS.shape
+        if S > c.max_seq_len:
+            raise BridgeError(f"{S} tokens in a row, more than max_seq_len {c.max_seq_len}",
+                              field="tokens")
         device = tokens_BS.device
         valid_BS = (torch.ones(B, S, dtype=torch.bool, device=device) if attention_mask is None
                     else torch.as_tensor(attention_mask, device=device).bool())

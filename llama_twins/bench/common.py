@@ -86,8 +86,9 @@ def torch_device():
     return torch.device("cpu"), lambda: None
 
 
-def transformers_model(config: LlamaConfig):
-    """A randomly initialised transformers.LlamaForCausalLM of `config` (float32, SDPA attention)."""
+def transformers_model(config: LlamaConfig, attention: str = "sdpa"):
+    """A randomly initialised transformers.LlamaForCausalLM of `config` (float32; attention
+    "sdpa", torch's fused kernels, or "eager", the scores materialised)."""
     import torch
     import transformers
 
@@ -96,7 +97,7 @@ def transformers_model(config: LlamaConfig):
               if k not in ("architectures", "model_type", "torch_dtype")}
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields,
-                                                                  attn_implementation="sdpa"))
+                                                                  attn_implementation=attention))
 
 
 # -- worker processes -------------------------------------------------------------------------

@@ -25,11 +25,14 @@ from bridge.config import preset as lookup_preset
 from bridge.errors import BridgeError
 from bridge.tensors import count_params
 
-from . import convert, decode, forward, train
+from . import convert, decode, forward, long, train
 from .common import (CONFIG, IMPLEMENTATIONS, Spec, WorkerFailed, available, describe,
                      missing_note, probe, run_rounds, say, spawn)
 
-BENCHES = ("forward", "train", "decode", "convert", "compile")
+BENCHES = ("forward", "train", "decode", "convert", "compile", "long")
+# What runs without --only: "long" (the train step up to 16K-token rows, ~an hour on a 2-core CPU)
+# runs when named.
+DEFAULT_BENCHES = BENCHES[:-1]
 IN_WORKERS = ("forward", "train", "decode")  # one worker process per implementation and round
 SUMMARIZE = {"forward": forward.summarize, "train": train.summarize,
              "decode": decode.summarize}
@@ -75,7 +78,8 @@ def make_plan(args) -> Plan:
     given = lambda key: getattr(args, key) if getattr(args, key) is not None else pick(key)  # noqa: E731
     preset = args.preset or ("tiny" if args.quick else None)
     config = lookup_preset(preset) if preset else CONFIG
-    benches = tuple(b.strip() for b in (args.only or ",".join(BENCHES)).split(",") if b.strip())
+    benches = tuple(b.strip() for b in (args.only or ",".join(DEFAULT_BENCHES)).split(",")
+                    if b.strip())
     unknown = [b for b in benches if b not in BENCHES]
     if unknown or not benches:
         raise BridgeError(f"unknown benchmark {unknown[0] if unknown else args.only!r}; "
@@ -122,6 +126,10 @@ def run(plan: Plan, command: str) -> dict:
         say(f"compiling the train step at {plan.depths[0]} and {plan.depths[1]} layers, with and "
             f"without scan_layers")
         results["compile"] = spawn("compile", spec, extra=("--depths", ",".join(map(str, plan.depths))))
+    if "long" in plan.benches:
+        say("long context: the train step at a fixed number of tokens as the rows grow")
+        results["long"] = long.run(config=spec.config, dtype=spec.dtype, transformers=note is None,
+                                   **(long.QUICK if plan.quick else {}))
     if "convert" in plan.benches:
         with tempfile.TemporaryDirectory(prefix="jax-llama-bench-") as workdir:
             results["convert"] = convert.bench_model(
@@ -169,6 +177,8 @@ def markdown(result: dict) -> str:
                   convert.markdown([c])]
     if "compile" in b:
         lines += ["", *train.compile_markdown(b["compile"])]
+    if "long" in b:
+        lines += ["", *long.markdown(b["long"]), "", "![tokens/s and memory against S](long.png)"]
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +206,8 @@ def run_command(args) -> int:
     out = Path(args.out)
     write_text(out / "bench.json", json.dumps(result, indent=2) + "\n")
     write_text(out / "bench.md", table)
+    if "long" in result["benchmarks"]:
+        long.plot(result["benchmarks"]["long"], out / "long.png")
     sys.stdout.write(table)
     say(f"{out / 'bench.md'}, {out / 'bench.json'} ({result['seconds']:.0f} s)")
     return 0

@@ -39,13 +39,13 @@ def batch(spec: Spec, seed: int = 0) -> dict[str, np.ndarray]:
             "mask": np.ones((spec.batch, spec.seq_len), np.float32)}
 
 
-def jax_step(spec: Spec):
+def jax_step(spec: Spec, attention: str = "auto"):
     import jax
 
     import jax_llama
     from jax_llama.train import init_state, jit_train_step, lm_loss, make_optimizer
     tc = train_config(spec)
-    model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype)
+    model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype, attention=attention)
     optimizer = make_optimizer(tc)
     holder = {"state": init_state(params, optimizer)}
     train_step = jit_train_step(lm_loss(model), optimizer, tc, holder["state"])
@@ -57,13 +57,13 @@ def jax_step(spec: Spec):
     return step, lambda: None
 
 
-def torch_step(spec: Spec, impl: str):
+def torch_step(spec: Spec, impl: str, attention: str = "sdpa"):
     import torch
 
     tc = train_config(spec)
     device, sync = torch_device()
     if impl == REFERENCE:
-        model = transformers_model(spec.config).to(device).train()
+        model = transformers_model(spec.config, attention).to(device).train()
         forward = lambda t: model(input_ids=t, use_cache=False).logits  # noqa: E731
         optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=(tc.b1, tc.b2), eps=tc.eps,
                                       weight_decay=tc.weight_decay)

@@ -17,7 +17,7 @@ import os
 import platform
 import sys
 
-from . import decode, forward, train
+from . import decode, forward, long, train
 from .common import IMPLEMENTATIONS, Spec
 
 MEASURE = {"forward": forward.measure, "train": train.measure,
@@ -67,16 +67,20 @@ def probe() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("job", choices=(*IMPLEMENTATIONS, "machine", "compile", "probe"))
+    parser.add_argument("job", choices=(*IMPLEMENTATIONS, "machine", "compile", "probe", "long"))
     parser.add_argument("--spec", required=True, help="a Spec as JSON")
     parser.add_argument("--benches", default="", help="comma-separated: forward, train, decode")
     parser.add_argument("--depths", default="4,32", help="compile: shallow,deep layer counts")
+    parser.add_argument("--variant", help="long: the implementation and attention, e.g. "
+                                          "'jax-llama chunked'")
     args = parser.parse_args(argv)
     spec = Spec.from_json(args.spec)
     if args.job == "machine":
         result = machine(spec)
     elif args.job == "probe":
         result = probe()
+    elif args.job == "long":
+        result = long.measure(args.variant, spec)
     elif args.job == "compile":
         shallow, deep = map(int, args.depths.split(","))
         result = train.compile_times(spec, (shallow, deep))
