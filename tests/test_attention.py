@@ -267,3 +267,42 @@ def test_segments_with_a_cache_and_unknown_implementations_are_refused():
     if jax.default_backend() != "gpu":
         with pytest.raises(BridgeError, match="attention: cudnn needs an NVIDIA GPU"):
             jax_llama.init(config, attention="cudnn")
+
+
+def test_a_prompt_of_thousands_of_tokens_generates_the_same_in_both_twins(tmp_path):
+    """A 2,500-token prompt: JAX's auto picks chunked for the prefill (2,560 x 2,576 scores per
+    head), torch runs SDPA over the cache; greedy tokens agree."""
+    config = jax_llama.PRESETS["tiny"].replace(max_seq_len=4096)
+    model, params = jax_llama.init(config, seed=0)
+    assert attention.choose("auto", 2560, 2576) == "chunked"
+    prompt = np.random.default_rng(0).integers(1, config.vocab_size, 2500).tolist()
+    jax_llama.save(tmp_path / "m", config, params)
+    tmodel = torch_llama.load(tmp_path / "m", device="cpu")
+    expected = torch_llama.generate(tmodel, [prompt], 8).tokens
+    assert generate(model, params, [prompt], 8).tokens == expected
+
+
+def test_long_bench_skips_what_would_not_fit_and_tabulates(tmp_path, monkeypatch):
+    """The long-context section without running it: points whose materialised scores exceed the
+    budget are skipped with the reason, the rest become rows, and the plot is written."""
+    from llama_twins.bench import long
+    from llama_twins.bench.common import CONFIG, Spec
+
+    spec = Spec(config=CONFIG.replace(max_seq_len=16384), batch=1, seq_len=16384)
+    assert long.scores_bytes(spec, "jax-llama chunked") == 0
+    assert long.scores_bytes(spec, "transformers eager") == 2 * 4 * 8 * 1 * 8 * 16384 ** 2  # 128 GiB
+    calls = []
+
+    def fake_spawn(job, spec, extra=()):
+        calls.append((extra[1], spec.seq_len))
+        return {"runs_s": [1.0, 2.0, 3.0], "peak_rss_bytes": 2**30 * spec.seq_len / 512}
+    monkeypatch.setattr(long, "spawn", fake_spawn)
+    monkeypatch.setattr(long, "budget_bytes", lambda: 2 * 4 * 8 * 8 * 1024 ** 2)  # fits up to S 1024
+    result = long.run(seq_lens=(512, 2048), tokens=2048)
+    assert ("jax-llama xla", 2048) not in calls and ("jax-llama chunked", 2048) in calls
+    assert result["rows"]["jax-llama xla"]["2048"]["skipped"].startswith("its scores need")
+    sdpa = result["rows"]["transformers sdpa"]["512"]
+    assert sdpa["tokens_per_s"] == 2048 / 2.0 and sdpa["vs_sdpa"] == 1.0
+    table = "\n".join(long.markdown(result))
+    assert "| jax-llama xla | 1,024 tok/s (1.00x sdpa), 1.0 GiB | not run: its scores need" in table
+    assert long.plot(result, tmp_path / "long.png") and (tmp_path / "long.png").stat().st_size > 0
