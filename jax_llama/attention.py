@@ -5,9 +5,11 @@ its G query heads without a copy.
 
   xla      the scores (B, K, G, S, T) materialised whole, softmax, weighted sum: the reference.
   chunked  blockwise attention with an online softmax (flash-style): query blocks of Q positions
-           (Q x G rows: a kv head's G query heads together) and key blocks of C; memory linear in S, blocks above the causal diagonal skipped, and a backward
-           pass (custom VJP) that recomputes each block from the saved log-sum-exp, so it stays
-           linear too. Any backend.
+           (Q x G rows: a kv head's G query heads together) against key blocks of C; memory
+           linear in S, blocks above the causal diagonal skipped, and a backward pass (custom
+           VJP) that recomputes each block from the saved log-sum-exp, so it stays linear too.
+           Blocks wholly below the diagonal, with no padding or segments, build no mask. Any
+           backend.
   cudnn    jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, float16 / bfloat16.
   auto     xla while the scores are small (a few million per head), chunked beyond: it never fails
            for lack of a kernel.
@@ -61,7 +63,8 @@ class AttentionMask(struct.PyTreeNode):
         k_slots = k_start + jnp.arange(C)
         allowed = (k_slots[None, :] <= q_slots[:, None])[None]
         if self.valid is not None:
-            allowed = allowed & jax.lax.dynamic_slice_in_dim(self.valid, k_start, C, axis=1)[:, None, :]
+            valid = jax.lax.dynamic_slice_in_dim(self.valid, k_start, C, axis=1)
+            allowed = allowed & valid[:, None, :]
         if self.q_segments is not None:
             q_seg = jax.lax.dynamic_slice_in_dim(self.q_segments, q_start, Q, axis=1)
             k_seg = jax.lax.dynamic_slice_in_dim(self.k_segments, k_start, C, axis=1)
@@ -119,7 +122,7 @@ def _cudnn(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask):
     return out_BSNH.transpose(0, 2, 1, 3).reshape(B, K, G, S, H)
 
 
-# -- chunked: an online softmax over key blocks, for one query block at a time ----------------------
+# -- chunked: an online softmax over key blocks, for one query block at a time --------------------
 
 def _blocks(n: int, size: int) -> tuple[int, int]:
     """(block size, number of blocks) covering n."""
@@ -232,7 +235,8 @@ def _flash_forward(q, k, v, mask: AttentionMask, Q: int, C: int):
 
         start = (jnp.full((B, K, M), _MASKED, jnp.float32), jnp.zeros((B, K, M), jnp.float32),
                  jnp.zeros((B, K, M, H), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, _key_blocks_needed(mask, i * Q, Q, C, n_k), key_block, start)
+        needed = _key_blocks_needed(mask, i * Q, Q, C, n_k)
+        m, l, acc = jax.lax.fori_loop(0, needed, key_block, start)
         seen = l > 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)

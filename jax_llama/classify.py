@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from bridge.classification import (DEFAULT_TEMPLATE, Dataset, accuracy, encode_texts, read_head, truncate_left,
-                                   write_head, write_predictions)
+from bridge.classification import (DEFAULT_TEMPLATE, Dataset, accuracy, encode_texts, read_head,
+                                   truncate_left, write_head, write_predictions)
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.inputs import length_batches, pad_rows

@@ -95,7 +95,8 @@ def _emit(d: Decoding, token_B, logprob_B, stop_ids) -> Decoding:
     return d.replace(step=d.step + 1, token_B=token_B,
                      done_B=d.done_B | jnp.isin(token_B, stop_ids),
                      tokens_BN=d.tokens_BN.at[:, d.step].set(token_B),
-                     logprobs_BN=d.logprobs_BN.at[:, d.step].set(jnp.where(d.done_B, 0.0, logprob_B)))
+                     logprobs_BN=d.logprobs_BN.at[:, d.step].set(
+                         jnp.where(d.done_B, 0.0, logprob_B)))
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len"))
