@@ -87,7 +87,7 @@ def run(seq_lens=SEQ_LENS, tokens: int = TOKENS, config=CONFIG, dtype: str = "fl
             try:
                 result = spawn("long", spec, extra=("--variant", variant))
             except WorkerFailed as e:  # an out-of-memory kill, or a failure: said, not fatal
-                result = {"skipped": f"failed: {str(e).splitlines()[0]}"}
+                result = {"skipped": _failure(str(e))}
             if "runs_s" in result:
                 result["tokens_per_s"] = spec.batch * S / statistics.median(result["runs_s"])
             rows[variant][str(S)] = result
@@ -101,9 +101,16 @@ def run(seq_lens=SEQ_LENS, tokens: int = TOKENS, config=CONFIG, dtype: str = "fl
             "dtype": dtype, "warmup": warmup, "repeats": repeats, "rows": rows}
 
 
+def _failure(message: str) -> str:
+    first = message.splitlines()[0].rstrip(":")
+    return "killed (out of memory)" if "exited with -9" in first else f"failed: {first}"
+
+
 def markdown(result: dict) -> list[str]:
     lines = [f"## Long context: the train step at {result['tokens']:,} tokens per batch "
-             f"(B = {result['tokens']:,} / S), {result['dtype']}, one worker process per point", "",
+             f"(B = {result['tokens']:,} / S), {result['dtype']}, one worker process per point, "
+             f"{result['warmup']} warm-up and {result['repeats']} timed steps each (the median); "
+             f"peak RSS of the process", "",
              "| implementation | " + " | ".join(f"S {S}" for S in result["seq_lens"]) + " |",
              "|---|" + "---|" * len(result["seq_lens"])]
     for variant, points in result["rows"].items():
@@ -111,7 +118,10 @@ def markdown(result: dict) -> list[str]:
         for S in map(str, result["seq_lens"]):
             p = points.get(S, {})
             if "skipped" in p:
-                cells.append(f"not run: {p['skipped']}")
+                reason = p["skipped"]
+                if reason.startswith("failed: ") and "exited with -9" in reason:
+                    reason = _failure(reason[len("failed: "):])
+                cells.append(reason if reason.startswith("killed") else f"not run: {reason}")
             else:
                 cells.append(f"{p['tokens_per_s']:,.0f} tok/s ({ratio(p.get('vs_sdpa'))} sdpa), "
                              f"{p['peak_rss_bytes'] / 2**30:.1f} GiB")

@@ -1,0 +1,83 @@
+"""What limits the long-context train step on CPU: one layer's attention, forward and backward,
+jax-llama's chunked implementation against torch's fused SDPA kernel, on the bench config's
+attention shape at S = 8192 (B 2, 8 query heads / 4 kv heads of 64, causal, float32).
+
+Each framework runs in a process of its own; median of 3 calls after a warm-up.
+
+    python scripts/profile_attention.py [--seq-len 8192] [--block 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+B, K, G, H = 2, 4, 2, 64
+
+
+def measure(framework: str, S: int, block: int) -> dict:
+    def timed(run) -> float:
+        run()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    if framework == "torch":
+        import torch
+        import torch.nn.functional as F
+        q = torch.randn(B, K * G, S, H, requires_grad=True)
+        k, v = (torch.randn(B, K, S, H, requires_grad=True) for _ in range(2))
+
+        def forward():
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def both():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+        return {"forward_s": timed(forward), "forward_backward_s": timed(both)}
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_llama import attention
+    attention.QUERY_BLOCK = attention.KEY_BLOCK = block
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, K, G, S, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, K, S, H)), jnp.float32) for _ in range(2))
+    mask = attention.AttentionMask.causal(S)
+    forward = jax.jit(lambda q, k, v: attention.attend(q, k, v, mask, "chunked"))
+    both = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention.attend(q, k, v, mask, "chunked")),
+                            argnums=(0, 1, 2)))
+    return {"forward_s": timed(lambda: jax.block_until_ready(forward(q, k, v))),
+            "forward_backward_s": timed(lambda: jax.block_until_ready(both(q, k, v)))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--block", type=int, default=512)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(measure(args.worker, args.seq_len, args.block)))
+        return
+    results = {}
+    for framework in ("jax", "torch"):
+        done = subprocess.run([sys.executable, __file__, "--worker", framework, "--seq-len",
+                               str(args.seq_len), "--block", str(args.block)],
+                              check=True, capture_output=True, text=True)
+        results[framework] = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("forward_s", "forward_backward_s"):
+        j, t = results["jax"][key], results["torch"][key]
+        print(f"{key}: jax-llama chunked {j:.2f} s, torch SDPA {t:.2f} s, torch / chunked {t / j:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
