@@ -306,3 +306,25 @@ def test_long_bench_skips_what_would_not_fit_and_tabulates(tmp_path, monkeypatch
     table = "\n".join(long.markdown(result))
     assert "| jax-llama xla | 1,024 tok/s (1.00x sdpa), 1.0 GiB | not run: its scores need" in table
     assert long.plot(result, tmp_path / "long.png") and (tmp_path / "long.png").stat().st_size > 0
+
+
+def test_packed_gradients_equal_the_documents_alone_in_the_torch_twin():
+    """The torch side of the packing check: the packed row's summed loss has the gradient of the
+    documents' own summed losses (float32, ~1e-7 of the scale)."""
+    config = small_config()
+    docs, tokens, segments, mask = packed_row(config, seed=3)
+    model = torch_llama.init(config, seed=1).train()
+    t = torch.as_tensor(tokens, dtype=torch.long)
+    logits = model(t[:, :-1], attention_mask=torch.as_tensor(mask[:, :-1]),
+                   segment_ids=torch.as_tensor(segments[:, :-1]))
+    same = torch.as_tensor((np.diff(segments[0]) == 0) & mask[0, 1:].astype(bool))
+    nll = torch.nn.functional.cross_entropy(logits[0], t[0, 1:], reduction="none")
+    (nll * same).sum().backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for doc in docs:
+        d = torch.as_tensor([doc])
+        torch.nn.functional.cross_entropy(model(d[:, :-1])[0], d[0, 1:], reduction="sum").backward()
+    scale = max(float(p.grad.abs().max()) for p in model.parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed[name], p.grad, rtol=0, atol=1e-5 * scale, msg=name)
