@@ -82,3 +82,21 @@ def save_random_checkpoint(path: Path, config: LlamaConfig, seed: int = 0,
     if tokenizer:
         ByteTokenizer().save(path)
     return path
+
+
+def cached_logits(model, params, tokens, mask, prefill: int, cache_len: int) -> np.ndarray:
+    """JAX logits of `tokens` (B, S) fed through a KV cache: a prefill of the first `prefill`
+    columns, then one column per step; (B, S, V), to compare with one full forward."""
+    import jax
+
+    from jax_llama.model import KVCache
+
+    step = jax.jit(lambda p, t, m, c: model.apply({"params": p}, t, attention_mask=m, cache=c,
+                                                  method="run"))
+    out = step(params, tokens[:, :prefill], mask[:, :prefill],
+               KVCache.create(model.config, tokens.shape[0], cache_len))
+    got = [np.asarray(out.logits)]
+    for t in range(prefill, tokens.shape[1]):
+        out = step(params, tokens[:, t:t + 1], mask[:, t:t + 1], out.cache)
+        got.append(np.asarray(out.logits))
+    return np.concatenate(got, axis=1)

@@ -17,7 +17,7 @@ import torch
 import jax_llama
 import torch_llama
 from bridge.errors import BridgeError
-from conftest import ATTENTION_KINDS, random_tokens, small_config, torch_logits
+from conftest import ATTENTION_KINDS, cached_logits, random_tokens, small_config, torch_logits
 from jax_llama import attention
 from jax_llama.attention import AttentionMask, attend
 from jax_llama.generate import generate
@@ -118,15 +118,8 @@ def test_cached_decoding_equals_the_full_forward(small_blocks, implementation):
     mask = np.ones_like(tokens)
     mask[1, :3] = 0
     full = np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))
-    step = jax.jit(lambda p, t, m, c: model.apply({"params": p}, t, attention_mask=m, cache=c,
-                                                  method="run"))
-    out = step(params, tokens[:, :19], mask[:, :19], KVCache.create(config, 2, 40))
-    got = [np.asarray(out.logits)]
-    for t in range(19, 30):
-        out = step(params, tokens[:, t:t + 1], mask[:, t:t + 1], out.cache)
-        got.append(np.asarray(out.logits))
-    np.testing.assert_allclose(np.concatenate(got, axis=1)[mask.astype(bool)],
-                               full[mask.astype(bool)], rtol=0, atol=1e-5)
+    got = cached_logits(model, params, tokens, mask, prefill=19, cache_len=40)  # 3 blocks, then 1
+    np.testing.assert_allclose(got[mask.astype(bool)], full[mask.astype(bool)], rtol=0, atol=1e-5)
 
 
 def test_generation_is_the_same_with_either_implementation(small_blocks):

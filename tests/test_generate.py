@@ -15,10 +15,10 @@ from bridge.prompts import encode_prompts, stop_ids
 from bridge.errors import BridgeError
 from bridge.sampling import Sampler
 from bridge.tokenizer import load_tokenizer
-from conftest import ATTENTION_KINDS, SHARED, random_tokens, save_random_checkpoint, small_config
+from conftest import (ATTENTION_KINDS, SHARED, cached_logits, random_tokens, save_random_checkpoint,
+                      small_config)
 from llama_twins import jax_cli
 from jax_llama.generate import compilations, generate, top_p_mask
-from jax_llama.model import KVCache
 
 LLAMA3 = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
 
@@ -39,17 +39,10 @@ def test_cached_logits_equal_the_full_forward_step_by_step(scan, kind):
     mask = np.ones_like(tokens)
     mask[1, :3] = 0  # row 1 left-padded
     full = np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))
-    step = jax.jit(lambda p, t, m, c: model.apply({"params": p}, t, attention_mask=m, cache=c,
-                                                  method="run"))
-    out = step(params, tokens[:, :6], mask[:, :6], KVCache.create(config, 2, 32))
-    got = [np.asarray(out.logits)]
-    for t in range(6, 14):
-        out = step(params, tokens[:, t:t + 1], mask[:, t:t + 1], out.cache)
-        got.append(np.asarray(out.logits))
+    got = cached_logits(model, params, tokens, mask, prefill=6, cache_len=32)
     # Same float32 math over the same keys, in another order (a masked slot contributes an exact
     # zero): differences are rounding, ~1e-7 on logits of O(1).
-    np.testing.assert_allclose(np.concatenate(got, axis=1)[mask.astype(bool)],
-                               full[mask.astype(bool)], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got[mask.astype(bool)], full[mask.astype(bool)], rtol=0, atol=1e-5)
 
 
 def test_left_padded_batch_gives_each_prompt_alone(tiny):
