@@ -12,11 +12,12 @@ from .config import RopeScaling
 from .errors import BridgeError
 
 
-def rope_inv_freq(head_dim: int, theta: float = 10000.0,
-                  scaling: RopeScaling | None = None) -> np.ndarray:
-    """Inverse frequencies theta^(-2i/H) for i < H/2, float32 of shape (H/2,).
+def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: RopeScaling | None = None,
+                  dtype=np.float32) -> np.ndarray:
+    """Inverse frequencies theta^(-2i/H) for i < H/2, of shape (H/2,) in `dtype`.
 
-    Computed in float64 and rounded once, so JAX and torch (and any device) agree exactly.
+    Computed in float64 and rounded once to float32 (the default), so JAX and torch (and any
+    device) agree exactly; the parity report's float64 reference keeps them exact.
     With `scaling` (LLaMA 3.1 "llama3" type) low frequencies are divided by `factor` and the
     band between low_freq_factor and high_freq_factor is interpolated, as Meta's apply_scaling.
     """
@@ -25,7 +26,7 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0,
     inv_freq = 1.0 / (float(theta) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is not None:
         inv_freq = _llama3_scale(inv_freq, scaling)
-    return inv_freq.astype(np.float32)
+    return inv_freq.astype(dtype)
 
 
 def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:

@@ -1,0 +1,131 @@
+"""Bugs planted in one twin, for the parity report's negative cases (tests/test_parity.py and
+scripts/parity_calibration.py). Each is a context manager that yields the keyword arguments of
+parity_report (torch_model= or jax_model=) for the broken twin, and patches module attributes for
+the optimizer bugs only while it is open. The float64 reference reads the checkpoint and builds
+its own optimizer, so no bug reaches it."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+import torch
+
+BLOCK = 1  # the block a weight bug is planted in
+
+BUGS = ("weight", "decay_mask", "no_clipping", "qk_permuted_twice", "rope_theta", "norm_eps")
+DESCRIPTIONS = {
+    "weight": f"0.01 added to one weight of block {BLOCK} (feed_forward.w2[3, 5])",
+    "decay_mask": "AdamW weight decay on every tensor (the norm gains too)",
+    "no_clipping": "no gradient clipping",
+    "qk_permuted_twice": "wq and wk rows permuted for half-split RoPE once more",
+    "rope_theta": "RoPE theta 1% too large",
+    "norm_eps": "RMSNorm eps 10x too large",
+}
+
+
+@contextlib.contextmanager
+def planted(bug: str, twin: str, path, dtype: str = "float32"):
+    """Open `bug` in `twin` ("torch" or "JAX") of the checkpoint at `path`; yields the keyword
+    arguments for parity_report."""
+    import jax_llama
+    import torch_llama
+
+    if twin == "torch":
+        tmodel = torch_llama.load(path, device="cpu", dtype=dtype)
+        with _torch_bug(bug, tmodel):
+            yield {"torch_model": tmodel}
+    elif twin == "JAX":
+        model, params = jax_llama.load(path, dtype=dtype)
+        with _jax_bug(bug, model, params, path, dtype) as broken:
+            yield {"jax_model": broken}
+    else:
+        raise ValueError(twin)
+
+
+@contextlib.contextmanager
+def _torch_bug(bug: str, tmodel):
+    import torch_llama
+    from bridge.formats.hf import to_half_split
+    from bridge.rope import rope_inv_freq
+    from torch_llama.model import RMSNorm
+
+    c = tmodel.config
+    with torch.no_grad():
+        if bug == "weight":
+            tmodel.layers[BLOCK].feed_forward.w2.weight[3, 5] += 0.01
+        elif bug == "qk_permuted_twice":
+            for layer in tmodel.layers:
+                for w, heads in ((layer.attention.wq, c.n_heads), (layer.attention.wk, c.n_kv_heads)):
+                    permuted = to_half_split(w.weight.float().numpy(), heads)
+                    w.weight.copy_(torch.from_numpy(permuted).to(w.weight.dtype))
+        elif bug == "rope_theta":
+            tmodel._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta * 1.01, c.rope_scaling)
+            tmodel._inv_freq_on.clear()
+        elif bug == "norm_eps":
+            for module in tmodel.modules():
+                if isinstance(module, RMSNorm):
+                    module.eps *= 10
+    if bug == "decay_mask":
+        with _patched(torch_llama, "decay_mask", lambda p: True):
+            yield
+    elif bug == "no_clipping":
+        with _patched(torch_llama, "clip_by_global_norm", lambda parameters, max_norm: None):
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def _jax_bug(bug: str, model, params, path, dtype):
+    import jax
+    import optax
+
+    import jax_llama.train as train
+    from bridge.formats import open_checkpoint
+    from bridge.formats.hf import to_half_split
+    from jax_llama.checkpoint import params_from_tensors
+
+    c = model.config
+    if bug in ("weight", "qk_permuted_twice"):
+        ckpt = open_checkpoint(path)
+
+        def get(name):
+            t = ckpt.tensor(name).astype(np.float32)
+            if bug == "weight" and name == f"layers.{BLOCK}.feed_forward.w2.weight":
+                t = t.copy()
+                t[3, 5] += 0.01
+            if bug == "qk_permuted_twice" and name.endswith(("attention.wq.weight",
+                                                             "attention.wk.weight")):
+                t = to_half_split(t, c.n_heads if name.endswith("wq.weight") else c.n_kv_heads)
+            return t
+        yield model, params_from_tensors(get, c, dtype=dtype)
+    elif bug in ("rope_theta", "norm_eps"):
+        field, value = (("rope_theta", c.rope_theta * 1.01) if bug == "rope_theta" else
+                        ("norm_eps", c.norm_eps * 10))
+        yield model.clone(config=dataclasses.replace(c, **{field: value})), params
+    elif bug == "decay_mask":
+        with _patched(train, "decay_mask", lambda p: jax.tree_util.tree_map(lambda _: True, p)):
+            yield model, params
+    elif bug == "no_clipping":
+        original = train.make_optimizer
+
+        def unclipped(tc):
+            return optax.adamw(train.lr_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps,
+                               weight_decay=tc.weight_decay, mask=train.decay_mask)
+        with _patched(train, "make_optimizer", unclipped):
+            yield model, params
+        assert train.make_optimizer is original
+    else:
+        raise ValueError(bug)
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
