@@ -42,7 +42,8 @@ def error_line(error: BridgeError, parser: argparse.ArgumentParser | None) -> st
     def setting(parameter, value) -> str:
         if parameter not in known:
             return python_setting(parameter, value)
-        return known[parameter] if value is True else f"{known[parameter]} {value}"
+        # a switch (store_true, or store_false as --no-...) is set by its flag alone
+        return known[parameter] if isinstance(value, bool) else f"{known[parameter]} {value}"
     return "error: " + error.render(name=lambda field: known.get(field, field), setting=setting)
 
 

@@ -50,9 +50,11 @@ def rows_of(report: dict) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoints", nargs="+", help="NAME=PATH")
+    parser.add_argument("checkpoints", nargs="*", help="NAME=PATH")
     parser.add_argument("--both-twins", default="random,main")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--merge", nargs="*", default=[],
+                        help="parity.json files of earlier runs to add to this one's tables")
     args = parser.parse_args(argv)
     checkpoints = dict(item.split("=", 1) for item in args.checkpoints)
     both = set(args.both_twins.split(","))
@@ -78,6 +80,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     meta = {"cpu": cpu_model(), "seconds": round(time.time() - started), "factor": FACTOR,
             "checkpoints": checkpoints}
+    for earlier in args.merge:
+        data = json.loads(Path(earlier).read_text())
+        results = data["results"] + results
+        meta["seconds"] += data["meta"]["seconds"]
+        meta["checkpoints"] = {**data["meta"]["checkpoints"], **meta["checkpoints"]}
     (out / "parity.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (out / "parity.md").write_text(markdown(meta, results))
     print(markdown(meta, results))
@@ -94,7 +101,8 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "", "| figure | float32 | bfloat16 |", "|---|---|---|"]
     correct = [r for r in results if r["bug"] is None]
     false_fails = [r for r in correct if not r["passed"]]
-    figures = list(dict.fromkeys(_figure(row) for r in correct for row in r["rows"]))
+    figures = list(dict.fromkeys(_figure(row) for r in correct for row in r["rows"]
+                                 if isinstance(row["tolerance"], float)))
     for figure in figures:
         cells = []
         for dtype in DTYPES:

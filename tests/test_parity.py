@@ -15,6 +15,7 @@ import torch
 import torch_llama
 from llama_twins import bridge_cli
 from llama_twins import parity
+from bridge.errors import BridgeError
 from bridge.formats.hf import config_to_hf
 from conftest import save_random_checkpoint, small_config
 
@@ -128,7 +129,7 @@ def test_a_failing_report_exits_1(corrupted, checkpoint, monkeypatch, capsys, as
 def test_the_judgement_by_hand(monkeypatch):
     """bound = FACTOR x the smaller error against float64, within [floor, ceiling]; an error
     beyond the ceiling fails whatever the difference; the farther twin is the culprit."""
-    monkeypatch.setattr(parity, "FACTOR", 10.0)
+    monkeypatch.setattr(parity, "FACTOR", 10.0)  # the rule, with round numbers
     monkeypatch.setitem(parity.LIMITS, "float32", dict(parity.LIMITS["float32"],
                                                        hidden=(1e-6, 1e-3)))
     judge = parity.judge
@@ -187,3 +188,17 @@ def test_unsupported_checkpoint_exits_2_naming_the_field(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path}/config.json: hidden_act='gelu' is not supported")
     assert err.count("\n") == 1
+
+
+def test_a_float64_run_that_does_not_fit_is_refused_before_it_starts(checkpoint, monkeypatch,
+                                                                    capsys):
+    """A model whose float64 copy exceeds the memory available: one line naming the checkpoint
+    and the way out, exit 2, nothing run."""
+    monkeypatch.setattr(parity, "_available_memory", lambda: 1 << 20)  # 1 MiB
+    assert bridge_cli.main(["parity", str(checkpoint)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {checkpoint}: the float64 reference needs about ")
+    assert err.rstrip().endswith("GiB are available (use --no-reference-f64 to judge by fixed "
+                                 "tolerances instead)") and err.count("\n") == 1
+    with pytest.raises(BridgeError, match=r"use reference_f64=False to judge by fixed"):
+        parity.parity_report(checkpoint)
