@@ -88,7 +88,9 @@ def test_a_wrong_block_mask_is_caught(small_blocks, monkeypatch):
     assert np.abs(np.where(real, wrong - ref, 0)).max() > 0.1
 
 
-@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+# GQA by default; MHA and MQA (the same code with G = 1 and G = N) under -m slow
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=[] if k == "gqa" else pytest.mark.slow)
+                                  for k in ATTENTION_KINDS])
 def test_models_agree_across_implementations_with_padding(small_blocks, kind):
     config = small_config(n_kv_heads=ATTENTION_KINDS[kind])
     tokens = random_tokens(config, batch=2, seq_len=37)
@@ -110,7 +112,8 @@ def test_models_agree_across_implementations_with_padding(small_blocks, kind):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+# xla's cache path is also what every generation test runs; chunked's is checked here by default
+@pytest.mark.parametrize("implementation", [pytest.param("xla", marks=pytest.mark.slow), "chunked"])
 def test_cached_decoding_equals_the_full_forward(small_blocks, implementation):
     config = small_config()
     model, params = jax_llama.init(config, seed=2, attention=implementation)
@@ -175,7 +178,8 @@ def test_positions_restart_at_each_segment_and_skip_padding():
                                                torch.as_tensor(segments)).tolist() == expected
 
 
-@pytest.mark.parametrize("implementation", ["xla", "chunked"])
+# chunked by default (the implementation long packed rows use); xla, the reference, under -m slow
+@pytest.mark.parametrize("implementation", [pytest.param("xla", marks=pytest.mark.slow), "chunked"])
 def test_packed_documents_give_what_each_gives_alone_in_both_twins(small_blocks, implementation,
                                                                   tmp_path):
     """Per-document logits, losses and gradients of a packed row equal those of each document run
