@@ -3,12 +3,24 @@ head_dim 8, ffn 80, vocab 97) so that a swapped axis cannot pass by accident."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from bridge.config import LlamaConfig, RopeScaling
+
+# Many tests compile the same small programs (each builds its own jitted closure, which jit's own
+# cache cannot share): XLA's persistent cache serves the repeats from disk, across tests and the
+# two xdist workers, and cuts the suite's time by about a third. In-process only: the commands a
+# test runs as subprocesses (the benchmarks among them, which time compilation) compile afresh.
+jax.config.update("jax_compilation_cache_dir",
+                  str(Path(tempfile.gettempdir()) / f"jax-llama-tests-xla-cache-{os.getuid()}"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # The real data and tokenizer files beside the repository (../shared); tests that read them skip
 # with the reason when it is absent, as in a user's fresh clone.

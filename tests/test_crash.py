@@ -209,6 +209,7 @@ def kill_and_resume(corpus, straight_run, out: Path, moments: list[tuple[int, fl
     assert a == b
 
 
+@pytest.mark.slow  # tests/test_train.py kills and resumes once in the default suite
 def test_training_killed_three_times_resumes_bitwise(corpus, straight_run, tmp_path):  # noqa: F811
     rng = random.Random(3)
     steps = sorted(rng.sample([5, 10, 15, 20], 3))
