@@ -90,6 +90,24 @@ def truth(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarra
                      trained={k: np.asarray(t) for k, t in trained.items()})
 
 
+def logits(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarray,
+           mask: np.ndarray | None = None, inv_freq: np.ndarray | None = None) -> np.ndarray:
+    """The float64 logits (B, S, V) of `tensors` (canonical names and layout) on `tokens`; mask
+    as in `truth` (default: no padding); inv_freq (H/2,) default: the exact frequencies."""
+    import jax
+    import jax.numpy as jnp
+
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling,
+                                 dtype=np.float64)
+    with jax.enable_x64(True):
+        weights = {name: jnp.asarray(np.asarray(t, np.float64)) for name, t in tensors.items()}
+        tokens = jnp.asarray(tokens)
+        mask = jnp.ones_like(tokens) if mask is None else jnp.asarray(mask)
+        return np.asarray(forward(weights, config, jnp.asarray(inv_freq, jnp.float64), tokens,
+                                  mask)[1])
+
+
 def forward(w: dict, config: LlamaConfig, inv_freq, tokens, mask):
     """(hidden state after each block, logits), float64. A token at position p (real tokens
     before it, counted) attends to the real tokens at positions <= p of its row."""

@@ -14,7 +14,7 @@ from bridge.rope import rope_inv_freq
 from conftest import ATTENTION_KINDS, SCALING, random_tokens, small_config, torch_logits, torch_model
 from jax_llama.attention import AttentionMask
 from jax_llama.checkpoint import params_from_tensors, tensor_specs
-from reference import forward as reference_forward
+from llama_twins import float64  # the independent float64 LLaMA, written from canonical tensors
 
 # Random-init logits are O(0.5); float32 twins vs a float64 reference differ by float32 rounding
 # accumulated over 2 layers (~1e-7 relative per op), so 1e-5 absolute is tight yet never flaky.
@@ -35,12 +35,12 @@ def test_both_twins_match_independent_reference(kind, scaled):
     inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
     model, params = jax_llama.init(config, seed=1)
-    expected = reference_forward(canonical(params, config), config, tokens, inv_freq)
+    expected = float64.logits(canonical(params, config), config, tokens, inv_freq=inv_freq)
     assert 0.1 < np.abs(expected).max() < 10  # the scale ATOL is judged against
     np.testing.assert_allclose(model.apply({"params": params}, tokens), expected, rtol=0, atol=ATOL)
 
     tmodel = torch_model(config)
-    expected = reference_forward(tmodel.state_dict(), config, tokens, inv_freq)
+    expected = float64.logits(tmodel.state_dict(), config, tokens, inv_freq=inv_freq)
     np.testing.assert_allclose(torch_logits(tmodel, tokens), expected, rtol=0, atol=ATOL)
 
 
