@@ -18,7 +18,8 @@ import numpy as np
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
-from bridge.tensors import LAYER_SUFFIXES, canonical_shapes
+from bridge.lora import read_peft
+from bridge.tensors import canonical_shapes
 
 from .attention import choose
 from .model import Llama, resolve_dtype
@@ -40,19 +41,28 @@ def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | Non
     return (*parts, "kernel"), layer, True
 
 
+def has_adapters(params) -> bool:
+    """True when the params pytree holds LoRA adapters (lora_A / lora_B entries)."""
+    return any(getattr(k, "key", None) in ("lora_A", "lora_B")
+               for path, _ in jax.tree_util.tree_leaves_with_path(params) for k in path)
+
+
 def is_scanned(params) -> bool:
     """True when the params pytree holds the blocks stacked under `layers` (scan_layers=True)."""
     return "layers" in params
 
 
 def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *,
-                        scan_layers: bool = False, dtype=None):
+                        scan_layers: bool = False, dtype=None, shapes=None):
     """Build the params pytree, reading canonical tensors one at a time with `get(name)`.
 
+    shapes: the tensors to read, name -> canonical shape; default the whole model's
+    (bridge.tensors.canonical_shapes), or e.g. a LoRA adapter's (bridge.lora.adapter_shapes).
     With scan_layers each per-layer tensor is gathered into one (L, ...) host buffer, so peak
     host memory is one stacked tensor, not the model.
     """
     dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
+    shapes = canonical_shapes(config) if shapes is None else shapes
     params: dict = {}
 
     def put(path, value):
@@ -60,8 +70,6 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = jnp.asarray(value if dtype is None else value.astype(dtype))
-
-    shapes = canonical_shapes(config)
 
     def read(name: str) -> np.ndarray:  # in the Flax layout
         value = get(name)
@@ -74,7 +82,7 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
         if not (scan_layers and name.startswith("layers.")):
             put(_flax_path(name, scan_layers)[0], read(name))
     if scan_layers:
-        for suffix in LAYER_SUFFIXES:
+        for suffix in [n.split(".", 2)[2] for n in shapes if n.startswith("layers.0.")]:
             first = read(f"layers.0.{suffix}")
             stacked = np.empty((config.n_layers, *first.shape), dtype=first.dtype)
             stacked[0] = first
@@ -84,15 +92,16 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
     return params
 
 
-def tensor_specs(params, config: LlamaConfig):
+def tensor_specs(params, config: LlamaConfig, shapes=None):
     """(specs, fetch) for writing `params` as canonical tensors, one host copy at a time.
 
     specs: name -> (canonical shape, numpy dtype); fetch(name) -> that tensor as a numpy array.
-    Refuses params that do not match `config` (missing or extra leaves), naming the tensor.
+    shapes: the tensors `params` holds (as in params_from_tensors; default the whole model's).
+    Refuses params that do not match (missing or extra leaves), naming the tensor.
     """
     scanned = is_scanned(params)
     leaves: dict[str, tuple] = {}
-    for name in canonical_shapes(config):
+    for name in canonical_shapes(config) if shapes is None else shapes:
         path, layer, transposed = _flax_path(name, scanned)
         node = params
         for key in path:
@@ -102,6 +111,10 @@ def tensor_specs(params, config: LlamaConfig):
         leaves[name] = (node, layer, transposed)
     n_leaves = len(jax.tree_util.tree_leaves(params))
     n_expected = len({id(leaf) for leaf, _, _ in leaves.values()})
+    if shapes is None and has_adapters(params):
+        raise BridgeError("params hold LoRA adapters, which a checkpoint cannot: merge them "
+                          "(jax_llama.merge_lora) or save the adapter alone "
+                          "(jax_llama.save_adapter)", field="params")
     if n_leaves != n_expected:
         raise BridgeError(f"params: {n_leaves} arrays, but the config accounts for {n_expected} "
                           f"(extra entries would be lost)")
@@ -131,16 +144,22 @@ def save(path: str | os.PathLike, config: LlamaConfig, params, *, overwrite: boo
 
 
 def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, remat: bool = False,
-         attention: str = "auto"):
+         attention: str = "auto", adapter: str | os.PathLike | None = None):
     """(Llama module, params) from a checkpoint of any supported format.
 
     dtype None keeps the stored dtype (float32 when tensors are mixed); otherwise a dtype or its
     name, used for the params and for compute. attention: the implementation (jax_llama.attention).
+    adapter: a PEFT LoRA adapter directory, merged into the weights as they are read (a plain
+    model; jax_llama.add_lora keeps an adapter separate, for training it further).
     """
     choose(attention, 1, 1)
     ckpt = open_checkpoint(path)
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
-    params = params_from_tensors(ckpt.tensor, ckpt.config, scan_layers=scan_layers, dtype=dtype)
+    get = ckpt.tensor
+    if adapter is not None:
+        lora_adapter = read_peft(adapter, ckpt.config)
+        get = lambda name: lora_adapter.merged(name, ckpt.tensor(name))  # noqa: E731
+    params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype)
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
                   attention=attention)
     return model, params

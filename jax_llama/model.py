@@ -26,6 +26,7 @@ from bridge.config import LlamaConfig, RopeScaling
 from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
 from bridge.inputs import check_inputs as _check_inputs
+from bridge.lora import LoraConfig
 from bridge.rope import rope_inv_freq
 
 from .attention import AttentionMask, attend, choose
@@ -154,10 +155,46 @@ def _init(config: LlamaConfig, residual: bool = False):
     return nn.initializers.normal(stddev=std)
 
 
-def _dense(module: nn.Module, features: int, name: str, residual: bool = False) -> nn.Dense:
-    """A bias-free projection in the parent module's dtypes (LLaMA has no biases)."""
-    return nn.Dense(features, use_bias=False, dtype=module.dtype, param_dtype=module.param_dtype,
-                    kernel_init=_init(module.config, residual), name=name)
+class Linear(nn.Module):
+    """A bias-free projection x @ kernel (LLaMA has no biases), kernel (in, out) in param_dtype.
+
+    With `lora`, a low-rank adapter is added: x @ kernel + scale * dropout(x) @ A @ B, with A
+    (in, r) and B (r, out) in float32 whatever the kernel's dtype (`lora_A/kernel`,
+    `lora_B/kernel`: the canonical `lora_A.weight` and `lora_B.weight` transposed). A starts
+    Kaiming-uniform as PEFT starts it, B at zero, so a fresh adapter changes nothing. Dropout
+    applies when the call is given a 'dropout' rng (training) and lora.dropout > 0."""
+
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Any = nn.initializers.normal(0.02)
+    lora: LoraConfig | None = None
+
+    @nn.compact
+    def __call__(self, x_MD):
+        kernel = self.param("kernel", self.kernel_init, (x_MD.shape[-1], self.features),
+                            self.param_dtype)
+        x_MD = x_MD.astype(self.dtype)
+        out = jnp.dot(x_MD, kernel.astype(self.dtype))
+        if self.lora is None:
+            return out
+        r = self.lora.rank
+        # U(-1/sqrt(in), 1/sqrt(in)): torch's kaiming_uniform_(a=sqrt(5)), PEFT's init of A
+        a = nn.Dense(r, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
+                     kernel_init=nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
+                     name="lora_A")
+        b = nn.Dense(self.features, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
+                     kernel_init=nn.initializers.zeros, name="lora_B")
+        if self.lora.dropout > 0 and self.has_rng("dropout"):
+            x_MD = nn.Dropout(self.lora.dropout, deterministic=False)(x_MD)
+        return out + b(a(x_MD)) * jnp.asarray(self.lora.scale, self.dtype)
+
+
+def _dense(module: nn.Module, features: int, name: str, residual: bool = False) -> Linear:
+    """A projection in the parent module's dtypes, with an adapter when LoRA targets it."""
+    lora = module.lora if module.lora is not None and name in module.lora.targets else None
+    return Linear(features, dtype=module.dtype, param_dtype=module.param_dtype,
+                  kernel_init=_init(module.config, residual), lora=lora, name=name)
 
 
 class Attention(nn.Module):
@@ -168,6 +205,7 @@ class Attention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: str = "auto"
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
@@ -212,6 +250,7 @@ class FeedForward(nn.Module):
     config: LlamaConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(self, x_BSD):
@@ -229,6 +268,7 @@ class Block(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: str = "auto"
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(self, carry, layer, cos_BSh, sin_BSh, mask: AttentionMask | None):
@@ -236,11 +276,13 @@ class Block(nn.Module):
         expects (layer, this block's index, is scanned over; the rest is broadcast)."""
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         x_BSD, cache = carry
-        attended, cache = Attention(c, **kw, attention=self.attention, name="attention")(
+        attended, cache = Attention(c, **kw, attention=self.attention, lora=self.lora,
+                                    name="attention")(
             RMSNorm(c.norm_eps, **kw, name="attention_norm")(x_BSD), cos_BSh, sin_BSh, mask,
             cache, layer)
         h = x_BSD + attended
-        out = h + FeedForward(c, **kw, name="feed_forward")(RMSNorm(c.norm_eps, **kw, name="ffn_norm")(h))
+        out = h + FeedForward(c, **kw, lora=self.lora, name="feed_forward")(
+            RMSNorm(c.norm_eps, **kw, name="ffn_norm")(h))
         return (out, cache), None
 
 
@@ -249,7 +291,8 @@ class Llama(nn.Module):
 
     scan_layers: run the blocks with nn.scan (parameters stacked on a leading L axis), so compile
     time does not grow with depth. remat: recompute each block's activations in the backward pass.
-    attention: xla, chunked, cudnn or auto (jax_llama.attention).
+    attention: xla, chunked, cudnn or auto (jax_llama.attention). lora: LoRA adapters on the
+    projections it targets (bridge.lora.LoraConfig; jax_llama.lora adds, saves and merges them).
     """
 
     config: LlamaConfig
@@ -258,6 +301,7 @@ class Llama(nn.Module):
     scan_layers: bool = False
     remat: bool = False
     attention: str = "auto"
+    lora: LoraConfig | None = None
 
     def __call__(self, tokens_BS, positions=None, attention_mask=None, segment_ids=None):
         """tokens (B, S) int -> logits (B, S, V) float32 (see run for the arguments)."""
@@ -309,9 +353,10 @@ class Llama(nn.Module):
         embed = nn.Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), name="tok_embeddings")
         carry = (embed(tokens_BS), cache)
         block = nn.remat(Block, prevent_cse=not self.scan_layers) if self.remat else Block
-        kw_blocks = dict(kw, attention=self.attention)
+        kw_blocks = dict(kw, attention=self.attention, lora=self.lora)
         if self.scan_layers:
-            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+            stack = nn.scan(block, variable_axes={"params": 0},
+                            split_rngs={"params": True, "dropout": True},
                             in_axes=(0,) + (nn.broadcast,) * 3, length=c.n_layers)
             carry, _ = stack(c, **kw_blocks, name="layers")(carry, jnp.arange(c.n_layers), cos_BSh,
                                                              sin_BSh, mask)
@@ -355,13 +400,14 @@ class LlamaClassifier(nn.Module):
     scan_layers: bool = False
     remat: bool = False
     attention: str = "auto"
+    lora: LoraConfig | None = None
 
     @nn.compact
     def __call__(self, tokens_BS, attention_mask, deterministic: bool = True):
         """tokens (B, S) int, attention_mask (B, S) with at least one real token per row ->
         log-probabilities (B, C) float32. Training (deterministic=False) needs a 'dropout' rng."""
         h_BSD = Llama(self.config, self.dtype, self.param_dtype, self.scan_layers, self.remat,
-                      self.attention, name="llama").run(tokens_BS, attention_mask=attention_mask,
+                      self.attention, self.lora, name="llama").run(tokens_BS, attention_mask=attention_mask,
                                         lm_head=False).hidden
         h_BD = h_BSD[jnp.arange(h_BSD.shape[0]), last_real_index(attention_mask)]
         h_BD = nn.Dropout(self.dropout)(h_BD, deterministic=deterministic)
@@ -398,14 +444,15 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 def init(config: LlamaConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32,
-         scan_layers: bool = False, remat: bool = False, attention: str = "auto"):
-    """A Llama module and freshly initialised params.
+         scan_layers: bool = False, remat: bool = False, attention: str = "auto",
+         lora: LoraConfig | None = None):
+    """A Llama module and freshly initialised params (with fresh LoRA adapters given `lora`).
 
     Traceable: `jax.eval_shape(lambda: init(cfg)[1])` gives the shapes without allocating.
     """
     choose(attention, 1, 1)  # a bad name, or one the backend lacks, is refused before anything
     model = Llama(config, dtype=resolve_dtype(dtype), param_dtype=resolve_dtype(param_dtype),
-                  scan_layers=scan_layers, remat=remat, attention=attention)
+                  scan_layers=scan_layers, remat=remat, attention=attention, lora=lora)
     tokens = jnp.zeros((1, 1), dtype=jnp.int32)
     params = jax.jit(model.init)(jax.random.key(seed), tokens)["params"]
     return model, params

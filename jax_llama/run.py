@@ -9,6 +9,9 @@ A run directory holds:
   metrics.jsonl   one line per step (loss, grad norm, lr, tokens/s) and per evaluation
   loss.png        the loss curves against the unigram baseline
   model/          the final model as a native checkpoint with its tokenizer, ready for the bridge
+                  (a LoRA run: the base with the adapter merged in)
+  adapter/        a LoRA run's adapter, as Hugging Face PEFT writes it (adapter_config.json,
+                  adapter_model.safetensors)
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from bridge.atomic import write_text
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
+from bridge.lora import LoraConfig
 from bridge.tokenizer import load_tokenizer, train_tokenizer
 
 from . import data as data_lib
 from .attention import choose as choose_attention
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
+from .lora import add_lora, count, merge_lora, save_adapter, trainable
 from .model import Llama, init
 from .perf import measure_matmul_peak, train_flops_per_token
 from .sharding import check_batch, global_batch, make_mesh, tree_shardings
@@ -59,6 +64,8 @@ class RunSpec:
     strip_labels: bool = False         # data files are `LABEL ||| TEXT` lines: train on the texts
     pack: bool = False                 # rows of whole documents with segment ids, not windows
     attention: str = "auto"            # the attention implementation (jax_llama.attention)
+    lora: LoraConfig | None = None     # train LoRA adapters only; the base stays frozen, held in
+                                       # the compute dtype (train.dtype)
 
 
 def _say(message: str) -> None:
@@ -68,7 +75,7 @@ def _say(message: str) -> None:
 def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
     return {"model": config.to_dict(), "train": spec.train.to_dict(), "data": spec.data,
             "tokenizer": spec.tokenizer, "init": spec.init, "strip_labels": spec.strip_labels,
-            "pack": spec.pack}
+            "pack": spec.pack, "lora": None if spec.lora is None else spec.lora.to_dict()}
 
 
 def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
@@ -77,7 +84,7 @@ def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
     diffs = [f"{part}.{k}: {saved[part].get(k)!r} -> {now[part].get(k)!r}"
              for part in ("model", "train") for k in sorted(set(saved[part]) | set(now[part]))
              if saved[part].get(k) != now[part].get(k)]
-    diffs += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("data", "tokenizer", "init")
+    diffs += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("data", "tokenizer", "init", "lora")
               if saved.get(k) != now[k]]
     for flag in ("strip_labels", "pack"):
         if saved.get(flag, False) != now[flag]:
@@ -157,17 +164,26 @@ def train(spec: RunSpec) -> dict:
 
     model = Llama(config, dtype=tc.dtype, scan_layers=spec.scan_layers, remat=spec.remat,
                   attention=spec.attention)
+    # A frozen base needs no float32 master copy: with LoRA it is held in the compute dtype.
+    base_dtype = tc.dtype if spec.lora else "float32"
     if spec.init:
-        params = load_checkpoint(spec.init, dtype="float32", scan_layers=spec.scan_layers)[1]
+        params = load_checkpoint(spec.init, dtype=base_dtype, scan_layers=spec.scan_layers)[1]
     else:
-        params = init(config, seed=tc.seed, scan_layers=spec.scan_layers)[1]
-    optimizer = make_optimizer(tc)
+        params = init(config, seed=tc.seed, scan_layers=spec.scan_layers,
+                      param_dtype=base_dtype)[1]
+    labels = None
+    if spec.lora:
+        model, params = add_lora(model, params, spec.lora, seed=tc.seed)
+        labels = trainable
+        _say(f"LoRA rank {spec.lora.rank} on {', '.join(spec.lora.targets)}: training "
+             f"{count(params, trainable(params)):,} of {count(params):,} parameters")
+    optimizer = make_optimizer(tc, labels)
     state = place_state(init_state(params, optimizer), mesh)
     manager = _checkpoint_manager(spec.out / "checkpoints", tc)
     if spec.resume and manager.latest_step() is not None:
         state = _restore(manager, state, mesh)
         _say(f"resumed {spec.out} at step {int(state.step)}")
-    train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh)
+    train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels)
     eval_step = jit_eval_step(model, state, mesh)
 
     def evaluate(params) -> float:
@@ -209,13 +225,19 @@ def train(spec: RunSpec) -> dict:
             bar.update()
     manager.wait_until_finished()
 
-    save_native(spec.out / "model", config, state.params, overwrite=True)
+    params = state.params
+    if spec.lora:
+        save_adapter(spec.out / "adapter", model, params, base_model=spec.init, overwrite=True)
+        model, params = merge_lora(model, params)
+    save_native(spec.out / "model", config, params, overwrite=True)
     tokenizer.save(spec.out / "model")
     plot = _plot(spec.out, unigram)
     summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
                "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot,
-               "sample": _sample(model, state.params, tokenizer, val_tokens, tc.seq_len,
+               "sample": _sample(model, params, tokenizer, val_tokens, tc.seq_len,
                                  spec.sample_tokens, tc.seed)}
+    if spec.lora:
+        summary["adapter"] = str(spec.out / "adapter")
     return summary
 
 

@@ -89,13 +89,21 @@ def decay_mask(params):
         lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tc: TrainConfig, trainable: Callable | None = None
+                   ) -> optax.GradientTransformation:
+    """Clip, AdamW with decay_mask, accumulation over grad_accum micro-batches. trainable:
+    params -> a True/False tree (LoRA: jax_llama.lora.trainable); the False leaves are frozen by
+    optax.multi_transform: zero updates, no optimizer state, no accumulator."""
     optimizer = optax.chain(
         optax.clip_by_global_norm(tc.grad_clip),
         optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay,
                     mask=decay_mask))
     if tc.grad_accum > 1:  # average grad_accum micro-batch gradients per update
         optimizer = optax.MultiSteps(optimizer, every_k_schedule=tc.grad_accum)
+    if trainable is not None:
+        optimizer = optax.multi_transform(
+            {"train": optimizer, "frozen": optax.set_to_zero()},
+            lambda params: jax.tree.map(lambda t: "train" if t else "frozen", trainable(params)))
     return optimizer
 
 
@@ -109,24 +117,28 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
-def loss_fn(params, model, batch) -> jax.Array:
+def loss_fn(params, model, batch, key=None) -> jax.Array:
     """Mean next-token cross-entropy over the tokens whose mask is 1, in float32. A packed batch
-    carries segment_ids (each document attends only within itself)."""
-    logits = model.apply({"params": params}, batch["inputs"], segment_ids=batch.get("segment_ids"))
+    carries segment_ids (each document attends only within itself). key: the dropout rng of a
+    training step (LoRA dropout); None evaluates."""
+    logits = model.apply({"params": params}, batch["inputs"], segment_ids=batch.get("segment_ids"),
+                         rngs={} if key is None else {"dropout": key})
     nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
     mask = batch["mask"].astype(jnp.float32)
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def lm_loss(model) -> Loss:
-    """loss_fn of `model` as a Loss (the key is unused: no dropout in pretraining)."""
-    return lambda params, batch, key: loss_fn(params, model, batch)
+    """loss_fn of `model` as a Loss (the key drives dropout: LoRA's, when it has any)."""
+    return lambda params, batch, key: loss_fn(params, model, batch, key)
 
 
 def make_train_step(loss: Loss, optimizer: optax.GradientTransformation, schedule: Callable,
-                    grad_accum: int = 1, seed: int = 0):
+                    grad_accum: int = 1, seed: int = 0, trainable: Callable | None = None):
     """The pure step: (state, batch) -> (new state, metrics {loss, grad_norm, lr}). loss gets a
-    PRNG key that depends on (seed, step) only, so a resumed run draws the same dropout."""
+    PRNG key that depends on (seed, step) only, so a resumed run draws the same dropout.
+    trainable (as in make_optimizer): grad_norm counts those leaves only; the frozen leaves'
+    gradients are then used nowhere, and XLA does not compute them."""
     base_key = jax.random.key(seed)
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
@@ -134,6 +146,8 @@ def make_train_step(loss: Loss, optimizer: optax.GradientTransformation, schedul
         value, grads = jax.value_and_grad(loss)(state.params, batch, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if trainable is not None:
+            grads = [g for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(trainable(grads))) if t]
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step // grad_accum)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -141,10 +155,10 @@ def make_train_step(loss: Loss, optimizer: optax.GradientTransformation, schedul
 
 
 def jit_train_step(loss: Loss, optimizer: optax.GradientTransformation, tc: TrainConfig,
-                   state: TrainState, mesh: Mesh | None = None):
+                   state: TrainState, mesh: Mesh | None = None, trainable: Callable | None = None):
     """make_train_step for tc's schedule, accumulation and seed, jitted once with the state
     donated; on a mesh, the state sharded by role and the batch split over data x fsdp."""
-    step = make_train_step(loss, optimizer, lr_schedule(tc), tc.grad_accum, tc.seed)
+    step = make_train_step(loss, optimizer, lr_schedule(tc), tc.grad_accum, tc.seed, trainable)
     if mesh is None:
         return jax.jit(step, donate_argnums=0)
     state_sharding = tree_shardings(state, mesh)

@@ -53,7 +53,7 @@ def cmd_train(args) -> int:
                    scan_layers=args.scan_layers, remat=args.remat, resume=args.resume,
                    sample_tokens=args.sample_tokens, strip_labels=args.strip_labels,
                    pack=args.pack or saved.get("pack", False),
-                   attention=args.attention)
+                   attention=args.attention, lora=_lora_config(args, saved.get("lora")))
     if args.multi_host:
         import jax
         jax.distributed.initialize()
@@ -66,6 +66,9 @@ def cmd_train(args) -> int:
           f"{summary['unigram_loss']:.4f}); train loss {summary['train_loss']:.4f} after "
           f"{summary['steps']} steps")
     print(f"model: {summary['model']}  (llama-bridge convert {summary['model']} DST --to hf)")
+    if "adapter" in summary:
+        print(f"adapter: {summary['adapter']}  (PEFT format; jax-llama generate BASE --adapter "
+              f"{summary['adapter']})")
     if summary["plot"]:
         print(f"loss curve: {summary['plot']}")
     if summary["sample"]:
@@ -268,6 +271,33 @@ def cmd_bench(args) -> int:
     return suite.run_command(args)
 
 
+def _lora_config(args, saved: dict | None = None):
+    """The LoraConfig the --lora-* flags ask for (a resumed run: its own unless flags say
+    otherwise, which the resume check then refuses), or None without --lora-rank."""
+    from bridge.lora import LoraConfig
+
+    if args.lora_rank is None:
+        if any(getattr(args, f"lora_{k}") is not None for k in ("alpha", "dropout", "targets")):
+            raise BridgeError("needs --lora-rank", field="lora_alpha" if args.lora_alpha is not None
+                              else "lora_dropout" if args.lora_dropout is not None else "lora_targets")
+        return None if not saved else LoraConfig.from_dict(saved)
+    return LoraConfig(rank=args.lora_rank,
+                      alpha=2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha,
+                      dropout=args.lora_dropout or 0.0,
+                      targets=args.lora_targets or LoraConfig().targets)
+
+
+def _add_lora_arguments(p) -> None:
+    # Checked by the library (bridge.lora.LoraConfig), whose errors name these fields.
+    p.add_argument("--lora-rank", type=int,
+                   help="train LoRA adapters of this rank only; the base stays frozen (held in "
+                        "--dtype). The run writes adapter/ (PEFT format) and the merged model/")
+    p.add_argument("--lora-alpha", type=float, help="LoRA scale alpha / rank (default alpha = 2 x rank)")
+    p.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (default 0)")
+    p.add_argument("--lora-targets",
+                   help="comma-separated projections to adapt (default: wq,wk,wv,wo,w1,w2,w3)")
+
+
 def _add_attention_argument(p) -> None:
     # Checked by the library (jax_llama.attention.choose), which also knows what the backend has.
     p.add_argument("--attention", default="auto",
@@ -307,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strip-labels", action="store_true",
                    help="the data files are LABEL ||| TEXT lines (the classification format): "
                         "train on the texts only, e.g. continued pretraining on a task's text")
+    _add_lora_arguments(p)
     p.add_argument("--pack", action="store_true",
                    help="rows of whole documents (split only when longer than a row), each its "
                         "own segment: no attention and no loss across documents")

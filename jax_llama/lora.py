@@ -1,0 +1,125 @@
+"""LoRA on the JAX model: add adapters to a model and its params, train only them, save them in
+PEFT's format, merge them into the weights.
+
+The adapters live in the params pytree beside the weights they adapt (`wq/lora_A/kernel`,
+`wq/lora_B/kernel`, float32), so one pytree goes through apply, jit, the mesh and orbax as before.
+Which leaves train is a label per leaf (`trainable`); the optimizer (jax_llama.train) partitions
+on it with optax.multi_transform, so the frozen weights get no update and no optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from bridge.errors import BridgeError
+from bridge.lora import Adapter, LoraConfig, adapter_shapes, write_peft
+
+from .checkpoint import has_adapters, params_from_tensors, tensor_specs
+from .model import Llama, LlamaClassifier
+
+ADAPTER_KEYS = ("lora_A", "lora_B")
+
+
+def _is_adapter(path) -> bool:
+    return any(key in ADAPTER_KEYS for key in path)
+
+
+def _backbone_key(model) -> tuple[str, ...]:
+    """Where the Llama's params sit: at the top for a Llama, under `llama` for a classifier."""
+    return ("llama",) if isinstance(model, LlamaClassifier) else ()
+
+
+def trainable(params):
+    """True for the leaves a LoRA run trains: the adapters, and whatever is not the backbone
+    (a classifier's head); False for the backbone's weights, which stay frozen."""
+    return traverse_util.path_aware_map(
+        lambda path, _: _is_adapter(path) or path[0] == "classifier", params)
+
+
+def split(params):
+    """(weights, adapters): two pytrees that `combine` joins back."""
+    flat = traverse_util.flatten_dict(params)
+    weights = {k: v for k, v in flat.items() if not _is_adapter(k)}
+    adapters = {k: v for k, v in flat.items() if _is_adapter(k)}
+    return traverse_util.unflatten_dict(weights), traverse_util.unflatten_dict(adapters)
+
+
+def combine(weights, adapters):
+    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(weights),
+                                         **traverse_util.flatten_dict(adapters)})
+
+
+def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | None = None):
+    """(the model with LoRA on lora.targets, params with adapters): fresh ones (A drawn from
+    `seed`, B zero), or `adapter`'s tensors when given. Works on a Llama or a LlamaClassifier,
+    either layer layout; the weights in `params` are kept as they are (any dtype)."""
+    if not isinstance(model, (Llama, LlamaClassifier)):
+        raise BridgeError(f"expected a Llama or LlamaClassifier, got {type(model).__name__}",
+                          field="model")
+    if model.lora is not None or has_adapters(params):
+        raise BridgeError("already has LoRA adapters", field="model")
+    config, lora_model = model.config, model.clone(lora=lora)
+    backbone = Llama(config, scan_layers=model.scan_layers, lora=lora)
+    if adapter is not None:
+        adapter.check(config)
+        adapters = params_from_tensors(adapter.tensors.__getitem__, config, dtype=jnp.float32,
+                                       scan_layers=model.scan_layers,
+                                       shapes=adapter_shapes(config, lora))
+    else:  # initialise the whole backbone, keep the adapters: XLA drops the rest unbuilt
+        fresh = lambda key: split(backbone.init(key, jnp.zeros((1, 1), jnp.int32))["params"])[1]  # noqa: E731
+        adapters = jax.jit(fresh)(jax.random.key(seed))
+    for key in reversed(_backbone_key(model)):
+        adapters = {key: adapters}
+    return lora_model, combine(params, adapters)
+
+
+def adapter_of(model, params, base_model: str | None = None) -> Adapter:
+    """The adapters in `params` as a bridge Adapter: canonical numpy float32 tensors."""
+    if model.lora is None:
+        raise BridgeError("the model has no LoRA adapters", field="model")
+    adapters = split(params)[1]
+    for key in _backbone_key(model):
+        adapters = adapters[key]
+    shapes = adapter_shapes(model.config, model.lora)
+    _, fetch = tensor_specs(adapters, model.config, shapes=shapes)
+    return Adapter(model.lora, {name: np.asarray(fetch(name), np.float32) for name in shapes},
+                   base_model)
+
+
+def save_adapter(path: str | os.PathLike, model, params, *, base_model: str | None = None,
+                 overwrite: bool = False):
+    """Write the adapters as Hugging Face PEFT writes a LoRA adapter (bridge.lora.write_peft)."""
+    return write_peft(path, model.config, adapter_of(model, params, base_model),
+                      overwrite=overwrite)
+
+
+def merge_lora(model, params):
+    """(the model without LoRA, params with scale * A @ B added into each adapted kernel, in
+    float32 and then the kernel's dtype): a plain model, as fast as one never adapted."""
+    if model.lora is None:
+        return model, params
+    weights, adapters = split(params)
+    flat, flat_adapters = traverse_util.flatten_dict(weights), traverse_util.flatten_dict(adapters)
+    scale = model.lora.scale
+    for path, a in flat_adapters.items():
+        if path[-2] != "lora_A":
+            continue
+        b = flat_adapters[path[:-2] + ("lora_B", "kernel")]
+        kernel_path = path[:-2] + ("kernel",)
+        kernel = flat[kernel_path]
+        update = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))  # (.., in, out)
+        flat[kernel_path] = (kernel.astype(jnp.float32) + scale * update).astype(kernel.dtype)
+    return model.clone(lora=None), traverse_util.unflatten_dict(flat)
+
+
+def count(params, which=None) -> int:
+    """Parameters in `params`, or in the leaves whose `which` label is True."""
+    leaves = jax.tree_util.tree_leaves(params)
+    if which is None:
+        return sum(int(np.prod(x.shape)) for x in leaves)
+    return sum(int(np.prod(x.shape)) for x, t in zip(leaves, jax.tree_util.tree_leaves(which)) if t)
