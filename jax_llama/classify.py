@@ -34,12 +34,14 @@ from bridge.classification import (DEFAULT_TEMPLATE, Dataset, accuracy, encode_t
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.inputs import length_batches, pad_rows
+from bridge.lora import LoraConfig
 from bridge.tokenizer import Tokenizer, find_tokenizer
 
 from .attention import choose
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .data import bucket
+from .lora import add_lora, merge_lora, save_adapter, trainable
 from .model import LlamaClassifier, init
 from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 
@@ -68,17 +70,23 @@ class Classifier:
         """The classifier directory: native checkpoint of the backbone + head + tokenizer."""
         import tempfile
 
-        lm_params = dict(self.params["llama"])
+        model, params = merge_lora(self.model, self.params)
+        lm_params = dict(params["llama"])
         if self.lm_output is not None:
             lm_params["output"] = {"kernel": self.lm_output}
-        head = self.params["classifier"]
+        head = params["classifier"]
         info = {"labels": self.labels, "max_len": self.max_len, "dropout": self.model.dropout,
                 **(meta or {})}
+
+        def write_extra(directory: Path) -> None:
+            write_head(directory, np.asarray(head["kernel"]).T, np.asarray(head["bias"]), info)
+            if self.model.lora is not None:  # the backbone's adapter too, in PEFT's format
+                save_adapter(directory / "adapter", self.model, self.params)
+
         with tempfile.TemporaryDirectory() as tok_dir:
             files = self.tokenizer.save(tok_dir)
-            save_native(path, self.model.config, lm_params, overwrite=overwrite, extra_files=files,
-                        write_extra=lambda d: write_head(d, np.asarray(head["kernel"]).T,
-                                                         np.asarray(head["bias"]), info))
+            save_native(path, model.config, lm_params, overwrite=overwrite, extra_files=files,
+                        write_extra=write_extra)
         return Path(path)
 
 
@@ -91,9 +99,10 @@ def backbone_params(lm_params: dict) -> tuple[dict, np.ndarray | None]:
 
 def new_classifier(config: LlamaConfig, labels: list[str], tokenizer: Tokenizer, max_len: int,
                    dropout: float, seed: int, lm_params: dict | None = None,
-                   attention: str = "auto") -> Classifier:
+                   attention: str = "auto", lora: LoraConfig | None = None) -> Classifier:
     """A classifier with a fresh head on `lm_params` (LM params, e.g. from jax_llama.load), or on
-    a randomly initialised backbone when None."""
+    a randomly initialised backbone when None; with `lora`, fresh adapters on the backbone (which
+    fine-tuning then trains with the head, the backbone's weights frozen)."""
     choose(attention, 1, 1)
     model = LlamaClassifier(config, len(labels), dropout, attention=attention)
     tokens, mask = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
@@ -102,6 +111,8 @@ def new_classifier(config: LlamaConfig, labels: list[str], tokenizer: Tokenizer,
         lm_params = init(config, seed=seed)[1]
     backbone, output = backbone_params(lm_params)
     params = {"llama": backbone, "classifier": params["classifier"]}
+    if lora is not None:
+        model, params = add_lora(model, params, lora, seed=seed)
     return Classifier(model, params, labels, tokenizer, max_len, output)
 
 
@@ -222,9 +233,10 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
                  f"from the left")
     per_epoch = math.ceil(len(train_rows) / fc.batch_size)
     tc = fc.train_config(per_epoch * fc.epochs)
-    optimizer = make_optimizer(tc)
+    labels = None if clf.model.lora is None else trainable  # LoRA: adapters and head only
+    optimizer = make_optimizer(tc, labels)
     state = init_state(clf.params, optimizer)
-    step = jit_train_step(classifier_loss(clf.model), optimizer, tc, state)
+    step = jit_train_step(classifier_loss(clf.model), optimizer, tc, state, trainable=labels)
     rng = np.random.default_rng(fc.seed)
     train_labels = train.labels
     best = {"dev_accuracy": -1.0, "epoch": 0}

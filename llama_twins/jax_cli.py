@@ -83,7 +83,8 @@ def cmd_generate(args) -> int:
     from jax_llama.generate import generate
 
     def load_model():
-        model, params = load(args.checkpoint, dtype=args.dtype, attention=args.attention)
+        model, params = load(args.checkpoint, dtype=args.dtype, attention=args.attention,
+                             adapter=getattr(args, "adapter", None))
         return (model, params), model.config
 
     (model, params), tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
@@ -179,10 +180,16 @@ def cmd_finetune(args) -> int:
             eos_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,),
             max_seq_len=max(base.max_seq_len, fc.max_len))
     max_len = min(fc.max_len, config.max_seq_len)
+    lora = _lora_config(args)
     clf = new_classifier(config, labels, tokenizer, max_len, fc.dropout, fc.seed, lm_params,
-                         attention=args.attention)
+                         attention=args.attention, lora=lora)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(clf.params))
-    print(f"fine-tuning {n_params / 1e6:.1f}M parameters ({'from ' + args.init if args.init else 'from scratch'}) "
+    what = f"{n_params / 1e6:.1f}M parameters"
+    if lora is not None:
+        from jax_llama.lora import count, trainable
+        what = (f"LoRA rank {lora.rank} on {', '.join(lora.targets)} and the head: "
+                f"{count(clf.params, trainable(clf.params)):,} of {n_params:,} parameters")
+    print(f"fine-tuning {what} ({'from ' + args.init if args.init else 'from scratch'}) "
           f"on {len(train.examples)} examples, {len(dev.examples)} dev, {len(labels)} labels",
           file=sys.stderr)
     started, cpu = time.time(), time.process_time()
@@ -375,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=512, help="tokens per text; longer texts lose "
                                                             "their beginning (default 512)")
     p.add_argument("--seed", type=int, default=0)
+    _add_lora_arguments(p)
     p.add_argument("--skip-malformed", action="store_true",
                    help="skip malformed lines (counted) instead of stopping at the first")
     _add_attention_argument(p)

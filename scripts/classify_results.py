@@ -14,6 +14,7 @@ in both totals.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import re
 import resource
@@ -57,7 +58,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="fine-tuning seeds (each a full run; the table shows each and the mean)")
+    parser.add_argument("--lora-rank", type=int, default=8, help="of the LoRA rows (alpha 2 x rank)")
+    parser.add_argument("--lora-lr", type=float, default=5e-3, help="peak lr of the LoRA rows")
+    parser.add_argument("--methods", default="zero-shot,scratch,pretrained,lora",
+                        help="comma-separated subset of the rows to run")
+    parser.add_argument("--reuse-lm", action="store_true",
+                        help="use OUT/lm/model when it exists instead of training the LM again")
     args = parser.parse_args()
+    methods = set(args.methods.split(","))
     data, out = Path(args.data), Path(args.out)
     if not (data / "sst" / "train.txt").is_file():
         sys.exit(f"{data}: no sst/train.txt (pass --data)")
@@ -75,27 +83,38 @@ def main() -> None:
                           "--fraction", "0.15", "--seed", "0", "--out", str(cf), "--force"],
                          logs / "split.log")
     lm = out / "lm"
-    steps["lm"] = run(["jax-llama", "train", "--data", str(sst / "train.txt"), str(cf / "train.txt"),
-                       "--strip-labels", "--preset", args.preset, "--vocab-size", str(args.vocab_size),
-                       "--steps", str(args.lm_steps), "--batch-size", "32", "--seq-len", "128",
-                       "--eval-every", "500", "--checkpoint-every", "1000", "--sample-tokens", "0",
-                       "--out", str(lm)], logs / "lm.log")
+    if args.reuse_lm and (lm / "model").is_dir():
+        steps["lm"] = json.loads((lm / "step.json").read_text())
+    else:
+        steps["lm"] = run(["jax-llama", "train", "--data", str(sst / "train.txt"), str(cf / "train.txt"),
+                           "--strip-labels", "--preset", args.preset, "--vocab-size",
+                           str(args.vocab_size), "--steps", str(args.lm_steps), "--batch-size", "32",
+                           "--seq-len", "128", "--eval-every", "500", "--checkpoint-every", "1000",
+                           "--sample-tokens", "0",
+                           "--out", str(lm)], logs / "lm.log")
+        (lm / "step.json").write_text(json.dumps(steps["lm"]))
     rows = []
     for name, task in tasks.items():
         key = "sst" if name.startswith("SST") else "cfimdb"
         common = ["--train", str(task["train"]), "--dev", str(task["dev"]),
                   "--labels", str(task["labels"]), "--epochs", str(args.epochs)]
-        for method, flags in (("zero-shot (the continued-pretraining LM)", []),
-                              ("zero-shot, --calibrate", ["--calibrate"])):
+        zero_shot = (("zero-shot (the continued-pretraining LM)", []),
+                     ("zero-shot, --calibrate", ["--calibrate"]))
+        for method, flags in zero_shot if "zero-shot" in methods else ():
             rows.append({"task": name, "method": method, **run(
                 ["jax-llama", "zero-shot", str(lm / "model"), "--data", str(task["dev"]),
                  "--labels", str(task["labels"]), *flags,
                  "--out", str(out / f"{key}-zero-shot{'-calibrated' if flags else ''}.txt")],
                 logs / f"{key}-zero-shot{'-calibrated' if flags else ''}.log")})
-        for method, extra in (("fine-tuned from scratch", ["--preset", args.preset, "--vocab-size",
-                                                           str(args.vocab_size)]),
-                              ("fine-tuned after continued pretraining", ["--init", str(lm / "model")])):
-            tag = "scratch" if "scratch" in method else "pretrained"
+        lora = f"LoRA rank {args.lora_rank} (all seven projections, and the head) after continued pretraining"
+        for tag, method, extra in (
+                ("scratch", "fine-tuned from scratch",
+                 ["--preset", args.preset, "--vocab-size", str(args.vocab_size)]),
+                ("pretrained", "fine-tuned after continued pretraining", ["--init", str(lm / "model")]),
+                ("lora", lora, ["--init", str(lm / "model"), "--lora-rank", str(args.lora_rank),
+                                "--lr", str(args.lora_lr)])):
+            if tag not in methods:
+                continue
             runs = [run(["jax-llama", "finetune", *common, *extra, "--seed", str(seed),
                          "--out", str(out / f"{key}-{tag}-seed{seed}")],
                         logs / f"{key}-{tag}-seed{seed}.log") for seed in args.seeds]
@@ -105,7 +124,7 @@ def main() -> None:
                          "wall_s": runs[0]["wall_s"], "cpu_s": runs[0]["cpu_s"],
                          "command": runs[0]["command"],
                          **({"plus_lm": {k: steps["lm"][k] for k in ("wall_s", "cpu_s")}}
-                            if tag == "pretrained" else {})})
+                            if tag != "scratch" else {})})
     write(rows, steps, args)
 
 
