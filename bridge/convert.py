@@ -11,13 +11,14 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Callable, Iterable
 
 import numpy as np
 from tqdm import tqdm
 
 from .dtypes import DTYPE_NAMES, numpy_dtype
 from .errors import BridgeError
-from .formats import FORMATS, open_checkpoint, write_checkpoint
+from .formats import FORMATS, Checkpoint, open_checkpoint, write_checkpoint
 from .formats.safetensors_dir import DEFAULT_MAX_SHARD_SIZE
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", re.IGNORECASE)
@@ -58,6 +59,24 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str = "native", 
     tensor as it streams through (bfloat16 by ml_dtypes' round-to-nearest-even, as torch does).
     `options` go to the writer (llama2c: version; meta: shards). Returns `dst`.
     """
+    return stream_checkpoint(src, dst, to, from_format=from_format, dtype=dtype,
+                             max_shard_size=max_shard_size, force=force, progress=progress,
+                             **options)
+
+
+Transform = Callable[[str, np.ndarray], np.ndarray]  # (canonical name, array) -> array
+
+
+def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = "native", *,
+                      from_format: str | None = None, dtype: str | None = None,
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, force: bool = False,
+                      progress: bool = True, inputs: Iterable[str | os.PathLike] = (),
+                      prepare: Callable[[Checkpoint], Transform] | None = None,
+                      **options) -> Path:
+    """`convert`, with each tensor passed through a transform before the cast: once the source
+    is open and the destination checked, `prepare(ckpt)` returns the transform (name, array) ->
+    array (same shape). `inputs` are other paths the transform reads, which `dst` may not
+    overlap either. Returns `dst`."""
     src, dst = Path(src), Path(dst)
     if to not in FORMATS:
         raise BridgeError(f"unknown format {to!r}; known: {', '.join(FORMATS)}", field="to")
@@ -67,9 +86,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str = "native", 
         raise BridgeError(f"llama2.c .bin files hold float32 only (got {dtype})", field="dtype")
     max_shard_size = parse_size(max_shard_size)
     ckpt = open_checkpoint(src, format=from_format)
-    _check_paths(ckpt.path, dst)
+    for source in (ckpt.path, *map(Path, inputs)):
+        _check_paths(source, dst)
     if (dst.exists() or dst.is_symlink()) and not force:
         raise BridgeError(f"{dst}: already exists", hint=("force", True, "use {} to replace it"))
+    transform = None if prepare is None else prepare(ckpt)
 
     target = None if dtype is None else numpy_dtype(dtype)
     specs = {name: (shape, target or stored) for name, (shape, stored) in ckpt.specs.items()}
@@ -81,6 +102,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str = "native", 
         reading = True
         array = ckpt.tensor(name)
         reading = False
+        if transform is not None:
+            array = transform(name, array)
         return array if target is None or array.dtype == target else array.astype(target)
 
     total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs.values())

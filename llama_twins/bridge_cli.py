@@ -1,5 +1,5 @@
-"""`llama-bridge`: convert and inspect checkpoints (bridge alone), and the two commands that load
-both twins: the parity report and the round-trip demo.
+"""`llama-bridge`: convert and inspect checkpoints and merge LoRA adapters into them (bridge
+alone), and the two commands that load both twins: the parity report and the round-trip demo.
 
 stdout carries results, stderr progress and errors; exit 0 success, 1 a check failed, 2 bad input.
 """
@@ -24,7 +24,10 @@ def cmd_inspect(args) -> int:
     """Describe a checkpoint; unless --no-scan, also read every tensor and exit 1 if any holds a
     NaN or an infinity (a report's check failed)."""
     from bridge.inspect import describe, scan_non_finite
+    from bridge.lora import is_adapter
 
+    if is_adapter(args.path):
+        return inspect_adapter(args)
     ckpt = open_checkpoint(args.path, format=args.format)
     report = describe(ckpt)
     if not args.no_scan:
@@ -53,9 +56,26 @@ def cmd_inspect(args) -> int:
     return status
 
 
-def cmd_convert(args) -> int:
-    from bridge.convert import convert
+def inspect_adapter(args) -> int:
+    """Describe a PEFT LoRA adapter directory (its fit to a base is checked by merge-lora)."""
+    from bridge.merge import describe_adapter
 
+    report = describe_adapter(args.path)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    print(f"{report['path']}  (PEFT LoRA adapter)")
+    targets = ", ".join(map(str, report["target_modules"] or []))
+    print(f"  lora        rank {report['rank']}, alpha {report['alpha']} "
+          f"(scale {report['scale']}), targets {targets}")
+    print(f"  parameters  {report['parameters']:,} in {report['tensors']} tensors over "
+          f"{report['layers']} layers ({', '.join(report['dtypes'])})")
+    print(f"  base model  {report['base_model'] or 'not named'}")
+    return EXIT_OK
+
+
+def writer_options(args) -> dict:
+    """The format-specific writer options set by --llama2c-version and --meta-shards."""
     options = {}
     if args.llama2c_version is not None:
         if args.to != "llama2c":
@@ -65,10 +85,24 @@ def cmd_convert(args) -> int:
         if args.to != "meta":
             raise BridgeError("only with --to meta", field="meta_shards")
         options["shards"] = args.meta_shards
-    dst = convert(args.src, args.dst, args.to, from_format=args.from_format, dtype=args.dtype,
-                  max_shard_size=args.max_shard_size, force=args.force,
-                  progress=not args.quiet, **options)
-    print(dst)
+    return options
+
+
+def cmd_convert(args) -> int:
+    from bridge.convert import convert
+
+    print(convert(args.src, args.dst, args.to, from_format=args.from_format, dtype=args.dtype,
+                  max_shard_size=args.max_shard_size, force=args.force, progress=not args.quiet,
+                  **writer_options(args)))
+    return EXIT_OK
+
+
+def cmd_merge_lora(args) -> int:
+    from bridge.merge import merge_lora
+
+    print(merge_lora(args.base, args.adapter, args.dst, args.to, from_format=args.from_format,
+                     dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
+                     progress=not args.quiet, **writer_options(args)))
     return EXIT_OK
 
 
@@ -94,6 +128,22 @@ def cmd_parity(args) -> int:
     return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
 
 
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of the commands that write a checkpoint, streaming (convert, merge-lora)."""
+    p.add_argument("--to", choices=FORMATS, default="native", help="output format (default native)")
+    p.add_argument("--from", dest="from_format", choices=FORMATS,
+                   help="input format (default: detect)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES,
+                   help="cast every tensor (default: keep the stored dtype)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors file for native / hf output (default 5GB)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--llama2c-version", type=int, choices=(0, 1),
+                   help="llama2.c .bin header: 1 (default) or 0, the legacy one run.c reads")
+    p.add_argument("--meta-shards", type=int, help="model-parallel files for --to meta (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llama-bridge",
                                      description="Move LLaMA weights between JAX, PyTorch and the "
@@ -115,18 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="convert a checkpoint between formats, one tensor at a time")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--to", choices=FORMATS, default="native", help="output format (default native)")
-    p.add_argument("--from", dest="from_format", choices=FORMATS,
-                   help="input format (default: detect)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES,
-                   help="cast every tensor (default: keep the stored dtype)")
-    p.add_argument("--max-shard-size", default="5GB",
-                   help="largest safetensors file for native / hf output (default 5GB)")
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
-    p.add_argument("--llama2c-version", type=int, choices=(0, 1),
-                   help="llama2.c .bin header: 1 (default) or 0, the legacy one run.c reads")
-    p.add_argument("--meta-shards", type=int, help="model-parallel files for --to meta (default 1)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_output_arguments(p)
+
+    p = add_command(sub, "merge-lora", cmd_merge_lora,
+                    help="merge a PEFT LoRA adapter into its base checkpoint, one tensor at a time")
+    p.add_argument("base", help="the base checkpoint, in any format the bridge reads")
+    p.add_argument("adapter", help="a PEFT LoRA adapter directory (adapter_config.json + "
+                                   "adapter_model.safetensors)")
+    p.add_argument("dst")
+    add_output_arguments(p)
 
     p = add_command(sub, "demo", cmd_demo, help="round-trip a fresh model JAX -> native -> torch "
                                                 "-> JAX and print the largest logit difference")
