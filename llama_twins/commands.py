@@ -80,6 +80,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                                                          "instead of refusing them")
     p.add_argument("--stop", nargs="*", default=[], help="more stop strings (each one token)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="weights and compute (default: as stored)")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter (PEFT format) merged into the "
+                                                    "weights as they load")
 
 
 def generation_inputs(args, load: Callable[[], tuple]) -> tuple:

@@ -15,7 +15,7 @@ def cmd_generate(args) -> int:
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
     def load_model():
-        model = load(args.checkpoint, device=device, dtype=args.dtype)
+        model = load(args.checkpoint, device=device, dtype=args.dtype, adapter=args.adapter)
         return model, model.config
 
     model, tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)

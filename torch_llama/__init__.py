@@ -4,6 +4,9 @@
     logits = tmodel(tokens)                               # int (B, S) -> float32 (B, S, V)
     out = tmodel.run(tokens, cache=cache)                 # LlamaOutput, as in jax_llama
     torch_llama.save(path, tmodel)
+    tmodel = torch_llama.load(path, adapter=peft_dir)     # a LoRA adapter merged in as it loads
+    torch_llama.add_lora(tmodel, LoraConfig(rank=8))      # frozen base, trainable adapters
+    torch_llama.save_adapter(peft_dir, tmodel)            # or merge_lora(tmodel), then save
     opt = torch_llama.AdamW(params, lr=schedule, betas=(0.9, 0.95), weight_decay=0.1,
                             mask=torch_llama.decay_mask)    # optax.adamw's exact semantics
 
@@ -12,6 +15,7 @@ jax_llama exports the same names wherever the concept exists in both twins
 """
 
 from bridge.config import PRESETS, LlamaConfig
+from bridge.lora import LoraConfig
 from bridge.sampling import Generation, Sampler
 
 from .checkpoint import load, save
@@ -20,12 +24,14 @@ from .generate import generate
 from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, LlamaOutput,
                     RMSNorm, apply_rope, check_inputs, init, last_real_index, resolve_device,
                     resolve_dtype, rope_cos_sin)
+from .lora import adapter_of, add_lora, merge_lora, save_adapter
 from .optim import (AdamW, clip_by_global_norm, cosine_decay_schedule, decay_mask, linear_schedule,
                     warmup_cosine_decay_schedule)
 
 __all__ = ["AdamW", "Attention", "Block", "Classifier", "FeedForward", "Generation", "KVCache",
-           "Llama", "LlamaClassifier", "LlamaConfig", "LlamaOutput", "PRESETS", "RMSNorm",
-           "Sampler", "apply_rope", "check_inputs", "clip_by_global_norm",
-           "cosine_decay_schedule", "decay_mask", "generate", "init", "last_real_index",
-           "linear_schedule", "load", "load_classifier", "predict", "resolve_device",
-           "resolve_dtype", "rope_cos_sin", "save", "warmup_cosine_decay_schedule"]
+           "Llama", "LlamaClassifier", "LlamaConfig", "LlamaOutput", "LoraConfig",
+           "PRESETS", "RMSNorm", "Sampler", "adapter_of", "add_lora", "apply_rope",
+           "check_inputs", "clip_by_global_norm", "cosine_decay_schedule", "decay_mask",
+           "generate", "init", "last_real_index", "linear_schedule", "load", "load_classifier",
+           "merge_lora", "predict", "resolve_device", "resolve_dtype", "rope_cos_sin", "save",
+           "save_adapter", "warmup_cosine_decay_schedule"]

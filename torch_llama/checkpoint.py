@@ -1,5 +1,5 @@
 """load / save for the torch twin: the state_dict already uses the canonical names, so the only
-work is numpy <-> torch (bfloat16 included) and choosing a device."""
+work is numpy <-> torch (bfloat16 included), choosing a device, and merging a LoRA adapter in."""
 
 from __future__ import annotations
 
@@ -12,23 +12,34 @@ from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
+from bridge.lora import read_peft
 
 from .model import Llama, resolve_device, resolve_dtype
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None) -> Llama:
+def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None,
+         adapter: str | os.PathLike | None = None) -> Llama:
     """A Llama in eval mode from a checkpoint of any supported format.
 
     dtype None keeps the stored dtype (float32 when tensors are mixed). Tensors are read and moved
     to the device one at a time; the module is built on the meta device so nothing is allocated
-    twice.
+    twice. `adapter`, a PEFT LoRA adapter directory (bridge.lora.read_peft), is checked against
+    the checkpoint's config before any weight is read, then merged into each weight as it
+    streams in, in the model's dtype as merge_lora merges: a plain model.
     """
     ckpt = open_checkpoint(path)
     device = resolve_device(device)
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
+    lora = None if adapter is None else read_peft(adapter, ckpt.config)
+
+    def tensor(name, array) -> torch.Tensor:
+        if lora is not None:
+            array = lora.merged(name, array.astype(numpy_dtype(dtype), copy=False))
+        return to_torch(array).to(device=device, dtype=dtype)
+
     with torch.device("meta"):
         model = Llama(ckpt.config)
-    state = {name: to_torch(array).to(device=device, dtype=dtype) for name, array in ckpt}
+    state = {name: tensor(name, array) for name, array in ckpt}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 
@@ -38,6 +49,11 @@ def save(path: str | os.PathLike, model: Llama, *, overwrite: bool = False,
     """Write `model` as a native checkpoint at `path` (atomically; tensors in their own dtype)."""
     if not isinstance(model, Llama):
         raise BridgeError(f"model: expected a torch_llama.Llama, got {type(model).__name__}")
+    if model.lora is not None:
+        raise BridgeError("holds LoRA adapters, which a checkpoint cannot: merge them "
+                          "(torch_llama.merge_lora) or save the adapter alone "
+                          "(torch_llama.save_adapter, i.e. bridge.lora.write_peft(path, "
+                          "model.config, adapter_of(model)))", field="model")
     state = model.state_dict()
     specs = {name: (tuple(t.shape), numpy_dtype(t.dtype, field=f"tensor '{name}'"))
              for name, t in state.items()}

@@ -7,6 +7,8 @@ G = N/K, H head dim, h = H/2 rotated pairs, F ffn dim, V vocab, L layers.
 parameters; RMSNorm statistics, RoPE rotation and logits are float32. `model(tokens)` gives the
 logits; `model.run(...)` gives a LlamaOutput (logits, hidden states, cache) and, with a KVCache,
 appends its tokens to the cache and attends over everything cached so far (generation).
+
+Each projection is a Linear, which can carry a LoRA adapter (torch_llama.lora adds them).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from bridge.config import LlamaConfig, RopeScaling
 from bridge.dtypes import dtype_name
 from bridge.errors import BridgeError
 from bridge.inputs import check_inputs as _check_inputs
+from bridge.lora import LoraConfig
 from bridge.rope import rope_inv_freq
 
 
@@ -180,6 +183,46 @@ class LlamaOutput:
 
 # -- the transformer -----------------------------------------------------------------------------
 
+class Linear(nn.Linear):
+    """x W^T without bias (W (out, in) keeps nn.Linear's name, `weight`), plus, once add_adapter
+    is called, a LoRA update scale * B A dropout(x) with A (rank, in) and B (out, rank) in
+    float32 as `lora_A.weight` and `lora_B.weight`: the canonical adapter names."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.lora: LoraConfig | None = None
+
+    def add_adapter(self, lora: LoraConfig) -> None:
+        """A as PEFT initialises it (nn.Linear's Kaiming-uniform, U(+-1/sqrt(in))), B zero: the
+        output is unchanged until B trains. Drawn on the CPU, so that a seed gives the same A on
+        every device, then moved to W's device."""
+        a = nn.Linear(self.in_features, lora.rank, bias=False, device="cpu", dtype=torch.float32)
+        b = nn.Linear(lora.rank, self.out_features, bias=False, device="cpu", dtype=torch.float32)
+        nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+        nn.init.zeros_(b.weight)
+        self.lora_A, self.lora_B = a.to(self.weight.device), b.to(self.weight.device)
+        self.lora_dropout = nn.Dropout(lora.dropout)  # active in train() only
+        self.lora = lora
+
+    def merge_adapter(self) -> None:
+        """W + scale * B A, summed in float32 (float64 for float64 W) and rounded once to W's
+        dtype (bridge.lora.merge_weight's arithmetic); then a plain projection again."""
+        wide = torch.promote_types(self.weight.dtype, torch.float32)
+        with torch.no_grad():
+            update = self.lora.scale * (self.lora_B.weight.to(wide) @ self.lora_A.weight.to(wide))
+            self.weight.copy_(self.weight.to(wide) + update)
+        del self.lora_A, self.lora_B, self.lora_dropout
+        self.lora = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.lora is None:
+            return y
+        # The float32 adapters run in x's dtype, as the projection itself does.
+        a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
+        return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.lora.scale
+
+
 class Attention(nn.Module):
     """Grouped-query attention through F.scaled_dot_product_attention (enable_gqa: K/V not copied
     by us; the fused kernels read each kv head for its G query heads)."""
@@ -187,10 +230,10 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         c = self.config = config
-        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
-        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
-        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
-        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.wq = Linear(c.dim, c.n_heads * c.head_dim)
+        self.wk = Linear(c.dim, c.n_kv_heads * c.head_dim)
+        self.wv = Linear(c.dim, c.n_kv_heads * c.head_dim)
+        self.wo = Linear(c.n_heads * c.head_dim, c.dim)
 
     def forward(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
                 cache: KVCache | None = None, layer: int = 0):
@@ -225,9 +268,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w1 = Linear(config.dim, config.ffn_dim)
+        self.w2 = Linear(config.ffn_dim, config.dim)
+        self.w3 = Linear(config.dim, config.ffn_dim)
 
     def forward(self, x_BSD):
         return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
@@ -260,6 +303,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.lora: LoraConfig | None = None  # the adapters' settings, between add_lora and merge_lora
         # Kept off the module's buffers so that casting the model to bfloat16 cannot round it.
         self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}

@@ -1,0 +1,93 @@
+"""LoRA on the torch model (jax_llama.lora's twin): add adapters to a model, train only them, save
+them in PEFT's format, merge them into the weights.
+
+The adapters are submodules of the projections they adapt (model.Linear: `wq.lora_A`,
+`wq.lora_B`, float32), so state_dict() holds the canonical adapter names beside the canonical
+weights. What trains is requires_grad: the base is frozen, so an optimizer given every parameter
+updates only the adapters (and a classifier's head).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from bridge.errors import BridgeError
+from bridge.lora import MODULES, Adapter, LoraConfig, write_peft
+
+from .model import Linear, Llama, LlamaClassifier
+
+
+def _backbone(model) -> Llama:
+    """The Llama that carries the adapters: the model itself, or a classifier's `llama`."""
+    if isinstance(model, LlamaClassifier):
+        return model.llama
+    if not isinstance(model, Llama):
+        raise BridgeError(f"expected a Llama or LlamaClassifier, got {type(model).__name__}",
+                          field="model")
+    return model
+
+
+def add_lora(model: Llama | LlamaClassifier, lora: LoraConfig, seed: int = 0,
+             adapter: Adapter | None = None) -> Llama | LlamaClassifier:
+    """Give every projection in lora.targets of every layer a LoRA adapter, in place, and return
+    `model`. A and B are float32 on the model's device: A drawn from `seed` (the caller's torch
+    RNG is left as it was) and B zero, so the logits are unchanged, or `adapter`'s tensors (an
+    adapter with these settings, checked against the model's config). Every base parameter is
+    frozen; the adapters train, and so does a LlamaClassifier's head."""
+    llama = _backbone(model)
+    if llama.lora is not None:
+        raise BridgeError("already has LoRA adapters", field="model")
+    if adapter is not None:
+        if adapter.lora != lora:
+            raise BridgeError(f"the adapter's settings {adapter.lora} differ from {lora}",
+                              field="lora")
+        adapter.check(llama.config)
+    model.requires_grad_(False)
+    if isinstance(model, LlamaClassifier):
+        model.classifier.requires_grad_(True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for block in llama.layers:
+            for target in lora.targets:
+                getattr(getattr(block, MODULES[target]), target).add_adapter(lora)
+    llama.lora = lora
+    if adapter is not None:
+        with torch.no_grad():
+            for name, array in adapter.tensors.items():
+                llama.get_parameter(name).copy_(torch.from_numpy(np.asarray(array, np.float32)))
+    return model
+
+
+def adapter_of(model: Llama | LlamaClassifier, base_model: str | None = None) -> Adapter:
+    """The model's adapters as a bridge Adapter: its LoraConfig and canonical numpy float32
+    tensors; `base_model` is recorded for PEFT's adapter_config.json."""
+    llama = _backbone(model)
+    if llama.lora is None:
+        raise BridgeError("the model has no LoRA adapters", field="model")
+    return Adapter(llama.lora, {name: t.detach().float().cpu().numpy()
+                                for name, t in llama.state_dict().items() if ".lora_" in name},
+                   base_model)
+
+
+def save_adapter(path: str | os.PathLike, model: Llama | LlamaClassifier, *,
+                 base_model: str | None = None, overwrite: bool = False):
+    """Write the adapters as Hugging Face PEFT writes a LoRA adapter (bridge.lora.write_peft)."""
+    return write_peft(path, _backbone(model).config, adapter_of(model, base_model),
+                      overwrite=overwrite)
+
+
+def merge_lora(model: Llama | LlamaClassifier) -> Llama | LlamaClassifier:
+    """Fold each adapter into its projection (W + scale * B A, in float32, then W's dtype) and
+    remove the adapters, in place: a plain model again, every parameter trainable, whose
+    state_dict holds the canonical names only. A model without adapters is returned as it is."""
+    llama = _backbone(model)
+    if llama.lora is None:
+        return model
+    for module in llama.modules():
+        if isinstance(module, Linear) and module.lora is not None:
+            module.merge_adapter()
+    llama.lora = None
+    return model.requires_grad_(True)
