@@ -28,7 +28,7 @@ except ImportError:  # Windows: no flock, so no stale-temporary cleanup either
     fcntl = None
 
 # A directory we may replace must look like something this project wrote.
-_REPLACEABLE_MARKERS = ("config.json", "params.json")
+_REPLACEABLE_MARKERS = ("config.json", "params.json", "adapter_config.json")
 # OS errors that can only come from writing (reads never report them): a full disk or quota, a
 # file-size limit, a read-only file system.
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
@@ -128,7 +128,8 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool = False) -> Iterato
     """Yield a temporary directory; on success it becomes `dst`, on failure it is removed.
 
     An existing `dst` is refused unless `overwrite`, and even then only when it is a checkpoint
-    directory (holds config.json or params.json), never an arbitrary folder or a file.
+    directory (holds config.json, params.json or a LoRA adapter's adapter_config.json), never
+    an arbitrary folder or a file.
     """
     dst = Path(dst)
     if dst.exists() or dst.is_symlink():

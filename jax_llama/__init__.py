@@ -4,25 +4,30 @@
     logits = model.apply({"params": params}, tokens)      # int32 (B, S) -> float32 (B, S, V)
     out = model.apply({"params": params}, tokens, cache=cache, method="run")   # LlamaOutput
     jax_llama.save(path, config, params)                  # native safetensors checkpoint
-    model, params = jax_llama.load(path, dtype=None)
+    model, params = jax_llama.load(path, dtype=None, adapter=None)   # adapter: a PEFT dir, merged
+    model, params = jax_llama.add_lora(model, params, jax_llama.LoraConfig(rank=8))  # train adapters
+    jax_llama.save_adapter(path, model, params)           # PEFT format; merge_lora folds them in
 
 torch_llama exports the same names wherever the concept exists in both twins
 (tests/test_layers.py compares the two lists).
 """
 
 from bridge.config import PRESETS, LlamaConfig
+from bridge.lora import LoraConfig
 from bridge.sampling import Generation, Sampler
 
 from .checkpoint import load, save
 from .classify import Classifier, load_classifier, predict
 from .generate import generate
+from .lora import adapter_of, add_lora, merge_lora, save_adapter
 from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, LlamaOutput,
                     RMSNorm, apply_rope, check_inputs, init, last_real_index, resolve_dtype,
                     rope_cos_sin)
 from .train import TrainConfig, decay_mask, make_optimizer, make_train_step
 
 __all__ = ["Attention", "Block", "Classifier", "FeedForward", "Generation", "KVCache", "Llama",
-           "LlamaClassifier", "LlamaConfig", "LlamaOutput", "PRESETS", "RMSNorm", "Sampler",
-           "TrainConfig", "apply_rope", "check_inputs", "decay_mask", "generate", "init",
-           "last_real_index", "load", "load_classifier", "make_optimizer", "make_train_step",
-           "predict", "resolve_dtype", "rope_cos_sin", "save"]
+           "LlamaClassifier", "LlamaConfig", "LlamaOutput", "LoraConfig", "PRESETS", "RMSNorm",
+           "Sampler", "TrainConfig", "adapter_of", "add_lora", "apply_rope", "check_inputs",
+           "decay_mask", "generate", "init", "last_real_index", "load", "load_classifier",
+           "make_optimizer", "make_train_step", "merge_lora", "predict", "resolve_dtype",
+           "rope_cos_sin", "save", "save_adapter"]

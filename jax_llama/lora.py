@@ -66,6 +66,9 @@ def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | 
     config, lora_model = model.config, model.clone(lora=lora)
     backbone = Llama(config, scan_layers=model.scan_layers, lora=lora)
     if adapter is not None:
+        if adapter.lora != lora:
+            raise BridgeError(f"the adapter's settings {adapter.lora} differ from {lora}",
+                              field="lora")
         adapter.check(config)
         adapters = params_from_tensors(adapter.tensors.__getitem__, config, dtype=jnp.float32,
                                        scan_layers=model.scan_layers,
