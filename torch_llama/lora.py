@@ -57,7 +57,7 @@ def add_lora(model: Llama | LlamaClassifier, lora: LoraConfig, seed: int = 0,
     if adapter is not None:
         with torch.no_grad():
             for name, array in adapter.tensors.items():
-                llama.get_parameter(name).copy_(torch.from_numpy(np.asarray(array, np.float32)))
+                llama.get_parameter(name).copy_(torch.from_numpy(np.array(array, np.float32)))
     return model
 
 
