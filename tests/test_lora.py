@@ -269,3 +269,50 @@ def test_cli_generate_with_a_mismatched_adapter_exits_2(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "adapter_model.safetensors: tensor 'layers.2." in lines[0]
+
+
+def test_peft_and_the_jax_model_agree_on_adapters_both_ways(tmp_path):
+    """Our adapter under peft.PeftModel gives our logits; a peft-made adapter under our loader
+    gives peft's logits (the unmerged JAX model, not a merge)."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from bridge.convert import convert
+
+    config = small_config()
+    model, params = jax_llama.init(config, seed=0)
+    jax_llama.save(tmp_path / "base", config, params)
+    convert(tmp_path / "base", tmp_path / "hf", to="hf", progress=False)
+    tokens = random_tokens(config)
+
+    def peft_logits(peft_model):
+        with torch.inference_mode():
+            return peft_model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+    ours_model, ours = add_lora(model, params, LoraConfig(rank=4, alpha=8.0, targets=("wq", "wk", "w2")))
+    ours = with_random_b(ours)
+    save_adapter(tmp_path / "ours", ours_model, ours)
+    theirs = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "hf"),
+                                       tmp_path / "ours").eval()
+    expected = np.asarray(ours_model.apply({"params": ours}, tokens))
+    # float32 in two frameworks: ~1e-6 apart on O(1) logits; the adapter moved them by ~1e-1
+    assert np.abs(expected - np.asarray(model.apply({"params": params}, tokens))).max() > 1e-2
+    np.testing.assert_allclose(peft_logits(theirs), expected, rtol=0, atol=1e-5)
+
+    hf_model = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    peft_model = get_peft_model(hf_model, PeftLoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                            "up_proj", "down_proj"], task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    peft_model.eval().save_pretrained(tmp_path / "theirs")
+    adapter = read_peft(tmp_path / "theirs", config)
+    assert adapter.lora.rank == 4 and adapter.lora.scale == 4.0
+    jax_model, jax_params = add_lora(model, params, adapter.lora, adapter=adapter)
+    np.testing.assert_allclose(np.asarray(jax_model.apply({"params": jax_params}, tokens)),
+                               peft_logits(peft_model), rtol=0, atol=1e-5)
