@@ -31,6 +31,7 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
 from bridge.lora import LoraConfig
+from bridge.merge import merge_lora as merge_checkpoint
 from bridge.tokenizer import load_tokenizer, train_tokenizer
 
 from . import data as data_lib
@@ -229,7 +230,11 @@ def train(spec: RunSpec) -> dict:
     if spec.lora:
         save_adapter(spec.out / "adapter", model, params, base_model=spec.init, overwrite=True)
         model, params = merge_lora(model, params)
-    save_native(spec.out / "model", config, params, overwrite=True)
+    if spec.lora and spec.init:  # merged into the base as stored, not the compute-dtype copy
+        merge_checkpoint(spec.init, spec.out / "adapter", spec.out / "model", force=True,
+                         progress=False)
+    else:
+        save_native(spec.out / "model", config, params, overwrite=True)
     tokenizer.save(spec.out / "model")
     plot = _plot(spec.out, unigram)
     summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],

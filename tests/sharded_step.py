@@ -1,7 +1,9 @@
 """Run by test_train.py in a subprocess with 8 simulated CPU devices: one train step on a mesh
 versus the same step on one device. Prints one JSON line of max differences per mesh.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharded_step.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharded_step.py [--lora]
+
+With --lora the model carries LoRA adapters (B made non-zero) and only they train.
 """
 
 import json
@@ -12,6 +14,7 @@ import numpy as np
 
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
+from bridge.lora import LoraConfig
 from jax_llama import init
 from jax_llama.model import Llama
 from jax_llama.sharding import batch_sharding, check_batch, global_batch, make_mesh, tree_shardings
@@ -31,8 +34,16 @@ def main() -> None:
     # measure the sharded math, not Adam dividing rounding noise by sqrt(nu) ~ 0.
     tc = TrainConfig(steps=10, batch_size=8, seq_len=16, lr=1e-1, eps=1.0, warmup_steps=0)
     model = Llama(config)
-    params = jax.tree_util.tree_map(np.asarray, init(config, seed=0)[1])  # host copies: steps donate
-    optimizer = make_optimizer(tc)
+    params = init(config, seed=0)[1]
+    labels = None
+    if "--lora" in sys.argv:
+        from jax_llama.lora import add_lora, trainable
+        model, params = add_lora(model, params, LoraConfig(rank=4, alpha=8.0))
+        params = jax.tree_util.tree_map_with_path(  # B non-zero, so every adapter has a gradient
+            lambda path, x: x + 0.05 if "lora_B" in jax.tree_util.keystr(path) else x, params)
+        labels = trainable
+    params = jax.tree_util.tree_map(np.asarray, params)  # host copies: steps donate
+    optimizer = make_optimizer(tc, labels)
     rng = np.random.default_rng(0)
     batches = [{"inputs": rng.integers(0, 97, (8, 16), dtype=np.int32),
                 "targets": rng.integers(0, 97, (8, 16), dtype=np.int32),
@@ -45,7 +56,7 @@ def main() -> None:
                        in_shardings=(tree_shardings(state.params, mesh), batch_sharding(mesh)))
         grads = [np.asarray(g) for g in jax.tree_util.tree_leaves(
             grad(state.params, model, global_batch(batches[0], mesh)))]
-        step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh)
+        step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels)
         losses = []
         for batch in batches:
             state, metrics = step(state, global_batch(batch, mesh))
@@ -55,7 +66,7 @@ def main() -> None:
                       for x in jax.tree_util.tree_leaves(state.params))
         return losses, grads, leaves, sharded
 
-    ref_losses, ref_grads, ref_leaves = single_device(model, params, optimizer, tc, batches)
+    ref_losses, ref_grads, ref_leaves = single_device(model, params, optimizer, tc, batches, labels)
     initial = jax.tree_util.tree_leaves(params)
     grad_scale = max(float(np.abs(g).max()) for g in ref_grads)
     for spec in MESHES:
@@ -73,10 +84,10 @@ def main() -> None:
     sys.stdout.flush()
 
 
-def single_device(model, params, optimizer, tc, batches):
+def single_device(model, params, optimizer, tc, batches, labels):
     """The same three steps with plain jit on one device: no mesh, no shardings."""
     from jax_llama.train import lr_schedule, make_train_step
-    step = jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc)))
+    step = jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc), trainable=labels))
     device = jax.devices()[0]
     state = jax.device_put(init_state(params, optimizer), device)
     grads = [np.asarray(g) for g in jax.tree_util.tree_leaves(

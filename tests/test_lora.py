@@ -16,6 +16,7 @@ from bridge.errors import BridgeError
 from bridge.lora import LoraConfig, adapter_shapes, read_peft
 from bridge.tensors import canonical_shapes
 from conftest import random_tokens, save_random_checkpoint, small_config
+from test_train import corpus  # noqa: F401  (a fixture)
 from jax_llama.checkpoint import tensor_specs
 from jax_llama.lora import add_lora, adapter_of, count, merge_lora, save_adapter, split, trainable
 from jax_llama.train import TrainConfig, init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
@@ -316,3 +317,48 @@ def test_peft_and_the_jax_model_agree_on_adapters_both_ways(tmp_path):
     jax_model, jax_params = add_lora(model, params, adapter.lora, adapter=adapter)
     np.testing.assert_allclose(np.asarray(jax_model.apply({"params": jax_params}, tokens)),
                                peft_logits(peft_model), rtol=0, atol=1e-5)
+
+
+def test_lora_run_interrupted_and_resumed_ends_where_a_straight_run_ends(tmp_path, corpus, monkeypatch):
+    """`train --init BASE --lora-rank R`: a run stopped after its checkpoint at step 6 and resumed
+    writes the same adapter and merged model, bit for bit, as one never stopped; the base in
+    the merged model is the init's, in its stored float32."""
+    from jax_llama import run as run_lib
+    from jax_llama.run import train
+    from test_train import spec
+
+    base = train(spec(tmp_path / "base", corpus, steps=5, eval_every=5, checkpoint_every=5))["model"]
+    lora = LoraConfig(rank=2, alpha=4.0, dropout=0.1, targets=("wq", "wv", "w2"))
+
+    def lora_spec(name, resume=False):
+        s = spec(tmp_path / name, corpus, steps=12, eval_every=6, checkpoint_every=6,
+                 grad_accum=2, dtype="bfloat16")
+        s.init, s.lora, s.resume, s.sample_tokens = base, lora, resume, 0
+        return s
+
+    straight = train(lora_spec("straight"))
+    real = run_lib.jit_train_step
+
+    def stopping(*args, **kwargs):
+        step = real(*args, **kwargs)
+
+        def train_step(state, batch):
+            if int(state.step) == 8:
+                raise KeyboardInterrupt  # after the checkpoint at step 6
+            return step(state, batch)
+        return train_step
+    monkeypatch.setattr(run_lib, "jit_train_step", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        train(lora_spec("resumed"))
+    monkeypatch.setattr(run_lib, "jit_train_step", real)
+    resumed = train(lora_spec("resumed", resume=True))
+    for part in ("adapter/adapter_model.safetensors", "model/model.safetensors"):
+        a = (tmp_path / "straight" / "run" / part).read_bytes()
+        assert a == (tmp_path / "resumed" / "run" / part).read_bytes(), part
+    assert resumed["val_loss"] == straight["val_loss"]
+    merged = jax_llama.load(straight["model"])[1]
+    assert {x.dtype for x in jax.tree.leaves(merged)} == {jnp.dtype("float32")}
+    # the adapter read back and merged again gives the merged model
+    again = jax_llama.load(base, adapter=straight["adapter"])[1]
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -116,9 +116,12 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-8)
 
 
-def test_sharded_step_equals_the_single_device_step():
+@pytest.mark.parametrize("flags", [[], ["--lora"]], ids=["full", "lora"])
+def test_sharded_step_equals_the_single_device_step(flags):
+    """With --lora only the adapters train (replicated: the sharding rules leave them whole),
+    the frozen weights sharded as ever."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    result = subprocess.run([sys.executable, str(Path(__file__).parent / "sharded_step.py")],
+    result = subprocess.run([sys.executable, str(Path(__file__).parent / "sharded_step.py"), *flags],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
