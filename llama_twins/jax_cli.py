@@ -84,7 +84,7 @@ def cmd_generate(args) -> int:
 
     def load_model():
         model, params = load(args.checkpoint, dtype=args.dtype, attention=args.attention,
-                             adapter=getattr(args, "adapter", None))
+                             adapter=args.adapter)
         return (model, params), model.config
 
     (model, params), tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
@@ -92,7 +92,8 @@ def cmd_generate(args) -> int:
         from .parity import format_greedy_parity, greedy_parity
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report = greedy_parity(args.checkpoint, prompts, args.max_new_tokens, stops, args.dtype)
+            report = greedy_parity(args.checkpoint, prompts, args.max_new_tokens, stops, args.dtype,
+                                   args.adapter)
         report_warnings(caught)
         print(format_greedy_parity(report, tokenizer.decode))
         return EXIT_OK if report["identical"] else EXIT_CHECK_FAILED
@@ -436,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="params and compute of forward and decode; train computes in it with "
                         "float32 params (default float32)")
     p.add_argument("--only", help="comma-separated subset of forward,train,decode,convert,compile "
-                                  "(default: all)")
+                                  "(default: all of those), long, lora (a LoRA train step of "
+                                  "llama3.2-1b: peak RSS against full fine-tuning; minutes)")
     p.add_argument("--repeats", type=int, help="timed runs per worker process and round "
                                                "(default 3; --quick 2)")
     p.add_argument("--rounds", type=int, help="rounds of one worker process per implementation, "

@@ -116,16 +116,18 @@ NEAR_TIE = 2.0
 
 
 def greedy_parity(path: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  stop_ids: Sequence[int] = (), dtype: str | None = None) -> dict:
-    """Greedy continuations of the same prompts by both twins from the checkpoint at `path`.
+                  stop_ids: Sequence[int] = (), dtype: str | None = None,
+                  adapter: str | None = None) -> dict:
+    """Greedy continuations of the same prompts by both twins from the checkpoint at `path`
+    (with the PEFT LoRA `adapter` merged in, when given).
 
     Returns {"identical": bool, "rows": [{"jax": ids, "torch": ids, "first_difference": index
     or None}]}: where the twins first disagree, per prompt."""
     import jax_llama
     import torch_llama
 
-    model, params = jax_llama.load(path, dtype=dtype)
-    tmodel = torch_llama.load(path, device="cpu", dtype=dtype)
+    model, params = jax_llama.load(path, dtype=dtype, adapter=adapter)
+    tmodel = torch_llama.load(path, device="cpu", dtype=dtype, adapter=adapter)
     return compare_greedy(model, params, tmodel, prompts, max_new_tokens, stop_ids)
 
 

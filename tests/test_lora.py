@@ -362,3 +362,18 @@ def test_lora_run_interrupted_and_resumed_ends_where_a_straight_run_ends(tmp_pat
     again = jax_llama.load(base, adapter=straight["adapter"])[1]
     for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cli_generate_with_an_adapter_decodes_as_the_torch_twin(tmp_path):
+    config = small_config(vocab_size=259)
+    save_random_checkpoint(tmp_path / "base", config, tokenizer=True)
+    model, params = jax_llama.load(tmp_path / "base")
+    lora_model, lora_params = add_lora(model, params, LORA)
+    save_adapter(tmp_path / "adapter", lora_model, with_random_b(lora_params, scale=0.3))
+    args = ["generate", tmp_path / "base", "--prompt", "hello", "--max-new-tokens", 12]
+    plain, adapted = run_cli(*args), run_cli(*args, "--adapter", tmp_path / "adapter")
+    assert plain.returncode == 0 and adapted.returncode == 0, adapted.stderr[-2000:]
+    assert plain.stdout != adapted.stdout  # the adapter is applied
+    both = run_cli(*args, "--adapter", tmp_path / "adapter", "--compare-torch")
+    assert both.returncode == 0, both.stdout + both.stderr[-2000:]
+    assert "JAX and torch agree on all 12 greedy tokens" in both.stdout

@@ -25,14 +25,14 @@ from bridge.config import preset as lookup_preset
 from bridge.errors import BridgeError
 from bridge.tensors import count_params
 
-from . import convert, decode, forward, long, train
+from . import convert, decode, forward, long, lora, train
 from .common import (CONFIG, IMPLEMENTATIONS, Spec, WorkerFailed, available, describe,
                      missing_note, probe, run_rounds, say, spawn)
 
-BENCHES = ("forward", "train", "decode", "convert", "compile", "long")
+BENCHES = ("forward", "train", "decode", "convert", "compile", "long", "lora")
 # What runs without --only: "long" (the train step up to 16K-token rows, ~an hour on a 2-core CPU)
-# runs when named.
-DEFAULT_BENCHES = BENCHES[:-1]
+# and "lora" (a LoRA step of llama3.2-1b, minutes) run when named.
+DEFAULT_BENCHES = BENCHES[:-2]
 IN_WORKERS = ("forward", "train", "decode")  # one worker process per implementation and round
 SUMMARIZE = {"forward": forward.summarize, "train": train.summarize,
              "decode": decode.summarize}
@@ -130,6 +130,11 @@ def run(plan: Plan, command: str) -> dict:
         say("long context: the train step at a fixed number of tokens as the rows grow")
         results["long"] = long.run(config=spec.config, dtype=spec.dtype, transformers=note is None,
                                    **(long.QUICK if plan.quick else {}))
+    if "lora" in plan.benches:  # its own shapes: batch 1 x 256 of llama3.2-1b (--quick: tiny)
+        preset = plan.preset or lora.PRESET
+        results["lora"] = lora.run(lookup_preset(preset), preset,
+                                   **({"seq_len": lora.QUICK["seq_len"]} if plan.quick else {}),
+                                   repeats=spec.repeats)
     if "convert" in plan.benches:
         with tempfile.TemporaryDirectory(prefix="jax-llama-bench-") as workdir:
             results["convert"] = convert.bench_model(
@@ -179,6 +184,8 @@ def markdown(result: dict) -> str:
         lines += ["", *train.compile_markdown(b["compile"])]
     if "long" in b:
         lines += ["", *long.markdown(b["long"]), "", "![tokens/s and memory against S](long.png)"]
+    if "lora" in b:
+        lines += ["", *lora.markdown(b["lora"])]
     return "\n".join(lines) + "\n"
 
 
@@ -208,6 +215,8 @@ def run_command(args) -> int:
     write_text(out / "bench.md", table)
     if "long" in result["benchmarks"]:
         long.plot(result["benchmarks"]["long"], out / "long.png")
+    if "lora" in result["benchmarks"]:  # also on its own, as `python -m llama_twins.bench.lora`
+        lora.write(result["benchmarks"]["lora"], command, out)
     sys.stdout.write(table)
     say(f"{out / 'bench.md'}, {out / 'bench.json'} ({result['seconds']:.0f} s)")
     return 0

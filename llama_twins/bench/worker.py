@@ -5,8 +5,9 @@
 JOB is an implementation (jax-llama, torch_llama, transformers: it runs each bench's
 measure(impl, spec) in turn, in this one process), `machine` (the CPU, JAX's device and versions,
 and this machine's matmul peak and read bandwidth measured through JAX), `compile` (train-step
-compile times at two depths) or `probe` (torch's device and version, and transformers' version or
-why it does not import). Started by llama_twins.bench.common.spawn, never by hand.
+compile times at two depths), `lora` and `lora-full` (llama_twins.bench.lora: the LoRA step's
+memory and time; XLA's plan for full fine-tuning) or `probe` (torch's device and version, and
+transformers' version or why it does not import). Started by llama_twins.bench.common.spawn, never by hand.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import platform
 import sys
 
-from . import decode, forward, long, train
+from . import decode, forward, long, lora, train
 from .common import IMPLEMENTATIONS, Spec
 
 MEASURE = {"forward": forward.measure, "train": train.measure,
@@ -67,7 +68,8 @@ def probe() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("job", choices=(*IMPLEMENTATIONS, "machine", "compile", "probe", "long"))
+    parser.add_argument("job", choices=(*IMPLEMENTATIONS, "machine", "compile", "probe", "long",
+                                        *lora.JOBS))
     parser.add_argument("--spec", required=True, help="a Spec as JSON")
     parser.add_argument("--benches", default="", help="comma-separated: forward, train, decode")
     parser.add_argument("--depths", default="4,32", help="compile: shallow,deep layer counts")
@@ -81,6 +83,8 @@ def main(argv=None) -> int:
         result = probe()
     elif args.job == "long":
         result = long.measure(args.variant, spec)
+    elif args.job in lora.JOBS:
+        result = lora.JOBS[args.job](spec)
     elif args.job == "compile":
         shallow, deep = map(int, args.depths.split(","))
         result = train.compile_times(spec, (shallow, deep))
