@@ -172,12 +172,13 @@ def train(spec: RunSpec) -> dict:
     else:
         params = init(config, seed=tc.seed, scan_layers=spec.scan_layers,
                       param_dtype=base_dtype)[1]
-    labels = None
+    labels, desc = None, "training"
     if spec.lora:
         model, params = add_lora(model, params, spec.lora, seed=tc.seed)
-        labels = trainable
+        labels, n_train, n_all = trainable, count(params, trainable(params)), count(params)
         _say(f"LoRA rank {spec.lora.rank} on {', '.join(spec.lora.targets)}: training "
-             f"{count(params, trainable(params)):,} of {count(params):,} parameters")
+             f"{n_train:,} of {n_all:,} parameters")
+        desc = f"training LoRA ({n_train / 1e6:.3g}M of {n_all / 1e6:.3g}M params)"
     optimizer = make_optimizer(tc, labels)
     state = place_state(init_state(params, optimizer), mesh)
     manager = _checkpoint_manager(spec.out / "checkpoints", tc)
@@ -197,7 +198,7 @@ def train(spec: RunSpec) -> dict:
     last = {"loss": float("nan"), "val_loss": float("nan")}
     start = int(state.step)
     with open(spec.out / "metrics.jsonl", "a") as log, \
-            tqdm(total=tc.steps, initial=start, desc="training", unit="step", file=sys.stderr) as bar:
+            tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar:
         tick = time.perf_counter()
         for step in range(start, tc.steps):
             state, metrics = train_step(state, global_batch(batches.batch(step), mesh))
