@@ -135,3 +135,76 @@ def test_bench_refuses_an_out_that_is_a_file_before_measuring(capsys, tmp_path):
     (tmp_path / "results").write_text("not a directory")
     assert jax_cli.main(["bench", "--quick", "--out", str(tmp_path / "results")]) == 2
     assert capsys.readouterr().err == f"error: --out: {tmp_path / 'results'} exists and is not a directory\n"
+
+
+def test_lora_is_named_not_default():
+    """`--only lora` (minutes on llama3.2-1b) runs when named, never by default or with --quick."""
+    from llama_twins.bench import suite
+    parse = jax_cli.build_parser().parse_args
+    assert "lora" not in suite.make_plan(parse(["bench"])).benches
+    assert "lora" not in suite.make_plan(parse(["bench", "--quick"])).benches
+    assert suite.make_plan(parse(["bench", "--only", "lora"])).benches == ("lora",)
+
+
+def test_lora_random_weights_are_jax_llama_init_but_the_embedding_drawn_in_blocks():
+    import jax
+    import numpy as np
+
+    import jax_llama
+    from bridge.config import PRESETS
+    from llama_twins.bench.lora import EMBEDDING, random_weights
+    model, expected = jax_llama.init(PRESETS["tiny"], dtype="bfloat16", param_dtype="bfloat16",
+                                     scan_layers=True)
+    got = random_weights(model, block_rows=100)  # 512 rows: 6 blocks, the last one clamped
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    flat = lambda tree: dict(jax.tree_util.tree_flatten_with_path(tree)[0])  # noqa: E731
+    got, expected = flat(got), flat(expected)
+    for path, want in expected.items():
+        assert got[path].dtype == want.dtype == "bfloat16" and got[path].shape == want.shape
+        if tuple(k.key for k in path) != EMBEDDING:
+            assert (got[path] == want).all(), path
+    table = np.asarray(next(v for p, v in got.items() if tuple(k.key for k in p) == EMBEDDING),
+                       np.float32)
+    assert abs(table.mean()) < 1e-3 and abs(table.std() - 0.02) < 1e-3
+    assert np.abs(table[:100] - table[100:200]).max() > 0  # each block its own draw
+
+
+def test_lora_section_on_the_tiny_config(monkeypatch, tmp_path):
+    """The lora section with its workers run in this process (one XLA setting): the figures are
+    this machine's; their form and the invariants are asserted."""
+    import math
+
+    from bridge.config import PRESETS
+    from bridge.lora import adapter_shapes
+    from bridge.tensors import count_params
+    from llama_twins.bench import lora
+    monkeypatch.setattr(lora, "spawn", lambda job, spec: lora.JOBS[job](spec))
+    monkeypatch.setattr(lora, "XLA_SETTINGS", {"XLA defaults": None})
+    config = PRESETS["tiny"]
+    result = lora.run(config, "tiny", seq_len=32, repeats=2)
+
+    step = result["steps"]["XLA defaults"]
+    p, n = step["parameters"], count_params(config)
+    adapters = sum(math.prod(shape) for shape in adapter_shapes(config, lora.LORA).values())
+    assert p == {"trainable": adapters, "total": n + adapters}
+    assert step["base_bytes"] == 2 * n and step["base_dtypes"] == ["bfloat16"]
+    # AdamW's mu and nu in float32 for the adapters alone, and a few step counters
+    assert 0 <= step["optimizer_state_bytes"] - 2 * 4 * adapters < 64
+    assert step["frozen_gradients_dropped"]
+    assert set(step["phases"]) == {"build", "compile", "steps"}
+    assert step["peak_rss_bytes"] >= max(ph["VmHWM"] for ph in step["phases"].values()) > 0
+    assert 0 < step["step_peak_rss_bytes"] <= step["peak_rss_bytes"]
+    assert len(step["runs_s"]) == 2 and step["median_s"] > 0 and step["compile_s"] > 0
+    assert step["tokens_per_s"] == pytest.approx(32 / step["median_s"])
+    assert len(step["losses"]) == 3 and all(math.isfinite(x) for x in step["losses"])
+
+    rows = {r["bytes_per_param"]: r for r in result["full_finetune"]["rows"]}
+    assert rows[16]["need_bytes"] == 16 * n and rows[12]["need_bytes"] == 12 * n
+    assert rows[None]["need_bytes"] > 16 * n  # the plan holds at least the state and gradients
+    assert result["memory_total_bytes"] > 0 and result["cpu"]
+
+    text = lora.write(result, "python -m llama_twins.bench.lora --quick", tmp_path)
+    assert json.loads((tmp_path / "lora_bench.json").read_text())["steps"]["XLA defaults"] == step
+    assert (tmp_path / "lora_bench.md").read_text() == text
+    assert_well_formed(text)
+    assert len(tables(text)) == 2 and "target 8 GB: met" in text

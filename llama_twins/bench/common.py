@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,17 @@ class Spec:
         d = json.loads(text)
         return cls(**{**d, "config": LlamaConfig.from_dict(d["config"]),
                       "decode_batches": tuple(d["decode_batches"])})
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def say(message: str) -> None:

@@ -2,17 +2,18 @@
 this machine, against what full fine-tuning of the same model would need.
 
 The LoRA step runs in a worker process of its own, so that its peak RSS is that process's alone:
-random weights built directly in bfloat16 (jax_llama.init jits the initialiser, so no float32 copy
-of the weights is ever made), frozen; float32 adapters (rank 16, alpha 32) and their AdamW state;
-remat and scan_layers; batch 1 x 256 random tokens. It reports the process's peak RSS (and the
-peak of each phase: build, compile, steps), seconds per step (median of the timed steps, compile
-timed apart), trainable parameters and the optimizer state's bytes. It then checks that XLA does
-not compute the frozen weights' gradients: the step's temporary buffers are compared with those of
-the same step where the frozen weights sit behind stop_gradient (autodiff never sees them).
+random weights built in bfloat16 one tensor at a time and frozen; float32 adapters (rank 16, alpha
+32) and their AdamW state; remat and scan_layers; batch 1 x 256 random tokens. Reported: the
+process's peak RSS and each phase's (build, compile, steps), seconds per step (the median of the
+timed steps; compile timed apart), trainable parameters, the optimizer state's bytes, XLA's buffer
+plan; and whether XLA computes the frozen weights' gradients, found by comparing the step's
+temporaries with those of the same step where the frozen weights sit behind stop_gradient. The
+step runs twice, each in its own worker: with XLA's defaults and without XLA's while-loop
+invariant code motion (XLA_SETTINGS says why).
 
-Full fine-tuning is computed, never run (on a 24 GB machine it would exhaust the memory): bytes
-per parameter for the weights, gradients and AdamW moments, and XLA's own plan for the float32
-step, compiled from abstract shapes in a second worker (nothing allocated).
+Full fine-tuning is computed, never run: bytes per parameter for weights, gradients and AdamW's
+moments, and XLA's own plan for the float32 step, compiled from abstract shapes in a third worker
+(nothing allocated), each against this machine's memory.
 
     python -m llama_twins.bench.lora [--quick] [--out DIR]   # or: jax-llama bench --only lora
 """
@@ -20,6 +21,7 @@ step, compiled from abstract shapes in a second worker (nothing allocated).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import shlex
@@ -31,27 +33,37 @@ from bridge.config import PRESETS, LlamaConfig
 from bridge.lora import LoraConfig
 from bridge.tensors import count_params
 
-from .common import Spec, describe, say, spawn, timed
+from .common import Spec, cpu_model, describe, say, spawn, timed
 
 PRESET = "llama3.2-1b"
 LORA = LoraConfig(rank=16, alpha=32.0)        # all seven targets (LoraConfig's default)
 BATCH, SEQ_LEN = 1, 256
 TARGET_RSS = 8e9                              # the issue's target for the LoRA step, bytes
 QUICK = dict(preset="tiny", seq_len=32, repeats=2)
+# XLA's CPU backend computes bfloat16 dots in float32; by default its while-loop-invariant code
+# motion then converts each stacked weight whole, outside the layer loop: a float32 copy of the
+# frozen base among the step's temporaries. The step runs with XLA's defaults, and without that
+# pass, to show what it costs.
+XLA_SETTINGS = {"XLA defaults": None, "without loop-invariant code motion":
+                "--xla_disable_hlo_passes=while-loop-invariant-code-motion"}
 GB = 1e9
 
 
 # -- in the worker ----------------------------------------------------------------------------
 
-def _rss() -> dict[str, int]:
-    """This process's resident memory now (VmRSS) and at its peak since the last reset (VmHWM)."""
-    found = {}
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                found[key] = int(value.split()[0]) * 1024
-    return found
+def _rss() -> dict[str, int | None]:
+    """This process's resident memory now (VmRSS) and at its peak since the last reset (VmHWM);
+    without /proc, the peak since it started and no current figure."""
+    found = {"VmRSS": None, "VmHWM": None}
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in found:
+                    found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return {"VmRSS": found["VmRSS"], "VmHWM": found["VmHWM"] or _max_rss()}
 
 
 def _reset_peak() -> bool:
@@ -102,9 +114,46 @@ def frozen_behind_stop_gradient(loss):
     return wrapped
 
 
+EMBEDDING = ("tok_embeddings", "embedding")
+EMBEDDING_STD = 0.02  # jax_llama.model's N(0, 0.02) of the embedding table
+
+
+def random_weights(model, seed: int = 0, block_rows: int = 8192):
+    """Random params for `model`, built so that the peak is the weights plus one tensor's worth:
+    one jitted program per leaf (model.init, of which XLA builds that leaf alone: the same values
+    as jax_llama.init), and the embedding table drawn N(0, 0.02) `block_rows` rows at a time into
+    a donated buffer (other values than jax_llama.init's, the same distribution). Drawn whole, as
+    jax_llama.init draws it, jax.random.normal holds 8 bytes of temporaries per element: 4.2 GB
+    for llama3.2-1b's table, beside 2.5 GB of bfloat16 weights."""
+    import jax
+    import jax.numpy as jnp
+    from flax import traverse_util
+
+    key, tokens = jax.random.key(seed), jnp.zeros((1, 1), jnp.int32)
+    shapes = traverse_util.flatten_dict(jax.eval_shape(model.init, key, tokens)["params"])
+    leaf = lambda key, path: traverse_util.flatten_dict(model.init(key, tokens)["params"])[path]  # noqa: E731
+    params = {path: jax.block_until_ready(jax.jit(leaf, static_argnums=1)(key, path))
+              for path in shapes if path != EMBEDDING}
+    if EMBEDDING in shapes:
+        (V, D), dtype = shapes[EMBEDDING].shape, shapes[EMBEDDING].dtype
+        rows = min(block_rows, V)
+
+        def put(table_VD, i):  # rows [i * rows, (i + 1) * rows), the last block clamped to V
+            block = jax.random.normal(jax.random.fold_in(key, i), (rows, D), jnp.float32)
+            return jax.lax.dynamic_update_slice(table_VD, (block * EMBEDDING_STD).astype(dtype),
+                                                (i * rows, 0))
+        put = jax.jit(put, donate_argnums=0)
+        table_VD = jnp.zeros((V, D), dtype)
+        for i in range(-(-V // rows)):
+            table_VD = put(table_VD, i)
+        params[EMBEDDING] = jax.block_until_ready(table_VD)
+    return traverse_util.unflatten_dict(params)
+
+
 def measure(spec: Spec) -> dict:
     """In a worker: build, compile and time the LoRA step of spec.config; its memory."""
     import jax
+    import jax.numpy as jnp
 
     import jax_llama
     from jax_llama.lora import add_lora, count, trainable
@@ -114,9 +163,10 @@ def measure(spec: Spec) -> dict:
 
     phases, resets = {}, _reset_peak()
     started = time.perf_counter()
-    model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype, param_dtype=spec.dtype,
-                                   remat=True, scan_layers=True)
-    base_bytes = _nbytes(jax.block_until_ready(params))
+    dtype = jnp.dtype(spec.dtype)
+    model = jax_llama.Llama(spec.config, dtype=dtype, param_dtype=dtype, remat=True, scan_layers=True)
+    params = random_weights(model, seed=0)
+    base_bytes, layer_bytes = _nbytes(params), _nbytes(params.get("layers", {}))
     model, params = add_lora(model, params, LORA, seed=0)
     tc = train_config(spec, spec.dtype)
     optimizer = make_optimizer(tc, trainable)
@@ -145,7 +195,8 @@ def measure(spec: Spec) -> dict:
         losses.append(float(metrics["loss"]))  # waits for the step
     runs = timed(run, spec.warmup, spec.repeats)
     phases["steps"] = {"seconds": sum(runs), **_rss()}
-    peak = _max_rss()
+    # clear_refs resets ru_maxrss too: the process's peak is the largest of its phases'
+    peak = max([_max_rss(), *(ph["VmHWM"] for ph in phases.values())])
     opt_bytes = _nbytes(holder["state"].opt_state)
 
     # The same step with the frozen weights behind stop_gradient, compiled only (not run).
@@ -153,11 +204,13 @@ def measure(spec: Spec) -> dict:
     reference = jit_train_step(frozen_behind_stop_gradient(lm_loss(model)), optimizer, tc, shapes,
                                trainable=trainable).lower(shapes, batch).compile()
     step_memory, reference_memory = _memory(compiled), _memory(reference)
-    return {"peak_rss_bytes": peak, "peak_rss_after_check_bytes": _max_rss(),
+    return {"peak_rss_bytes": peak,
+            "step_peak_rss_bytes": phases["steps"]["VmHWM"] if resets else None,
             "phases": phases if resets else None, "compile_s": compile_s, "runs_s": runs,
             "median_s": statistics.median(runs), "tokens_per_s": spec.batch * spec.seq_len /
             statistics.median(runs), "losses": losses, "parameters": counts,
-            "base_bytes": base_bytes, "base_dtypes": dtypes, "optimizer_state_bytes": opt_bytes,
+            "base_bytes": base_bytes, "base_layer_bytes": layer_bytes, "base_dtypes": dtypes,
+            "optimizer_state_bytes": opt_bytes,
             "xla": {"step": step_memory, "frozen_behind_stop_gradient": reference_memory},
             # Computed, the frozen gradients would add buffers the size of the weights they
             # belong to; a difference under a tenth of the base's bytes means they are not.
@@ -185,7 +238,7 @@ def full_plan(spec: Spec) -> dict:
     compiled = jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc)),
                        donate_argnums=0).lower(state, batch).compile()
     return {"compile_s": time.perf_counter() - started, "state_bytes": _nbytes(state),
-            "xla": _memory(compiled), "peak_rss_bytes": _max_rss()}
+            "seq_len": spec.seq_len, "xla": _memory(compiled), "peak_rss_bytes": _max_rss()}
 
 
 JOBS = {"lora": measure, "lora-full": full_plan}
@@ -194,108 +247,155 @@ JOBS = {"lora": measure, "lora-full": full_plan}
 # -- in the parent ----------------------------------------------------------------------------
 
 def memory_total() -> int:
-    """MemTotal of /proc/meminfo, bytes (the physical pages where there is no /proc)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    """This machine's memory, bytes (MemTotal)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def full_finetune(config: LlamaConfig, plan: dict, memory: int) -> list[dict]:
+def planned(x: dict[str, int]) -> int:
+    """What a compiled step holds at once by XLA's plan: its arguments, temporaries, and outputs
+    not written in place of a donated argument."""
+    return x["argument"] + x["temp"] + x["output"] - x["alias"]
+
+
+def full_finetune(config: LlamaConfig, plan: dict, memory: int, runtime: int) -> list[dict]:
     """What full fine-tuning would hold, computed: per parameter, weights + gradients + AdamW's two
-    moments; and XLA's plan for the float32 step (state, its temporaries, the outputs it cannot
-    write in place). Each against this machine's memory."""
-    n, x = count_params(config), plan["xla"]
+    moments; and XLA's plan for the float32 step plus `runtime` (what the LoRA worker held beyond
+    its step's plan: Python, JAX, the compiled code). Each against this machine's memory."""
+    n = count_params(config)
     rows = [{"setup": "float32 weights, gradients and AdamW moments", "bytes_per_param": 16,
              "need_bytes": 16 * n},
             {"setup": "bfloat16 weights and gradients, float32 AdamW moments",
              "bytes_per_param": 12, "need_bytes": 12 * n},
-            {"setup": "XLA's plan for the float32 step (state + temporaries + outputs not "
-                      "written in place)", "bytes_per_param": None,
-             "need_bytes": x["argument"] + x["temp"] + x["output"] - x["alias"]}]
+            {"setup": f"XLA's plan for the float32 step (batch 1 x {plan['seq_len']}, remat) + "
+                      f"the runtime ({runtime / GB:.1f} GB, as measured in the LoRA worker)",
+             "bytes_per_param": None, "need_bytes": planned(plan["xla"]) + runtime}]
     for row in rows:
-        row["fits"] = row["need_bytes"] <= memory
+        row["spare_bytes"] = memory - row["need_bytes"]
+        row["fits"] = row["spare_bytes"] >= 0
     return rows
+
+
+@contextlib.contextmanager
+def _xla_flags(flags: str | None):
+    """XLA_FLAGS with `flags` added, for the worker processes started inside."""
+    before = os.environ.get("XLA_FLAGS")
+    if flags:
+        os.environ["XLA_FLAGS"] = f"{before} {flags}" if before else flags
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = before
 
 
 def run(config: LlamaConfig = PRESETS[PRESET], preset: str = PRESET, seq_len: int = SEQ_LEN,
         warmup: int = 1, repeats: int = 3) -> dict:
-    """The LoRA step in one worker, the full fine-tuning plan in another; returns the JSON."""
-    from .worker import cpu_model
-
+    """The LoRA step in one worker per XLA setting, the full fine-tuning plan in another; returns
+    the JSON."""
     spec = Spec(config=config, dtype="bfloat16", batch=BATCH, seq_len=min(seq_len, config.max_seq_len),
                 warmup=warmup, repeats=repeats)
-    load_before, started = os.getloadavg(), time.perf_counter()
-    say(f"LoRA: one train step of {preset} (rank {LORA.rank}, {len(LORA.targets)} targets, "
-        f"batch {spec.batch} x {spec.seq_len}) in a worker process")
-    step = spawn("lora", spec)
-    say(f"LoRA step: peak RSS {step['peak_rss_bytes'] / GB:.2f} GB, {step['median_s']:.2f} s/step "
-        f"({time.perf_counter() - started:.0f} s)")
-    load_after = os.getloadavg()
+    started, steps = time.perf_counter(), {}
+    for name, flags in XLA_SETTINGS.items():
+        say(f"LoRA: one train step of {preset} (rank {LORA.rank}, {len(LORA.targets)} targets, "
+            f"batch {spec.batch} x {spec.seq_len}), {name}, in a worker process")
+        load_before, begun = os.getloadavg()[0], time.perf_counter()
+        with _xla_flags(flags):
+            steps[name] = spawn("lora", spec)
+        steps[name].update(xla_flags=flags, load_average={"before": load_before,
+                                                          "after": os.getloadavg()[0]})
+        say(f"LoRA step, {name}: peak RSS {steps[name]['peak_rss_bytes'] / GB:.2f} GB, "
+            f"{steps[name]['median_s']:.2f} s/step ({time.perf_counter() - begun:.0f} s)")
     say("full fine-tuning: XLA's plan for the float32 step, from abstract shapes")
     plan = spawn("lora-full", spec)
-    memory = memory_total()
+    memory, first = memory_total(), next(iter(steps.values()))
+    runtime = max((first["step_peak_rss_bytes"] or first["peak_rss_bytes"])
+                  - planned(first["xla"]["step"]), 0)
     return {"preset": preset, "config": config.to_dict(), "dtype": spec.dtype,
             "batch": spec.batch, "seq_len": spec.seq_len, "warmup": warmup, "repeats": repeats,
             "lora": LORA.to_dict(), "remat": True, "scan_layers": True,
             "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
-            "memory_total_bytes": memory, "load_average": {"before": load_before[0],
-                                                           "after": load_after[0]},
-            "target_rss_bytes": TARGET_RSS, "step": step,
-            "full_finetune": {"plan": plan, "rows": full_finetune(config, plan, memory)},
+            "memory_total_bytes": memory, "target_rss_bytes": TARGET_RSS, "steps": steps,
+            "full_finetune": {"plan": plan, "runtime_bytes": runtime,
+                              "rows": full_finetune(config, plan, memory, runtime)},
             "seconds": time.perf_counter() - started}
 
 
 def markdown(result: dict) -> list[str]:
-    s, config = result["step"], LlamaConfig.from_dict(result["config"])
-    p, lora = s["parameters"], LoraConfig.from_dict(result["lora"])
-    memory = result["memory_total_bytes"]
-    met = "met" if s["peak_rss_bytes"] <= result["target_rss_bytes"] else "**not met**"
-    step_x, ref_x = s["xla"]["step"], s["xla"]["frozen_behind_stop_gradient"]
+    config, lora = LlamaConfig.from_dict(result["config"]), LoraConfig.from_dict(result["lora"])
+    steps, memory, target = result["steps"], result["memory_total_bytes"], result["target_rss_bytes"]
+    first = next(iter(steps.values()))
+    p = first["parameters"]
+    row = lambda label, cell: f"| {label} | " + " | ".join(cell(s) for s in steps.values()) + " |"  # noqa: E731
     lines = [f"## LoRA: one train step of {result['preset']} on this machine, against full "
              f"fine-tuning", "",
              f"Machine: {result['cpu']}, {result['cores']} cores, {memory / GB:.1f} GB memory "
-             f"(MemTotal); load average {result['load_average']['before']:.1f} before the step's "
-             f"worker, {result['load_average']['after']:.1f} after", "",
-             f"Model: {result['preset']}: {describe(config)}, random weights; base "
-             f"{'/'.join(s['base_dtypes'])} and frozen, compute {result['dtype']}, remat, "
+             f"(MemTotal)", "",
+             f"Model: {result['preset']}: {describe(config)}, random weights (built one tensor at "
+             f"a time, the embedding table in blocks of rows); base "
+             f"{'/'.join(first['base_dtypes'])} and frozen, compute {result['dtype']}, remat, "
              f"scan_layers", "",
-             f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, on {', '.join(lora.targets)}; adapters "
-             f"and their AdamW state float32. Step: batch {result['batch']} x {result['seq_len']} "
-             f"random tokens, AdamW with clipping (jax_llama.train, the frozen weights partitioned "
-             f"out by optax.multi_transform), in a worker process of its own: compiled, "
-             f"{result['warmup']} warm-up and {result['repeats']} timed steps (the median)", "",
-             "| LoRA step | measured |", "|---|---|",
-             f"| peak RSS of the process | {s['peak_rss_bytes'] / GB:.2f} GB (target at most "
-             f"{result['target_rss_bytes'] / GB:.0f} GB: {met}) |"]
-    if s["phases"]:
-        lines.append("| peak RSS by phase | " + ", ".join(
-            f"{name} {ph['VmHWM'] / GB:.2f} GB" for name, ph in s["phases"].items()) + " |")
-    lines += [f"| s/step | {s['median_s']:.2f} (runs: {', '.join(f'{t:.2f}' for t in s['runs_s'])}) |",
-              f"| tokens/s | {s['tokens_per_s']:,.1f} |",
-              f"| compile (s) | {s['compile_s']:.1f} |",
-              f"| trainable parameters | {p['trainable']:,} of {p['total']:,} "
-              f"({p['trainable'] / p['total']:.2%}) |",
-              f"| optimizer state | {s['optimizer_state_bytes'] / 1e6:,.1f} MB "
-              f"({s['optimizer_state_bytes'] / p['trainable']:.2f} bytes per trainable parameter) |",
-              f"| base weights | {s['base_bytes'] / GB:.2f} GB |",
-              f"| XLA's temporaries: the step / frozen weights behind stop_gradient | "
-              f"{step_x['temp'] / GB:.3f} GB / {ref_x['temp'] / GB:.3f} GB: frozen gradients "
-              f"{'not computed' if s['frozen_gradients_dropped'] else '**computed**'} |",
-              f"| losses | {', '.join(f'{x:.4f}' for x in s['losses'])} |",
-              "", f"Full fine-tuning of {result['preset']} ({count_params(config):,} parameters): "
+             f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, on {', '.join(lora.targets)}; "
+             f"adapters and their AdamW state float32. Step: batch {result['batch']} x "
+             f"{result['seq_len']} random tokens, AdamW with clipping (jax_llama.train; the frozen "
+             f"weights partitioned out by optax.multi_transform), each column in a worker process "
+             f"of its own: compiled, {result['warmup']} warm-up and {result['repeats']} timed "
+             f"steps (the median)", "",
+             "| LoRA step | " + " | ".join(steps) + " |", "|---|" + "---|" * len(steps),
+             row("XLA_FLAGS added", lambda s: f"`{s['xla_flags']}`" if s["xla_flags"] else "-"),
+             row("peak RSS of the process", lambda s: f"{s['peak_rss_bytes'] / GB:.2f} GB "
+                 f"(target {target / GB:.0f} GB: "
+                 f"{'met' if s['peak_rss_bytes'] <= target else '**not met**'})")]
+    if all(s["phases"] for s in steps.values()):
+        lines.append(row("peak RSS by phase", lambda s: ", ".join(
+            f"{name} {ph['VmHWM'] / GB:.2f} GB" for name, ph in s["phases"].items())))
+    lines += [row("XLA's buffers: arguments / temporaries", lambda s: (
+                  f"{s['xla']['step']['argument'] / GB:.2f} GB / {s['xla']['step']['temp'] / GB:.2f} GB")),
+              row("frozen weights' gradients", lambda s: (
+                  "not computed" if s["frozen_gradients_dropped"] else "**computed**") +
+                  f" (temporaries with the frozen weights behind stop_gradient: "
+                  f"{s['xla']['frozen_behind_stop_gradient']['temp'] / GB:.2f} GB)"),
+              row("s/step", lambda s: f"{s['median_s']:.2f} (runs "
+                  f"{', '.join(f'{t:.2f}' for t in s['runs_s'])})"),
+              row("tokens/s", lambda s: f"{s['tokens_per_s']:,.1f}"),
+              row("compile (s)", lambda s: f"{s['compile_s']:.1f}"),
+              row("load average before, after", lambda s: f"{s['load_average']['before']:.1f}, "
+                  f"{s['load_average']['after']:.1f}"),
+              row("losses (warm-up, timed)", lambda s: ", ".join(f"{x:.4f}" for x in s["losses"])),
+              *_diagnosis(steps),
+              "", f"Trainable parameters: {p['trainable']:,} of {p['total']:,} "
+              f"({p['trainable'] / p['total']:.2%}); optimizer state "
+              f"{first['optimizer_state_bytes'] / 1e6:,.1f} MB "
+              f"({first['optimizer_state_bytes'] / p['trainable']:.2f} bytes per trainable "
+              f"parameter); base weights {first['base_bytes'] / GB:.2f} GB", "",
+              f"Full fine-tuning of {result['preset']} ({count_params(config):,} parameters): "
               f"computed, not run", "",
               f"| full fine-tuning | bytes/param | need | against {memory / GB:.1f} GB |",
               "|---|---|---|---|"]
-    for row in result["full_finetune"]["rows"]:
-        per = "-" if row["bytes_per_param"] is None else str(row["bytes_per_param"])
-        verdict = ("fits on paper (not run)" if row["fits"] else "does not fit")
-        lines.append(f"| {row['setup']} | {per} | {row['need_bytes'] / GB:.1f} GB | {verdict} |")
+    for r in result["full_finetune"]["rows"]:
+        per = "-" if r["bytes_per_param"] is None else str(r["bytes_per_param"])
+        verdict = (f"fits on paper, {r['spare_bytes'] / GB:.1f} GB to spare (not run)" if r["fits"]
+                   else f"does not fit ({-r['spare_bytes'] / GB:.1f} GB short)")
+        lines.append(f"| {r['setup']} | {per} | {r['need_bytes'] / GB:.1f} GB | {verdict} |")
     return lines
+
+
+def _diagnosis(steps: dict) -> list[str]:
+    """What the XLA settings' difference in temporaries is, when it is the float32 copy of the
+    stacked layer weights (within 5%): a paragraph; else nothing."""
+    temps = {name: s["xla"]["step"]["temp"] for name, s in steps.items()}
+    (default, most), (name, least) = max(temps.items(), key=lambda kv: kv[1]), min(
+        temps.items(), key=lambda kv: kv[1])
+    copy = 2 * next(iter(steps.values()))["base_layer_bytes"]  # bfloat16 -> float32
+    if copy == 0 or abs((most - least) - copy) > 0.05 * copy:
+        return []
+    return ["", f"Why the step with {default} holds {(most - least) / GB:.2f} GB more "
+                f"temporaries than {name}: XLA's CPU backend computes bfloat16 dots in float32, and "
+                f"its while-loop invariant code motion converts each stacked layer weight whole, "
+                f"outside the layer loop: a float32 copy of all the frozen layers "
+                f"({copy / GB:.2f} GB) held through the step. Without that pass the conversion "
+                f"stays in the loop, one layer at a time."]
 
 
 def write(result: dict, command: str, directory) -> str:
@@ -318,14 +418,15 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (default 3)")
     parser.add_argument("--out", default=".", help="directory for lora_bench.{md,json} (default .)")
     args = parser.parse_args(argv)
-    kw = dict(QUICK, repeats=min(args.repeats, QUICK["repeats"])) if args.quick else \
-        dict(preset=PRESET, repeats=args.repeats)
-    preset = kw.pop("preset")
+    preset = QUICK["preset"] if args.quick else PRESET
+    repeats = min(args.repeats, QUICK["repeats"]) if args.quick else args.repeats
     command = shlex.join(["python", "-m", "llama_twins.bench.lora",
-                          *(["--quick"] if args.quick else []), "--repeats", str(kw["repeats"]),
+                          *(["--quick"] if args.quick else []), "--repeats", str(repeats),
                           "--out", args.out])
     say(f"$ {command}")
-    sys.stdout.write(write(run(PRESETS[preset], preset, **kw), command, args.out))
+    result = run(PRESETS[preset], preset, repeats=repeats,
+                 **({"seq_len": QUICK["seq_len"]} if args.quick else {}))
+    sys.stdout.write(write(result, command, args.out))
     return 0
 
 

@@ -19,20 +19,10 @@ import platform
 import sys
 
 from . import decode, forward, long, lora, train
-from .common import IMPLEMENTATIONS, Spec
+from .common import IMPLEMENTATIONS, Spec, cpu_model
 
 MEASURE = {"forward": forward.measure, "train": train.measure,
            "decode": decode.measure}
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine(spec: Spec) -> dict:
