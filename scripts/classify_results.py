@@ -60,6 +60,9 @@ def main() -> None:
                         help="fine-tuning seeds (each a full run; the table shows each and the mean)")
     parser.add_argument("--lora-rank", type=int, default=8, help="of the LoRA rows (alpha 2 x rank)")
     parser.add_argument("--lora-lr", type=float, default=5e-3, help="peak lr of the LoRA rows")
+    parser.add_argument("--lora-epochs", type=int, default=12,
+                        help="epochs of the LoRA rows (the adapters start at zero and learn slower)")
+    parser.add_argument("--name", default="classify", help="results file name (OUT/NAME.md, .json)")
     parser.add_argument("--methods", default="zero-shot,scratch,pretrained,lora",
                         help="comma-separated subset of the rows to run")
     parser.add_argument("--reuse-lm", action="store_true",
@@ -97,7 +100,8 @@ def main() -> None:
     for name, task in tasks.items():
         key = "sst" if name.startswith("SST") else "cfimdb"
         common = ["--train", str(task["train"]), "--dev", str(task["dev"]),
-                  "--labels", str(task["labels"]), "--epochs", str(args.epochs)]
+                  "--labels", str(task["labels"])]
+        epochs = ["--epochs", str(args.epochs)]
         zero_shot = (("zero-shot (the continued-pretraining LM)", []),
                      ("zero-shot, --calibrate", ["--calibrate"]))
         for method, flags in zero_shot if "zero-shot" in methods else ():
@@ -109,10 +113,11 @@ def main() -> None:
         lora = f"LoRA rank {args.lora_rank} (all seven projections, and the head) after continued pretraining"
         for tag, method, extra in (
                 ("scratch", "fine-tuned from scratch",
-                 ["--preset", args.preset, "--vocab-size", str(args.vocab_size)]),
-                ("pretrained", "fine-tuned after continued pretraining", ["--init", str(lm / "model")]),
+                 [*epochs, "--preset", args.preset, "--vocab-size", str(args.vocab_size)]),
+                ("pretrained", "fine-tuned after continued pretraining",
+                 [*epochs, "--init", str(lm / "model")]),
                 ("lora", lora, ["--init", str(lm / "model"), "--lora-rank", str(args.lora_rank),
-                                "--lr", str(args.lora_lr)])):
+                                "--lr", str(args.lora_lr), "--epochs", str(args.lora_epochs)])):
             if tag not in methods:
                 continue
             runs = [run(["jax-llama", "finetune", *common, *extra, "--seed", str(seed),
@@ -131,7 +136,8 @@ def main() -> None:
 def write(rows: list[dict], steps: dict, args) -> None:
     machine = f"{platform.machine()}, {__import__('os').cpu_count()} CPU cores, Python {platform.python_version()}"
     lines = ["# Sequence classification results\n", f"`python scripts/classify_results.py` "
-             f"(preset {args.preset}, {args.vocab_size}-token BPE, {args.epochs} epochs, LM "
+             f"(preset {args.preset}, {args.vocab_size}-token BPE, {args.epochs} epochs ({args.lora_epochs} for "
+             f"LoRA rows, lr {args.lora_lr:g}), LM "
              f"{args.lm_steps} steps) on {machine}; {time.strftime('%Y-%m-%d')}.\n",
              f"Continued-pretraining LM: {steps['lm']['wall_s']:.0f} s wall, "
              f"{steps['lm']['cpu_s']:.0f} s CPU (`{steps['lm']['command']}`).\n",
@@ -148,7 +154,7 @@ def write(rows: list[dict], steps: dict, args) -> None:
             wall += f" + {r['plus_lm']['wall_s']:.0f}"
             cpu += f" + {r['plus_lm']['cpu_s']:.0f}"
         lines.append(f"| {r['task']} | {r['method']} | {acc} | {wall} | {cpu} | `{r['command']}` |")
-    write_results("classify", lines, {"rows": rows, "steps": steps, "machine": machine}, args.out)
+    write_results(args.name, lines, {"rows": rows, "steps": steps, "machine": machine}, args.out)
 
 
 if __name__ == "__main__":
