@@ -377,3 +377,34 @@ def test_cli_generate_with_an_adapter_decodes_as_the_torch_twin(tmp_path):
     both = run_cli(*args, "--adapter", tmp_path / "adapter", "--compare-torch")
     assert both.returncode == 0, both.stdout + both.stderr[-2000:]
     assert "JAX and torch agree on all 12 greedy tokens" in both.stdout
+
+
+def test_a_bfloat16_base_is_not_copied_to_float32_whole_on_cpu():
+    """XLA:CPU runs bfloat16 dots in float32; with scan_layers its loop-invariant code motion
+    would convert every stacked frozen weight at once, outside the layer loop. jit_train_step
+    compiles without that pass for narrow params on the CPU: the step's temporaries then hold
+    no float32 copy of the layers. Compiled only, on shapes."""
+    from jax_llama.train import compiler_options, jit_train_step
+    from bridge.config import LlamaConfig
+
+    config = LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=1024,
+                         vocab_size=64, max_seq_len=64)
+    model = jax_llama.Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                            scan_layers=True, remat=True, lora=LORA)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    tc = TrainConfig(steps=10, dtype="bfloat16")
+    optimizer = make_optimizer(tc, trainable)
+    state = jax.eval_shape(lambda p: init_state(p, optimizer), params)
+    batch = {k: jax.ShapeDtypeStruct((1, 64), d)
+             for k, d in (("inputs", jnp.int32), ("targets", jnp.int32), ("mask", jnp.float32))}
+    step = make_train_step(lm_loss(model), optimizer, lr_schedule(tc), trainable=trainable)
+
+    def temporaries(jitted):
+        return jitted.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+    assert compiler_options(params) is not None
+    assert compiler_options(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)) is None
+    hoisted = temporaries(jax.jit(step, donate_argnums=0))
+    ours = temporaries(jit_train_step(lm_loss(model), optimizer, tc, state, trainable=trainable))
+    layers_f32 = 4 * config.n_layers * (4 * 256 * 256 + 3 * 256 * 1024)  # 16.8 MB
+    assert hoisted - ours > 0.8 * layers_f32, (hoisted, ours)
