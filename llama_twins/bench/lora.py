@@ -187,13 +187,16 @@ def measure(spec: Spec) -> dict:
     phases["compile"] = {"seconds": compile_s, **_rss()}
 
     _reset_peak()
-    holder, losses = {"state": state}, []
+    holder, losses, cpu_runs = {"state": state}, [], []
     del state
 
-    def run():
+    def run():  # CPU seconds too (all threads): less swayed than wall time by other processes
+        cpu = sum(os.times()[:2])
         holder["state"], metrics = compiled(holder["state"], batch)
         losses.append(float(metrics["loss"]))  # waits for the step
+        cpu_runs.append(sum(os.times()[:2]) - cpu)
     runs = timed(run, spec.warmup, spec.repeats)
+    cpu_runs = cpu_runs[spec.warmup:]
     phases["steps"] = {"seconds": sum(runs), **_rss()}
     # clear_refs resets ru_maxrss too: the process's peak is the largest of its phases'
     peak = max([_max_rss(), *(ph["VmHWM"] for ph in phases.values())])
@@ -207,7 +210,8 @@ def measure(spec: Spec) -> dict:
     return {"peak_rss_bytes": peak,
             "step_peak_rss_bytes": phases["steps"]["VmHWM"] if resets else None,
             "phases": phases if resets else None, "compile_s": compile_s, "runs_s": runs,
-            "median_s": statistics.median(runs), "tokens_per_s": spec.batch * spec.seq_len /
+            "median_s": statistics.median(runs), "cpu_runs_s": cpu_runs,
+            "median_cpu_s": statistics.median(cpu_runs), "tokens_per_s": spec.batch * spec.seq_len /
             statistics.median(runs), "losses": losses, "parameters": counts,
             "base_bytes": base_bytes, "base_layer_bytes": layer_bytes, "base_dtypes": dtypes,
             "optimizer_state_bytes": opt_bytes,
@@ -359,11 +363,13 @@ def markdown(result: dict) -> list[str]:
               row("s/step", lambda s: f"{s['median_s']:.2f} (runs "
                   f"{', '.join(f'{t:.2f}' for t in s['runs_s'])})"),
               row("tokens/s", lambda s: f"{s['tokens_per_s']:,.1f}"),
+              row("CPU s/step (user + system, all threads)", lambda s: f"{s['median_cpu_s']:.1f} "
+                  f"(runs {', '.join(f'{t:.1f}' for t in s['cpu_runs_s'])})"),
               row("compile (s)", lambda s: f"{s['compile_s']:.1f}"),
               row("load average before, after", lambda s: f"{s['load_average']['before']:.1f}, "
                   f"{s['load_average']['after']:.1f}"),
               row("losses (warm-up, timed)", lambda s: ", ".join(f"{x:.4f}" for x in s["losses"])),
-              *_diagnosis(steps),
+              *_contention(steps, result["cores"]), *_diagnosis(steps),
               "", f"Trainable parameters: {p['trainable']:,} of {p['total']:,} "
               f"({p['trainable'] / p['total']:.2%}); optimizer state "
               f"{first['optimizer_state_bytes'] / 1e6:,.1f} MB "
@@ -371,14 +377,24 @@ def markdown(result: dict) -> list[str]:
               f"parameter); base weights {first['base_bytes'] / GB:.2f} GB", "",
               f"Full fine-tuning of {result['preset']} ({count_params(config):,} parameters): "
               f"computed, not run", "",
-              f"| full fine-tuning | bytes/param | need | against {memory / GB:.1f} GB |",
+              f"| full fine-tuning | bytes/param | need | against {memory / GB:.2f} GB |",
               "|---|---|---|---|"]
     for r in result["full_finetune"]["rows"]:
         per = "-" if r["bytes_per_param"] is None else str(r["bytes_per_param"])
-        verdict = (f"fits on paper, {r['spare_bytes'] / GB:.1f} GB to spare (not run)" if r["fits"]
-                   else f"does not fit ({-r['spare_bytes'] / GB:.1f} GB short)")
-        lines.append(f"| {r['setup']} | {per} | {r['need_bytes'] / GB:.1f} GB | {verdict} |")
+        verdict = (f"fits on paper, {r['spare_bytes'] / GB:.2f} GB to spare (not run)" if r["fits"]
+                   else f"does not fit ({-r['spare_bytes'] / GB:.2f} GB short)")
+        lines.append(f"| {r['setup']} | {per} | {r['need_bytes'] / GB:.2f} GB | {verdict} |")
     return lines
+
+
+def _contention(steps: dict, cores: int) -> list[str]:
+    """A paragraph when other processes shared the CPU (a load average above the cores)."""
+    load = max(max(s["load_average"].values()) for s in steps.values())
+    if load <= cores:
+        return []
+    return ["", f"Other processes shared the CPU during these steps (load average up to "
+                f"{load:.1f} on {cores} cores): the wall times are inflated, and the CPU seconds "
+                f"per step are the steadier figure to compare."]
 
 
 def _diagnosis(steps: dict) -> list[str]:
