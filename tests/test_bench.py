@@ -174,16 +174,21 @@ def test_lora_section_on_the_tiny_config(monkeypatch, tmp_path):
     this machine's; their form and the invariants are asserted."""
     import math
 
+    import jax.numpy as jnp
+
     from bridge.config import PRESETS
     from bridge.lora import adapter_shapes
     from bridge.tensors import count_params
     from llama_twins.bench import lora
-    monkeypatch.setattr(lora, "spawn", lambda job, spec: lora.JOBS[job](spec))
-    monkeypatch.setattr(lora, "XLA_SETTINGS", {"XLA defaults": None})
+    monkeypatch.setattr(lora, "spawn", lambda job, spec, extra=(): lora.JOBS[job](spec, *extra[1:]))
     config = PRESETS["tiny"]
     result = lora.run(config, "tiny", seq_len=32, repeats=2)
 
-    step = result["steps"]["XLA defaults"]
+    assert list(result["steps"]) == ["jit_train_step", "XLA defaults"]
+    assert result["steps"]["XLA defaults"]["compiler_options"] is None
+    step = result["steps"]["jit_train_step"]
+    from jax_llama.train import compiler_options
+    assert step["compiler_options"] == compiler_options({"w": jnp.zeros(1, jnp.bfloat16)})
     p, n = step["parameters"], count_params(config)
     adapters = sum(math.prod(shape) for shape in adapter_shapes(config, lora.LORA).values())
     assert p == {"trainable": adapters, "total": n + adapters}
@@ -206,7 +211,7 @@ def test_lora_section_on_the_tiny_config(monkeypatch, tmp_path):
     assert result["memory_total_bytes"] > 0 and result["cpu"]
 
     text = lora.write(result, "python -m llama_twins.bench.lora --quick", tmp_path)
-    assert json.loads((tmp_path / "lora_bench.json").read_text())["steps"]["XLA defaults"] == step
+    assert json.loads((tmp_path / "lora_bench.json").read_text())["steps"]["jit_train_step"] == step
     assert (tmp_path / "lora_bench.md").read_text() == text
     assert_well_formed(text)
     assert len(tables(text)) == 2 and "target 8 GB: met" in text

@@ -8,8 +8,8 @@ process's peak RSS and each phase's (build, compile, steps), seconds per step (t
 timed steps; compile timed apart), trainable parameters, the optimizer state's bytes, XLA's buffer
 plan; and whether XLA computes the frozen weights' gradients, found by comparing the step's
 temporaries with those of the same step where the frozen weights sit behind stop_gradient. The
-step runs twice, each in its own worker: with XLA's defaults and without XLA's while-loop
-invariant code motion (XLA_SETTINGS says why).
+step runs twice, each in its own worker: as jax_llama.train.jit_train_step compiles it, and with
+XLA's defaults (VARIANTS says why).
 
 Full fine-tuning is computed, never run: bytes per parameter for weights, gradients and AdamW's
 moments, and XLA's own plan for the float32 step, compiled from abstract shapes in a third worker
@@ -21,7 +21,6 @@ moments, and XLA's own plan for the float32 step, compiled from abstract shapes 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import resource
 import shlex
@@ -40,12 +39,12 @@ LORA = LoraConfig(rank=16, alpha=32.0)        # all seven targets (LoraConfig's 
 BATCH, SEQ_LEN = 1, 256
 TARGET_RSS = 8e9                              # the issue's target for the LoRA step, bytes
 QUICK = dict(preset="tiny", seq_len=32, repeats=2)
-# XLA's CPU backend computes bfloat16 dots in float32; by default its while-loop-invariant code
-# motion then converts each stacked weight whole, outside the layer loop: a float32 copy of the
-# frozen base among the step's temporaries. The step runs with XLA's defaults, and without that
-# pass, to show what it costs.
-XLA_SETTINGS = {"XLA defaults": None, "without loop-invariant code motion":
-                "--xla_disable_hlo_passes=while-loop-invariant-code-motion"}
+# XLA's CPU backend computes bfloat16 dots in float32; with its defaults, its while-loop invariant
+# code motion then converts each stacked weight whole, outside the layer loop: a float32 copy of
+# the frozen layers among the step's temporaries. jit_train_step compiles bfloat16 params on the
+# CPU without that pass (jax_llama.train.compiler_options); the XLA-defaults step shows what that
+# saves.
+VARIANTS = ("jit_train_step", "XLA defaults")
 GB = 1e9
 
 
@@ -150,17 +149,21 @@ def random_weights(model, seed: int = 0, block_rows: int = 8192):
     return traverse_util.unflatten_dict(params)
 
 
-def measure(spec: Spec) -> dict:
-    """In a worker: build, compile and time the LoRA step of spec.config; its memory."""
+def measure(spec: Spec, variant: str = VARIANTS[0]) -> dict:
+    """In a worker: build, compile and time the LoRA step of spec.config; its memory. variant:
+    the step as jit_train_step compiles it, or "XLA defaults" (jitted with no compiler options)."""
     import jax
     import jax.numpy as jnp
 
     import jax_llama
     from jax_llama.lora import add_lora, count, trainable
-    from jax_llama.train import init_state, jit_train_step, lm_loss, make_optimizer
+    from jax_llama.train import (compiler_options, init_state, jit_train_step, lm_loss,
+                                 lr_schedule, make_optimizer, make_train_step)
 
     from .train import batch as random_batch
 
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
     phases, resets = {}, _reset_peak()
     started = time.perf_counter()
     dtype = jnp.dtype(spec.dtype)
@@ -179,7 +182,13 @@ def measure(spec: Spec) -> dict:
     phases["build"] = {"seconds": time.perf_counter() - started, **_rss()}
 
     _reset_peak()
-    step = jit_train_step(lm_loss(model), optimizer, tc, state, trainable=trainable)
+    def jitted(loss, state):
+        if variant == "XLA defaults":
+            return jax.jit(make_train_step(loss, optimizer, lr_schedule(tc), tc.grad_accum, tc.seed,
+                                           trainable), donate_argnums=0)
+        return jit_train_step(loss, optimizer, tc, state, trainable=trainable)
+    options = None if variant == "XLA defaults" else compiler_options(state.params)
+    step = jitted(lm_loss(model), state)
     batch = jax.device_put(random_batch(spec))
     started = time.perf_counter()
     compiled = step.lower(state, batch).compile()
@@ -204,10 +213,10 @@ def measure(spec: Spec) -> dict:
 
     # The same step with the frozen weights behind stop_gradient, compiled only (not run).
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), holder["state"])
-    reference = jit_train_step(frozen_behind_stop_gradient(lm_loss(model)), optimizer, tc, shapes,
-                               trainable=trainable).lower(shapes, batch).compile()
+    reference = jitted(frozen_behind_stop_gradient(lm_loss(model)), shapes).lower(shapes,
+                                                                                 batch).compile()
     step_memory, reference_memory = _memory(compiled), _memory(reference)
-    return {"peak_rss_bytes": peak,
+    return {"variant": variant, "compiler_options": options, "peak_rss_bytes": peak,
             "step_peak_rss_bytes": phases["steps"]["VmHWM"] if resets else None,
             "phases": phases if resets else None, "compile_s": compile_s, "runs_s": runs,
             "median_s": statistics.median(runs), "cpu_runs_s": cpu_runs,
@@ -222,14 +231,14 @@ def measure(spec: Spec) -> dict:
                 step_memory["temp"] - reference_memory["temp"] < 0.1 * base_bytes}
 
 
-def full_plan(spec: Spec) -> dict:
+def full_plan(spec: Spec, variant: str | None = None) -> dict:
     """In a worker: XLA's memory plan for the full fine-tuning step in float32 (params, grads and
     AdamW state float32, no frozen leaves), compiled from abstract shapes: nothing allocated."""
     import jax
     import jax.numpy as jnp
 
     import jax_llama
-    from jax_llama.train import init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
+    from jax_llama.train import init_state, jit_train_step, lm_loss, make_optimizer
 
     from .train import batch as random_batch
     tc = train_config(spec, "float32")
@@ -239,8 +248,7 @@ def full_plan(spec: Spec) -> dict:
         jax_llama.init(spec.config, scan_layers=True, remat=True)[1], optimizer))
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), random_batch(spec))
     started = time.perf_counter()
-    compiled = jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc)),
-                       donate_argnums=0).lower(state, batch).compile()
+    compiled = jit_train_step(lm_loss(model), optimizer, tc, state).lower(state, batch).compile()
     return {"compile_s": time.perf_counter() - started, "state_bytes": _nbytes(state),
             "seq_len": spec.seq_len, "xla": _memory(compiled), "peak_rss_bytes": _max_rss()}
 
@@ -279,36 +287,19 @@ def full_finetune(config: LlamaConfig, plan: dict, memory: int, runtime: int) ->
     return rows
 
 
-@contextlib.contextmanager
-def _xla_flags(flags: str | None):
-    """XLA_FLAGS with `flags` added, for the worker processes started inside."""
-    before = os.environ.get("XLA_FLAGS")
-    if flags:
-        os.environ["XLA_FLAGS"] = f"{before} {flags}" if before else flags
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("XLA_FLAGS", None)
-        else:
-            os.environ["XLA_FLAGS"] = before
-
-
 def run(config: LlamaConfig = PRESETS[PRESET], preset: str = PRESET, seq_len: int = SEQ_LEN,
         warmup: int = 1, repeats: int = 3) -> dict:
-    """The LoRA step in one worker per XLA setting, the full fine-tuning plan in another; returns
-    the JSON."""
+    """The LoRA step in one worker per variant, the full fine-tuning plan in another; returns the
+    JSON."""
     spec = Spec(config=config, dtype="bfloat16", batch=BATCH, seq_len=min(seq_len, config.max_seq_len),
                 warmup=warmup, repeats=repeats)
     started, steps = time.perf_counter(), {}
-    for name, flags in XLA_SETTINGS.items():
+    for name in VARIANTS:
         say(f"LoRA: one train step of {preset} (rank {LORA.rank}, {len(LORA.targets)} targets, "
             f"batch {spec.batch} x {spec.seq_len}), {name}, in a worker process")
         load_before, begun = os.getloadavg()[0], time.perf_counter()
-        with _xla_flags(flags):
-            steps[name] = spawn("lora", spec)
-        steps[name].update(xla_flags=flags, load_average={"before": load_before,
-                                                          "after": os.getloadavg()[0]})
+        steps[name] = spawn("lora", spec, extra=("--variant", name))
+        steps[name]["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
         say(f"LoRA step, {name}: peak RSS {steps[name]['peak_rss_bytes'] / GB:.2f} GB, "
             f"{steps[name]['median_s']:.2f} s/step ({time.perf_counter() - begun:.0f} s)")
     say("full fine-tuning: XLA's plan for the float32 step, from abstract shapes")
@@ -347,7 +338,8 @@ def markdown(result: dict) -> list[str]:
              f"of its own: compiled, {result['warmup']} warm-up and {result['repeats']} timed "
              f"steps (the median)", "",
              "| LoRA step | " + " | ".join(steps) + " |", "|---|" + "---|" * len(steps),
-             row("XLA_FLAGS added", lambda s: f"`{s['xla_flags']}`" if s["xla_flags"] else "-"),
+             row("compiler options", lambda s: ", ".join(
+                 f"`{k}={v}`" for k, v in (s["compiler_options"] or {}).items()) or "none"),
              row("peak RSS of the process", lambda s: f"{s['peak_rss_bytes'] / GB:.2f} GB "
                  f"(target {target / GB:.0f} GB: "
                  f"{'met' if s['peak_rss_bytes'] <= target else '**not met**'})")]
@@ -406,10 +398,10 @@ def _diagnosis(steps: dict) -> list[str]:
     copy = 2 * next(iter(steps.values()))["base_layer_bytes"]  # bfloat16 -> float32
     if copy == 0 or abs((most - least) - copy) > 0.05 * copy:
         return []
-    return ["", f"Why the step with {default} holds {(most - least) / GB:.2f} GB more "
-                f"temporaries than {name}: XLA's CPU backend computes bfloat16 dots in float32, and "
-                f"its while-loop invariant code motion converts each stacked layer weight whole, "
-                f"outside the layer loop: a float32 copy of all the frozen layers "
+    return ["", f"Why the step compiled as {default} holds {(most - least) / GB:.2f} GB more "
+                f"temporaries than as {name}: XLA's CPU backend computes bfloat16 dots in float32, "
+                f"and its while-loop invariant code motion converts each stacked layer weight "
+                f"whole, outside the layer loop: a float32 copy of all the frozen layers "
                 f"({copy / GB:.2f} GB) held through the step. Without that pass the conversion "
                 f"stays in the loop, one layer at a time."]
 

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--benches", default="", help="comma-separated: forward, train, decode")
     parser.add_argument("--depths", default="4,32", help="compile: shallow,deep layer counts")
     parser.add_argument("--variant", help="long: the implementation and attention, e.g. "
-                                          "'jax-llama chunked'")
+                                          "'jax-llama chunked'; lora: how the step is compiled")
     args = parser.parse_args(argv)
     spec = Spec.from_json(args.spec)
     if args.job == "machine":
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     elif args.job == "long":
         result = long.measure(args.variant, spec)
     elif args.job in lora.JOBS:
-        result = lora.JOBS[args.job](spec)
+        result = lora.JOBS[args.job](spec, *([args.variant] if args.variant else []))
     elif args.job == "compile":
         shallow, deep = map(int, args.depths.split(","))
         result = train.compile_times(spec, (shallow, deep))
