@@ -398,8 +398,8 @@ def _diagnosis(steps: dict) -> list[str]:
     copy = 2 * next(iter(steps.values()))["base_layer_bytes"]  # bfloat16 -> float32
     if copy == 0 or abs((most - least) - copy) > 0.05 * copy:
         return []
-    return ["", f"Why the step compiled as {default} holds {(most - least) / GB:.2f} GB more "
-                f"temporaries than as {name}: XLA's CPU backend computes bfloat16 dots in float32, "
+    return ["", f"Why the {default} step holds {(most - least) / GB:.2f} GB more temporaries "
+                f"than the {name} one: XLA's CPU backend computes bfloat16 dots in float32, "
                 f"and its while-loop invariant code motion converts each stacked layer weight "
                 f"whole, outside the layer loop: a float32 copy of all the frozen layers "
                 f"({copy / GB:.2f} GB) held through the step. Without that pass the conversion "
