@@ -106,8 +106,6 @@ def test_lora_runs_follow_the_same_trajectory_in_both_twins(tmp_path):
     torch_adapter = torch_llama.adapter_of(tmodel).tensors
     moved = max(float(np.abs(jax_adapter[n] - start.tensors[n]).max()) for n in start.tensors)
     assert moved > 1e-2  # ~lr per step: the adapters trained, far above the 2e-6 tolerance
-    worst = max(float(np.abs(t - jax_adapter[n]).max()) for n, t in torch_adapter.items())
-    assert worst < 2e-5, worst
     for name, tensor in torch_adapter.items():
         # Adam turns float32 rounding of near-zero gradient coordinates into a fraction of the
         # step (~lr): at 10x the full run's lr, measured 3.1e-6 at worst, in one coordinate.
