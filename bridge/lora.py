@@ -158,9 +158,14 @@ class Adapter:
 
 # -- Hugging Face PEFT format ---------------------------------------------------------------------
 
+def _hf_module(target: str) -> str:
+    """wq -> self_attn.q_proj (the HF module path in a layer, from the HF tensor-name table)."""
+    return hf_name(f"layers.0.{MODULES[target]}.{target}.weight").split(".", 3)[3][:-len(".weight")]
+
+
 def _peft_module(target: str) -> str:
-    """wq -> q_proj (the HF module name, from the HF tensor-name table)."""
-    return hf_name(f"layers.0.{MODULES[target]}.{target}.weight").split(".")[-2]
+    """wq -> q_proj: the name PEFT's target_modules lists."""
+    return _hf_module(target).split(".")[-1]
 
 
 def _heads(config: LlamaConfig, target: str) -> int | None:
@@ -254,20 +259,19 @@ def read_peft(path: str | os.PathLike, config: LlamaConfig) -> Adapter:
     except Exception as e:  # safetensors raises its own error types for a damaged file
         raise BridgeError(f"{weights_file}: cannot read it as safetensors ({e})") from None
     tensors = {}
-    pattern = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)"
+    pattern = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+\.\w+)"
                          r"\.lora_([AB])(?:\.default)?\.weight")
-    by_hf = {f"{hf_name(f'layers.0.{MODULES[t]}.{t}.weight').split('.', 3)[3].rsplit('.', 1)[0]}": t
-             for t in TARGETS}  # "self_attn.q_proj" -> "wq"
+    by_hf = {_hf_module(t): t for t in TARGETS}  # "self_attn.q_proj" -> "wq"
     for key, array in stored.items():
         m = pattern.fullmatch(key)
-        target = by_hf.get(f"{m.group(2)}.{m.group(3)}") if m else None
+        target = by_hf.get(m.group(2)) if m else None
         if target is None:
             raise BridgeError(f"{weights_file}: tensor '{key}' is not a LoRA tensor of a LLaMA "
                               f"projection")
-        layer, which = int(m.group(1)), m.group(4)
+        layer, which = int(m.group(1)), m.group(3)
         if target not in lora.targets:
-            raise BridgeError(f"{weights_file}: tensor '{key}' adapts {m.group(3)}, which "
-                              f"target_modules does not list")
+            raise BridgeError(f"{weights_file}: tensor '{key}' adapts {_peft_module(target)}, "
+                              f"which target_modules does not list")
         if array.ndim != 2 or array.dtype.kind not in "fV" and array.dtype.name != "bfloat16":
             raise BridgeError(f"{weights_file}: tensor '{key}' is not a 2-D float tensor")
         array = array.astype(np.float32)

@@ -64,7 +64,6 @@ def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | 
     if model.lora is not None or has_adapters(params):
         raise BridgeError("already has LoRA adapters", field="model")
     config, lora_model = model.config, model.clone(lora=lora)
-    backbone = Llama(config, scan_layers=model.scan_layers, lora=lora)
     if adapter is not None:
         if adapter.lora != lora:
             raise BridgeError(f"the adapter's settings {adapter.lora} differ from {lora}",
@@ -74,6 +73,7 @@ def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | 
                                        scan_layers=model.scan_layers,
                                        shapes=adapter_shapes(config, lora))
     else:  # initialise the whole backbone, keep the adapters: XLA drops the rest unbuilt
+        backbone = Llama(config, scan_layers=model.scan_layers, lora=lora)
         fresh = lambda key: split(backbone.init(key, jnp.zeros((1, 1), jnp.int32))["params"])[1]  # noqa: E731
         adapters = jax.jit(fresh)(jax.random.key(seed))
     for key in reversed(_backbone_key(model)):

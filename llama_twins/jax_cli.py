@@ -285,9 +285,10 @@ def _lora_config(args, saved: dict | None = None):
     from bridge.lora import LoraConfig
 
     if args.lora_rank is None:
-        if any(getattr(args, f"lora_{k}") is not None for k in ("alpha", "dropout", "targets")):
-            raise BridgeError("needs --lora-rank", field="lora_alpha" if args.lora_alpha is not None
-                              else "lora_dropout" if args.lora_dropout is not None else "lora_targets")
+        given = [f"lora_{k}" for k in ("alpha", "dropout", "targets")
+                 if getattr(args, f"lora_{k}") is not None]
+        if given:
+            raise BridgeError("needs --lora-rank", field=given[0])
         return None if not saved else LoraConfig.from_dict(saved)
     return LoraConfig(rank=args.lora_rank,
                       alpha=2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha,
