@@ -14,6 +14,13 @@ PEFT writes `adapter_config.json` and `adapter_model.safetensors` with names suc
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`. Hugging Face stores wq and wk
 with the rows of each head permuted (bridge.formats.hf); the update B @ A must be permuted the same
 way, which is a permutation of B's rows (A is unchanged).
+
+With `train_embeddings` the embedding table trains whole beside the adapters (PEFT's
+`modules_to_save=["embed_tokens"]`): the adapter then carries `tok_embeddings.weight`, which
+replaces the base's on merging, stored by PEFT as `base_model.model.model.embed_tokens.weight`. A
+model whose LM head is the embedding (tie_embeddings) trains the head with it; its adapter also
+carries the table as `base_model.model.lm_head.weight` with `ensure_weight_tying`, so that PEFT
+keeps the two tied as we do.
 """
 
 from __future__ import annotations
@@ -39,18 +46,21 @@ MODULES = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "atten
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
+EMBEDDING = "tok_embeddings.weight"  # the canonical name of the table train_embeddings trains
 _ADAPTER_NAME = re.compile(r"layers\.(\d+)\.(attention|feed_forward)\.(w[qkvo123])\.lora_([AB])\.weight")
 
 
 @dataclass(frozen=True)
 class LoraConfig:
-    """rank r, alpha (scale = alpha / r), dropout on the adapter's input while training, and the
-    projections that carry an adapter (any of wq, wk, wv, wo, w1, w2, w3; default all seven)."""
+    """rank r, alpha (scale = alpha / r), dropout on the adapter's input while training, the
+    projections that carry an adapter (any of wq, wk, wv, wo, w1, w2, w3; default all seven), and
+    whether the embedding table trains too (whole, in float32; PEFT's modules_to_save)."""
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = TARGETS
+    train_embeddings: bool = False
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
@@ -65,6 +75,9 @@ class LoraConfig:
         if unknown or not targets:
             raise BridgeError(f"unknown target {unknown[0]!r}; known: {', '.join(TARGETS)}"
                               if unknown else "no target given", field="lora_targets")
+        if not isinstance(self.train_embeddings, bool):
+            raise BridgeError(f"must be true or false (got {self.train_embeddings!r})",
+                              field="lora_train_embeddings")
         object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in targets))
         object.__setattr__(self, "alpha", float(self.alpha))
         object.__setattr__(self, "dropout", float(self.dropout))
@@ -95,8 +108,9 @@ def adapter_name(layer: int, target: str, which: str) -> str:
 
 
 def adapter_shapes(config: LlamaConfig, lora: LoraConfig) -> dict[str, tuple[int, int]]:
-    """Every adapter tensor of `lora` on `config`, canonical name -> shape, in layer order."""
-    shapes = {}
+    """Every adapter tensor of `lora` on `config`, canonical name -> shape: the embedding table
+    first when it trains, then A and B in layer order."""
+    shapes = {EMBEDDING: (config.vocab_size, config.dim)} if lora.train_embeddings else {}
     for i in range(config.n_layers):
         for t in lora.targets:
             out, inp = projection_shape(config, t)
@@ -148,7 +162,10 @@ class Adapter:
                               f"{len(expected)} adapter tensors)")
 
     def merged(self, name: str, weight: np.ndarray) -> np.ndarray:
-        """`weight` (canonical `name`) with this adapter's update added, when it has one."""
+        """`weight` (canonical `name`) with this adapter's update added, when it has one; the
+        adapter's embedding table, in `weight`'s dtype, when it trains one."""
+        if name == EMBEDDING and name in self.tensors:
+            return self.tensors[name].astype(weight.dtype)
         a = self.tensors.get(name.replace(".weight", ".lora_A.weight"))
         if a is None or not name.startswith("layers."):
             return weight
@@ -181,6 +198,12 @@ def write_peft(path: str | os.PathLike, config: LlamaConfig, adapter: Adapter, *
     lora = adapter.lora
     tensors = {}
     for name, array in adapter.tensors.items():
+        if name == EMBEDDING:
+            array = np.ascontiguousarray(array, dtype=np.float32)
+            tensors[_PEFT_PREFIX + hf_name(EMBEDDING)] = array
+            if config.tie_embeddings:  # PEFT unties a wrapped module unless told to keep the tie
+                tensors[_PEFT_PREFIX + hf_name("output.weight")] = array
+            continue
         layer, target, which = _ADAPTER_NAME.fullmatch(name).group(1, 3, 4)
         heads = _heads(config, target)
         if which == "B" and heads is not None:
@@ -191,7 +214,9 @@ def write_peft(path: str | os.PathLike, config: LlamaConfig, adapter: Adapter, *
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout, "target_modules": [_peft_module(t) for t in lora.targets],
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": [_EMBED_MODULE] if lora.train_embeddings else None,
+        "ensure_weight_tying": bool(lora.train_embeddings and config.tie_embeddings),
         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
         "base_model_name_or_path": adapter.base_model,
     }
@@ -203,7 +228,14 @@ def write_peft(path: str | os.PathLike, config: LlamaConfig, adapter: Adapter, *
 
 # PEFT settings this reader does not implement: refused when set (true, non-empty).
 _UNSUPPORTED = ("use_dora", "use_rslora", "fan_in_fan_out", "layers_to_transform", "rank_pattern",
-                "alpha_pattern", "modules_to_save", "layer_replication", "lora_bias")
+                "alpha_pattern", "layer_replication", "lora_bias", "trainable_token_indices")
+_EMBED_MODULE = "embed_tokens"  # the one module modules_to_save may list
+
+
+def _float_matrix(array: np.ndarray, weights_file: Path, key: str) -> np.ndarray:
+    if array.ndim != 2 or array.dtype.kind not in "fV" and array.dtype.name != "bfloat16":
+        raise BridgeError(f"{weights_file}: tensor '{key}' is not a 2-D float tensor")
+    return array.astype(np.float32)
 
 
 def is_adapter(path: str | os.PathLike) -> bool:
@@ -243,10 +275,19 @@ def read_peft(path: str | os.PathLike, config: LlamaConfig) -> Adapter:
     if unknown:
         raise BridgeError(f"{config_file}: target module {unknown[0]!r} is not a LLaMA projection "
                           f"({', '.join(by_module)})")
+    saved = d.get("modules_to_save") or []
+    if isinstance(saved, str) or not isinstance(saved, list):
+        raise BridgeError(f"{config_file}: modules_to_save must be a list of module names "
+                          f"(got {saved!r})")
+    others = [m for m in saved if str(m).split(".")[-1] != _EMBED_MODULE]
+    if others:
+        raise BridgeError(f"{config_file}: modules_to_save {others[0]!r} is not supported (only "
+                          f"{_EMBED_MODULE}, the embedding table)")
     try:
         lora = LoraConfig(rank=d.get("r"), alpha=d.get("lora_alpha"),
                           dropout=d.get("lora_dropout", 0.0) or 0.0,
-                          targets=tuple(by_module[m] for m in modules))
+                          targets=tuple(by_module[m] for m in modules),
+                          train_embeddings=bool(saved))
     except BridgeError as e:
         peft_key = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
                     "lora_targets": "target_modules"}[e.field]
@@ -258,10 +299,24 @@ def read_peft(path: str | os.PathLike, config: LlamaConfig) -> Adapter:
         stored = load_file(str(weights_file))
     except Exception as e:  # safetensors raises its own error types for a damaged file
         raise BridgeError(f"{weights_file}: cannot read it as safetensors ({e})") from None
-    tensors = {}
+    tensors, head = {}, None
     pattern = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+\.\w+)"
                          r"\.lora_([AB])(?:\.default)?\.weight")
     by_hf = {_hf_module(t): t for t in TARGETS}  # "self_attn.q_proj" -> "wq"
+    embedding_keys = {_PEFT_PREFIX + hf_name(EMBEDDING), hf_name(EMBEDDING)}
+    head_keys = {_PEFT_PREFIX + hf_name("output.weight"), hf_name("output.weight")}
+    for key in [k for k in stored if k in embedding_keys | head_keys]:
+        if not lora.train_embeddings:
+            raise BridgeError(f"{weights_file}: tensor '{key}' is a whole module, which "
+                              f"modules_to_save does not list")
+        array = _float_matrix(stored.pop(key), weights_file, key)
+        if key in embedding_keys:
+            tensors[EMBEDDING] = array
+        elif not config.tie_embeddings:
+            raise BridgeError(f"{weights_file}: tensor '{key}' trains the LM head, which is not "
+                              f"supported (only the embedding table)")
+        else:
+            head = array
     for key, array in stored.items():
         m = pattern.fullmatch(key)
         target = by_hf.get(m.group(2)) if m else None
@@ -272,9 +327,7 @@ def read_peft(path: str | os.PathLike, config: LlamaConfig) -> Adapter:
         if target not in lora.targets:
             raise BridgeError(f"{weights_file}: tensor '{key}' adapts {_peft_module(target)}, "
                               f"which target_modules does not list")
-        if array.ndim != 2 or array.dtype.kind not in "fV" and array.dtype.name != "bfloat16":
-            raise BridgeError(f"{weights_file}: tensor '{key}' is not a 2-D float tensor")
-        array = array.astype(np.float32)
+        array = _float_matrix(array, weights_file, key)
         heads = _heads(config, target)
         if which == "B" and heads is not None:
             if array.shape[0] % (2 * heads):
@@ -282,6 +335,15 @@ def read_peft(path: str | os.PathLike, config: LlamaConfig) -> Adapter:
                                   f"a whole number of heads of the base model ({heads})")
             array = from_half_split(array, heads)
         tensors[adapter_name(layer, target, which)] = array
+    if lora.train_embeddings and config.tie_embeddings and head is None \
+            and not d.get("ensure_weight_tying"):
+        raise BridgeError(f"{config_file}: modules_to_save {_EMBED_MODULE} without "
+                          f"ensure_weight_tying or an lm_head tensor, on a base whose LM head is "
+                          f"its embedding: PEFT would leave the head untrained, which this model "
+                          f"cannot hold")
     adapter = Adapter(lora, tensors, d.get("base_model_name_or_path"))
     adapter.check(config, weights_file)
+    if head is not None and not np.array_equal(head, tensors[EMBEDDING]):
+        raise BridgeError(f"{weights_file}: tensor '{_PEFT_PREFIX + hf_name('output.weight')}' "
+                          f"differs from the embedding table, which the base model ties it to")
     return adapter

@@ -55,8 +55,8 @@ _LAYER = re.compile(r"\blayers\.(\d+)\.")
 
 def describe_adapter(path: str | os.PathLike) -> dict:
     """What a PEFT LoRA adapter directory holds, without a base model and without reading its
-    tensor data: path, rank, alpha, scale, target_modules, layers, tensors, parameters, dtypes,
-    base_model. (Whether it fits a base is checked by read_peft, which needs the base's config.)"""
+    tensor data: path, rank, alpha, scale, target_modules, modules_to_save (modules trained
+    whole, e.g. the embedding table), layers, tensors, parameters, dtypes, base_model. (Whether it fits a base is checked by read_peft, which needs the base's config.)"""
     from safetensors import safe_open
 
     path = Path(path)
@@ -81,7 +81,7 @@ def describe_adapter(path: str | os.PathLike) -> dict:
     return {
         "path": str(path), "format": "peft-lora", "rank": rank, "alpha": alpha,
         "scale": alpha / rank if numbers else None,
-        "target_modules": d.get("target_modules"),
+        "target_modules": d.get("target_modules"), "modules_to_save": d.get("modules_to_save"),
         "layers": len({m.group(1) for name in shapes if (m := _LAYER.search(name))}),
         "tensors": len(shapes),
         "parameters": sum(int(np.prod(shape)) for shape in shapes.values()),

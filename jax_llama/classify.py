@@ -41,7 +41,7 @@ from .attention import choose
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .data import bucket
-from .lora import add_lora, merge_lora, save_adapter, trainable
+from .lora import add_lora, merge_lora, save_adapter, trainable_for
 from .model import LlamaClassifier, init
 from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 
@@ -233,7 +233,8 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
                  f"from the left")
     per_epoch = math.ceil(len(train_rows) / fc.batch_size)
     tc = fc.train_config(per_epoch * fc.epochs)
-    labels = None if clf.model.lora is None else trainable  # LoRA: adapters and head only
+    # LoRA: the adapters and the head only (and the embedding table, when it trains)
+    labels = None if clf.model.lora is None else trainable_for(clf.model.lora)
     optimizer = make_optimizer(tc, labels)
     state = init_state(clf.params, optimizer)
     step = jit_train_step(classifier_loss(clf.model), optimizer, tc, state, trainable=labels)

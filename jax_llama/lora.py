@@ -5,10 +5,12 @@ The adapters live in the params pytree beside the weights they adapt (`wq/lora_A
 `wq/lora_B/kernel`, float32), so one pytree goes through apply, jit, the mesh and orbax as before.
 Which leaves train is a label per leaf (`trainable`); the optimizer (jax_llama.train) partitions
 on it with optax.multi_transform, so the frozen weights get no update and no optimizer state.
+With lora.train_embeddings the embedding table trains too, whole and in float32 (`trainable_for`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -25,8 +27,8 @@ from .model import Llama, LlamaClassifier
 ADAPTER_KEYS = ("lora_A", "lora_B")
 
 
-def _is_adapter(path) -> bool:
-    return any(key in ADAPTER_KEYS for key in path)
+def _is_adapter(path, embeddings: bool = False) -> bool:
+    return any(key in ADAPTER_KEYS for key in path) or embeddings and "tok_embeddings" in path
 
 
 def _backbone_key(model) -> tuple[str, ...]:
@@ -34,18 +36,31 @@ def _backbone_key(model) -> tuple[str, ...]:
     return ("llama",) if isinstance(model, LlamaClassifier) else ()
 
 
-def trainable(params):
-    """True for the leaves a LoRA run trains: the adapters, and whatever is not the backbone
-    (a classifier's head); False for the backbone's weights, which stay frozen."""
+def _backbone(model, params):
+    for key in _backbone_key(model):
+        params = params[key]
+    return params
+
+
+def trainable(params, embeddings: bool = False):
+    """True for the leaves a LoRA run trains: the adapters, the embedding table when
+    `embeddings`, and whatever is not the backbone (a classifier's head); False for the
+    backbone's weights, which stay frozen."""
     return traverse_util.path_aware_map(
-        lambda path, _: _is_adapter(path) or path[0] == "classifier", params)
+        lambda path, _: _is_adapter(path, embeddings) or path[0] == "classifier", params)
 
 
-def split(params):
-    """(weights, adapters): two pytrees that `combine` joins back."""
+def trainable_for(lora: LoraConfig):
+    """The `trainable` labelling (params -> True/False tree) of a run with these settings."""
+    return functools.partial(trainable, embeddings=lora.train_embeddings)
+
+
+def split(params, embeddings: bool = False):
+    """(weights, adapters): two pytrees that `combine` joins back; with `embeddings` the
+    embedding table goes with the adapters."""
     flat = traverse_util.flatten_dict(params)
-    weights = {k: v for k, v in flat.items() if not _is_adapter(k)}
-    adapters = {k: v for k, v in flat.items() if _is_adapter(k)}
+    weights = {k: v for k, v in flat.items() if not _is_adapter(k, embeddings)}
+    adapters = {k: v for k, v in flat.items() if _is_adapter(k, embeddings)}
     return traverse_util.unflatten_dict(weights), traverse_util.unflatten_dict(adapters)
 
 
@@ -57,7 +72,8 @@ def combine(weights, adapters):
 def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | None = None):
     """(the model with LoRA on lora.targets, params with adapters): fresh ones (A drawn from
     `seed`, B zero), or `adapter`'s tensors when given. Works on a Llama or a LlamaClassifier,
-    either layer layout; the weights in `params` are kept as they are (any dtype)."""
+    either layer layout; the weights in `params` are kept as they are (any dtype), except the
+    embedding table when lora.train_embeddings: float32 (or the adapter's), as it trains."""
     if not isinstance(model, (Llama, LlamaClassifier)):
         raise BridgeError(f"expected a Llama or LlamaClassifier, got {type(model).__name__}",
                           field="model")
@@ -76,6 +92,9 @@ def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | 
         backbone = Llama(config, scan_layers=model.scan_layers, lora=lora)
         fresh = lambda key: split(backbone.init(key, jnp.zeros((1, 1), jnp.int32))["params"])[1]  # noqa: E731
         adapters = jax.jit(fresh)(jax.random.key(seed))
+        if lora.train_embeddings:
+            table = _backbone(model, params)["tok_embeddings"]["embedding"]
+            adapters["tok_embeddings"] = {"embedding": table.astype(jnp.float32)}
     for key in reversed(_backbone_key(model)):
         adapters = {key: adapters}
     return lora_model, combine(params, adapters)
@@ -85,9 +104,7 @@ def adapter_of(model, params, base_model: str | None = None) -> Adapter:
     """The adapters in `params` as a bridge Adapter: canonical numpy float32 tensors."""
     if model.lora is None:
         raise BridgeError("the model has no LoRA adapters", field="model")
-    adapters = split(params)[1]
-    for key in _backbone_key(model):
-        adapters = adapters[key]
+    adapters = _backbone(model, split(params, model.lora.train_embeddings)[1])
     shapes = adapter_shapes(model.config, model.lora)
     _, fetch = tensor_specs(adapters, model.config, shapes=shapes)
     return Adapter(model.lora, {name: np.asarray(fetch(name), np.float32) for name in shapes},
@@ -103,7 +120,8 @@ def save_adapter(path: str | os.PathLike, model, params, *, base_model: str | No
 
 def merge_lora(model, params):
     """(the model without LoRA, params with scale * A @ B added into each adapted kernel, in
-    float32 and then the kernel's dtype): a plain model, as fast as one never adapted."""
+    float32 and then the kernel's dtype): a plain model, as fast as one never adapted. A trained
+    embedding table is rounded to the final norm's dtype, the base's, as the bridge merges it."""
     if model.lora is None:
         return model, params
     weights, adapters = split(params)
@@ -117,6 +135,10 @@ def merge_lora(model, params):
         kernel = flat[kernel_path]
         update = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))  # (.., in, out)
         flat[kernel_path] = (kernel.astype(jnp.float32) + scale * update).astype(kernel.dtype)
+    if model.lora.train_embeddings:
+        where = _backbone_key(model)
+        table = where + ("tok_embeddings", "embedding")
+        flat[table] = flat[table].astype(flat[where + ("norm", "weight")].dtype)
     return model.clone(lora=None), traverse_util.unflatten_dict(flat)
 
 

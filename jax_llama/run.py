@@ -38,7 +38,7 @@ from . import data as data_lib
 from .attention import choose as choose_attention
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
-from .lora import add_lora, count, merge_lora, save_adapter, trainable
+from .lora import add_lora, count, merge_lora, save_adapter, trainable_for
 from .model import Llama, init
 from .perf import measure_matmul_peak, train_flops_per_token
 from .sharding import check_batch, global_batch, make_mesh, tree_shardings
@@ -175,8 +175,10 @@ def train(spec: RunSpec) -> dict:
     labels, desc = None, "training"
     if spec.lora:
         model, params = add_lora(model, params, spec.lora, seed=tc.seed)
-        labels, n_train, n_all = trainable, count(params, trainable(params)), count(params)
-        _say(f"LoRA rank {spec.lora.rank} on {', '.join(spec.lora.targets)}: training "
+        labels = trainable_for(spec.lora)
+        n_train, n_all = count(params, labels(params)), count(params)
+        _say(f"LoRA rank {spec.lora.rank} on {', '.join(spec.lora.targets)}"
+             f"{' and the embedding table' if spec.lora.train_embeddings else ''}: training "
              f"{n_train:,} of {n_all:,} parameters")
         desc = f"training LoRA ({n_train / 1e6:.3g}M of {n_all / 1e6:.3g}M params)"
     optimizer = make_optimizer(tc, labels)

@@ -68,6 +68,8 @@ def inspect_adapter(args) -> int:
     targets = ", ".join(map(str, report["target_modules"] or []))
     print(f"  lora        rank {report['rank']}, alpha {report['alpha']} "
           f"(scale {report['scale']}), targets {targets}")
+    if report["modules_to_save"]:
+        print(f"  trained     {', '.join(map(str, report['modules_to_save']))} (whole)")
     print(f"  parameters  {report['parameters']:,} in {report['tensors']} tensors over "
           f"{report['layers']} layers ({', '.join(report['dtypes'])})")
     print(f"  base model  {report['base_model'] or 'not named'}")

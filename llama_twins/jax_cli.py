@@ -187,9 +187,10 @@ def cmd_finetune(args) -> int:
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(clf.params))
     what = f"{n_params / 1e6:.1f}M parameters"
     if lora is not None:
-        from jax_llama.lora import count, trainable
-        what = (f"LoRA rank {lora.rank} on {', '.join(lora.targets)} and the head: "
-                f"{count(clf.params, trainable(clf.params)):,} of {n_params:,} parameters")
+        from jax_llama.lora import count, trainable_for
+        what = (f"LoRA rank {lora.rank} on {', '.join(lora.targets)}"
+                f"{', the embedding table' if lora.train_embeddings else ''} and the head: "
+                f"{count(clf.params, trainable_for(lora)(clf.params)):,} of {n_params:,} parameters")
     print(f"fine-tuning {what} ({'from ' + args.init if args.init else 'from scratch'}) "
           f"on {len(train.examples)} examples, {len(dev.examples)} dev, {len(labels)} labels",
           file=sys.stderr)
@@ -285,15 +286,16 @@ def _lora_config(args, saved: dict | None = None):
     from bridge.lora import LoraConfig
 
     if args.lora_rank is None:
-        given = [f"lora_{k}" for k in ("alpha", "dropout", "targets")
-                 if getattr(args, f"lora_{k}") is not None]
+        given = [f"lora_{k}" for k in ("alpha", "dropout", "targets", "train_embeddings")
+                 if getattr(args, f"lora_{k}") not in (None, False)]
         if given:
             raise BridgeError("needs --lora-rank", field=given[0])
         return None if not saved else LoraConfig.from_dict(saved)
     return LoraConfig(rank=args.lora_rank,
                       alpha=2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha,
                       dropout=args.lora_dropout or 0.0,
-                      targets=args.lora_targets or LoraConfig().targets)
+                      targets=args.lora_targets or LoraConfig().targets,
+                      train_embeddings=args.lora_train_embeddings)
 
 
 def _add_lora_arguments(p) -> None:
@@ -305,6 +307,9 @@ def _add_lora_arguments(p) -> None:
     p.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (default 0)")
     p.add_argument("--lora-targets",
                    help="comma-separated projections to adapt (default: wq,wk,wv,wo,w1,w2,w3)")
+    p.add_argument("--lora-train-embeddings", action="store_true",
+                   help="train the embedding table too, whole, in float32 (PEFT's "
+                        "modules_to_save=['embed_tokens']; a tied LM head trains with it)")
 
 
 def _add_attention_argument(p) -> None:

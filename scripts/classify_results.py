@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--lora-epochs", type=int, default=12,
                         help="epochs of the LoRA rows (the adapters start at zero and learn slower)")
     parser.add_argument("--name", default="classify", help="results file name (OUT/NAME.md, .json)")
-    parser.add_argument("--methods", default="zero-shot,scratch,pretrained,lora",
+    parser.add_argument("--methods", default="zero-shot,scratch,pretrained,lora,lora-emb",
                         help="comma-separated subset of the rows to run")
     parser.add_argument("--reuse-lm", action="store_true",
                         help="use OUT/lm/model when it exists instead of training the LM again")
@@ -117,7 +117,11 @@ def main() -> None:
                 ("pretrained", "fine-tuned after continued pretraining",
                  [*epochs, "--init", str(lm / "model")]),
                 ("lora", lora, ["--init", str(lm / "model"), "--lora-rank", str(args.lora_rank),
-                                "--lr", str(args.lora_lr), "--epochs", str(args.lora_epochs)])):
+                                "--lr", str(args.lora_lr), "--epochs", str(args.lora_epochs)]),
+                ("lora-emb", lora.replace("and the head", "the embedding table and the head"),
+                 ["--init", str(lm / "model"), "--lora-rank", str(args.lora_rank),
+                  "--lora-train-embeddings", "--lr", str(args.lora_lr),
+                  "--epochs", str(args.lora_epochs)])):
             if tag not in methods:
                 continue
             runs = [run(["jax-llama", "finetune", *common, *extra, "--seed", str(seed),

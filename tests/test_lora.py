@@ -245,6 +245,7 @@ def run_cli(*args):
     (["--lora-rank", "0"], "--lora-rank: must be a positive integer (got 0)"),
     (["--lora-rank", "4", "--lora-targets", "wq,q_proj"], "--lora-targets: unknown target 'q_proj'"),
     (["--lora-alpha", "8"], "--lora-alpha: needs --lora-rank"),
+    (["--lora-train-embeddings"], "--lora-train-embeddings: needs --lora-rank"),
 ])
 def test_cli_bad_lora_flags_exit_2_with_one_line(tmp_path, flags, message):
     result = run_cli("train", "--steps", 2, "--out", tmp_path / "run", *flags)

@@ -4,7 +4,8 @@ them in PEFT's format, merge them into the weights.
 The adapters are submodules of the projections they adapt (model.Linear: `wq.lora_A`,
 `wq.lora_B`, float32), so state_dict() holds the canonical adapter names beside the canonical
 weights. What trains is requires_grad: the base is frozen, so an optimizer given every parameter
-updates only the adapters (and a classifier's head).
+updates only the adapters (and a classifier's head). With lora.train_embeddings the embedding
+table trains too, whole and in float32 (a tied LM head with it), as in the JAX twin.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from bridge.errors import BridgeError
-from bridge.lora import MODULES, Adapter, LoraConfig, write_peft
+from bridge.lora import EMBEDDING, MODULES, Adapter, LoraConfig, write_peft
 
 from .model import Linear, Llama, LlamaClassifier
 
@@ -36,7 +37,8 @@ def add_lora(model: Llama | LlamaClassifier, lora: LoraConfig, seed: int = 0,
     `model`. A and B are float32 on the model's device: A drawn from `seed` (the caller's torch
     RNG is left as it was) and B zero, so the logits are unchanged, or `adapter`'s tensors (an
     adapter with these settings, checked against the model's config). Every base parameter is
-    frozen; the adapters train, and so does a LlamaClassifier's head."""
+    frozen; the adapters train, and so does a LlamaClassifier's head, and the embedding table
+    (made float32; its output is cast to the model's dtype) when lora.train_embeddings."""
     llama = _backbone(model)
     if llama.lora is not None:
         raise BridgeError("already has LoRA adapters", field="model")
@@ -48,6 +50,8 @@ def add_lora(model: Llama | LlamaClassifier, lora: LoraConfig, seed: int = 0,
     model.requires_grad_(False)
     if isinstance(model, LlamaClassifier):
         model.classifier.requires_grad_(True)
+    if lora.train_embeddings:
+        llama.tok_embeddings.float().requires_grad_(True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for block in llama.layers:
@@ -68,7 +72,8 @@ def adapter_of(model: Llama | LlamaClassifier, base_model: str | None = None) ->
     if llama.lora is None:
         raise BridgeError("the model has no LoRA adapters", field="model")
     return Adapter(llama.lora, {name: t.detach().float().cpu().numpy()
-                                for name, t in llama.state_dict().items() if ".lora_" in name},
+                                for name, t in llama.state_dict().items()
+                                if ".lora_" in name or name == EMBEDDING and llama.lora.train_embeddings},
                    base_model)
 
 
@@ -82,12 +87,14 @@ def save_adapter(path: str | os.PathLike, model: Llama | LlamaClassifier, *,
 def merge_lora(model: Llama | LlamaClassifier) -> Llama | LlamaClassifier:
     """Fold each adapter into its projection (W + scale * B A, in float32, then W's dtype) and
     remove the adapters, in place: a plain model again, every parameter trainable, whose
-    state_dict holds the canonical names only. A model without adapters is returned as it is."""
+    state_dict holds the canonical names only; a trained embedding table is rounded to the base's
+    dtype (the final norm's). A model without adapters is returned as it is."""
     llama = _backbone(model)
     if llama.lora is None:
         return model
     for module in llama.modules():
         if isinstance(module, Linear) and module.lora is not None:
             module.merge_adapter()
+    llama.tok_embeddings.to(llama.norm.weight.dtype)
     llama.lora = None
     return model.requires_grad_(True)

@@ -364,14 +364,16 @@ class Llama(nn.Module):
         positions = torch.as_tensor(positions, device=device)
         cos_BSh, sin_BSh = rope_cos_sin(positions, self._inv_freq_for(device))
 
-        x_BSD = self.tok_embeddings(tokens_BS)
+        # .to: a no-op unless LoRA trains the embedding table in float32 under a lower-precision model
+        x_BSD = self.tok_embeddings(tokens_BS).to(self.norm.weight.dtype)
         for i, layer in enumerate(self.layers):
             x_BSD = layer(x_BSD, cos_BSh, sin_BSh, mask, cache, i)
         h_BSD = self.norm(x_BSD)
         if not lm_head:
             return LlamaOutput(logits=None, hidden=h_BSD, cache=cache)
         head = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return LlamaOutput(logits=F.linear(h_BSD, head).float(), hidden=h_BSD, cache=cache)
+        return LlamaOutput(logits=F.linear(h_BSD, head.to(h_BSD.dtype)).float(), hidden=h_BSD,
+                           cache=cache)
 
     def _inv_freq_for(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq_on:
