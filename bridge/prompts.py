@@ -1,5 +1,5 @@
-"""Text in and out of generation, framework-neutral: prompts as token ids (BOS, the LLaMA 3 chat
-template, truncation), the ids that stop a row, and text printed as its tokens arrive. Both
+"""Text in and out of generation, framework-neutral: prompts as token ids (BOS, a chat template,
+truncation), the ids that stop a row, and text printed as its tokens arrive. Both
 twins' generate commands use these; each twin brings its own model and generate()."""
 
 from __future__ import annotations
@@ -7,25 +7,24 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
+from .chat import ChatTemplate
 from .errors import BridgeError
 from .tokenizer import Tokenizer
 
-# LLaMA 3 instruct: one user turn, then the assistant header the model continues from.
-CHAT_TEMPLATE = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{prompt}<|eot_id|>"
-                 "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
-
-def encode_prompts(tokenizer: Tokenizer, texts: Sequence[str], max_seq_len: int, chat: bool = False,
-                   truncate: str | None = None, warn=None) -> list[list[int]]:
-    """Token ids per prompt: BOS + text, or the chat template; an empty prompt is just BOS. A
+def encode_prompts(tokenizer: Tokenizer, texts: Sequence[str], max_seq_len: int,
+                   chat: ChatTemplate | None = None, truncate: str | None = None, warn=None,
+                   system: str | None = None) -> list[list[int]]:
+    """Token ids per prompt: BOS + text, or with `chat` one user turn (after a `system` one when
+    given) rendered by the template up to the assistant's reply; an empty prompt is just BOS. A
     prompt that leaves no room for one new token is refused, or cut from the left (keeping BOS)
     when truncate == "left"; warn(message) hears each cut (default: stderr)."""
-    if chat and "<|start_header_id|>" not in tokenizer.special_tokens:
-        raise BridgeError("the LLaMA 3 instruct template needs a LLaMA 3 tokenizer", field="chat")
     prompts = []
     for i, text in enumerate(texts):
-        if chat:
-            ids = tokenizer.encode(CHAT_TEMPLATE.format(prompt=text), allow_special=True)
+        if chat is not None:
+            messages = [{"role": "system", "content": system}] if system else []
+            ids = chat.encode(messages + [{"role": "user", "content": text}], tokenizer,
+                              add_generation_prompt=True)
         else:
             ids = tokenizer.encode(text, bos=tokenizer.bos_id is not None)
         if not ids:

@@ -211,6 +211,11 @@ class PackedBatches:
     only within its own, positions restart at each), the tail it cannot fill is padding in a
     segment of its own, and no target crosses a document boundary. batch(step) is a pure
     function of (seed, step, process_index): rows are dealt out in an order drawn per epoch.
+
+    Documents are found at each BOS, or given as `docs` ((N, 2) start, length), e.g. the
+    conversations of supervised fine-tuning; `trained` (bool, aligned with `tokens`) then says
+    which tokens the loss counts as targets, and `one_per_row` keeps one document to a row
+    (padded, no packing).
     """
 
     tokens: np.ndarray
@@ -220,10 +225,16 @@ class PackedBatches:
     process_index: int = 0
     bos_id: int | None = None
     pad_id: int = 0
+    docs: np.ndarray | None = None
+    trained: np.ndarray | None = None
+    one_per_row: bool = False
 
     @functools.cached_property
     def rows(self) -> list[list[tuple[int, int]]]:
-        return pack(documents(self.tokens, self.bos_id), self.seq_len + 1)
+        docs = documents(self.tokens, self.bos_id) if self.docs is None else self.docs
+        if self.one_per_row:
+            return [[(start, min(length, self.seq_len + 1))] for start, length in docs.tolist()]
+        return pack(docs, self.seq_len + 1)
 
     def padding(self) -> float:
         """The fraction of row tokens that are padding."""
@@ -240,17 +251,20 @@ class PackedBatches:
         L = self.seq_len + 1
         windows = np.full((len(picks), L), self.pad_id, np.int32)
         segments = np.zeros((len(picks), L), np.int32)
+        counted = np.ones((len(picks), L), bool)
         for r, row in enumerate(picks):
             at = 0
             for s, (start, length) in enumerate(row):
                 windows[r, at:at + length] = np.asarray(self.tokens[start:start + length])
                 segments[r, at:at + length] = s
+                if self.trained is not None:
+                    counted[r, at:at + length] = self.trained[start:start + length]
                 at += length
             segments[r, at:] = len(row)  # the padding: a segment of its own
         real = np.zeros((len(picks), L), bool)
         for r, row in enumerate(picks):
             real[r, :sum(length for _, length in row)] = True
-        same = (segments[:, 1:] == segments[:, :-1]) & real[:, 1:]
+        same = (segments[:, 1:] == segments[:, :-1]) & real[:, 1:] & counted[:, 1:]
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:],
                 "mask": same.astype(np.float32), "segment_ids": segments[:, :-1]}
 

@@ -12,6 +12,8 @@ A run directory holds:
                   (a LoRA run: the base with the adapter merged in)
   adapter/        a LoRA run's adapter, as Hugging Face PEFT writes it (adapter_config.json,
                   adapter_model.safetensors)
+  chat_template.jinja   an SFT run's chat template (also in model/, where generate --chat finds it)
+  exact_match.json      an SFT run's greedy replies to the held-out chats, before and after
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable
 
 import jax
 import numpy as np
@@ -38,6 +41,7 @@ from . import data as data_lib
 from .attention import choose as choose_attention
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
+from . import sft as sft_lib
 from .lora import add_lora, count, merge_lora, save_adapter, trainable_for
 from .model import Llama, init
 from .perf import measure_matmul_peak, train_flops_per_token
@@ -67,6 +71,7 @@ class RunSpec:
     attention: str = "auto"            # the attention implementation (jax_llama.attention)
     lora: LoraConfig | None = None     # train LoRA adapters only; the base stays frozen, held in
                                        # the compute dtype (train.dtype)
+    sft: sft_lib.SftSpec | None = None  # supervised fine-tuning on chats instead of a corpus
 
 
 def _say(message: str) -> None:
@@ -76,7 +81,8 @@ def _say(message: str) -> None:
 def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
     return {"model": config.to_dict(), "train": spec.train.to_dict(), "data": spec.data,
             "tokenizer": spec.tokenizer, "init": spec.init, "strip_labels": spec.strip_labels,
-            "pack": spec.pack, "lora": None if spec.lora is None else spec.lora.to_dict()}
+            "pack": spec.pack, "lora": None if spec.lora is None else spec.lora.to_dict(),
+            "sft": None if spec.sft is None else spec.sft.to_dict()}
 
 
 def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
@@ -85,7 +91,8 @@ def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
     diffs = [f"{part}.{k}: {saved[part].get(k)!r} -> {now[part].get(k)!r}"
              for part in ("model", "train") for k in sorted(set(saved[part]) | set(now[part]))
              if saved[part].get(k) != now[part].get(k)]
-    diffs += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("data", "tokenizer", "init", "lora")
+    diffs += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("data", "tokenizer", "init", "lora",
+                                                                "sft")
               if saved.get(k) != now[k]]
     for flag in ("strip_labels", "pack"):
         if saved.get(flag, False) != now[flag]:
@@ -95,7 +102,7 @@ def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
                           field="resume")
 
 
-def _tokenizer(spec: RunSpec, files: list[Path]):
+def _tokenizer(spec: RunSpec, texts: Callable[[], Iterable[str]], what: str):
     if spec.resume:
         return load_tokenizer(spec.out / "tokenizer")
     if spec.tokenizer:
@@ -103,8 +110,8 @@ def _tokenizer(spec: RunSpec, files: list[Path]):
     if spec.init and Path(spec.init).is_dir() and any(
             (Path(spec.init) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         return load_tokenizer(spec.init)
-    _say(f"training a {spec.vocab_size}-token byte-level BPE on {len(files)} files")
-    return train_tokenizer(data_lib.read_documents(files, labeled=spec.strip_labels), spec.vocab_size)
+    _say(f"training a {spec.vocab_size}-token byte-level BPE on {what}")
+    return train_tokenizer(texts(), spec.vocab_size)
 
 
 def _model_config(spec: RunSpec, tokenizer) -> LlamaConfig:
@@ -131,10 +138,14 @@ def train(spec: RunSpec) -> dict:
     if not spec.resume and spec.out.exists() and any(spec.out.iterdir()):
         raise BridgeError(f"{spec.out} is not empty", field="out",
                           hint=("resume", True, "pass {} to continue that run"))
-    files = data_lib.corpus_files(spec.data) if spec.data else data_lib.default_corpus()
-    cache = spec.out.parent / "token-cache"
-    tokenizer = _tokenizer(spec, files)
-    config = _model_config(spec, tokenizer)
+    if spec.sft:  # every conversation is read, rendered and checked before anything is written
+        chat = sft_inputs(spec)
+        tokenizer, config = chat.tokenizer, chat.config
+    else:
+        files = data_lib.corpus_files(spec.data) if spec.data else data_lib.default_corpus()
+        tokenizer = _tokenizer(spec, lambda: data_lib.read_documents(files, labeled=spec.strip_labels),
+                               f"{len(files)} files")
+        config = _model_config(spec, tokenizer)
     mesh = make_mesh(spec.mesh)
     check_batch(tc.batch_size, mesh)
     if spec.resume:
@@ -145,23 +156,13 @@ def train(spec: RunSpec) -> dict:
         tokenizer.save(spec.out / "tokenizer")
     write_text(spec.out / "run.json", json.dumps(_run_record(spec, config), indent=2) + "\n")
 
-    tokens = data_lib.tokenize_corpus(files, tokenizer, cache,
-                                      progress=lambda it: tqdm(it, total=len(files), desc="tokenizing",
-                                                               unit="file", file=sys.stderr, leave=False),
-                                      labeled=spec.strip_labels)
-    train_tokens, val_tokens = data_lib.split(tokens, 0.05, tc.seq_len + 1)
-    unigram = data_lib.unigram_loss(train_tokens, val_tokens, config.vocab_size)
     local_batch = tc.batch_size // jax.process_count()
-    kind = data_lib.PackedBatches if spec.pack else data_lib.Batches
-    batches = kind(train_tokens, local_batch, tc.seq_len, tc.seed, jax.process_index(),
-                   tokenizer.bos_id)
-    val_batches = kind(val_tokens, local_batch, tc.seq_len, tc.seed + 1, jax.process_index(),
-                       tokenizer.bos_id)
-    _say(f"{len(tokens):,} tokens ({len(train_tokens):,} train, {len(val_tokens):,} validation); "
-         f"unigram baseline {unigram:.3f} nats/token")
-    if spec.pack:
-        _say(f"packed {len(batches.rows):,} rows of whole documents, {batches.padding():.1%} "
-             f"padding")
+    if spec.sft:
+        chat.template.save(spec.out)
+        batches, val_batches, unigram = chat.batches(tc, local_batch, spec.pack)
+    else:
+        batches, val_batches, unigram, val_tokens = _corpus_batches(spec, files, tokenizer, config,
+                                                                    local_batch)
 
     model = Llama(config, dtype=tc.dtype, scan_layers=spec.scan_layers, remat=spec.remat,
                   attention=spec.attention)
@@ -187,6 +188,9 @@ def train(spec: RunSpec) -> dict:
     if spec.resume and manager.latest_step() is not None:
         state = _restore(manager, state, mesh)
         _say(f"resumed {spec.out} at step {int(state.step)}")
+    scores = {}
+    if spec.sft and not spec.resume:
+        scores["before"] = chat.exact_match(model, params)
     train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels)
     eval_step = jit_eval_step(model, state, mesh)
 
@@ -241,12 +245,128 @@ def train(spec: RunSpec) -> dict:
     tokenizer.save(spec.out / "model")
     plot = _plot(spec.out, unigram)
     summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
-               "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot,
-               "sample": _sample(model, params, tokenizer, val_tokens, tc.seq_len,
-                                 spec.sample_tokens, tc.seed)}
+               "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot}
+    if spec.sft:
+        chat.template.save(spec.out / "model")
+        scores["after"] = chat.exact_match(model, params)
+        write_text(spec.out / "exact_match.json", json.dumps(scores, indent=2) + "\n")
+        summary["exact_match"] = {k: v["exact_match"] for k, v in scores.items()}
+        summary["n_eval"] = len(chat.eval_chats)
+        summary["sample"] = chat.sample(scores["after"])
+    else:
+        summary["sample"] = _sample(model, params, tokenizer, val_tokens, tc.seq_len,
+                                    spec.sample_tokens, tc.seed)
     if spec.lora:
         summary["adapter"] = str(spec.out / "adapter")
     return summary
+
+
+def _corpus_batches(spec: RunSpec, files: list[Path], tokenizer, config: LlamaConfig,
+                    local_batch: int):
+    """(train batches, validation batches, unigram baseline, validation tokens) of a corpus:
+    tokenized once into the cache beside the run, 5% held out."""
+    tc = spec.train
+    tokens = data_lib.tokenize_corpus(files, tokenizer, spec.out.parent / "token-cache",
+                                      progress=lambda it: tqdm(it, total=len(files), desc="tokenizing",
+                                                               unit="file", file=sys.stderr, leave=False),
+                                      labeled=spec.strip_labels)
+    train_tokens, val_tokens = data_lib.split(tokens, 0.05, tc.seq_len + 1)
+    unigram = data_lib.unigram_loss(train_tokens, val_tokens, config.vocab_size)
+    kind = data_lib.PackedBatches if spec.pack else data_lib.Batches
+    batches = kind(train_tokens, local_batch, tc.seq_len, tc.seed, jax.process_index(),
+                   tokenizer.bos_id)
+    val_batches = kind(val_tokens, local_batch, tc.seq_len, tc.seed + 1, jax.process_index(),
+                       tokenizer.bos_id)
+    _say(f"{len(tokens):,} tokens ({len(train_tokens):,} train, {len(val_tokens):,} validation); "
+         f"unigram baseline {unigram:.3f} nats/token")
+    if spec.pack:
+        _say(f"packed {len(batches.rows):,} rows of whole documents, {batches.padding():.1%} "
+             f"padding")
+    return batches, val_batches, unigram, val_tokens
+
+
+# -- supervised fine-tuning on chats -----------------------------------------------------------------
+
+@dataclass
+class ChatInputs:
+    """An SFT run's inputs, all checked before the run writes anything: the tokenizer, the model
+    config, the chat template, and the conversations encoded with their assistant-only masks."""
+
+    spec: RunSpec
+    tokenizer: object
+    config: LlamaConfig
+    template: object                 # bridge.chat.ChatTemplate
+    examples: list                   # bridge.chat.Example, cut to seq_len + 1 tokens
+    eval_examples: list
+    eval_chats: list                 # (where, messages) of the held-out conversations
+    skipped: list[str]
+
+    def batches(self, tc: TrainConfig, local_batch: int, pack: bool):
+        args = (local_batch, tc.seq_len, tc.seed, jax.process_index(), self.tokenizer.pad_id or 0, pack)
+        batches = sft_lib.example_batches(self.examples, *args)
+        val_batches = sft_lib.example_batches(self.eval_examples, *args[:2], tc.seed + 1, *args[3:])
+        trained = int(sum(e.trained.sum() for e in self.examples))
+        total = int(sum(len(e.ids) for e in self.examples))
+        _say(f"{len(self.examples):,} conversations ({len(self.eval_examples):,} held out"
+             f"{f', {len(self.skipped):,} skipped' if self.skipped else ''}): {total:,} tokens, "
+             f"{trained:,} of them trained (the assistant's)")
+        unpacked = sft_lib.unpacked_padding(self.examples, tc.seq_len)
+        if pack:
+            _say(f"packed into {len(batches.rows):,} rows: {batches.padding():.1%} padding "
+                 f"(one conversation a row: {unpacked:.1%})")
+        else:
+            _say(f"one conversation a row: {unpacked:.1%} padding (--pack would save most of it)")
+        # The baseline: a unigram model of the trained tokens.
+        targets = np.concatenate([e.ids[e.trained] for e in self.examples])
+        held = np.concatenate([e.ids[e.trained] for e in self.eval_examples])
+        return batches, val_batches, data_lib.unigram_loss(targets, held, self.config.vocab_size)
+
+    def exact_match(self, model, params, limit: int = 200) -> dict:
+        """Greedy replies to (up to `limit` of) the held-out conversations against their last
+        assistant message."""
+        from bridge.sampling import Sampler
+
+        from .generate import generate
+
+        chats = self.eval_chats[:limit]
+        longest = max(len(self.tokenizer.encode(m[-1]["content"])) for _, m in chats)
+
+        def reply(prompts):
+            room = self.config.max_seq_len - max(map(len, prompts))
+            return generate(model, params, prompts, max(1, min(longest + 4, room)), Sampler(),
+                            self.tokenizer.stop_ids).tokens
+        score, records = sft_lib.exact_match(reply, self.template, self.tokenizer, chats)
+        _say(f"exact match on {len(chats)} held-out conversations: {score:.1%}")
+        return {"exact_match": score, "n": len(chats), "replies": records}
+
+    def sample(self, scores: dict) -> str:
+        return "\n".join(f"{r['where']}: {r['expected']!r} -> {r['reply']!r}"
+                         for r in scores["replies"][:5])
+
+
+def sft_inputs(spec: RunSpec) -> ChatInputs:
+    """Read, render and check an SFT run's conversations (refusing, naming the example, what
+    cannot train), with the tokenizer and template they need."""
+    from bridge.chat import find_template
+
+    sft = spec.sft
+    chats, eval_chats = sft_lib.load_chats(sft, spec.train.seed)
+    tokenizer = _tokenizer(spec, lambda: sft_lib.chat_texts(chats),
+                           f"the {len(chats):,} conversations")
+    config = _model_config(spec, tokenizer)
+    template_from = spec.out if spec.resume else spec.init
+    template = find_template(template_from if template_from and Path(template_from).is_dir()
+                             else None, tokenizer, None if spec.resume else sft.chat_template)
+    max_len = spec.train.seq_len + 1
+    examples, skipped = sft_lib.encode_all(chats, template, tokenizer, max_len, sft.skip_invalid)
+    eval_examples, eval_skipped = sft_lib.encode_all(eval_chats, template, tokenizer, max_len,
+                                                     sft.skip_invalid)
+    if not examples or not eval_examples:
+        raise BridgeError(f"no {'training' if not examples else 'held-out'} conversation is "
+                          f"left to train on", field="data")
+    kept = {where for where, _ in eval_chats} - set(eval_skipped)
+    return ChatInputs(spec, tokenizer, config, template, examples, eval_examples,
+                      [c for c in eval_chats if c[0] in kept], skipped + eval_skipped)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

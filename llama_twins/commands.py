@@ -75,7 +75,11 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: the checkpoint's)")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the LLaMA 3 instruct template")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the chat template as a user turn: the checkpoint's own "
+                        "(an SFT run saves it with the model), else the one its tokenizer implies")
+    p.add_argument("--chat-template", help="llama3, llama2 or a jinja file (implies --chat)")
+    p.add_argument("--system", help="a system message before each prompt (with --chat)")
     p.add_argument("--truncate", choices=("left",), help="cut over-long prompts from the left "
                                                          "instead of refusing them")
     p.add_argument("--stop", nargs="*", default=[], help="more stop strings (each one token)")
@@ -94,9 +98,17 @@ def generation_inputs(args, load: Callable[[], tuple]) -> tuple:
 
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
     tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
+    template = None
+    if args.chat or args.chat_template:
+        from bridge.chat import find_template
+        template = find_template(args.checkpoint if Path(args.checkpoint).is_dir() else None,
+                                 tokenizer, args.chat_template)
+    elif args.system:
+        raise BridgeError("a system message needs --chat", field="system")
     texts = read_prompts(args)
     model, config = load()
-    prompts = encode_prompts(tokenizer, texts, config.max_seq_len, args.chat, args.truncate)
+    prompts = encode_prompts(tokenizer, texts, config.max_seq_len, template, args.truncate,
+                             system=args.system)
     return model, tokenizer, texts, prompts, sampler, stop_ids(tokenizer, args.stop)
 
 

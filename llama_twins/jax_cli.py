@@ -28,11 +28,14 @@ TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", f
                  ("checkpoint_every", int), ("keep_checkpoints", int), ("seed", int)]
 
 
-def cmd_train(args) -> int:
-    from jax_llama.run import RunSpec, train
-    from jax_llama.train import TrainConfig, TrainingDiverged
+def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: bool, sft=None):
+    """The RunSpec of `train` or `sft` from their shared flags (a resumed run: its own settings
+    unless flags say otherwise, which the resume check then refuses)."""
+    from jax_llama.run import RunSpec
+    from jax_llama.train import TrainConfig
 
-    out = Path(args.out) if args.out else Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else Path("runs") / time.strftime(
+        f"{args.command}-%Y%m%d-%H%M%S")
     given = {name: getattr(args, name) for name, _ in TRAIN_OPTIONS if getattr(args, name) is not None}
     saved = {}
     if args.resume:
@@ -46,14 +49,51 @@ def cmd_train(args) -> int:
         if train_config.seq_len > model.max_seq_len and not args.init:
             # A model trained from scratch has the context it is trained at.
             model = model.replace(max_seq_len=train_config.seq_len)
-    spec = RunSpec(out=out, model=model, train=train_config,
-                   data=args.data if args.data is not None else saved.get("data", []),
+    if sft is not None and saved.get("sft"):  # flags not given keep the saved run's values
+        sft = type(sft)(**{**saved["sft"], **{k: v for k, v in sft.to_dict().items()
+                                              if v != getattr(type(sft)(), k)}})
+    return RunSpec(out=out, model=model, train=train_config,
+                   data=data if data is not None else saved.get("data", []),
                    tokenizer=args.tokenizer or saved.get("tokenizer"),
                    init=args.init or saved.get("init"), vocab_size=args.vocab_size, mesh=args.mesh,
                    scan_layers=args.scan_layers, remat=args.remat, resume=args.resume,
-                   sample_tokens=args.sample_tokens, strip_labels=args.strip_labels,
-                   pack=args.pack or saved.get("pack", False),
-                   attention=args.attention, lora=_lora_config(args, saved.get("lora")))
+                   sample_tokens=getattr(args, "sample_tokens", 0),
+                   strip_labels=getattr(args, "strip_labels", False),
+                   pack=pack if pack is not None else saved.get("pack", default_pack),
+                   attention=args.attention, lora=_lora_config(args, saved.get("lora")), sft=sft)
+
+
+def cmd_train(args) -> int:
+    spec = _run_spec(args, args.data, True if args.pack else None, default_pack=False)
+    return _run(args, spec)
+
+
+def cmd_sft(args) -> int:
+    from jax_llama.run import sft_inputs
+    from jax_llama.sft import SftSpec
+
+    sft = SftSpec(data=args.data, eval_data=args.eval_data, chat_template=args.chat_template,
+                  skip_invalid=args.skip_invalid,
+                  **({} if args.demo_examples is None else {"demo_examples": args.demo_examples}))
+    spec = _run_spec(args, [], False if args.no_pack else None, default_pack=True, sft=sft)
+    if args.show_mask is not None:
+        from bridge.chat import show_mask
+
+        if args.show_mask < 1:
+            raise BridgeError(f"must be a positive integer (got {args.show_mask})", field="show_mask")
+        chat = sft_inputs(spec)
+        print(f"template: {chat.template.name}; trained tokens are shown between « and »")
+        for example in chat.examples[:args.show_mask]:
+            print(show_mask(example, chat.tokenizer) + "\n")
+        return EXIT_OK
+    return _run(args, spec)
+
+
+def _run(args, spec) -> int:
+    """Train (`train`, `sft`) and report where everything went."""
+    from jax_llama.run import train
+    from jax_llama.train import TrainingDiverged
+
     if args.multi_host:
         import jax
         jax.distributed.initialize()
@@ -62,6 +102,11 @@ def cmd_train(args) -> int:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CHECK_FAILED
+    if "exact_match" in summary:
+        scores = summary["exact_match"]
+        before = f"{scores['before']:.1%} before, " if "before" in scores else ""
+        print(f"exact match on {summary['n_eval']} held-out conversations (greedy): {before}"
+              f"{scores['after']:.1%} after")
     print(f"validation loss {summary['val_loss']:.4f} nats/token (unigram baseline "
           f"{summary['unigram_loss']:.4f}); train loss {summary['train_loss']:.4f} after "
           f"{summary['steps']} steps")
@@ -312,6 +357,27 @@ def _add_lora_arguments(p) -> None:
                         "modules_to_save=['embed_tokens']; a tied LM head trains with it)")
 
 
+def _add_run_arguments(p, corpus: str) -> None:
+    """The options `train` and `sft` share: the model, the run directory, the mesh, LoRA,
+    attention and the TrainConfig fields."""
+    p.add_argument("--preset", default="tiny", help="model config (default tiny)")
+    p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: --init's, or a "
+                                       f"byte-level BPE trained on {corpus})")
+    p.add_argument("--vocab-size", type=int, default=4096, help="of that BPE (default 4096)")
+    p.add_argument("--init", help="start from the weights of any checkpoint the bridge reads")
+    p.add_argument("--out", help="run directory (default runs/COMMAND-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
+    p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4,tensor=1 (default: all on data)")
+    p.add_argument("--scan-layers", action="store_true", help="nn.scan over blocks (faster compiles)")
+    p.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
+    p.add_argument("--multi-host", action="store_true", help="call jax.distributed.initialize() first")
+    _add_lora_arguments(p)
+    _add_attention_argument(p)
+    for name, kind in TRAIN_OPTIONS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                       choices=DTYPE_NAMES if name == "dtype" else None)
+
+
 def _add_attention_argument(p) -> None:
     # Checked by the library (jax_llama.attention.choose), which also knows what the backend has.
     p.add_argument("--attention", default="auto",
@@ -335,30 +401,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command(sub, "train", cmd_train,
                     help="train (or fine-tune from --init) a LLaMA with optax AdamW; with no "
                          "--data, on the Python standard library's sources")
-    p.add_argument("--preset", default="tiny", help="model config (default tiny)")
     p.add_argument("--data", nargs="+", help="text files or directories (default: the embedded corpus)")
-    p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: --init's, or a "
-                                       "byte-level BPE trained on the corpus)")
-    p.add_argument("--vocab-size", type=int, default=4096, help="of that BPE (default 4096)")
-    p.add_argument("--init", help="start from the weights of any checkpoint the bridge reads")
-    p.add_argument("--out", help="run directory (default runs/train-<time>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
-    p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4,tensor=1 (default: all on data)")
-    p.add_argument("--scan-layers", action="store_true", help="nn.scan over blocks (faster compiles)")
-    p.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
-    p.add_argument("--multi-host", action="store_true", help="call jax.distributed.initialize() first")
+    _add_run_arguments(p, "the corpus")
     p.add_argument("--sample-tokens", type=int, default=64, help="length of the sample printed at the end")
     p.add_argument("--strip-labels", action="store_true",
                    help="the data files are LABEL ||| TEXT lines (the classification format): "
                         "train on the texts only, e.g. continued pretraining on a task's text")
-    _add_lora_arguments(p)
     p.add_argument("--pack", action="store_true",
                    help="rows of whole documents (split only when longer than a row), each its "
                         "own segment: no attention and no loss across documents")
-    _add_attention_argument(p)
-    for name, kind in TRAIN_OPTIONS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
-                       choices=DTYPE_NAMES if name == "dtype" else None)
+
+    p = add_command(sub, "sft", cmd_sft,
+                    help="supervised fine-tuning on conversations: the chat template, loss on the "
+                         "assistant's tokens only, packed rows; with no --data, a synthetic "
+                         "instruction task scored by exact match before and after")
+    p.add_argument("--data", help="JSON lines: {\"messages\": [{\"role\", \"content\"}, ...]} or "
+                                  "{\"prompt\", \"completion\"} (default: the demo task)")
+    p.add_argument("--eval-data", help="held-out conversations, same format (default: 5%% of --data)")
+    p.add_argument("--chat-template", help="llama3, llama2 or a jinja file (default: --init's own "
+                                           "chat template, else the one its tokenizer implies)")
+    p.add_argument("--no-pack", action="store_true",
+                   help="one conversation a row, padded (default: packed, each its own segment)")
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="count and skip conversations that cannot train (no assistant span found, "
+                        "or none left after truncation) instead of refusing them")
+    p.add_argument("--show-mask", type=int, metavar="N",
+                   help="print the first N rendered conversations with the trained tokens marked, "
+                        "and exit")
+    p.add_argument("--demo-examples", type=int, help="conversations of the demo task (default 6000)")
+    _add_run_arguments(p, "the conversations")
 
     p = add_command(sub, "generate", cmd_generate,
                     help="continue prompts with a KV cache (greedy, temperature, top-k, top-p); "

@@ -11,6 +11,7 @@ import torch
 
 import jax_llama
 import torch_llama
+from bridge.chat import find_template
 from bridge.prompts import encode_prompts, stop_ids
 from bridge.errors import BridgeError
 from bridge.sampling import Sampler
@@ -198,7 +199,7 @@ def test_prompt_file_batch(checkpoint, tmp_path, capsys):
     (["--prompt", "a" * 80], "prompt 0: 81 tokens, but the context holds 64 (pass --truncate left"),
     (["--prompt", "x", "--temperature", "-0.5"], "temperature: must be >= 0"),
     (["--prompt", "x", "--top-k", "-2"], "top_k: must be an integer >= 0"),
-    (["--prompt", "x", "--chat"], "--chat: the LLaMA 3 instruct template needs a LLaMA 3 tokenizer"),
+    (["--prompt", "x", "--system", "be brief"], "--system: a system message needs --chat"),
     (["--prompt", "x", "--stop", "ab"], "--stop: 'ab' is 2 tokens"),
 ])
 def test_generate_cli_refusals(checkpoint, capsys, argv, message):
@@ -225,6 +226,6 @@ def test_missing_tokenizer_and_truncation(checkpoint, tmp_path, capsys):
 @pytest.mark.skipif(not LLAMA3.is_file(), reason=f"the real LLaMA 3 tokenizer is not at {LLAMA3}")
 def test_chat_template_with_the_llama3_tokenizer():
     tok = load_tokenizer(LLAMA3)
-    (ids,) = encode_prompts(tok, ["Hi"], 8192, chat=True)
+    (ids,) = encode_prompts(tok, ["Hi"], 8192, chat=find_template(None, tok))
     assert ids[:2] == [128000, 128006] and ids[-5:] == [128009, 128006, 78191, 128007, 271]
     assert 128009 in stop_ids(tok)  # <|eot_id|> ends the assistant's turn

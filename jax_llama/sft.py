@@ -1,0 +1,160 @@
+"""Supervised fine-tuning on conversations (`jax-llama sft`): chats rendered with the model's own
+chat template, the loss on the assistant's tokens only, whole conversations packed into rows.
+
+The rendering and the mask are bridge.chat's (framework-neutral); here the examples become the
+batches of jax_llama.run's training loop, and a held-out set is scored by exact match of greedy
+replies. With no data, `demo_chats` makes a small instruction task with exact answers, so that
+the command shows learning on any machine with nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from bridge.chat import ChatTemplate, Example, encode_example, read_chats, truncate
+from bridge.errors import BridgeError
+
+from . import data as data_lib
+
+
+@dataclass(frozen=True)
+class SftSpec:
+    data: str | None = None           # chats JSONL; None: the synthetic demo task (demo_chats)
+    eval_data: str | None = None      # held-out chats; None: eval_fraction of data
+    chat_template: str | None = None  # llama3 | llama2 | a jinja file; None: the init's own
+    skip_invalid: bool = False        # count and skip examples that cannot train, not refuse
+    eval_fraction: float = 0.05
+    demo_examples: int = 6000         # of the demo task, when there is no data
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# -- the demo task ---------------------------------------------------------------------------------
+
+_WORDS = ("apple river stone cloud green music paper light horse table window garden candle "
+          "silver winter summer rabbit forest bottle mirror planet orange yellow pencil").split()
+
+
+def demo_chats(n: int, seed: int) -> list[tuple[str, list[dict]]]:
+    """`n` conversations of one question with an exact answer: add or subtract two numbers below
+    50, reverse, sort, count or pick from a short list of words, spell a word, upper-case it.
+    A system prompt on some; the same seed gives the same conversations."""
+    rng = np.random.default_rng(seed)
+
+    def words(k):
+        return [str(w) for w in rng.choice(_WORDS, size=k, replace=False)]
+
+    def task() -> tuple[str, str]:
+        kind = int(rng.integers(7))
+        a, b = (int(x) for x in rng.integers(0, 50, size=2))
+        if kind == 0:
+            return f"What is {a} plus {b}?", str(a + b)
+        if kind == 1:
+            a, b = max(a, b), min(a, b)
+            return f"What is {a} minus {b}?", str(a - b)
+        ws = words(int(rng.integers(2, 5)))
+        if kind == 2:
+            return f"Reverse the list: {' '.join(ws)}", " ".join(reversed(ws))
+        if kind == 3:
+            return f"Sort alphabetically: {' '.join(ws)}", " ".join(sorted(ws))
+        if kind == 4:
+            return f"How many words are in: {' '.join(ws)}", str(len(ws))
+        if kind == 5:
+            return f"Spell the word {ws[0]}.", "-".join(ws[0])
+        return f"Write {ws[0]} in capitals.", ws[0].upper()
+
+    chats = []
+    for i in range(n):
+        question, answer = task()
+        messages = [{"role": "user", "content": question},
+                    {"role": "assistant", "content": answer}]
+        if rng.random() < 0.3:
+            messages.insert(0, {"role": "system", "content": "Answer with the answer only."})
+        chats.append((f"demo:{i + 1}", messages))
+    return chats
+
+
+# -- examples and batches --------------------------------------------------------------------------
+
+def encode_all(chats: list[tuple[str, list[dict]]], template: ChatTemplate, tokenizer,
+               max_len: int, skip_invalid: bool) -> tuple[list[Example], list[str]]:
+    """(examples cut to max_len tokens, the `where` of each skipped one). Refused, naming the
+    example, when an assistant turn cannot be found in the rendering or when the cut leaves no
+    trained token; with skip_invalid those are counted and skipped instead."""
+    examples, skipped = [], []
+    for where, messages in chats:
+        try:
+            example = encode_example(template, tokenizer, messages, where)
+            cut = truncate(example, max_len)
+            if cut is None:
+                raise BridgeError(f"{where}: no assistant token is left within the first "
+                                  f"{max_len} tokens ({len(example.ids)} in all; raise --seq-len)")
+        except BridgeError:
+            if not skip_invalid:
+                raise
+            skipped.append(where)
+            continue
+        examples.append(cut)
+    return examples, skipped
+
+
+def example_batches(examples: list[Example], batch_size: int, seq_len: int, seed: int,
+                    process_index: int, pad_id: int, pack: bool) -> data_lib.PackedBatches:
+    """The examples as rows of seq_len + 1 tokens: packed whole (each its own segment) or one to
+    a row; the loss counts an example's trained tokens only."""
+    lengths = np.array([len(e.ids) for e in examples], np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return data_lib.PackedBatches(
+        np.concatenate([e.ids for e in examples]).astype(np.int32), batch_size, seq_len, seed,
+        process_index, pad_id=pad_id, docs=np.stack([starts, lengths], axis=1),
+        trained=np.concatenate([e.trained for e in examples]), one_per_row=not pack)
+
+
+def unpacked_padding(examples: list[Example], seq_len: int) -> float:
+    """The fraction of padding one example to a row would leave."""
+    return 1.0 - sum(len(e.ids) for e in examples) / (len(examples) * (seq_len + 1))
+
+
+def load_chats(sft: SftSpec, seed: int) -> tuple[list, list]:
+    """(train chats, eval chats): from the files, or the demo task; without eval data, a seeded
+    eval_fraction (at least one) of the training chats is held out."""
+    chats = read_chats(sft.data) if sft.data else demo_chats(sft.demo_examples, seed)
+    if sft.eval_data:
+        return chats, read_chats(sft.eval_data)
+    n_eval = max(1, int(round(len(chats) * sft.eval_fraction)))
+    if len(chats) < 2:
+        raise BridgeError(f"{sft.data}: {len(chats)} conversation; at least two are needed to "
+                          f"hold one out (or pass --eval-data)", field="data")
+    order = np.random.default_rng([seed, 7]).permutation(len(chats))
+    held = set(order[:n_eval].tolist())
+    return ([c for i, c in enumerate(chats) if i not in held],
+            [c for i, c in enumerate(chats) if i in held])
+
+
+def chat_texts(chats) -> list[str]:
+    """Every message's content: what a BPE trained for the run reads."""
+    return [m["content"] for _, messages in chats for m in messages]
+
+
+# -- exact match -----------------------------------------------------------------------------------
+
+def exact_match(reply: Callable[[list[list[int]]], list[list[int]]], template: ChatTemplate,
+                tokenizer, chats, batch_size: int = 64) -> tuple[float, list[dict]]:
+    """(fraction of chats whose greedy reply equals the last assistant message, stripped; one
+    record per chat). reply(prompts) -> new ids per prompt, stopped at the end of the turn."""
+    prompts = [template.encode(messages[:-1], tokenizer, add_generation_prompt=True)
+               for _, messages in chats]
+    records = []
+    for at in range(0, len(prompts), batch_size):
+        for (where, messages), ids in zip(chats[at:at + batch_size],
+                                          reply(prompts[at:at + batch_size])):
+            stops = set(tokenizer.stop_ids)
+            ids = ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+            got, want = tokenizer.decode(ids).strip(), messages[-1]["content"].strip()
+            records.append({"where": where, "expected": want, "reply": got, "match": got == want})
+    return sum(r["match"] for r in records) / max(1, len(records)), records
