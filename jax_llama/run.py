@@ -251,7 +251,9 @@ def train(spec: RunSpec) -> dict:
         scores["after"] = chat.exact_match(model, params)
         write_text(spec.out / "exact_match.json", json.dumps(scores, indent=2) + "\n")
         summary["exact_match"] = {k: v["exact_match"] for k, v in scores.items()}
-        summary["n_eval"] = len(chat.eval_chats)
+        summary["unseen_exact_match"] = scores["after"]["unseen_exact_match"]
+        summary["n_unseen"] = scores["after"]["n_unseen"]
+        summary["n_eval"] = scores["after"]["n"]
         summary["sample"] = chat.sample(scores["after"])
     else:
         summary["sample"] = _sample(model, params, tokenizer, val_tokens, tc.seq_len,
@@ -300,6 +302,7 @@ class ChatInputs:
     eval_examples: list
     eval_chats: list                 # (where, messages) of the held-out conversations
     skipped: list[str]
+    train_prompts: set[str]          # each training conversation but its last reply, as JSON
 
     def batches(self, tc: TrainConfig, local_batch: int, pack: bool):
         args = (local_batch, tc.seq_len, tc.seed, jax.process_index(), self.tokenizer.pad_id or 0, pack)
@@ -336,8 +339,16 @@ class ChatInputs:
             return generate(model, params, prompts, max(1, min(longest + 4, room)), Sampler(),
                             self.tokenizer.stop_ids).tokens
         score, records = sft_lib.exact_match(reply, self.template, self.tokenizer, chats)
-        _say(f"exact match on {len(chats)} held-out conversations: {score:.1%}")
-        return {"exact_match": score, "n": len(chats), "replies": records}
+        for record, (_, messages) in zip(records, chats):
+            record["seen_in_training"] = sft_lib.prompt_key(messages) in self.train_prompts
+        unseen = [r["match"] for r in records if not r["seen_in_training"]]
+        result = {"exact_match": score, "n": len(chats),
+                  "unseen_exact_match": float(np.mean(unseen)) if unseen else None,
+                  "n_unseen": len(unseen), "replies": records}
+        _say(f"exact match on {len(chats)} held-out conversations: {score:.1%}"
+             + (f" ({result['unseen_exact_match']:.1%} on the {len(unseen)} whose question is "
+                f"not in the training set)" if unseen else ""))
+        return result
 
     def sample(self, scores: dict) -> str:
         return "\n".join(f"{r['where']}: {r['expected']!r} -> {r['reply']!r}"
@@ -366,7 +377,8 @@ def sft_inputs(spec: RunSpec) -> ChatInputs:
                           f"left to train on", field="data")
     kept = {where for where, _ in eval_chats} - set(eval_skipped)
     return ChatInputs(spec, tokenizer, config, template, examples, eval_examples,
-                      [c for c in eval_chats if c[0] in kept], skipped + eval_skipped)
+                      [c for c in eval_chats if c[0] in kept], skipped + eval_skipped,
+                      {sft_lib.prompt_key(messages) for _, messages in chats})
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

@@ -36,46 +36,48 @@ class SftSpec:
 
 # -- the demo task ---------------------------------------------------------------------------------
 
+DEMO_TASKS = ("plus", "minus", "reverse", "sort", "count", "spell", "capitals")
 _WORDS = ("apple river stone cloud green music paper light horse table window garden candle "
           "silver winter summer rabbit forest bottle mirror planet orange yellow pencil").split()
 
 
 def demo_chats(n: int, seed: int) -> list[tuple[str, list[dict]]]:
-    """`n` conversations of one question with an exact answer: add or subtract two numbers below
-    50, reverse, sort, count or pick from a short list of words, spell a word, upper-case it.
-    A system prompt on some; the same seed gives the same conversations."""
+    """`n` conversations of one question with an exact answer, of seven kinds: add or subtract
+    two numbers below 10; reverse, sort or count a list of 2-4 words; spell a word; write it in
+    capitals (24 words). A system prompt on some; `where` names the kind (demo:N:KIND); the same
+    seed gives the same conversations."""
     rng = np.random.default_rng(seed)
 
     def words(k):
         return [str(w) for w in rng.choice(_WORDS, size=k, replace=False)]
 
-    def task() -> tuple[str, str]:
-        kind = int(rng.integers(7))
-        a, b = (int(x) for x in rng.integers(0, 50, size=2))
-        if kind == 0:
+    def task(kind: str) -> tuple[str, str]:
+        a, b = (int(x) for x in rng.integers(0, 10, size=2))
+        if kind == "plus":
             return f"What is {a} plus {b}?", str(a + b)
-        if kind == 1:
+        if kind == "minus":
             a, b = max(a, b), min(a, b)
             return f"What is {a} minus {b}?", str(a - b)
         ws = words(int(rng.integers(2, 5)))
-        if kind == 2:
+        if kind == "reverse":
             return f"Reverse the list: {' '.join(ws)}", " ".join(reversed(ws))
-        if kind == 3:
+        if kind == "sort":
             return f"Sort alphabetically: {' '.join(ws)}", " ".join(sorted(ws))
-        if kind == 4:
+        if kind == "count":
             return f"How many words are in: {' '.join(ws)}", str(len(ws))
-        if kind == 5:
+        if kind == "spell":
             return f"Spell the word {ws[0]}.", "-".join(ws[0])
         return f"Write {ws[0]} in capitals.", ws[0].upper()
 
     chats = []
     for i in range(n):
-        question, answer = task()
+        kind = DEMO_TASKS[int(rng.integers(len(DEMO_TASKS)))]
+        question, answer = task(kind)
         messages = [{"role": "user", "content": question},
                     {"role": "assistant", "content": answer}]
         if rng.random() < 0.3:
             messages.insert(0, {"role": "system", "content": "Answer with the answer only."})
-        chats.append((f"demo:{i + 1}", messages))
+        chats.append((f"demo:{i + 1}:{kind}", messages))
     return chats
 
 
@@ -134,6 +136,12 @@ def load_chats(sft: SftSpec, seed: int) -> tuple[list, list]:
     held = set(order[:n_eval].tolist())
     return ([c for i, c in enumerate(chats) if i not in held],
             [c for i, c in enumerate(chats) if i in held])
+
+
+def prompt_key(messages: list[dict]) -> str:
+    """A conversation but its last reply, as text: what a held-out question is compared by."""
+    import json
+    return json.dumps(messages[:-1], sort_keys=True)
 
 
 def chat_texts(chats) -> list[str]:
