@@ -143,23 +143,75 @@ def save(path: str | os.PathLike, config: LlamaConfig, params, *, overwrite: boo
                  write_extra=write_extra, **kwargs)
 
 
+def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config: LlamaConfig,
+                   mesh, *, scan_layers: bool = False, dtype=None):
+    """The params pytree built straight onto `mesh`, sharded by jax_llama.sharding's rules: each
+    array is made with jax.make_array_from_callback, which asks only for the parts this
+    process's devices hold, and read(name, index) reads just that part of a canonical tensor.
+    Host memory is then this process's share of the model plus about one part."""
+    from jax.sharding import NamedSharding
+
+    from .sharding import spec_for
+
+    dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
+    shapes = canonical_shapes(config)
+    groups: dict[tuple[str, ...], list[str]] = {}  # params path -> its canonical names, by layer
+    for name in shapes:
+        groups.setdefault(_flax_path(name, scan_layers)[0], []).append(name)
+    params: dict = {}
+    for path, names in groups.items():
+        _, layer, transposed = _flax_path(names[0], scan_layers)
+        shape = tuple(reversed(shapes[names[0]])) if transposed else shapes[names[0]]
+        stacked = layer is not None
+        if stacked:
+            shape = (len(names), *shape)
+        keys = [jax.tree_util.DictKey(k) for k in path]
+        sharding = NamedSharding(mesh, spec_for(keys, shape, mesh))
+
+        def part(index, names=names, stacked=stacked, transposed=transposed, shape=shape):
+            index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+            layers = range(*index[0].indices(shape[0])) if stacked else [None]
+            inner = index[1:] if stacked else index
+            canonical = tuple(reversed(inner)) if transposed else inner
+            pieces = []
+            for i in layers:
+                piece = read(names[0] if i is None else names[i], canonical)
+                piece = piece.T if transposed else piece
+                pieces.append(piece if dtype is None else piece.astype(dtype))
+            return np.stack(pieces) if stacked else pieces[0]
+
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = jax.make_array_from_callback(shape, sharding, part)
+    return params
+
+
 def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, remat: bool = False,
-         attention: str = "auto", adapter: str | os.PathLike | None = None):
+         attention: str = "auto", adapter: str | os.PathLike | None = None, mesh=None):
     """(Llama module, params) from a checkpoint of any supported format.
 
     dtype None keeps the stored dtype (float32 when tensors are mixed); otherwise a dtype or its
     name, used for the params and for compute. attention: the implementation (jax_llama.attention).
     adapter: a PEFT LoRA adapter directory, merged into the weights as they are read (a plain
     model; jax_llama.add_lora keeps an adapter separate, for training it further).
+    mesh: build the params already sharded on it by the training rules (jax_llama.sharding),
+    each process reading only the parts its devices hold: safetensors formats (native, HF) read
+    those parts alone; Meta and llama2.c files, and a merged adapter, read each tensor whole.
     """
     choose(attention, 1, 1)
     ckpt = open_checkpoint(path)
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     get = ckpt.tensor
+    read = ckpt.tensor_slice
     if adapter is not None:
         lora_adapter = read_peft(adapter, ckpt.config)
         get = lambda name: lora_adapter.merged(name, ckpt.tensor(name))  # noqa: E731
-    params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype)
+        read = lambda name, index: np.ascontiguousarray(get(name)[index])  # noqa: E731
+    if mesh is not None:
+        params = params_on_mesh(read, ckpt.config, mesh, scan_layers=scan_layers, dtype=dtype)
+    else:
+        params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype)
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
                   attention=attention)
     return model, params

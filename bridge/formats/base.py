@@ -50,6 +50,11 @@ class Checkpoint:
         """One tensor by canonical name, in canonical layout, as a fresh numpy array."""
         raise NotImplementedError
 
+    def tensor_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """tensor(name)[index] as a fresh array. This reads the whole tensor; the safetensors
+        formats (native, HF) override it to read only the part asked for."""
+        return np.ascontiguousarray(self.tensor(name)[index])
+
     def __iter__(self) -> Iterator[tuple[str, np.ndarray]]:
         """(canonical name, array) pairs in canonical order, one tensor in memory at a time."""
         for name in self.specs:

@@ -27,7 +27,7 @@ from ..errors import BridgeError
 from .base import Checkpoint, Spec, check_specs, find_extra_files
 from .native import read_json
 from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, read_tensor, read_tensor_infos,
-                              write_safetensors_dir)
+                              read_tensor_slice, write_safetensors_dir)
 
 
 # -- the q/k permutation ---------------------------------------------------------------------------
@@ -239,6 +239,24 @@ class HFCheckpoint(Checkpoint):
         array = read_tensor(self.infos[name])
         heads = _heads_to_permute(name, self.config)
         return array if heads is None else from_half_split(array, heads)
+
+    def tensor_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """Only tensor(name)[index] is read. wq and wk rows are permuted within each head, so
+        the rows of the heads the slice touches are read and un-permuted, then cut."""
+        if name not in self.specs:
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
+        info = self.infos[name]
+        heads = _heads_to_permute(name, self.config)
+        if heads is None:
+            return read_tensor_slice(info, index)
+        index = tuple(index)
+        start, stop, step = (index[0] if index else slice(None)).indices(info.shape[0])
+        per_head = info.shape[0] // heads
+        first, last = start // per_head, max(-(-stop // per_head), start // per_head + 1)
+        block = read_tensor_slice(info, (slice(first * per_head, last * per_head), *index[1:]))
+        block = from_half_split(block, last - first)
+        offset = first * per_head
+        return np.ascontiguousarray(block[start - offset:stop - offset:step])
 
 
 def write_hf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec],

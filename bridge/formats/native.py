@@ -18,7 +18,7 @@ from ..config import LlamaConfig
 from ..errors import BridgeError
 from .base import Checkpoint, Spec, check_inside, check_specs, find_extra_files
 from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, read_tensor, read_tensor_infos,
-                              write_safetensors_dir)
+                              read_tensor_slice, write_safetensors_dir)
 
 CONFIG_FILE = "config.json"
 
@@ -70,6 +70,11 @@ class NativeCheckpoint(Checkpoint):
         if name not in self.infos:
             raise BridgeError(f"{self.path}: no tensor '{name}'")
         return read_tensor(self.infos[name])
+
+    def tensor_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if name not in self.infos:
+            raise BridgeError(f"{self.path}: no tensor '{name}'")
+        return read_tensor_slice(self.infos[name], index)
 
 
 def write_native(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec],

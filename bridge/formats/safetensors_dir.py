@@ -126,6 +126,16 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     return array.reshape(info.shape)
 
 
+def read_tensor_slice(info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
+    """Only tensor[index] (a tuple of slices), read through a memory map: the pages holding
+    that part, not the tensor."""
+    if math.prod(info.shape) == 0:
+        return read_tensor(info)[index]
+    mapped = np.memmap(info.file, dtype=info.dtype.newbyteorder("<"), mode="r",
+                       offset=info.offset, shape=info.shape)
+    return np.array(mapped[index])
+
+
 # -- writing ---------------------------------------------------------------------------------------
 
 def write_safetensors_dir(directory: Path, specs: dict[str, tuple[tuple[int, ...], np.dtype]],
