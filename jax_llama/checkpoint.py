@@ -18,6 +18,7 @@ import numpy as np
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
+from bridge.formats.base import check_specs
 from bridge.lora import read_peft
 from bridge.tensors import canonical_shapes
 
@@ -127,17 +128,33 @@ def tensor_specs(params, config: LlamaConfig, shapes=None):
 
     def fetch(name: str) -> np.ndarray:
         leaf, layer, transposed = leaves[name]
-        value = np.asarray(leaf[layer] if layer is not None else leaf)
+        value = host_array(leaf[layer] if layer is not None else leaf)
         return value.T if transposed else value
 
     return specs, fetch
 
 
+def host_array(x) -> np.ndarray:
+    """One array on this host, whole: from its devices, or, sharded over several processes,
+    gathered from all of them (a collective: every process must ask, in the same order)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def save(path: str | os.PathLike, config: LlamaConfig, params, *, overwrite: bool = False,
          max_shard_size: int | None = None, extra_files=(), write_extra=None) -> None:
     """Write `params` (either layout) as a native checkpoint at `path`, atomically.
-    extra_files (tokenizer files) are copied in; write_extra(directory) may add files."""
+    extra_files (tokenizer files) are copied in; write_extra(directory) may add files.
+
+    A model sharded over several processes is gathered one tensor at a time and written by
+    process 0 alone; every process must call save (the gathers are collective)."""
     specs, fetch = tensor_specs(params, config)
+    if jax.process_index() != 0:
+        for name in check_specs(config, specs, "tensors to write"):  # write_native's order
+            fetch(name)
+        return
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     write_native(path, config, specs, fetch, overwrite=overwrite, extra_files=extra_files,
                  write_extra=write_extra, **kwargs)

@@ -142,8 +142,9 @@ def split(tokens: np.ndarray, val_fraction: float, min_tokens: int) -> tuple[np.
 class Batches:
     """Random windows of seq_len + 1 tokens: inputs, targets (shifted by one) and a loss mask.
 
-    batch(step) is a pure function of (seed, step, process_index), so batches are reproducible
-    on resume and each host of a multi-host run draws its own slice.
+    batch(step) is a pure function of (seed, step): the global batch of every process together is
+    drawn, and each process of a multi-process run takes its own rows of it, so batches are
+    reproducible on resume and the same whatever the number of processes.
     """
 
     tokens: np.ndarray
@@ -152,10 +153,13 @@ class Batches:
     seed: int = 0
     process_index: int = 0
     bos_id: int | None = None
+    process_count: int = 1
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng([self.seed, step, self.process_index])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        rng = np.random.default_rng([self.seed, step, 0])
+        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1,
+                              size=self.batch_size * self.process_count)
+        starts = starts[self.process_index * self.batch_size:][:self.batch_size]
         windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts])
         windows = windows.astype(np.int32)
         inputs, targets = windows[:, :-1], windows[:, 1:]
@@ -210,7 +214,8 @@ class PackedBatches:
     Each row holds seq_len + 1 tokens from pack(); its documents are segments (a token attends
     only within its own, positions restart at each), the tail it cannot fill is padding in a
     segment of its own, and no target crosses a document boundary. batch(step) is a pure
-    function of (seed, step, process_index): rows are dealt out in an order drawn per epoch.
+    function of (seed, step): rows are dealt out in an order drawn per epoch, each process
+    taking its own of the global batch's rows.
 
     Documents are found at each BOS, or given as `docs` ((N, 2) start, length), e.g. the
     conversations of supervised fine-tuning; `trained` (bool, aligned with `tokens`) then says
@@ -228,6 +233,7 @@ class PackedBatches:
     docs: np.ndarray | None = None
     trained: np.ndarray | None = None
     one_per_row: bool = False
+    process_count: int = 1
 
     @functools.cached_property
     def rows(self) -> list[list[tuple[int, int]]]:
@@ -244,9 +250,10 @@ class PackedBatches:
     def batch(self, step: int) -> dict[str, np.ndarray]:
         n = len(self.rows)
         picks = []
-        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
+        first = (step * self.process_count + self.process_index) * self.batch_size
+        for i in range(first, first + self.batch_size):
             epoch, at = divmod(i, n)
-            order = np.random.default_rng([self.seed, epoch, self.process_index]).permutation(n)
+            order = np.random.default_rng([self.seed, epoch, 0]).permutation(n)
             picks.append(self.rows[order[at]])
         L = self.seq_len + 1
         windows = np.full((len(picks), L), self.pad_id, np.int32)

@@ -19,6 +19,7 @@ A run directory holds:
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -133,6 +134,9 @@ def train(spec: RunSpec) -> dict:
     """Run (or resume) training; returns a summary with the final losses and output paths."""
     tc = spec.train
     choose_attention(spec.attention, 1, 1)  # refused before anything is read or written
+    if jax.process_count() > 1 and (spec.lora or spec.sft):
+        raise BridgeError(f"{'LoRA' if spec.lora else 'SFT'} runs across several processes are "
+                          f"not supported yet (one process with many devices is)", field="multi_host")
     if spec.resume and not (spec.out / "run.json").is_file():
         raise BridgeError(f"{spec.out} holds no run to resume (no run.json)", field="resume")
     if not spec.resume and spec.out.exists() and any(spec.out.iterdir()):
@@ -150,15 +154,22 @@ def train(spec: RunSpec) -> dict:
     check_batch(tc.batch_size, mesh)
     if spec.resume:
         _check_resumable(spec, config)
-    spec.out.mkdir(parents=True, exist_ok=True)
-    if not (spec.out / "tokenizer").is_dir():
-        (spec.out / "tokenizer").mkdir()
-        tokenizer.save(spec.out / "tokenizer")
-    write_text(spec.out / "run.json", json.dumps(_run_record(spec, config), indent=2) + "\n")
+    # Several processes share the run directory; process 0 writes it, after every process has
+    # checked it and before any reads it back.
+    primary = jax.process_index() == 0
+    _all_processes_reach("checked the run directory")
+    if primary:
+        spec.out.mkdir(parents=True, exist_ok=True)
+        if not (spec.out / "tokenizer").is_dir():
+            (spec.out / "tokenizer").mkdir()
+            tokenizer.save(spec.out / "tokenizer")
+        write_text(spec.out / "run.json", json.dumps(_run_record(spec, config), indent=2) + "\n")
+    _all_processes_reach("wrote the run directory")
 
     local_batch = tc.batch_size // jax.process_count()
     if spec.sft:
-        chat.template.save(spec.out)
+        if primary:
+            chat.template.save(spec.out)
         batches, val_batches, unigram = chat.batches(tc, local_batch, spec.pack)
     else:
         batches, val_batches, unigram, val_tokens = _corpus_batches(spec, files, tokenizer, config,
@@ -169,7 +180,9 @@ def train(spec: RunSpec) -> dict:
     # A frozen base needs no float32 master copy: with LoRA it is held in the compute dtype.
     base_dtype = tc.dtype if spec.lora else "float32"
     if spec.init:
-        params = load_checkpoint(spec.init, dtype=base_dtype, scan_layers=spec.scan_layers)[1]
+        # straight onto the mesh: each process reads only the parts its devices hold
+        params = load_checkpoint(spec.init, dtype=base_dtype, scan_layers=spec.scan_layers,
+                                 mesh=mesh)[1]
     else:
         params = init(config, seed=tc.seed, scan_layers=spec.scan_layers,
                       param_dtype=base_dtype)[1]
@@ -203,7 +216,7 @@ def train(spec: RunSpec) -> dict:
     tokens_per_step = tc.batch_size * tc.seq_len
     last = {"loss": float("nan"), "val_loss": float("nan")}
     start = int(state.step)
-    with open(spec.out / "metrics.jsonl", "a") as log, \
+    with open(spec.out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
             tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar:
         tick = time.perf_counter()
         for step in range(start, tc.steps):
@@ -240,8 +253,12 @@ def train(spec: RunSpec) -> dict:
     if spec.lora and spec.init:  # merged into the base as stored, not the compute-dtype copy
         merge_checkpoint(spec.init, spec.out / "adapter", spec.out / "model", force=True,
                          progress=False)
-    else:
+    else:  # every process takes part in gathering the tensors; process 0 writes them
         save_native(spec.out / "model", config, params, overwrite=True)
+    if not primary:
+        return {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
+                "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": None,
+                "sample": ""}
     tokenizer.save(spec.out / "model")
     plot = _plot(spec.out, unigram)
     summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
@@ -255,12 +272,19 @@ def train(spec: RunSpec) -> dict:
         summary["n_unseen"] = scores["after"]["n_unseen"]
         summary["n_eval"] = scores["after"]["n"]
         summary["sample"] = chat.sample(scores["after"])
-    else:
+    else:  # one process decodes: a model sharded over several would need them all
         summary["sample"] = _sample(model, params, tokenizer, val_tokens, tc.seq_len,
-                                    spec.sample_tokens, tc.seed)
+                                    spec.sample_tokens if jax.process_count() == 1 else 0, tc.seed)
     if spec.lora:
         summary["adapter"] = str(spec.out / "adapter")
     return summary
+
+
+def _all_processes_reach(what: str) -> None:
+    """A barrier across the processes of a multi-process run (nothing with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(what)
 
 
 def _corpus_batches(spec: RunSpec, files: list[Path], tokenizer, config: LlamaConfig,
@@ -275,10 +299,10 @@ def _corpus_batches(spec: RunSpec, files: list[Path], tokenizer, config: LlamaCo
     train_tokens, val_tokens = data_lib.split(tokens, 0.05, tc.seq_len + 1)
     unigram = data_lib.unigram_loss(train_tokens, val_tokens, config.vocab_size)
     kind = data_lib.PackedBatches if spec.pack else data_lib.Batches
-    batches = kind(train_tokens, local_batch, tc.seq_len, tc.seed, jax.process_index(),
-                   tokenizer.bos_id)
-    val_batches = kind(val_tokens, local_batch, tc.seq_len, tc.seed + 1, jax.process_index(),
-                       tokenizer.bos_id)
+    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    batches = kind(train_tokens, local_batch, tc.seq_len, tc.seed, bos_id=tokenizer.bos_id, **where)
+    val_batches = kind(val_tokens, local_batch, tc.seq_len, tc.seed + 1, bos_id=tokenizer.bos_id,
+                       **where)
     _say(f"{len(tokens):,} tokens ({len(train_tokens):,} train, {len(val_tokens):,} validation); "
          f"unigram baseline {unigram:.3f} nats/token")
     if spec.pack:
@@ -305,7 +329,8 @@ class ChatInputs:
     train_prompts: set[str]          # each training conversation but its last reply, as JSON
 
     def batches(self, tc: TrainConfig, local_batch: int, pack: bool):
-        args = (local_batch, tc.seq_len, tc.seed, jax.process_index(), self.tokenizer.pad_id or 0, pack)
+        args = (local_batch, tc.seq_len, tc.seed, jax.process_index(), self.tokenizer.pad_id or 0, pack,
+                jax.process_count())
         batches = sft_lib.example_batches(self.examples, *args)
         val_batches = sft_lib.example_batches(self.eval_examples, *args[:2], tc.seed + 1, *args[3:])
         trained = int(sum(e.trained.sum() for e in self.examples))

@@ -106,7 +106,8 @@ def encode_all(chats: list[tuple[str, list[dict]]], template: ChatTemplate, toke
 
 
 def example_batches(examples: list[Example], batch_size: int, seq_len: int, seed: int,
-                    process_index: int, pad_id: int, pack: bool) -> data_lib.PackedBatches:
+                    process_index: int, pad_id: int, pack: bool,
+                    process_count: int = 1) -> data_lib.PackedBatches:
     """The examples as rows of seq_len + 1 tokens: packed whole (each its own segment) or one to
     a row; the loss counts an example's trained tokens only."""
     lengths = np.array([len(e.ids) for e in examples], np.int64)
@@ -114,7 +115,8 @@ def example_batches(examples: list[Example], batch_size: int, seq_len: int, seed
     return data_lib.PackedBatches(
         np.concatenate([e.ids for e in examples]).astype(np.int32), batch_size, seq_len, seed,
         process_index, pad_id=pad_id, docs=np.stack([starts, lengths], axis=1),
-        trained=np.concatenate([e.trained for e in examples]), one_per_row=not pack)
+        trained=np.concatenate([e.trained for e in examples]), one_per_row=not pack,
+        process_count=process_count)
 
 
 def unpacked_padding(examples: list[Example], seq_len: int) -> float:

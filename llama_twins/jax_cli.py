@@ -94,14 +94,58 @@ def cmd_sft(args) -> int:
     return _run(args, spec)
 
 
+def _join_processes(args) -> None:
+    """jax.distributed.initialize: from --coordinator / --num-processes / --process-id, or as the
+    cluster says (TPU pods, SLURM) without them. On CPUs, collectives go through gloo."""
+    import jax
+
+    given = (args.coordinator, args.num_processes, args.process_id)
+    if any(x is not None for x in given) and any(x is None for x in given):
+        raise BridgeError("give --coordinator, --num-processes and --process-id together "
+                          "(or none, to let JAX find the cluster)", field="coordinator")
+    if args.process_id:  # jaxlib aborts the process when it cannot connect: look first
+        _wait_for_coordinator(args.coordinator, args.connect_timeout)
+    # Set before any backend starts (asking which backend runs would start one); it only
+    # concerns the CPU backend's collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   initialization_timeout=args.connect_timeout)
+    except Exception as e:  # jaxlib raises its own runtime errors for a coordinator it cannot reach
+        where = args.coordinator or "the cluster's coordinator"
+        raise BridgeError(f"cannot join {where} within {args.connect_timeout} s "
+                          f"({(str(e).strip().splitlines() or [type(e).__name__])[0][:160]})",
+                          field="coordinator") from None
+
+
+def _wait_for_coordinator(address: str, timeout: float) -> None:
+    """Return once HOST:PORT accepts a connection; refuse after `timeout` seconds."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise BridgeError(f"expected HOST:PORT (got {address!r})", field="coordinator")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise BridgeError(f"cannot reach {address} within {timeout:g} s ({e})",
+                                  field="coordinator") from None
+            time.sleep(0.2)
+
+
 def _run(args, spec) -> int:
     """Train (`train`, `sft`) and report where everything went."""
     from jax_llama.run import train
     from jax_llama.train import TrainingDiverged
 
     if args.multi_host:
-        import jax
-        jax.distributed.initialize()
+        _join_processes(args)
+    elif args.coordinator or args.num_processes is not None or args.process_id is not None:
+        raise BridgeError("needs --multi-host", field="coordinator")
     try:
         summary = train(spec)
     except TrainingDiverged as e:
@@ -377,7 +421,15 @@ def _add_run_arguments(p, corpus: str) -> None:
     p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4,tensor=1 (default: all on data)")
     p.add_argument("--scan-layers", action="store_true", help="nn.scan over blocks (faster compiles)")
     p.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
-    p.add_argument("--multi-host", action="store_true", help="call jax.distributed.initialize() first")
+    p.add_argument("--multi-host", action="store_true",
+                   help="one of several processes: call jax.distributed.initialize() first")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="with --multi-host: process 0's address (default: found by JAX on TPU "
+                        "pods and SLURM)")
+    p.add_argument("--num-processes", type=int, help="with --multi-host: how many processes")
+    p.add_argument("--process-id", type=int, help="with --multi-host: this process's index")
+    p.add_argument("--connect-timeout", type=int, default=300,
+                   help="with --multi-host: seconds to wait for the other processes (default 300)")
     _add_lora_arguments(p)
     _add_attention_argument(p)
     for name, kind in TRAIN_OPTIONS:

@@ -77,8 +77,13 @@ def test_batches_are_reproducible_shifted_windows():
     assert not np.array_equal(first["inputs"], other["inputs"])
     np.testing.assert_array_equal(first["inputs"][:, 1:], first["targets"][:, :-1])
     np.testing.assert_array_equal(first["mask"], (first["targets"] != 256).astype(np.float32))
-    other_host = data.Batches(tokens, 4, 16, seed=3, process_index=1, bos_id=256).batch(7)
-    assert not np.array_equal(first["inputs"], other_host["inputs"])
+    # Two processes take their own rows of the global batch: together, one process's 8 rows.
+    hosts = [data.Batches(tokens, 4, 16, seed=3, process_index=i, bos_id=256, process_count=2)
+             for i in range(2)]
+    whole = data.Batches(tokens, 8, 16, seed=3, bos_id=256).batch(7)
+    for k in whole:
+        np.testing.assert_array_equal(np.concatenate([h.batch(7)[k] for h in hosts]), whole[k])
+    assert not np.array_equal(hosts[0].batch(7)["inputs"], hosts[1].batch(7)["inputs"])
 
 
 def test_split_and_too_small_corpus():
