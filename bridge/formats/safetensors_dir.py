@@ -126,14 +126,31 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     return array.reshape(info.shape)
 
 
+_SLICE_BLOCK_BYTES = 16 << 20  # rows read at a time when a slice takes part of each row
+
+
 def read_tensor_slice(info: TensorInfo, index: tuple[slice, ...]) -> np.ndarray:
-    """Only tensor[index] (a tuple of slices), read through a memory map: the pages holding
-    that part, not the tensor."""
-    if math.prod(info.shape) == 0:
+    """Only tensor[index] (a tuple of slices) of a 2-D tensor: its rows, read in blocks of
+    about 16 MB whose wanted columns are kept, so memory holds the part plus one block (a
+    memory map would keep every page it touched resident). Other tensors are read whole."""
+    index = tuple(index) + (slice(None),) * (len(info.shape) - len(index))
+    start, stop, step = index[0].indices(info.shape[0]) if info.shape else (0, 0, 1)
+    if len(info.shape) != 2 or step != 1 or math.prod(info.shape) == 0:
         return read_tensor(info)[index]
-    mapped = np.memmap(info.file, dtype=info.dtype.newbyteorder("<"), mode="r",
-                       offset=info.offset, shape=info.shape)
-    return np.array(mapped[index])
+    dtype, width = info.dtype.newbyteorder("<"), info.shape[1]
+    columns = range(*index[1].indices(width))
+    out = np.empty((max(0, stop - start), len(columns)), info.dtype)
+    block = max(1, _SLICE_BLOCK_BYTES // (width * dtype.itemsize))
+    with open(info.file, "rb") as f:
+        for at in range(start, stop, block):
+            n = min(block, stop - at)
+            f.seek(info.offset + at * width * dtype.itemsize)
+            rows = np.fromfile(f, dtype=dtype, count=n * width)
+            if rows.size != n * width:
+                raise BridgeError(f"{info.file}: truncated while reading a tensor of shape "
+                                  f"{info.shape}")
+            out[at - start:at - start + n] = rows.reshape(n, width)[:, index[1]]
+    return out
 
 
 # -- writing ---------------------------------------------------------------------------------------
