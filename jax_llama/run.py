@@ -152,6 +152,7 @@ def train(spec: RunSpec) -> dict:
         config = _model_config(spec, tokenizer)
     mesh = make_mesh(spec.mesh)
     check_batch(tc.batch_size, mesh)
+    _check_mesh_splits(config, mesh)
     if spec.resume:
         _check_resumable(spec, config)
     # Several processes share the run directory; process 0 writes it, after every process has
@@ -278,6 +279,30 @@ def train(spec: RunSpec) -> dict:
     if spec.lora:
         summary["adapter"] = str(spec.out / "adapter")
     return summary
+
+
+def _check_mesh_splits(config: LlamaConfig, mesh) -> None:
+    """Refuse an fsdp or tensor axis that divides none of the model's sharded dimensions: the
+    rules would leave every parameter whole on every device, which is not what it asks for."""
+    from bridge.tensors import canonical_shapes
+
+    from .checkpoint import _flax_path
+    from .sharding import spec_for
+
+    for axis in ("fsdp", "tensor"):
+        if mesh.shape[axis] == 1:
+            continue
+        split = False
+        for name, shape in canonical_shapes(config).items():
+            path, _, transposed = _flax_path(name, False)
+            keys = [jax.tree_util.DictKey(k) for k in path]
+            leaf = tuple(reversed(shape)) if transposed else shape
+            split |= axis in tuple(spec_for(keys, leaf, mesh))
+        if not split:
+            raise BridgeError(f"{axis}={mesh.shape[axis]} divides none of the model's sharded "
+                              f"dimensions (dim {config.dim}, ffn_dim {config.ffn_dim}, "
+                              f"vocab_size {config.vocab_size}, heads x head_dim); every "
+                              f"parameter would stay whole on every device", field="mesh")
 
 
 def _all_processes_reach(what: str) -> None:

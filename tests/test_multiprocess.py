@@ -146,3 +146,14 @@ def test_bad_process_flags_are_one_line(tmp_path, capsys, corpus, flags, message
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {message}")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_mesh_axis_that_divides_no_tensor_is_refused(tmp_path, corpus):
+    # the tiny preset: dim 64, 4 heads / 2 kv heads of 16, ffn 176; 3 divides none of them
+    args = run_args(corpus, tmp_path / "run", "fsdp=3")
+    args[args.index("--batch-size") + 1] = "3"
+    ((rc, _, err),) = finish([launch(args, devices=3)])
+    assert rc == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: --mesh: fsdp=3 divides none of the model's")
+    assert not (tmp_path / "run").exists()
