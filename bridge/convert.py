@@ -72,11 +72,12 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, force: bool = False,
                       progress: bool = True, inputs: Iterable[str | os.PathLike] = (),
                       prepare: Callable[[Checkpoint], Transform] | None = None,
-                      **options) -> Path:
+                      tokenizer: str | os.PathLike | None = None, **options) -> Path:
     """`convert`, with each tensor passed through a transform before the cast: once the source
     is open and the destination checked, `prepare(ckpt)` returns the transform (name, array) ->
     array (same shape). `inputs` are other paths the transform reads, which `dst` may not
-    overlap either. Returns `dst`."""
+    overlap either. `tokenizer`: a tokenizer file to carry instead of the source's own (e.g. for
+    a llama2.c checkpoint, which holds none). Returns `dst`."""
     src, dst = Path(src), Path(dst)
     if to not in FORMATS:
         raise BridgeError(f"unknown format {to!r}; known: {', '.join(FORMATS)}", field="to")
@@ -91,6 +92,15 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
     if (dst.exists() or dst.is_symlink()) and not force:
         raise BridgeError(f"{dst}: already exists", hint=("force", True, "use {} to replace it"))
     transform = None if prepare is None else prepare(ckpt)
+    extra_files = list(ckpt.extra_files)
+    if tokenizer is not None:
+        if not Path(tokenizer).is_file():
+            raise BridgeError(f"{tokenizer}: no such file", field="tokenizer")
+        kinds = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json"}
+        extra_files = [f for f in extra_files if Path(f).name not in kinds] + [Path(tokenizer)]
+    if to == "hf":  # a tokenizer that does not fit is refused before the progress bar starts
+        from .formats.hf import source_tokenizer
+        source_tokenizer(extra_files, ckpt.config)
 
     target = None if dtype is None else numpy_dtype(dtype)
     specs = {name: (shape, target or stored) for name, (shape, stored) in ckpt.specs.items()}
@@ -112,7 +122,7 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
                   disable=not progress, desc=f"{ckpt.format} -> {to}") as bar:
             return write_checkpoint(to, dst, ckpt.config, specs, fetch,
                                     max_shard_size=max_shard_size, overwrite=force,
-                                    progress=bar.update, extra_files=ckpt.extra_files, **options)
+                                    progress=bar.update, extra_files=extra_files, **options)
     except OSError as e:
         # bridge.atomic already names the destination for errors that carry an errno; what is
         # left with none is a short write (numpy's tofile reports only "N requested and M

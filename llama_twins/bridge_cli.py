@@ -95,7 +95,7 @@ def cmd_convert(args) -> int:
 
     print(convert(args.src, args.dst, args.to, from_format=args.from_format, dtype=args.dtype,
                   max_shard_size=args.max_shard_size, force=args.force, progress=not args.quiet,
-                  **writer_options(args)))
+                  tokenizer=args.tokenizer, **writer_options(args)))
     return EXIT_OK
 
 
@@ -104,7 +104,7 @@ def cmd_merge_lora(args) -> int:
 
     print(merge_lora(args.base, args.adapter, args.dst, args.to, from_format=args.from_format,
                      dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
-                     progress=not args.quiet, **writer_options(args)))
+                     progress=not args.quiet, tokenizer=args.tokenizer, **writer_options(args)))
     return EXIT_OK
 
 
@@ -143,6 +143,8 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama2c-version", type=int, choices=(0, 1),
                    help="llama2.c .bin header: 1 (default) or 0, the legacy one run.c reads")
     p.add_argument("--meta-shards", type=int, help="model-parallel files for --to meta (default 1)")
+    p.add_argument("--tokenizer", help="a tokenizer file (tokenizer.model / tokenizer.json) to carry "
+                                       "instead of the source's, e.g. for a llama2.c checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -22,7 +22,9 @@ from test_convert import expect_refusal, run_cli
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-CONFIG = small_config()  # dim 48, 6 heads / 2 kv heads of 8: wq and wk permute differently in HF
+# dim 48, 6 heads / 2 kv heads of 8: wq and wk permute differently in HF; 259 ids: the byte
+# tokenizer's, which travels with the base
+CONFIG = small_config(vocab_size=259)
 LORA = LoraConfig(rank=4, alpha=6.0)  # scale 1.5, not a power of two
 # The merge runs in float32, as PEFT's does: W + scale * B @ A of O(0.1) values, each rounded to
 # float32 (eps 1.2e-7) a few times, is within ~1e-7 of the float64 result; 1e-6 catches any

@@ -30,7 +30,7 @@ def check_inside(file: Path, directory: Path) -> Path:
 FLOAT_DTYPES = {np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16)}
 # Files that travel with the weights between directory formats (tokenizers, generation defaults).
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "generation_config.json")
+                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 Spec = tuple[tuple[int, ...], np.dtype]  # (canonical shape, numpy dtype)
 

@@ -263,8 +263,11 @@ def write_hf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec
              fetch: Callable[[str], np.ndarray], *, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
              overwrite: bool = False, progress: Callable[[int], object] | None = None,
              extra_files: Iterable[Path] = ()) -> Path:
-    """Write canonical tensors as an HF checkpoint that `LlamaForCausalLM.from_pretrained` loads."""
+    """Write canonical tensors as an HF checkpoint that `LlamaForCausalLM.from_pretrained` loads,
+    with a tokenizer transformers reads as the source's reads (complete_tokenizer)."""
     ordered = check_specs(config, specs, "tensors to write")
+    extra_files = list(extra_files)
+    tokenizer = source_tokenizer(extra_files, config)  # refused before anything is written
     dtypes = {dtype.name for _, dtype in ordered.values()}
     hf_specs = {hf_name(name): spec for name, spec in ordered.items()}
     canonical = {hf_name(name): name for name in ordered}
@@ -280,4 +283,63 @@ def write_hf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec
         write_safetensors_dir(tmp, hf_specs, hf_fetch, max_shard_size=max_shard_size,
                               progress=progress)
         copy_files(extra_files, tmp)
+        if tokenizer is not None:
+            complete_tokenizer(tmp, tokenizer, config)
     return Path(path)
+
+
+def source_tokenizer(extra_files: list[Path], config: LlamaConfig):
+    """The tokenizer among the files a conversion carries (None without one), refused when its
+    ids do not fit the model's vocabulary."""
+    from ..tokenizer import load_tokenizer
+
+    by_name = {Path(f).name: Path(f) for f in extra_files}
+    file = by_name.get("tokenizer.json") or by_name.get("tokenizer.model")
+    if file is None:
+        return None
+    try:
+        tokenizer = load_tokenizer(file)
+    except BridgeError:  # a tokenizer kind this project does not read travels as it is
+        return None
+    ids = {"largest id": tokenizer.vocab_size - 1, "BOS id": tokenizer.bos_id,
+           "EOS id": tokenizer.eos_id, "pad id": tokenizer.pad_id}
+    for what, top in ids.items():
+        if top is not None and top >= config.vocab_size:
+            raise BridgeError(f"{file}: the tokenizer's {what} {top} does not fit the model's "
+                              f"vocab_size {config.vocab_size}")
+    return tokenizer
+
+
+def _adds_bos(directory: Path, tokenizer) -> bool:
+    """Whether the tokenizer.json there puts BOS first, as the model was trained (the one our
+    BPE training writes does not: transformers would then encode without it)."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    if tokenizer.bos_id is None:
+        return True
+    ids = RustTokenizer.from_file(str(directory / "tokenizer.json")).encode("a").ids
+    return ids[:1] == [tokenizer.bos_id]
+
+
+def complete_tokenizer(directory: Path, tokenizer, config: LlamaConfig) -> list[str]:
+    """Add what transformers needs to read `tokenizer` as it is meant: tokenizer.json,
+    tokenizer_config.json and special_tokens_map.json when there is no tokenizer.json yet (a
+    tokenizer.model alone makes transformers guess, and drop BOS), with the chat template the
+    checkpoint carries (chat_template.jinja) or, for a LLaMA 3 vocabulary, LLaMA 3's; and
+    generation_config.json when missing. Returns the names of the files written."""
+    from ..chat import BUILTIN, TEMPLATE_FILE
+    from ..hf_tokenizer import generation_config, hf_tokenizer_files
+
+    written = []
+    if not (directory / "tokenizer.json").is_file() or not _adds_bos(directory, tokenizer):
+        template = directory / TEMPLATE_FILE
+        chat = (template.read_text(encoding="utf-8") if template.is_file()
+                else BUILTIN["llama3"] if tokenizer.kind == "llama3" else None)
+        files = hf_tokenizer_files(tokenizer, directory, model_max_length=config.max_seq_len,
+                                   chat_template=chat)
+        written += [f.name for f in files]
+    if not (directory / "generation_config.json").is_file():
+        (directory / "generation_config.json").write_text(
+            json.dumps(generation_config(tokenizer), indent=2) + "\n")
+        written.append("generation_config.json")
+    return written
