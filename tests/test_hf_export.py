@@ -111,3 +111,25 @@ def test_a_run_directory_with_our_bpe_gains_its_bos(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     mismatches = [t for t in texts if tok(t)["input_ids"] != ours.encode(t, bos=True)]
     assert mismatches == [] and tok(texts[0])["input_ids"][0] == ours.bos_id
+
+
+def test_meta_and_merged_lora_exports_carry_it_too(tmp_path):
+    """The other roads to HF: Meta's directory (tokenizer.model beside params.json) and
+    merge-lora's output go through the same writer."""
+    from bridge.lora import Adapter, LoraConfig, adapter_shapes, write_peft
+    from bridge.merge import merge_lora
+
+    src = random_native(tmp_path / "native", 32000, "llama2")
+    convert(src, tmp_path / "meta", to="meta", progress=False)
+    assert (tmp_path / "meta" / "tokenizer.model").is_file()
+    convert(tmp_path / "meta", tmp_path / "from-meta", to="hf", progress=False)
+    config = jax_llama.load(src)[0].config
+    lora = LoraConfig(rank=2, alpha=4.0, targets=("wq",))
+    rng = np.random.default_rng(1)
+    write_peft(tmp_path / "adapter", config,
+               Adapter(lora, {n: 0.1 * rng.standard_normal(s, np.float32)
+                              for n, s in adapter_shapes(config, lora).items()}))
+    merge_lora(src, tmp_path / "adapter", tmp_path / "merged", to="hf", progress=False)
+    for out in ("from-meta", "merged"):
+        tok = transformers.AutoTokenizer.from_pretrained(tmp_path / out)
+        assert tok("Hello world")["input_ids"] == [1, 15043, 3186], out
