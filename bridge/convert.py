@@ -98,9 +98,9 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
             raise BridgeError(f"{tokenizer}: no such file", field="tokenizer")
         kinds = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json"}
         extra_files = [f for f in extra_files if Path(f).name not in kinds] + [Path(tokenizer)]
-    if to == "hf":  # a tokenizer that does not fit is refused before the progress bar starts
+    if to == "hf":  # read (and refused when it does not fit) before the progress bar starts
         from .formats.hf import source_tokenizer
-        source_tokenizer(extra_files, ckpt.config)
+        options["tokenizer"] = source_tokenizer(extra_files, ckpt.config)
 
     target = None if dtype is None else numpy_dtype(dtype)
     specs = {name: (shape, target or stored) for name, (shape, stored) in ckpt.specs.items()}

@@ -159,11 +159,10 @@ def exact_match(reply: Callable[[list[list[int]]], list[list[int]]], template: C
     record per chat). reply(prompts) -> new ids per prompt, stopped at the end of the turn."""
     prompts = [template.encode(messages[:-1], tokenizer, add_generation_prompt=True)
                for _, messages in chats]
-    records = []
+    records, stops = [], set(tokenizer.stop_ids)
     for at in range(0, len(prompts), batch_size):
         for (where, messages), ids in zip(chats[at:at + batch_size],
                                           reply(prompts[at:at + batch_size])):
-            stops = set(tokenizer.stop_ids)
             ids = ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
             got, want = tokenizer.decode(ids).strip(), messages[-1]["content"].strip()
             records.append({"where": where, "expected": want, "reply": got, "match": got == want})

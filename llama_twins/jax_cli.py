@@ -8,6 +8,7 @@ Each subcommand parses its flags, calls into jax_llama (imported when the subcom
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -50,8 +51,8 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
             # A model trained from scratch has the context it is trained at.
             model = model.replace(max_seq_len=train_config.seq_len)
     if sft is not None and saved.get("sft"):  # flags not given keep the saved run's values
-        sft = type(sft)(**{**saved["sft"], **{k: v for k, v in sft.to_dict().items()
-                                              if v != getattr(type(sft)(), k)}})
+        given_sft = {k: v for k, v in sft.to_dict().items() if v != getattr(type(sft)(), k)}
+        sft = dataclasses.replace(type(sft)(**saved["sft"]), **given_sft)
     return RunSpec(out=out, model=model, train=train_config,
                    data=data if data is not None else saved.get("data", []),
                    tokenizer=args.tokenizer or saved.get("tokenizer"),

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import socket
 import subprocess
@@ -25,17 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from llama_twins.bench.common import cpu_model
+
 GB = 1e9
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def write_random_checkpoint(path: Path, preset: str) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,20 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from planted import BLOCK, BUGS, DESCRIPTIONS, planted  # noqa: E402
 
+from llama_twins.bench.common import cpu_model  # noqa: E402
 from llama_twins.parity import FACTOR, parity_report  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 WEIGHT_BUGS = {"weight": BLOCK, "qk_permuted_twice": 0, "rope_theta": 0, "norm_eps": 0}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def rows_of(report: dict) -> list[dict]:

@@ -3,6 +3,7 @@ head_dim 8, ffn 80, vocab 97) so that a swapped axis cannot pass by accident."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -25,6 +26,50 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # The real data and tokenizer files beside the repository (../shared); tests that read them skip
 # with the reason when it is absent, as in a user's fresh clone.
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+TOKENIZER_FILES = {kind: SHARED / "tokenizers" / kind / "tokenizer.model"
+                   for kind in ("llama3", "llama2")}
+
+
+def real_tokenizer(kind: str):
+    """The real LLaMA 3 or LLaMA 2 tokenizer from ../shared; the test skips, saying where it
+    looked, when the file is absent."""
+    from bridge.tokenizer import load_tokenizer
+
+    if not TOKENIZER_FILES[kind].is_file():
+        pytest.skip(f"the real {kind} tokenizer is not at {TOKENIZER_FILES[kind]}")
+    return load_tokenizer(TOKENIZER_FILES[kind])
+
+
+@contextlib.contextmanager
+def interrupted_at(step: int):
+    """Within the block, a jax_llama.run training run stops with KeyboardInterrupt when its
+    state reaches `step` (as a killed run would); the block expects that interrupt."""
+    from unittest import mock
+
+    from jax_llama import run as run_lib
+
+    real = run_lib.jit_train_step
+
+    def stopping(*args, **kwargs):
+        train_step = real(*args, **kwargs)
+
+        def step_or_stop(state, batch):
+            if int(state.step) == step:
+                raise KeyboardInterrupt
+            return train_step(state, batch)
+        return step_or_stop
+    with mock.patch.object(run_lib, "jit_train_step", stopping), pytest.raises(KeyboardInterrupt):
+        yield
+
+
+@pytest.fixture(scope="module")
+def llama3():
+    return real_tokenizer("llama3")
+
+
+@pytest.fixture(scope="module")
+def llama2():
+    return real_tokenizer("llama2")
 
 # Exercises all three llama3 bands with head_dim 8 and rope_theta 100: wavelengths 6.3 (kept),
 # 19.9 (interpolated between 32/4 = 8 and 32/1 = 32) and 62.8, 199 (divided by the factor).

@@ -16,12 +16,11 @@ from bridge.chat import (BUILTIN, ChatTemplate, Example, encode_example, find_te
 from bridge.errors import BridgeError
 from bridge.tokenizer import (LLAMA3_PATTERN, LLAMA3_SPECIALS, ByteTokenizer, load_tokenizer,
                              train_tokenizer)
-from conftest import SHARED
+from conftest import TOKENIZER_FILES
 
 transformers = pytest.importorskip("transformers")
 
-LLAMA3_FILE = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
-LLAMA2_FILE = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
+LLAMA3_FILE, LLAMA2_FILE = TOKENIZER_FILES["llama3"], TOKENIZER_FILES["llama2"]
 
 # Multi-turn, a system message, unicode, and spaces around contents for the templates to strip.
 CHAT = [{"role": "system", "content": " You are terse. "},
@@ -60,13 +59,6 @@ def hf_ids(out) -> list[int]:
 # -- tokenizers: ours and transformers' for the same vocabulary -----------------------------------
 
 @pytest.fixture(scope="module")
-def llama3():
-    if not LLAMA3_FILE.is_file():
-        pytest.skip(f"the real LLaMA 3 tokenizer is not at {LLAMA3_FILE}")
-    return load_tokenizer(LLAMA3_FILE)
-
-
-@pytest.fixture(scope="module")
 def hf_llama3(llama3):
     """transformers' BPE from the same tiktoken ranks, the 256 specials at 128000+."""
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -77,13 +69,6 @@ def hf_llama3(llama3):
                                               eos_token="<|eot_id|>")
     assert hf.convert_tokens_to_ids("<|eot_id|>") == llama3.special_tokens["<|eot_id|>"] == 128009
     return hf
-
-
-@pytest.fixture(scope="module")
-def llama2():
-    if not LLAMA2_FILE.is_file():
-        pytest.skip(f"the real LLaMA 2 tokenizer is not at {LLAMA2_FILE}")
-    return load_tokenizer(LLAMA2_FILE)
 
 
 def sentencepiece_hf(legacy: bool):

@@ -16,24 +16,23 @@ from bridge.formats import write_native
 from bridge.sampling import Sampler
 from bridge.tensors import canonical_shapes
 from bridge.tokenizer import load_tokenizer
+from conftest import TOKENIZER_FILES, real_tokenizer
 from test_convert import run_cli
 
 transformers = pytest.importorskip("transformers")
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "tokenizers"
 KINDS = {"llama3": (128256, [128000, 9906, 1917]), "llama2": (32000, [1, 15043, 3186])}
 
 
 def random_native(path: Path, vocab_size: int, kind: str) -> Path:
     """A small random float32 model of `vocab_size` with the real tokenizer.model beside it."""
-    if not (SHARED / kind / "tokenizer.model").is_file():
-        pytest.skip(f"the real {kind} tokenizer is not at {SHARED / kind}")
+    real_tokenizer(kind)  # skips without ../shared
     config = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                          vocab_size=vocab_size, max_seq_len=64, rope_theta=10000.0)
     rng = np.random.default_rng(0)
     tensors = {n: (1.0 if "norm" in n else 0.0) + 0.05 * rng.standard_normal(s, np.float32)
                for n, s in canonical_shapes(config).items()}
     write_native(path, config, {n: (a.shape, a.dtype) for n, a in tensors.items()}, tensors.get)
-    shutil.copy(SHARED / kind / "tokenizer.model", path)
+    shutil.copy(TOKENIZER_FILES[kind], path)
     return path
 
 
@@ -84,7 +83,7 @@ def test_llama2c_has_no_tokenizer_so_convert_takes_one(tmp_path, capsys):
     src = random_native(tmp_path / "native", 32000, "llama2")
     convert(src, tmp_path / "model.bin", to="llama2c", progress=False)
     code, _, err = run_cli(["convert", tmp_path / "model.bin", tmp_path / "hf", "--to", "hf",
-                            "--tokenizer", SHARED / "llama2" / "tokenizer.model", "--quiet"], capsys)
+                            "--tokenizer", TOKENIZER_FILES["llama2"], "--quiet"], capsys)
     assert code == 0, err
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert tok("Hello world")["input_ids"] == [1, 15043, 3186]

@@ -10,16 +10,15 @@ spaces differently."""
 import json
 
 import pytest
-from conftest import SHARED
+from conftest import SHARED, TOKENIZER_FILES, real_tokenizer
 
 from bridge.errors import BridgeError
 from bridge.hf_tokenizer import generation_config, hf_tokenizer_files
-from bridge.tokenizer import ByteTokenizer, load_tokenizer, train_tokenizer
+from bridge.tokenizer import ByteTokenizer, train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-FILES = {"llama3": SHARED / "tokenizers" / "llama3" / "tokenizer.model",
-         "llama2": SHARED / "tokenizers" / "llama2" / "tokenizer.model"}
+FILES = TOKENIZER_FILES
 DATA = [SHARED / "data" / "sst" / "train.txt", SHARED / "data" / "sst" / "dev.txt",
         SHARED / "data" / "cfimdb" / "train.txt"]
 HARD = [
@@ -50,9 +49,7 @@ def pair(request, tmp_path_factory):
     """(our Tokenizer, transformers' tokenizer loaded from the exported files, directory)."""
     kind = request.param
     if kind in FILES:
-        if not FILES[kind].is_file():
-            pytest.skip(f"the real {kind} tokenizer is not at {FILES[kind]}")
-        ours = load_tokenizer(FILES[kind])
+        ours = real_tokenizer(kind)
     elif kind == "trained":
         texts = _corpus()[:8544] or HARD * 20
         ours = train_tokenizer(texts, vocab_size=1000)
@@ -130,9 +127,7 @@ def test_transformers_own_converter_differs_on_runs_of_spaces(tmp_path):
     merge ▁+▁ first, and so cuts an even run of spaces before a word differently: "a  The" is
     ▁▁ + The to it, ▁ + ▁The to SentencePiece (and our export). The comparisons above would
     catch that (65 of the corpus lines have such a run)."""
-    if not FILES["llama2"].is_file():
-        pytest.skip(f"the real llama2 tokenizer is not at {FILES['llama2']}")
-    ours = load_tokenizer(FILES["llama2"])
+    ours = real_tokenizer("llama2")
     (tmp_path / "tokenizer.model").write_bytes(FILES["llama2"].read_bytes())
     (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)

@@ -15,7 +15,7 @@ import jax_llama
 from bridge.errors import BridgeError
 from bridge.lora import LoraConfig, adapter_shapes, read_peft
 from bridge.tensors import canonical_shapes
-from conftest import random_tokens, save_random_checkpoint, small_config
+from conftest import interrupted_at, random_tokens, save_random_checkpoint, small_config
 from test_train import corpus  # noqa: F401  (a fixture)
 from jax_llama.checkpoint import params_from_tensors, tensor_specs
 from jax_llama.lora import (add_lora, adapter_of, combine, count, merge_lora, save_adapter, split,
@@ -315,11 +315,10 @@ def test_peft_and_the_jax_model_agree_on_adapters_both_ways(tmp_path):
                                peft_logits(peft_model), rtol=0, atol=1e-5)
 
 
-def test_lora_run_interrupted_and_resumed_ends_where_a_straight_run_ends(tmp_path, corpus, monkeypatch):
+def test_lora_run_interrupted_and_resumed_ends_where_a_straight_run_ends(tmp_path, corpus):
     """`train --init BASE --lora-rank R`: a run stopped after its checkpoint at step 6 and resumed
     writes the same adapter and merged model, bit for bit, as one never stopped; the base in
     the merged model is the init's, in its stored float32."""
-    from jax_llama import run as run_lib
     from jax_llama.run import train
     from test_train import spec
 
@@ -333,20 +332,8 @@ def test_lora_run_interrupted_and_resumed_ends_where_a_straight_run_ends(tmp_pat
         return s
 
     straight = train(lora_spec("straight"))
-    real = run_lib.jit_train_step
-
-    def stopping(*args, **kwargs):
-        step = real(*args, **kwargs)
-
-        def train_step(state, batch):
-            if int(state.step) == 8:
-                raise KeyboardInterrupt  # after the checkpoint at step 6
-            return step(state, batch)
-        return train_step
-    monkeypatch.setattr(run_lib, "jit_train_step", stopping)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(8):  # after the checkpoint at step 6
         train(lora_spec("resumed"))
-    monkeypatch.setattr(run_lib, "jit_train_step", real)
     resumed = train(lora_spec("resumed", resume=True))
     for part in ("adapter/adapter_model.safetensors", "model/model.safetensors"):
         a = (tmp_path / "straight" / "run" / part).read_bytes()

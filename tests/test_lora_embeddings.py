@@ -15,7 +15,7 @@ import torch_llama
 from bridge.convert import convert
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
-from bridge.lora import EMBEDDING, LoraConfig, adapter_shapes, read_peft, write_peft
+from bridge.lora import EMBEDDING, LoraConfig, adapter_shapes, read_peft
 from bridge.merge import merge_lora as merge_checkpoint
 from conftest import random_tokens, small_config, torch_logits
 from jax_llama.lora import add_lora, adapter_of, count, merge_lora, save_adapter, split, trainable_for

@@ -12,7 +12,7 @@ import pytest
 import jax_llama
 from bridge.chat import Example, find_template
 from bridge.tokenizer import load_tokenizer
-from conftest import small_config
+from conftest import interrupted_at, small_config
 from jax_llama.sft import demo_chats, example_batches, exact_match, load_chats, SftSpec
 from jax_llama.train import lm_loss
 from llama_twins import jax_cli, torch_cli
@@ -134,28 +134,14 @@ def test_the_run_directory_holds_the_template_scores_and_model(sft_run, capsys):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-def test_interrupted_and_resumed_ends_where_a_straight_run_ends(sft_run, tmp_path, monkeypatch):
-    from jax_llama import run as run_lib
-
+def test_interrupted_and_resumed_ends_where_a_straight_run_ends(sft_run, tmp_path):
     root, out = sft_run
     again = tmp_path / "again"
-    real = run_lib.jit_train_step
-
-    def stopping(*args, **kwargs):
-        step = real(*args, **kwargs)
-
-        def train_step(state, batch):
-            if int(state.step) == 4:
-                raise KeyboardInterrupt  # after the checkpoint at step 3
-            return step(state, batch)
-        return train_step
-    monkeypatch.setattr(run_lib, "jit_train_step", stopping)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at(4):  # after the checkpoint at step 3
         jax_cli.main(["sft", "--data", str(root / "chats.jsonl"), "--init",
                       str(root / "base" / "model"), "--steps", "6", "--batch-size", "2",
                       "--seq-len", "64", "--lr", "3e-3", "--checkpoint-every", "3",
                       "--lora-rank", "2", "--out", str(again)])
-    monkeypatch.setattr(run_lib, "jit_train_step", real)
     assert jax_cli.main(["sft", "--out", str(again), "--resume"]) == 0
     for part in ("adapter/adapter_model.safetensors", "model/model.safetensors"):
         assert (out / part).read_bytes() == (again / part).read_bytes(), part

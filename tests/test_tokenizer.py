@@ -9,12 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.errors import BridgeError
-from conftest import SHARED
+from conftest import TOKENIZER_FILES
 from bridge.tokenizer import (ByteTokenizer, _split_long_runs, detect_tokenizer_kind,
                               load_tokenizer, train_tokenizer)
 
-LLAMA3_FILE = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
-LLAMA2_FILE = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
+LLAMA3_FILE, LLAMA2_FILE = TOKENIZER_FILES["llama3"], TOKENIZER_FILES["llama2"]
 needs_llama3 = pytest.mark.skipif(not LLAMA3_FILE.is_file(),
                                   reason=f"the real LLaMA 3 tokenizer is not at {LLAMA3_FILE}")
 needs_llama2 = pytest.mark.skipif(not LLAMA2_FILE.is_file(),
@@ -32,20 +31,6 @@ CORPUS = [f"{w} the {w}s were {n} in number, said {name}. Ça va? 日本 {n * 7}
           for n, (w, name) in enumerate([("cat", "Ann"), ("dog", "Bob"), ("bird", "Cé"),
                                          ("fish", "Dee")] * 30)]
 FAST = settings(max_examples=150, deadline=None)
-
-
-@pytest.fixture(scope="module")
-def llama3():
-    if not LLAMA3_FILE.is_file():
-        pytest.skip(f"the real LLaMA 3 tokenizer is not at {LLAMA3_FILE}")
-    return load_tokenizer(LLAMA3_FILE)
-
-
-@pytest.fixture(scope="module")
-def llama2():
-    if not LLAMA2_FILE.is_file():
-        pytest.skip(f"the real LLaMA 2 tokenizer is not at {LLAMA2_FILE}")
-    return load_tokenizer(LLAMA2_FILE)
 
 
 @pytest.fixture(scope="module")

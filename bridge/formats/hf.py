@@ -260,15 +260,20 @@ class HFCheckpoint(Checkpoint):
         return np.ascontiguousarray(block[start - offset:stop - offset:step])
 
 
+_FROM_FILES = object()  # write_hf's default: read the tokenizer from the files it carries
+
+
 def write_hf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec],
              fetch: Callable[[str], np.ndarray], *, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
              overwrite: bool = False, progress: Callable[[int], object] | None = None,
-             extra_files: Iterable[Path] = ()) -> Path:
+             extra_files: Iterable[Path] = (), tokenizer=_FROM_FILES) -> Path:
     """Write canonical tensors as an HF checkpoint that `LlamaForCausalLM.from_pretrained` loads,
-    with a tokenizer transformers reads as the source's reads (complete_tokenizer)."""
+    with a tokenizer transformers reads as the source's reads (complete_tokenizer). `tokenizer`:
+    the one among `extra_files`, when the caller has read it already (source_tokenizer)."""
     ordered = check_specs(config, specs, "tensors to write")
     extra_files = list(extra_files)
-    tokenizer = source_tokenizer(extra_files, config)  # refused before anything is written
+    if tokenizer is _FROM_FILES:  # refused before anything is written
+        tokenizer = source_tokenizer(extra_files, config)
     dtypes = {dtype.name for _, dtype in ordered.values()}
     hf_specs = {hf_name(name): spec for name, spec in ordered.items()}
     canonical = {hf_name(name): name for name in ordered}
