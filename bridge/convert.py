@@ -20,6 +20,7 @@ from .dtypes import DTYPE_NAMES, numpy_dtype
 from .errors import BridgeError
 from .formats import FORMATS, Checkpoint, open_checkpoint, write_checkpoint
 from .formats.safetensors_dir import DEFAULT_MAX_SHARD_SIZE
+from .quantize import SCALE_SUFFIX, Quantization, check_quantizable, quantized_specs
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", re.IGNORECASE)
 
@@ -52,16 +53,19 @@ def _check_paths(src: Path, dst: Path) -> None:
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str = "native", *,
             from_format: str | None = None, dtype: str | None = None,
             max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, force: bool = False,
-            progress: bool = True, **options) -> Path:
+            progress: bool = True, quantize: str | None = None, group_size: int | None = None,
+            **options) -> Path:
     """Convert the checkpoint at `src` (format detected unless `from_format`) to `to` at `dst`.
 
     dtype None keeps each tensor's stored dtype; "float32" / "bfloat16" / "float16" casts each
     tensor as it streams through (bfloat16 by ml_dtypes' round-to-nearest-even, as torch does).
+    quantize "int8" (native only) stores the projections as int8 with float32 scales, per output
+    channel or per `group_size` input columns (bridge.quantize); the rest takes `dtype`.
     `options` go to the writer (llama2c: version; meta: shards). Returns `dst`.
     """
     return stream_checkpoint(src, dst, to, from_format=from_format, dtype=dtype,
                              max_shard_size=max_shard_size, force=force, progress=progress,
-                             **options)
+                             quantize=quantize, group_size=group_size, **options)
 
 
 Transform = Callable[[str, np.ndarray], np.ndarray]  # (canonical name, array) -> array
@@ -72,7 +76,8 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, force: bool = False,
                       progress: bool = True, inputs: Iterable[str | os.PathLike] = (),
                       prepare: Callable[[Checkpoint], Transform] | None = None,
-                      tokenizer: str | os.PathLike | None = None, **options) -> Path:
+                      tokenizer: str | os.PathLike | None = None, quantize: str | None = None,
+                      group_size: int | None = None, **options) -> Path:
     """`convert`, with each tensor passed through a transform before the cast: once the source
     is open and the destination checked, `prepare(ckpt)` returns the transform (name, array) ->
     array (same shape). `inputs` are other paths the transform reads, which `dst` may not
@@ -86,7 +91,22 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
     if to == "llama2c" and dtype not in (None, "float32"):
         raise BridgeError(f"llama2.c .bin files hold float32 only (got {dtype})", field="dtype")
     max_shard_size = parse_size(max_shard_size)
+    quantization = None
+    if quantize is not None:
+        quantization = Quantization(quantize, group_size)
+        if to != "native":
+            raise BridgeError(f"int8 weights are stored in the native format only, not {to}",
+                              field="quantize")
+    elif group_size is not None:
+        raise BridgeError("only with quantize='int8'", field="group_size")
     ckpt = open_checkpoint(src, format=from_format)
+    if ckpt.quantization is not None:
+        raise BridgeError(f"{ckpt.path}: holds int8-quantised weights (config.json "
+                          f"'quantization'), which a conversion does not carry: convert the "
+                          f"float checkpoint it was made from (with quantize='int8' for a "
+                          f"native copy), or run it with jax_llama.load / torch_llama.load")
+    if quantization is not None:
+        check_quantizable(ckpt.config, quantization)
     for source in (ckpt.path, *map(Path, inputs)):
         _check_paths(source, dst)
     if (dst.exists() or dst.is_symlink()) and not force:
@@ -104,16 +124,25 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
 
     target = None if dtype is None else numpy_dtype(dtype)
     specs = {name: (shape, target or stored) for name, (shape, stored) in ckpt.specs.items()}
+    if quantization is not None:
+        specs, quantized = quantized_specs(ckpt.config, quantization, specs)
+        options["quantization"] = quantization
 
     reading = False  # so an OS error reading the source is not blamed on the destination
 
-    def fetch(name: str) -> np.ndarray:
+    def read(name: str) -> np.ndarray:
         nonlocal reading
         reading = True
         array = ckpt.tensor(name)
         reading = False
-        if transform is not None:
-            array = transform(name, array)
+        return array if transform is None else transform(name, array)
+
+    def fetch(name: str) -> np.ndarray:
+        if quantization is not None and name in specs and specs[name][1] == np.int8:
+            return quantized(name, read)[0]
+        if quantization is not None and name.endswith(SCALE_SUFFIX):
+            return quantized(name[:-len(SCALE_SUFFIX)], read)[1]
+        array = read(name)
         return array if target is None or array.dtype == target else array.astype(target)
 
     total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs.values())

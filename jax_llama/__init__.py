@@ -7,6 +7,7 @@
     model, params = jax_llama.load(path, dtype=None, adapter=None)   # adapter: a PEFT dir, merged
     model, params = jax_llama.add_lora(model, params, jax_llama.LoraConfig(rank=8))  # train adapters
     jax_llama.save_adapter(path, model, params)           # PEFT format; merge_lora folds them in
+    qparams = jax_llama.quantize(params)                  # int8 projections, the same module
 
 torch_llama exports the same names wherever the concept exists in both twins
 (tests/test_layers.py compares the two lists).
@@ -23,11 +24,12 @@ from .lora import adapter_of, add_lora, merge_lora, save_adapter
 from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, LlamaOutput,
                     RMSNorm, apply_rope, check_inputs, init, last_real_index, resolve_dtype,
                     rope_cos_sin)
+from .quantize import quantize
 from .train import TrainConfig, decay_mask, make_optimizer, make_train_step
 
 __all__ = ["Attention", "Block", "Classifier", "FeedForward", "Generation", "KVCache", "Llama",
            "LlamaClassifier", "LlamaConfig", "LlamaOutput", "LoraConfig", "PRESETS", "RMSNorm",
            "Sampler", "TrainConfig", "adapter_of", "add_lora", "apply_rope", "check_inputs",
            "decay_mask", "generate", "init", "last_real_index", "load", "load_classifier",
-           "make_optimizer", "make_train_step", "merge_lora", "predict", "resolve_dtype",
+           "make_optimizer", "make_train_step", "merge_lora", "predict", "quantize", "resolve_dtype",
            "rope_cos_sin", "save", "save_adapter"]

@@ -20,6 +20,7 @@ from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint, write_native
 from bridge.formats.base import check_specs
 from bridge.lora import read_peft
+from bridge.quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes
 from bridge.tensors import canonical_shapes
 
 from .attention import choose
@@ -27,8 +28,9 @@ from .model import Llama, resolve_dtype
 
 
 def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None, bool]:
-    """Canonical name -> (path in the params pytree, layer index on a stacked axis, transposed?)."""
-    module, _ = name.rsplit(".", 1)  # drop ".weight"
+    """Canonical name -> (path in the params pytree, layer index on a stacked axis, transposed?).
+    An int8 projection's `<name>_scale` (out, in / G) is its module's `scale` (in / G, out)."""
+    module, leaf = name.rsplit(".", 1)  # drop ".weight" / ".weight_scale"
     parts = module.split(".")
     layer = None
     if parts[0] == "layers":
@@ -39,13 +41,31 @@ def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | Non
         return (*parts, "embedding"), layer, False
     if parts[-1].endswith("norm"):
         return (*parts, "weight"), layer, False
-    return (*parts, "kernel"), layer, True
+    return (*parts, "scale" if leaf == "weight" + SCALE_SUFFIX else "kernel"), layer, True
 
 
 def has_adapters(params) -> bool:
     """True when the params pytree holds LoRA adapters (lora_A / lora_B entries)."""
     return any(getattr(k, "key", None) in ("lora_A", "lora_B")
                for path, _ in jax.tree_util.tree_leaves_with_path(params) for k in path)
+
+
+def quantization_of(params) -> Quantization | None:
+    """The int8 Quantization a params pytree holds (jax_llama.quantize), read from its first
+    `scale`: the group size is in / G, and G = 1 is per channel. None for float params."""
+    for _, node in modules(params):
+        if "scale" in node:
+            inputs, groups = node["kernel"].shape[-2], node["scale"].shape[-2]
+            return Quantization(group_size=None if groups == 1 else inputs // groups)
+    return None
+
+
+def modules(params, path=()):
+    """(path, dict) of every module's params in the tree, depth first."""
+    if isinstance(params, dict):
+        yield path, params
+        for key, value in params.items():
+            yield from modules(value, path + (key,))
 
 
 def is_scanned(params) -> bool:
@@ -70,7 +90,8 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = jnp.asarray(value if dtype is None else value.astype(dtype))
+        keep = dtype is None or value.dtype == np.int8 or path[-1] == "scale"  # int8 stays int8
+        node[path[-1]] = jnp.asarray(value if keep else value.astype(dtype))
 
     def read(name: str) -> np.ndarray:  # in the Flax layout
         value = get(name)
@@ -102,7 +123,9 @@ def tensor_specs(params, config: LlamaConfig, shapes=None):
     """
     scanned = is_scanned(params)
     leaves: dict[str, tuple] = {}
-    for name in canonical_shapes(config) if shapes is None else shapes:
+    if shapes is None:
+        shapes = checkpoint_shapes(config, quantization_of(params))
+    for name in shapes:
         path, layer, transposed = _flax_path(name, scanned)
         node = params
         for key in path:
@@ -151,13 +174,16 @@ def save(path: str | os.PathLike, config: LlamaConfig, params, *, overwrite: boo
     A model sharded over several processes is gathered one tensor at a time and written by
     process 0 alone; every process must call save (the gathers are collective)."""
     specs, fetch = tensor_specs(params, config)
+    quantization = quantization_of(params)
     if jax.process_index() != 0:
-        for name in check_specs(config, specs, "tensors to write"):  # write_native's order
+        for name in check_specs(config, specs, "tensors to write",  # write_native's order
+                                quantization=quantization):
             fetch(name)
         return
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     write_native(path, config, specs, fetch, overwrite=overwrite, extra_files=extra_files,
-                 write_extra=write_extra, **kwargs)
+                 write_extra=write_extra, quantization=quantization, **kwargs)
+
 
 
 def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config: LlamaConfig,
@@ -218,6 +244,14 @@ def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, rema
     """
     choose(attention, 1, 1)
     ckpt = open_checkpoint(path)
+    if ckpt.quantization is not None:
+        if adapter is not None:
+            raise BridgeError(f"{ckpt.path} holds int8 weights, which an adapter cannot be "
+                              f"merged into: merge it into the float model, then quantise",
+                              field="adapter")
+        if mesh is not None:
+            raise BridgeError(f"not with the int8 checkpoint {ckpt.path} (load it whole)",
+                              field="mesh")
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     get = ckpt.tensor
     read = ckpt.tensor_slice
@@ -228,7 +262,8 @@ def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, rema
     if mesh is not None:
         params = params_on_mesh(read, ckpt.config, mesh, scan_layers=scan_layers, dtype=dtype)
     else:
-        params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype)
+        params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
+                                     shapes=checkpoint_shapes(ckpt.config, ckpt.quantization))
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
                   attention=attention)
     return model, params

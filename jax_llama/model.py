@@ -156,7 +156,9 @@ def _init(config: LlamaConfig, residual: bool = False):
 
 
 class Linear(nn.Module):
-    """A bias-free projection x @ kernel (LLaMA has no biases), kernel (in, out) in param_dtype.
+    """A bias-free projection x @ kernel (LLaMA has no biases), kernel (in, out) in param_dtype;
+    or, when its params also hold a `scale` (jax_llama.quantize), an int8 kernel and float32
+    scales (G, out), multiplied by int8_matmul.
 
     With `lora`, a low-rank adapter is added: x @ kernel + scale * dropout(x) @ A @ B, with A
     (in, r) and B (r, out) in float32 whatever the kernel's dtype (`lora_A/kernel`,
@@ -172,10 +174,14 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x_MD):
-        kernel = self.param("kernel", self.kernel_init, (x_MD.shape[-1], self.features),
-                            self.param_dtype)
         x_MD = x_MD.astype(self.dtype)
-        out = jnp.dot(x_MD, kernel.astype(self.dtype))
+        if self.has_variable("params", "scale"):  # int8 weights (jax_llama.quantize)
+            out = int8_matmul(x_MD, self.get_variable("params", "kernel"),
+                              self.get_variable("params", "scale"), self.dtype)
+        else:
+            kernel = self.param("kernel", self.kernel_init, (x_MD.shape[-1], self.features),
+                                self.param_dtype)
+            out = jnp.dot(x_MD, kernel.astype(self.dtype))
         if self.lora is None:
             return out
         r = self.lora.rank
@@ -188,6 +194,20 @@ class Linear(nn.Module):
         if self.lora.dropout > 0 and self.has_rng("dropout"):
             x_MD = nn.Dropout(self.lora.dropout, deterministic=False)(x_MD)
         return out + b(a(x_MD)) * jnp.asarray(self.lora.scale, self.dtype)
+
+
+def int8_matmul(x_MI, q_IO, scale_GO, dtype):
+    """x @ (Q * s) for int8 Q (in, out) and float32 scales s (G, out), one row of scales per G
+    groups of in / G consecutive inputs (bridge.quantize). Per channel (G = 1) the scale
+    multiplies the output, (x @ Q) * s, so the int8 weights are never scaled element by element;
+    group-wise, each group's weights are dequantised in float32 and rounded once to `dtype`.
+    torch_llama.model.int8_linear computes the same, in the same order."""
+    G = scale_GO.shape[0]
+    if G == 1:
+        return jnp.dot(x_MI, q_IO.astype(dtype)) * scale_GO[0].astype(dtype)
+    I, O = q_IO.shape
+    w_GiO = q_IO.reshape(G, I // G, O).astype(jnp.float32) * scale_GO[:, None, :]
+    return jnp.dot(x_MI, w_GiO.reshape(I, O).astype(dtype))
 
 
 def _dense(module: nn.Module, features: int, name: str, residual: bool = False) -> Linear:

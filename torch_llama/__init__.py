@@ -7,6 +7,7 @@
     tmodel = torch_llama.load(path, adapter=peft_dir)     # a LoRA adapter merged in as it loads
     torch_llama.add_lora(tmodel, LoraConfig(rank=8))      # frozen base, trainable adapters
     torch_llama.save_adapter(peft_dir, tmodel)            # or merge_lora(tmodel), then save
+    torch_llama.quantize(tmodel)                          # int8 projections, in place
     opt = torch_llama.AdamW(params, lr=schedule, betas=(0.9, 0.95), weight_decay=0.1,
                             mask=torch_llama.decay_mask)    # optax.adamw's exact semantics
 
@@ -27,11 +28,12 @@ from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifi
 from .lora import adapter_of, add_lora, merge_lora, save_adapter
 from .optim import (AdamW, clip_by_global_norm, cosine_decay_schedule, decay_mask, linear_schedule,
                     warmup_cosine_decay_schedule)
+from .quantize import quantize
 
 __all__ = ["AdamW", "Attention", "Block", "Classifier", "FeedForward", "Generation", "KVCache",
            "Llama", "LlamaClassifier", "LlamaConfig", "LlamaOutput", "LoraConfig",
            "PRESETS", "RMSNorm", "Sampler", "adapter_of", "add_lora", "apply_rope",
            "check_inputs", "clip_by_global_norm", "cosine_decay_schedule", "decay_mask",
            "generate", "init", "last_real_index", "linear_schedule", "load", "load_classifier",
-           "merge_lora", "predict", "resolve_device", "resolve_dtype", "rope_cos_sin", "save",
-           "save_adapter", "warmup_cosine_decay_schedule"]
+           "merge_lora", "predict", "quantize", "resolve_device", "resolve_dtype", "rope_cos_sin",
+           "save", "save_adapter", "warmup_cosine_decay_schedule"]

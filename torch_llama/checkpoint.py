@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from bridge.dtypes import numpy_dtype
@@ -13,8 +14,10 @@ from bridge.formats import open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
 from bridge.lora import read_peft
+from bridge.quantize import SCALE_SUFFIX
 
 from .model import Llama, resolve_device, resolve_dtype
+from .quantize import projections, quantization_of
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None,
@@ -28,6 +31,9 @@ def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=Non
     streams in, in the model's dtype as merge_lora merges: a plain model.
     """
     ckpt = open_checkpoint(path)
+    if ckpt.quantization is not None and adapter is not None:
+        raise BridgeError(f"{ckpt.path} holds int8 weights, which an adapter cannot be merged "
+                          f"into: merge it into the float model, then quantise", field="adapter")
     device = resolve_device(device)
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     lora = None if adapter is None else read_peft(adapter, ckpt.config)
@@ -35,10 +41,14 @@ def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=Non
     def tensor(name, array) -> torch.Tensor:
         if lora is not None:
             array = lora.merged(name, array.astype(numpy_dtype(dtype), copy=False))
-        return to_torch(array).to(device=device, dtype=dtype)
+        keep = array.dtype == np.int8 or name.endswith(SCALE_SUFFIX)  # int8 and its scales
+        return to_torch(array).to(device=device, dtype=None if keep else dtype)
 
     with torch.device("meta"):
         model = Llama(ckpt.config)
+        if ckpt.quantization is not None:
+            for name, module in projections(model):
+                module.make_int8(ckpt.specs[name + ".weight" + SCALE_SUFFIX][0][1])
     state = {name: tensor(name, array) for name, array in ckpt}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
@@ -55,8 +65,9 @@ def save(path: str | os.PathLike, model: Llama, *, overwrite: bool = False,
                           "(torch_llama.save_adapter, i.e. bridge.lora.write_peft(path, "
                           "model.config, adapter_of(model)))", field="model")
     state = model.state_dict()
-    specs = {name: (tuple(t.shape), numpy_dtype(t.dtype, field=f"tensor '{name}'"))
+    specs = {name: (tuple(t.shape), np.dtype(np.int8) if t.dtype == torch.int8
+                    else numpy_dtype(t.dtype, field=f"tensor '{name}'"))
              for name, t in state.items()}
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     write_native(path, model.config, specs, lambda name: to_numpy(state[name]), overwrite=overwrite,
-                 **kwargs)
+                 quantization=quantization_of(model), **kwargs)

@@ -24,8 +24,10 @@ from torch import nn
 from bridge.config import LlamaConfig, RopeScaling
 from bridge.dtypes import dtype_name
 from bridge.errors import BridgeError
+from bridge.formats.torch_files import to_numpy
 from bridge.inputs import check_inputs as _check_inputs
 from bridge.lora import LoraConfig
+from bridge.quantize import Quantization, quantize_weight
 from bridge.rope import rope_inv_freq
 
 
@@ -214,13 +216,51 @@ class Linear(nn.Linear):
         del self.lora_A, self.lora_B, self.lora_dropout
         self.lora = None
 
+    def quantize(self, quantization: Quantization, name: str = "weight") -> None:
+        """Replace W by int8 Q (a frozen `weight`) and float32 scales (`weight_scale`, a buffer):
+        bridge.quantize.quantize_weight's numbers, the JAX twin's."""
+        q_OI, scale_OG = quantize_weight(to_numpy(self.weight.detach()), quantization.group_size,
+                                         name)
+        self.make_int8(scale_OG.shape[1])
+        with torch.no_grad():
+            self.weight.copy_(torch.from_numpy(q_OI))
+            self.weight_scale.copy_(torch.from_numpy(scale_OG))
+
+    def make_int8(self, groups: int) -> None:
+        """Turn W into an (uninitialised) int8 weight with `groups` scales per row, on W's
+        device (meta included): what loading a quantised checkpoint fills."""
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=torch.int8, device=device),
+                                   requires_grad=False)
+        self.register_buffer("weight_scale", torch.empty(self.out_features, groups,
+                                                         dtype=torch.float32, device=device))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        if self.weight.dtype == torch.int8:
+            y = int8_linear(x, self.weight, self.weight_scale)
+        else:
+            y = super().forward(x)
         if self.lora is None:
             return y
         # The float32 adapters run in x's dtype, as the projection itself does.
         a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
         return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.lora.scale
+
+
+def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor) -> torch.Tensor:
+    """x Q^T scaled, for int8 Q (out, in) and float32 scales (out, G) (bridge.quantize), in x's
+    dtype: jax_llama.model.int8_matmul's twin. Per channel (G = 1), (x Q^T) * s - through
+    torch's int8 weight kernel when x is bfloat16 on a CPU or CUDA device, which reads the int8
+    weight as it multiplies; group-wise, each group dequantised in float32, rounded once."""
+    O, I = q_OI.shape
+    G = scale_OG.shape[1]
+    if G == 1:
+        if x.dtype == torch.bfloat16 and x.device.type in ("cpu", "cuda"):
+            y = torch._weight_int8pack_mm(x.reshape(-1, I), q_OI, scale_OG[:, 0].to(x.dtype))
+            return y.reshape(*x.shape[:-1], O)
+        return F.linear(x, q_OI.to(x.dtype)) * scale_OG[:, 0].to(x.dtype)
+    w_OGi = q_OI.view(O, G, I // G).to(torch.float32) * scale_OG[..., None]
+    return F.linear(x, w_OGi.view(O, I).to(x.dtype))
 
 
 class Attention(nn.Module):
@@ -302,7 +342,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
-        self.output = None if c.tie_embeddings else nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.output = None if c.tie_embeddings else Linear(c.dim, c.vocab_size)
         self.lora: LoraConfig | None = None  # the adapters' settings, between add_lora and merge_lora
         # Kept off the module's buffers so that casting the model to bfloat16 cannot round it.
         self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
@@ -371,9 +411,11 @@ class Llama(nn.Module):
         h_BSD = self.norm(x_BSD)
         if not lm_head:
             return LlamaOutput(logits=None, hidden=h_BSD, cache=cache)
-        head = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return LlamaOutput(logits=F.linear(h_BSD, head.to(h_BSD.dtype)).float(), hidden=h_BSD,
-                           cache=cache)
+        if self.output is None:
+            logits_BSV = F.linear(h_BSD, self.tok_embeddings.weight.to(h_BSD.dtype))
+        else:
+            logits_BSV = self.output(h_BSD)
+        return LlamaOutput(logits=logits_BSV.float(), hidden=h_BSD, cache=cache)
 
     def _inv_freq_for(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq_on:

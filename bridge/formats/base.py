@@ -16,6 +16,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..errors import BridgeError
+from ..quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes, quantized_names
 from ..tensors import LAYER_SUFFIXES, canonical_shapes
 
 
@@ -45,6 +46,9 @@ class Checkpoint:
     files: list[Path]        # the files holding the weights
     notes: list[str]         # things worth telling a user (inspect prints them)
     extra_files: list[Path]  # tokenizer files and the like, copied by conversions
+    # int8 weight-only quantisation (bridge.quantize): the projections are int8 in `specs`, each
+    # with its float32 `<name>_scale`; None for a float checkpoint (every format but native)
+    quantization: Quantization | None = None
 
     def tensor(self, name: str) -> np.ndarray:
         """One tensor by canonical name, in canonical layout, as a fresh numpy array."""
@@ -67,15 +71,18 @@ class Checkpoint:
     def stored_dtype(self) -> str:
         """The dtype the tensors are stored in ('float32', 'bfloat16', 'float16'); 'float32' when
         they are mixed or wider, so that no tensor loses precision by default."""
-        dtypes = {dtype.name for _, dtype in self.specs.values()}
+        dtypes = {dtype.name for name, (_, dtype) in self.specs.items()
+                  if dtype != np.int8 and not name.endswith(SCALE_SUFFIX)}
         return dtypes.pop() if len(dtypes) == 1 and dtypes <= {"bfloat16", "float16"} else "float32"
 
 
 def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,
-                source: str = "the config") -> dict[str, Spec]:
-    """Refuse a missing, extra, wrongly shaped or non-float tensor, naming the first one.
+                source: str = "the config",
+                quantization: Quantization | None = None) -> dict[str, Spec]:
+    """Refuse a missing, extra, wrongly shaped or non-float tensor, naming the first one. With
+    `quantization`, the projections must be int8, each followed by its float32 scale.
 
-    Returns the specs in canonical order."""
+    Returns the specs in canonical order (a scale right after its weight)."""
     # n_layers comes from a file and may be a corrupt 10^9: find a missing tensor before the
     # full name table (one entry per tensor of every layer) is built.
     per_layer = canonical_shapes(config.replace(n_layers=1, tie_embeddings=True))
@@ -86,7 +93,8 @@ def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,
                     raise BridgeError(f"{where}: tensor 'layers.{i}.{suffix}' is missing "
                                       f"({source} says n_layers={config.n_layers}, but "
                                       f"{len(specs)} tensors are stored)")
-    expected = canonical_shapes(config)
+    expected = checkpoint_shapes(config, quantization)
+    int8 = set() if quantization is None else set(quantized_names(config))
     missing = [n for n in expected if n not in specs]
     if missing:
         raise BridgeError(f"{where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
@@ -99,7 +107,15 @@ def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,
         if tuple(got) != shape:
             raise BridgeError(f"{where}: tensor '{name}' has shape {tuple(got)}, but {source} "
                               f"implies {shape}")
-        if np.dtype(dtype) not in FLOAT_DTYPES:
+        if name in int8:
+            if np.dtype(dtype) != np.int8:
+                raise BridgeError(f"{where}: tensor '{name}' has dtype {np.dtype(dtype)}, but "
+                                  f"{source} declares int8 quantisation")
+        elif name.endswith(SCALE_SUFFIX) and quantization is not None:
+            if np.dtype(dtype) != np.float32:
+                raise BridgeError(f"{where}: tensor '{name}' has dtype {np.dtype(dtype)}, "
+                                  f"expected float32 scales")
+        elif np.dtype(dtype) not in FLOAT_DTYPES:
             raise BridgeError(f"{where}: tensor '{name}' has dtype {np.dtype(dtype)}, expected a "
                               f"floating type")
     return {name: (tuple(specs[name][0]), np.dtype(specs[name][1])) for name in expected}

@@ -16,6 +16,7 @@ import numpy as np
 from ..atomic import atomic_directory, copy_files
 from ..config import LlamaConfig
 from ..errors import BridgeError
+from ..quantize import Quantization
 from .base import Checkpoint, Spec, check_inside, check_specs, find_extra_files
 from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, read_tensor, read_tensor_infos,
                               read_tensor_slice, write_safetensors_dir)
@@ -55,13 +56,23 @@ class NativeCheckpoint(Checkpoint):
             raise BridgeError(f"{self.path}: not a checkpoint directory")
         config_path = self.path / CONFIG_FILE
         fields = read_json(config_path)
+        quantization = fields.pop("quantization", None)
         try:
             self.config = LlamaConfig.from_dict(fields)
+            if quantization is not None:
+                self.quantization = Quantization.from_dict(quantization, str(config_path))
         except BridgeError as e:
             raise BridgeError(f"{config_path}: {e}") from None
         self.infos = read_tensor_infos(self.path)
-        self.specs = check_specs(self.config, {n: (i.shape, i.dtype) for n, i in self.infos.items()},
-                                 self.path, source="config.json")
+        try:
+            self.specs = check_specs(self.config,
+                                     {n: (i.shape, i.dtype) for n, i in self.infos.items()},
+                                     self.path, source="config.json",
+                                     quantization=self.quantization)
+        except BridgeError as e:
+            if e.field is None:
+                raise
+            raise BridgeError(f"{config_path}: quantization.{e.field}: {e.message}") from None
         self.files = sorted({info.file for info in self.infos.values()})
         self.notes = []
         self.extra_files = find_extra_files(self.path)
@@ -82,18 +93,23 @@ def write_native(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, 
                  max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False,
                  progress: Callable[[int], object] | None = None,
                  extra_files: Iterable[Path] = (),
-                 write_extra: Callable[[Path], object] | None = None) -> Path:
+                 write_extra: Callable[[Path], object] | None = None,
+                 quantization: Quantization | None = None) -> Path:
     """Write a native checkpoint atomically.
 
     `specs` maps every canonical name to (shape, numpy dtype); `fetch(name)` returns that tensor
     as a numpy array when it is written, so only one tensor need be in memory at a time. The
     names and shapes are checked against `config` before anything is written; `extra_files`
     (tokenizer files) are copied alongside, and `write_extra(directory)` may add more files (a
-    classification head) inside the same atomic write.
+    classification head) inside the same atomic write. `quantization`: the projections in
+    `specs` are int8 with their scales (bridge.quantize), declared in config.json.
     """
-    ordered = check_specs(config, specs, "tensors to write")
+    ordered = check_specs(config, specs, "tensors to write", quantization=quantization)
+    fields = config.to_dict()
+    if quantization is not None:
+        fields["quantization"] = quantization.to_dict()
     with atomic_directory(path, overwrite=overwrite) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(fields, indent=2) + "\n")
         write_safetensors_dir(tmp, ordered, fetch, max_shard_size=max_shard_size, progress=progress)
         copy_files(extra_files, tmp)
         if write_extra is not None:

@@ -1,0 +1,165 @@
+"""int8 weight-only quantisation: the arithmetic both twins share, and how a checkpoint holds it.
+
+Each projection weight W (out, in) - wq, wk, wv, wo, w1, w2, w3 and an untied LM head - becomes
+int8 values Q and float32 scales s, symmetric (no zero point), per output channel or per group of
+`group_size` consecutive input columns:
+
+    s[o, g] = max |W[o, g*G:(g+1)*G]| / 127        (1 where that block is all zeros)
+    Q[o, i] = round(W[o, i] / s[o, i // G])        in [-127, 127], ties to even (numpy, jnp, torch)
+    W ~ Q * s                                      |error| <= s / 2 per weight
+
+Per channel is one group spanning the whole row (G = in), so the scales are always (out, in / G):
+(out, 1) per channel. Embeddings and norms keep their dtype: the embedding is a lookup (it is
+read one row per token, so int8 would save nothing a decode step reads), and a tied LM head is the
+embedding itself.
+
+On disk (the native format) a quantised tensor is the int8 `<name>` (canonical shape, e.g.
+`layers.0.attention.wq.weight`) plus its float32 `<name>_scale` (out, in / G), and config.json
+declares it: `"quantization": {"method": "int8", "group_size": null | G}`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .config import LlamaConfig
+from .errors import BridgeError
+from .tensors import canonical_shapes
+
+METHODS = ("int8",)
+QMAX = 127
+SCALE_SUFFIX = "_scale"
+# The canonical weights that are quantised: the projections (and the untied LM head).
+QUANTIZED_SUFFIXES = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+                      "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
+                      "feed_forward.w3.weight")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a model's projection weights are quantised: `method` (int8) and `group_size` (None:
+    one scale per output channel; G: one per G consecutive input columns of each row)."""
+
+    method: str = "int8"
+    group_size: int | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise BridgeError(f"unknown method {self.method!r}; known: {', '.join(METHODS)}",
+                              field="quantize")
+        g = self.group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g <= 0):
+            raise BridgeError(f"must be a positive integer or None (got {g!r})",
+                              field="group_size")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "group_size": self.group_size}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "config.json") -> "Quantization":
+        if not isinstance(d, Mapping) or set(d) - {"method", "group_size"}:
+            raise BridgeError(f"{where}: 'quantization' must be an object with 'method' and "
+                              f"'group_size' (got {d!r})")
+        try:
+            return cls(d.get("method", "int8"), d.get("group_size"))
+        except BridgeError as e:
+            raise BridgeError(f"{where}: quantization.{e.field}: {e.message}") from None
+
+    def groups(self, in_features: int, name: str = "weight") -> int:
+        """Scale columns of a weight with `in_features` inputs; refuses a group size that does
+        not divide them."""
+        if self.group_size is None:
+            return 1
+        if in_features % self.group_size:
+            raise BridgeError(f"{self.group_size} does not divide the {in_features} input "
+                              f"columns of '{name}'", field="group_size")
+        return in_features // self.group_size
+
+
+def quantized_names(config: LlamaConfig) -> list[str]:
+    """The canonical tensors a quantised checkpoint of `config` holds as int8."""
+    names = [n for n in canonical_shapes(config)
+             if n.startswith("layers.") and n.split(".", 2)[2] in QUANTIZED_SUFFIXES]
+    return names if config.tie_embeddings else names + ["output.weight"]
+
+
+def scale_shapes(config: LlamaConfig, quantization: Quantization) -> dict[str, tuple[int, int]]:
+    """`<name>_scale` -> (out, in / G) for every quantised tensor; refuses, naming the first
+    tensor, a group size that does not divide its input columns (checked before any work)."""
+    shapes = canonical_shapes(config)
+    return {name + SCALE_SUFFIX: (shapes[name][0], quantization.groups(shapes[name][1], name))
+            for name in quantized_names(config)}
+
+
+def checkpoint_shapes(config: LlamaConfig,
+                      quantization: Quantization | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `config` holds, in order: bridge.tensors.canonical_shapes,
+    with each quantised projection's `<name>_scale` right after it."""
+    shapes = canonical_shapes(config)
+    if quantization is None:
+        return shapes
+    scales = scale_shapes(config, quantization)
+    out = {}
+    for name, shape in shapes.items():
+        out[name] = shape
+        if name + SCALE_SUFFIX in scales:
+            out[name + SCALE_SUFFIX] = scales[name + SCALE_SUFFIX]
+    return out
+
+
+def check_quantizable(config: LlamaConfig, quantization: Quantization) -> None:
+    """Refuse up front a model whose dims the group size does not divide."""
+    scale_shapes(config, quantization)
+
+
+def quantize_weight(w_OI: np.ndarray, group_size: int | None = None,
+                    name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """W (out, in) float -> (Q (out, in) int8, s (out, in / G) float32), computed in float32
+    (float64 for float64 W, so a float64 reference quantises the same way)."""
+    w = np.asarray(w_OI)
+    if w.ndim != 2:
+        raise BridgeError(f"tensor '{name}': expected a 2-D weight, got shape {w.shape}")
+    wide = np.float64 if w.dtype == np.float64 else np.float32
+    O, I = w.shape
+    groups = Quantization(group_size=group_size).groups(I, name)
+    blocks = w.astype(wide).reshape(O, groups, I // groups)
+    amax = np.abs(blocks).max(axis=-1)
+    scale = np.where(amax > 0, amax / QMAX, 1).astype(np.float32)
+    q = np.clip(np.rint(blocks / scale[..., None].astype(wide)), -QMAX, QMAX).astype(np.int8)
+    return q.reshape(O, I), scale
+
+
+def dequantize_weight(q_OI: np.ndarray, scale_OG: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """Q (out, in) int8 and s (out, in / G) -> Q * s (out, in) in `dtype` (the product in
+    float32, then one rounding: what the twins' matmuls see)."""
+    O, I = q_OI.shape
+    groups = scale_OG.shape[1]
+    w = q_OI.reshape(O, groups, I // groups).astype(np.float32) * scale_OG[..., None].astype(np.float32)
+    return w.reshape(O, I).astype(dtype)
+
+
+def quantized_specs(config: LlamaConfig, quantization: Quantization, specs: dict):
+    """Float `specs` (name -> (shape, dtype)) -> (the specs of the quantised checkpoint: int8
+    projections each followed by its float32 scale; quantized(name, read) -> (Q, s) of one
+    projection, read(name) giving its float weight). Each weight is quantised once, when the
+    first of its two tensors is asked for, and kept only until the other one is."""
+    int8 = set(quantized_names(config))
+    scales = scale_shapes(config, quantization)
+    out = {}
+    for name, (shape, dtype) in specs.items():
+        out[name] = (shape, np.dtype(np.int8)) if name in int8 else (shape, dtype)
+        if name in int8:
+            out[name + SCALE_SUFFIX] = (scales[name + SCALE_SUFFIX], np.dtype(np.float32))
+    held: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+    def quantized(name: str, read: Callable[[str], np.ndarray]):
+        if name in held:
+            return held.pop(name)
+        held.clear()
+        held[name] = quantize_weight(read(name), quantization.group_size, name)
+        return held[name]
+
+    return out, quantized

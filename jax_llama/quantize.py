@@ -1,0 +1,64 @@
+"""int8 weight-only quantisation of a params pytree (bridge.quantize has the arithmetic).
+
+    qparams = jax_llama.quantize(params)                  # per output channel
+    qparams = jax_llama.quantize(params, group_size=64)   # per 64 input columns of each row
+    logits = model.apply({"params": qparams}, tokens)     # the same module: a Linear whose
+                                                          # params hold a `scale` runs int8
+    jax_llama.save(path, config, qparams)                 # int8 + scales, declared in config.json
+
+Each projection's `kernel` becomes int8 (in, out) beside a float32 `scale` (in / G, out); the
+embedding, the norms, a tied LM head and any LoRA adapters are left as they are. The numbers
+are those of bridge.quantize.quantize_weight on the canonical (out, in) weight, the same the
+torch twin and `llama-bridge convert --quantize int8` compute.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bridge.errors import BridgeError
+from bridge.quantize import Quantization, quantize_weight
+
+from .checkpoint import host_array, modules, quantization_of
+
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")
+
+
+def quantize(params, group_size: int | None = None, method: str = "int8"):
+    """A copy of `params` with every projection int8 (see the module docstring); refuses params
+    that are quantised already, and a group size that does not divide a projection's inputs
+    (naming it) before anything is converted."""
+    quantization = Quantization(method, group_size)
+    if quantization_of(params) is not None:
+        raise BridgeError("already quantised", field="params")
+    kernels = list(_projection_kernels(params))
+    for path, leaf in kernels:
+        quantization.groups(leaf.shape[-2], "/".join(path))
+
+    def one(kernel_IO: np.ndarray, name: str):
+        q_OI, scale_OG = quantize_weight(kernel_IO.T, group_size, name)
+        return q_OI.T, scale_OG.T
+
+    out = jax.tree_util.tree_map(lambda x: x, params)  # a new tree; the arrays are shared
+    for path, leaf in kernels:
+        host = host_array(leaf)
+        name = "/".join(path)
+        if host.ndim == 3:  # scan_layers: (L, in, out)
+            pairs = [one(layer, f"{name}[{i}]") for i, layer in enumerate(host)]
+            q, scale = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+        else:
+            q, scale = one(host, name)
+        node = out
+        for key in path[:-1]:
+            node = node[key]
+        node["kernel"], node["scale"] = jnp.asarray(q), jnp.asarray(scale)
+    return out
+
+
+def _projection_kernels(params):
+    """(path to the kernel, kernel) of every projection: a module named wq ... w3 or output."""
+    for path, node in modules(params):
+        if path and path[-1] in PROJECTIONS and "kernel" in node:
+            yield path + ("kernel",), node["kernel"]

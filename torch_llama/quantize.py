@@ -1,0 +1,47 @@
+"""int8 weight-only quantisation of a torch_llama model, in place (bridge.quantize has the
+arithmetic; jax_llama.quantize is the twin).
+
+    torch_llama.quantize(model)                  # per output channel
+    torch_llama.quantize(model, group_size=64)   # per 64 input columns of each row
+    torch_llama.save(path, model)                # int8 + scales, declared in config.json
+
+Each projection's `weight` becomes a frozen int8 tensor beside a float32 `weight_scale` buffer
+(state_dict keys `<name>` and `<name>_scale`, the native format's); the embedding, the norms, a
+tied LM head and LoRA adapters are left as they are.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from bridge.errors import BridgeError
+from bridge.quantize import Quantization, check_quantizable
+
+from .model import Linear, Llama
+
+
+def quantize(model: Llama, group_size: int | None = None, method: str = "int8") -> Llama:
+    """Quantise `model`'s projections in place and return it; refuses a model quantised
+    already, and a group size that does not divide a projection's inputs (naming it) before
+    anything is converted."""
+    quantization = Quantization(method, group_size)
+    if quantization_of(model) is not None:
+        raise BridgeError("already quantised", field="model")
+    check_quantizable(model.config, quantization)
+    for name, module in projections(model):
+        module.quantize(quantization, name + ".weight")
+    return model
+
+
+def projections(model: nn.Module) -> list[tuple[str, Linear]]:
+    """(name, module) of every projection: the Linears (wq ... w3, and an untied LM head)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+
+
+def quantization_of(model: nn.Module) -> Quantization | None:
+    """The Quantization `model` holds, from its first int8 projection; None for a float model."""
+    for _, m in projections(model):
+        if hasattr(m, "weight_scale"):
+            groups = m.weight_scale.shape[1]
+            return Quantization(group_size=None if groups == 1 else m.in_features // groups)
+    return None
