@@ -15,7 +15,8 @@ _SCAN_CHUNK = 1 << 24  # elements per NaN / Inf count: 16 MiB of booleans at a t
 
 
 def describe(ckpt: Checkpoint) -> dict:
-    """path, format, config, parameters, tensors, files, dtypes, bytes and notes, as JSON values."""
+    """path, format, config, parameters, tensors, files, dtypes, bytes, quantization and notes,
+    as JSON values."""
     return {
         "path": str(ckpt.path),
         "format": ckpt.format,
@@ -25,8 +26,16 @@ def describe(ckpt: Checkpoint) -> dict:
         "files": [str(f.relative_to(ckpt.path)) if f != ckpt.path else f.name for f in ckpt.files],
         "dtypes": sorted({dtype.name for _, dtype in ckpt.specs.values()}),
         "bytes": ckpt.nbytes,
-        "notes": ckpt.notes,
+        "quantization": None if ckpt.quantization is None else ckpt.quantization.to_dict(),
+        "notes": ckpt.notes + ([] if ckpt.quantization is None else [_quantized_note(ckpt)]),
     }
+
+
+def _quantized_note(ckpt: Checkpoint) -> str:
+    q = ckpt.quantization
+    per = "output channel" if q.group_size is None else f"{q.group_size} input columns"
+    return (f"{q.method} weight-only: the projections int8 with a float32 scale per {per}; "
+            f"the jax-llama and torch-llama commands run it, conversions refuse it")
 
 
 def scan_non_finite(ckpt: Checkpoint, progress: bool = True) -> dict[str, dict[str, int]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
@@ -9,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.config import LlamaConfig
-from bridge.tensors import count_params
+from bridge.quantize import Quantization, quantized_names, scale_shapes
+from bridge.tensors import canonical_shapes, count_params
 
 
 def matmul_params(config: LlamaConfig) -> int:
@@ -66,6 +68,14 @@ def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> float
     return best
 
 
-def decode_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 4) -> int:
-    """Weight bytes one decode step must read: every matmul weight, plus one embedding row."""
-    return (matmul_params(config) + config.dim) * dtype_bytes
+def decode_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 4,
+                           quantization: Quantization | None = None) -> int:
+    """Weight bytes one decode step must read: every matmul weight, plus one embedding row; with
+    int8 `quantization`, one byte per projection weight plus its float32 scales (a tied LM
+    head, the embedding itself, stays in the dtype)."""
+    if quantization is None:
+        return (matmul_params(config) + config.dim) * dtype_bytes
+    shapes = canonical_shapes(config)
+    int8 = sum(math.prod(shapes[name]) for name in quantized_names(config))
+    scales = sum(math.prod(shape) for shape in scale_shapes(config, quantization).values())
+    return int8 + 4 * scales + (matmul_params(config) - int8 + config.dim) * dtype_bytes

@@ -80,6 +80,13 @@ def test_bench_quick_runs_everything_and_writes_json_and_markdown(tmp_path):
         rows = b["decode"]["rows"][impl]
         assert set(rows) == {"1", "8"} and rows["1"]["ttft_s"] > 0, impl
         assert {"decode_tokens_per_s", "vs_transformers", "of_bandwidth_bound"} <= set(rows["1"])
+    int8 = ["jax-llama int8", "torch_llama int8", "jax-llama int8 bf16", "torch_llama int8 bf16"]
+    assert set(b["decode"]["rows"]) == {*IMPLEMENTATIONS, *int8}
+    assert set(b["decode"]["int8_bound_tokens_per_s"]) == set(int8)
+    for label in int8:  # each against its own bound: fewer bytes than float32, a higher bound
+        rows = b["decode"]["rows"][label]
+        assert set(rows) == {"1", "8"} and rows["1"]["ttft_s"] > 0, label
+        assert rows["1"]["bound_tokens_per_s"] > 2 * b["decode"]["bound_tokens_per_s"], label
     assert set(b["convert"]["rows"]) == {"cp", "hf -> native", "native -> hf"}
     assert all(r["peak_rss_bytes"] > 0 and r["median_s"] > 0 for r in b["convert"]["rows"].values())
     assert set(b["compile"]["rows"]) == {"scan_layers=True", "scan_layers=False"}

@@ -21,6 +21,7 @@ from bridge.sampling import Generation, Sampler
 
 from .checkpoint import load, save
 from .classify import Classifier, load_classifier, predict
+from .eval import evaluate
 from .generate import generate
 from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, LlamaOutput,
                     RMSNorm, apply_rope, check_inputs, init, last_real_index, resolve_device,
@@ -34,6 +35,6 @@ __all__ = ["AdamW", "Attention", "Block", "Classifier", "FeedForward", "Generati
            "Llama", "LlamaClassifier", "LlamaConfig", "LlamaOutput", "LoraConfig",
            "PRESETS", "RMSNorm", "Sampler", "adapter_of", "add_lora", "apply_rope",
            "check_inputs", "clip_by_global_norm", "cosine_decay_schedule", "decay_mask",
-           "generate", "init", "last_real_index", "linear_schedule", "load", "load_classifier",
-           "merge_lora", "predict", "quantize", "resolve_device", "resolve_dtype", "rope_cos_sin",
-           "save", "save_adapter", "warmup_cosine_decay_schedule"]
+           "evaluate", "generate", "init", "last_real_index", "linear_schedule", "load",
+           "load_classifier", "merge_lora", "predict", "quantize", "resolve_device",
+           "resolve_dtype", "rope_cos_sin", "save", "save_adapter", "warmup_cosine_decay_schedule"]

@@ -43,6 +43,7 @@ class Spec:
     prompt_len: int = 16      # decode: prompt tokens per row
     new_tokens: int = 128     # decode: tokens generated per row
     decode_batches: tuple[int, ...] = (1, 8)
+    quantize: str | None = None  # decode: "int8" runs our twins on int8 weights (per channel)
     warmup: int = 2           # untimed runs first: the first compiles (JAX) or warms caches
     repeats: int = 3          # timed runs per worker process
 

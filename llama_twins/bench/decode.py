@@ -5,7 +5,9 @@ at each batch size; each implementation in a worker process of its own, in alter
 (llama_twins.bench.common). Time to first token (prefill + one token) is reported apart from decode:
 decode tokens/s = (new_tokens - 1) x batch / (time for new_tokens - time for 1). The bandwidth
 bound of batch 1 is this machine's measured read bandwidth over the weight bytes a decode step
-reads (jax_llama.perf.decode_bytes_per_token).
+reads (jax_llama.perf.decode_bytes_per_token). The int8 rows run our twins on int8 weights
+(jax_llama.quantize / torch_llama.quantize, per output channel), in the bench's dtype and with
+bfloat16 activations, each against its own bound (int8 bytes).
 
     python -m llama_twins.bench.decode [--out DIR]    # writes DIR/generate.{md,json} (DIR: .)
 """
@@ -13,6 +15,7 @@ reads (jax_llama.perf.decode_bytes_per_token).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -31,6 +34,8 @@ def jax_runner(spec: Spec):
     import jax_llama
     from jax_llama.generate import generate
     model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype, param_dtype=spec.dtype)
+    if spec.quantize:
+        params = jax_llama.quantize(params, method=spec.quantize)
     return lambda batch, n: generate(model, params, [prompt(spec)] * batch, n), lambda: None
 
 
@@ -42,6 +47,8 @@ def twin_runner(spec: Spec):
     device, sync = torch_device()
     torch.manual_seed(0)
     model = torch_llama.Llama(spec.config).to(device=device, dtype=getattr(torch, spec.dtype)).eval()
+    if spec.quantize:
+        torch_llama.quantize(model, method=spec.quantize)
     return lambda batch, n: torch_llama.generate(model, [prompt(spec)] * batch, n), sync
 
 
@@ -70,10 +77,40 @@ def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
     return result
 
 
-def summarize(times: dict[str, dict | None], spec: Spec, bandwidth: float) -> dict:
-    """times[impl] = measure()'s lists pooled over rounds (None: not run) -> the JSON entry."""
+def int8_variants(spec: Spec) -> dict[str, Spec]:
+    """The int8 rows: our twins on int8 weights (per channel) in the bench's dtype, and, where
+    that is not bfloat16 already, with bfloat16 activations too: the dtype torch's int8 weight
+    kernel (torch._weight_int8pack_mm) multiplies in."""
+    variants = {f"{impl} int8": dataclasses.replace(spec, quantize="int8") for impl in (JAX, TWIN)}
+    if spec.dtype != "bfloat16":
+        variants.update({f"{impl} int8 bf16": dataclasses.replace(spec, quantize="int8",
+                                                                  dtype="bfloat16")
+                         for impl in (JAX, TWIN)})
+    return variants
+
+
+def run_int8(spec: Spec, rounds: int) -> dict[str, dict | None]:
+    """times[label] of each int8 variant, each in its own worker processes."""
+    times = {}
+    for label, variant in int8_variants(spec).items():
+        impl = label.split(" ")[0]
+        times[label] = run_rounds(("decode",), (impl,), variant, rounds)[impl]["decode"]
+    return times
+
+
+def bytes_per_token(spec: Spec, label: str) -> int:
+    """The weight bytes a decode step of row `label` reads (int8 rows: their own)."""
+    from bridge.quantize import Quantization
     from jax_llama.perf import decode_bytes_per_token
-    weight_bytes = decode_bytes_per_token(spec.config, numpy_dtype(spec.dtype).itemsize)
+    variant = int8_variants(spec).get(label, spec)
+    return decode_bytes_per_token(variant.config, numpy_dtype(variant.dtype).itemsize,
+                                  Quantization(variant.quantize) if variant.quantize else None)
+
+
+def summarize(times: dict[str, dict | None], spec: Spec, bandwidth: float) -> dict:
+    """times[impl] = measure()'s lists pooled over rounds (None: not run) -> the JSON entry.
+    Rows named in int8_variants are measured against their own (int8) bandwidth bound."""
+    weight_bytes = bytes_per_token(spec, JAX)
     bound = bandwidth / weight_bytes
     new, rows = spec.new_tokens, {}
     for impl, t in times.items():
@@ -87,12 +124,18 @@ def summarize(times: dict[str, dict | None], spec: Spec, bandwidth: float) -> di
     for batch in spec.decode_batches:
         per_batch = {impl: r and r[str(batch)] for impl, r in rows.items()}
         add_ratios(per_batch, "decode_tokens_per_s")
-    for r in rows.values():
+    int8_bound = {}
+    for label, r in rows.items():
         if r and "1" in r:
             rate = r["1"]["decode_tokens_per_s"]
-            r["1"]["of_bandwidth_bound"] = None if rate is None else rate / bound
+            row_bound = bandwidth / bytes_per_token(spec, label)
+            r["1"]["bound_tokens_per_s"] = row_bound
+            r["1"]["of_bandwidth_bound"] = None if rate is None else rate / row_bound
+            if label in int8_variants(spec):
+                int8_bound[label] = row_bound
     return {"prompt_len": spec.prompt_len, "new_tokens": new, "batches": list(spec.decode_batches),
-            "weight_bytes_per_token": weight_bytes, "bound_tokens_per_s": bound, "rows": rows}
+            "weight_bytes_per_token": weight_bytes, "bound_tokens_per_s": bound,
+            "int8_bound_tokens_per_s": int8_bound, "rows": rows}
 
 
 def markdown(result: dict, dtype: str) -> list[str]:
@@ -102,6 +145,8 @@ def markdown(result: dict, dtype: str) -> list[str]:
              f"weights per step)", "",
              "| implementation | batch | time to first token | decode tokens/s | vs transformers | "
              "of bandwidth bound |", "|---|---|---|---|---|---|"]
+    for label, bound in result.get("int8_bound_tokens_per_s", {}).items():
+        lines[0] += f"; {label}: {bound:,.0f} tokens/s"
     if any(r and (r.get("1", {}).get("of_bandwidth_bound") or 0) > 1 for r in result["rows"].values()):
         lines[0] += " (above 100%: the weights fit in a cache, so memory bandwidth does not bind)"
     for impl, r in result["rows"].items():
@@ -122,14 +167,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".", help="directory for generate.{md,json} (default .)")
+    parser.add_argument("--no-int8", action="store_true", help="skip the int8 rows")
     args = parser.parse_args(argv)
     spec, found = Spec(warmup=1, repeats=args.repeats), probe()
     if missing_note(found):
         say(f"warning: {missing_note(found)}")
     bandwidth = spawn("machine", spec)["read_bandwidth"]
     times = run_rounds(("decode",), available(found), spec, args.rounds)
-    result = summarize({impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)},
-                       spec, bandwidth)
+    per_row = {impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)}
+    if not args.no_int8:
+        per_row.update(run_int8(spec, args.rounds))
+    result = summarize(per_row, spec, bandwidth)
     lines = [f"{describe(spec.config)}; measured read bandwidth {bandwidth / 1e9:.1f} GB/s; "
              f"medians of {args.rounds} rounds x {args.repeats} runs, each implementation in its "
              f"own process", "", *markdown(result, spec.dtype)]

@@ -1,0 +1,295 @@
+"""int8 weight-only quantisation: the arithmetic, both twins on the same int8 weights, the native
+format that holds them, the commands, and what is refused."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+
+import jax_llama
+import torch_llama
+from bridge.convert import convert
+from bridge.errors import BridgeError
+from bridge.formats import open_checkpoint
+from bridge.quantize import Quantization, dequantize_weight, quantize_weight
+from conftest import (jax_logits, random_tokens, save_random_checkpoint, small_config, torch_logits,
+                      torch_model)
+from llama_twins import bridge_cli, jax_cli, torch_cli
+
+# small_config's dims: 48 model, 80 ffn; 16 divides both
+CONFIG = small_config()
+
+
+def softmax_kl(p_logits, q_logits) -> float:
+    """Mean KL(p || q) over positions, from logits."""
+    p = p_logits - p_logits.max(-1, keepdims=True)
+    q = q_logits - q_logits.max(-1, keepdims=True)
+    logp = p - np.log(np.exp(p).sum(-1, keepdims=True))
+    logq = q - np.log(np.exp(q).sum(-1, keepdims=True))
+    return float((np.exp(logp) * (logp - logq)).sum(-1).mean())
+
+
+# -- the arithmetic --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group_size", [None, 4, 16])
+def test_quantize_weight_is_symmetric_and_within_half_a_step(group_size, rng):
+    w = rng.normal(size=(24, 32)).astype(np.float32)
+    w[3] = 0.0  # an all-zero row: scale 1, values 0, no division by zero
+    q, scale = quantize_weight(w, group_size)
+    groups = 1 if group_size is None else 32 // group_size
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (24, groups)
+    assert np.abs(q).max() == 127 and q.min() >= -127  # symmetric: -128 never used
+    assert np.all(q[3] == 0) and np.all(scale[3] == 1)
+    blocks = np.abs(w).reshape(24, groups, -1).max(-1)
+    np.testing.assert_allclose(scale[np.arange(24) != 3], (blocks / 127)[np.arange(24) != 3],
+                               rtol=1e-6, atol=0)
+    step = np.repeat(scale, 32 // groups, axis=1)
+    # Rounding to the nearest step: the error is at most half a step (plus float32 rounding).
+    assert np.all(np.abs(dequantize_weight(q, scale) - w) <= step / 2 * (1 + 1e-5))
+
+
+def test_quantize_weight_by_hand():
+    w = np.array([[1.27, -0.635, 0.0, 0.005]], np.float32)
+    q, scale = quantize_weight(w)
+    np.testing.assert_allclose(scale, [[0.01]], rtol=1e-6)
+    # 0.005 / 0.01 = 0.5 rounds to even (0), as jnp.round and torch.round do
+    assert q.tolist() == [[127, -64, 0, 0]]
+
+
+def test_group_size_that_does_not_divide_is_refused_naming_the_tensor():
+    with pytest.raises(BridgeError, match="group_size: 32 does not divide the 80 input columns "
+                                          "of 'layers.0.feed_forward.w2.weight'"):
+        Quantization(group_size=32).groups(80, "layers.0.feed_forward.w2.weight")
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(BridgeError, match="group_size: must be a positive integer"):
+            Quantization(group_size=bad)
+    with pytest.raises(BridgeError, match="quantize: unknown method 'int4'"):
+        Quantization("int4")
+
+
+# -- the twins on the same int8 weights --------------------------------------------------------------
+
+@pytest.fixture(params=[(False, None), (False, 16), (True, None)], ids=["untied", "group16", "tied"])
+def float_checkpoint(request, tmp_path):
+    tied, group_size = request.param
+    config = small_config(tie_embeddings=tied)
+    return save_random_checkpoint(tmp_path / "float", config), config, group_size
+
+
+def test_both_twins_and_the_bridge_quantise_to_the_same_tensors(float_checkpoint, tmp_path):
+    path, config, group_size = float_checkpoint
+    model, params = jax_llama.load(path)
+    jax_llama.save(tmp_path / "jax", config, jax_llama.quantize(params, group_size))
+    torch_llama.save(tmp_path / "torch",
+                     torch_llama.quantize(torch_llama.load(path, device="cpu"), group_size))
+    convert(path, tmp_path / "bridge", quantize="int8", group_size=group_size, progress=False)
+    files = [safetensors.numpy.load_file(tmp_path / d / "model.safetensors")
+             for d in ("jax", "torch", "bridge")]
+    assert files[0].keys() == files[1].keys() == files[2].keys()
+    scales = [n for n in files[0] if n.endswith("_scale")]
+    assert len(scales) == 7 * config.n_layers + (0 if config.tie_embeddings else 1)
+    for name in files[0]:
+        for other in files[1:]:
+            np.testing.assert_array_equal(files[0][name], other[name], err_msg=name)
+    assert files[0]["layers.0.attention.wq.weight"].dtype == np.int8
+    assert files[0]["tok_embeddings.weight"].dtype == np.float32  # embeddings keep their dtype
+    declared = json.loads((tmp_path / "jax" / "config.json").read_text())["quantization"]
+    assert declared == {"method": "int8", "group_size": group_size}
+
+
+def test_twins_give_the_same_logits_on_int8_weights(float_checkpoint, tmp_path):
+    path, config, group_size = float_checkpoint
+    convert(path, tmp_path / "q", quantize="int8", group_size=group_size, progress=False)
+    tokens = random_tokens(config, batch=2, seq_len=12)
+    model, params = jax_llama.load(tmp_path / "q")
+    tmodel = torch_llama.load(tmp_path / "q", device="cpu")
+    # int8 is held as int8 in memory, in both twins
+    assert params["layers_0"]["attention"]["wq"]["kernel"].dtype == np.int8
+    assert tmodel.layers[0].attention.wq.weight.dtype == torch.int8
+    ours, theirs = jax_logits(model, params, tokens), torch_logits(tmodel, tokens)
+    # float32: the same products of the same int8 values and scales, summed in two orders
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=2e-5)
+    # ... and different from the float model's: the weights really are int8
+    float_model, float_params = jax_llama.load(path)
+    float_logits = jax_logits(float_model, float_params, tokens)
+    assert np.abs(ours - float_logits).max() > 1e-4
+    # but close to it: int8 rounding moves each weight by at most half a step (0.4% of its
+    # row's largest), which moves the next-token distributions by a KL far below a nat
+    assert softmax_kl(float_logits, ours) < 1e-3
+
+
+def test_bfloat16_twins_on_int8_weights_agree_to_bfloat16_rounding(tmp_path):
+    path = save_random_checkpoint(tmp_path / "float", CONFIG)
+    convert(path, tmp_path / "q", quantize="int8", progress=False)
+    tokens = random_tokens(CONFIG, batch=2, seq_len=12)
+    model, params = jax_llama.load(tmp_path / "q", dtype="bfloat16")
+    tmodel = torch_llama.load(tmp_path / "q", device="cpu", dtype="bfloat16")  # int8 kernel
+    ours, theirs = jax_logits(model, params, tokens), torch_logits(tmodel, tokens)
+    f32_model, f32_params = jax_llama.load(tmp_path / "q")
+    exact = jax_logits(f32_model, f32_params, tokens)
+    scale = np.abs(exact).max()
+    # each bfloat16 run within a few bfloat16 steps (2^-8 relative) of the float32 run of the
+    # same int8 weights, and so within twice that of each other
+    for logits in (ours, theirs):
+        assert np.abs(logits - exact).max() < 4 * 2**-8 * scale
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=8 * 2**-8 * scale)
+
+
+def test_scan_layers_quantise_the_same(tmp_path):
+    path = save_random_checkpoint(tmp_path / "float", CONFIG)
+    model, params = jax_llama.load(path)
+    _, scanned = jax_llama.load(path, scan_layers=True)  # the same weights, stacked
+    tokens = random_tokens(CONFIG)
+    jax_llama.save(tmp_path / "a", CONFIG, jax_llama.quantize(params, 16))
+    jax_llama.save(tmp_path / "b", CONFIG, jax_llama.quantize(scanned, 16))
+    a = safetensors.numpy.load_file(tmp_path / "a" / "model.safetensors")
+    b = safetensors.numpy.load_file(tmp_path / "b" / "model.safetensors")
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    loaded_model, loaded = jax_llama.load(tmp_path / "a", scan_layers=True)
+    np.testing.assert_allclose(jax_logits(loaded_model, loaded, tokens),
+                               jax_logits(model, jax_llama.quantize(params, 16), tokens),
+                               rtol=0, atol=1e-5)  # scanned and unrolled blocks: summation order
+
+
+def test_int8_generation_is_identical_in_both_twins(tmp_path):
+    # A sharpened head (conftest.torch_model) so greedy choices are not float32 near-ties.
+    torch_llama.save(tmp_path / "float", torch_model(CONFIG, seed=3, head_scale=30.0))
+    convert(tmp_path / "float", tmp_path / "q", quantize="int8", progress=False)
+    prompts = [[5, 7, 11], [3, 1, 4, 1, 5, 9, 2]]
+    model, params = jax_llama.load(tmp_path / "q")
+    ours = jax_llama.generate(model, params, prompts, 24).tokens
+    theirs = torch_llama.generate(torch_llama.load(tmp_path / "q", device="cpu"), prompts, 24).tokens
+    assert ours == theirs and len(ours[0]) == 24
+
+
+# -- refused -------------------------------------------------------------------------------------------
+
+def test_quantising_twice_is_refused(tmp_path):
+    _, params = jax_llama.init(CONFIG)
+    with pytest.raises(BridgeError, match="params: already quantised"):
+        jax_llama.quantize(jax_llama.quantize(params))
+    tmodel = torch_llama.quantize(torch_model(CONFIG))
+    with pytest.raises(BridgeError, match="model: already quantised"):
+        torch_llama.quantize(tmodel)
+
+
+def test_group_size_refused_in_both_twins_before_anything_changes():
+    _, params = jax_llama.init(CONFIG)
+    with pytest.raises(BridgeError, match="group_size: 32 does not divide the 48 input columns"):
+        jax_llama.quantize(params, 32)
+    tmodel = torch_model(CONFIG)
+    with pytest.raises(BridgeError, match="group_size: 32 does not divide the 48 input columns"):
+        torch_llama.quantize(tmodel, 32)
+    assert tmodel.layers[0].attention.wq.weight.dtype == torch.float32  # untouched
+
+
+def test_int8_checkpoints_are_not_converted_or_merged_into(tmp_path):
+    path = save_random_checkpoint(tmp_path / "float", CONFIG)
+    convert(path, tmp_path / "q", quantize="int8", progress=False)
+    for to in ("native", "hf", "meta", "llama2c"):
+        with pytest.raises(BridgeError, match="holds int8-quantised weights"):
+            convert(tmp_path / "q", tmp_path / f"out-{to}", to, progress=False)
+        assert not (tmp_path / f"out-{to}").exists()
+    with pytest.raises(BridgeError, match="quantize: int8 weights are stored in the native "
+                                          "format only, not hf"):
+        convert(path, tmp_path / "hf", "hf", quantize="int8", progress=False)
+    with pytest.raises(BridgeError, match="adapter: .* holds int8 weights"):
+        jax_llama.load(tmp_path / "q", adapter=tmp_path / "any")
+    with pytest.raises(BridgeError, match="adapter: .* holds int8 weights"):
+        torch_llama.load(tmp_path / "q", adapter=tmp_path / "any")
+
+
+def _rewrite(path, change_config=None, change_tensors=None):
+    if change_config:
+        config = json.loads((path / "config.json").read_text())
+        change_config(config)
+        (path / "config.json").write_text(json.dumps(config))
+    if change_tensors:
+        tensors = safetensors.numpy.load_file(path / "model.safetensors")
+        change_tensors(tensors)
+        safetensors.numpy.save_file(tensors, path / "model.safetensors")
+
+
+@pytest.mark.parametrize("change_config, change_tensors, message", [
+    (None, lambda t: t.pop("layers.1.feed_forward.w2.weight_scale"),
+     "tensor 'layers.1.feed_forward.w2.weight_scale' is missing"),
+    (None, lambda t: t.update({"layers.0.attention.wq.weight":
+                               t["layers.0.attention.wq.weight"].astype(np.float32)}),
+     "tensor 'layers.0.attention.wq.weight' has dtype float32, but config.json declares int8"),
+    (None, lambda t: t.update({"output.weight_scale": t["output.weight_scale"].astype(np.float16)}),
+     "tensor 'output.weight_scale' has dtype float16, expected float32 scales"),
+    (lambda c: c["quantization"].update(group_size=16), None,
+     "tensor 'layers.0.attention.wq.weight_scale' has shape \\(48, 1\\), but config.json "
+     "implies \\(48, 3\\)"),
+    (lambda c: c["quantization"].update(group_size=7), None,
+     "config.json: quantization.group_size: 7 does not divide the 48 input columns"),
+    (lambda c: c["quantization"].update(method="int4"), None,
+     "config.json: quantization.quantize: unknown method 'int4'"),
+    (lambda c: c.update(quantization="int8"), None, "'quantization' must be an object"),
+], ids=["missing-scale", "float-weight", "f16-scale", "wrong-groups", "bad-group", "bad-method",
+        "not-object"])
+def test_a_damaged_int8_checkpoint_is_refused_naming_the_tensor(tmp_path, change_config,
+                                                                change_tensors, message):
+    convert(save_random_checkpoint(tmp_path / "float", CONFIG), tmp_path / "q", quantize="int8",
+            progress=False)
+    _rewrite(tmp_path / "q", change_config, change_tensors)
+    with pytest.raises(BridgeError, match=message):
+        open_checkpoint(tmp_path / "q")
+    with pytest.raises(BridgeError, match=message):
+        jax_llama.load(tmp_path / "q")
+
+
+# -- the commands ----------------------------------------------------------------------------------------
+
+def test_generate_quantize_in_both_commands(tmp_path, capsys):
+    ckpt = save_random_checkpoint(tmp_path / "float", small_config(vocab_size=259), tokenizer=True)
+    texts = []
+    for main in (jax_cli.main, torch_cli.main):
+        assert main(["generate", str(ckpt), "--prompt", "hi", "--max-new-tokens", "6",
+                     "--quantize", "int8", "--group-size", "16"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
+    assert bridge_cli.main(["convert", str(ckpt), str(tmp_path / "q"), "--quantize", "int8",
+                            "--group-size", "16", "--quiet"]) == 0
+    capsys.readouterr()
+    # an int8 checkpoint runs as stored: --quantize with its own group size is accepted
+    assert jax_cli.main(["generate", str(tmp_path / "q"), "--prompt", "hi", "--max-new-tokens",
+                         "6", "--quantize", "int8"]) == 0
+    assert capsys.readouterr().out == texts[0]
+    assert bridge_cli.main(["inspect", str(tmp_path / "q"), "--json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["quantization"] == {"method": "int8", "group_size": 16}
+    assert "int8" in report["dtypes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["jax", "generate", "{float}", "--prompt", "a", "--group-size", "16"],
+     "--group-size: only with --quantize int8"),
+    (["torch", "generate", "{float}", "--prompt", "a", "--quantize", "int8", "--group-size", "32"],
+     "--group-size: 32 does not divide the 48 input columns of 'layers.0.attention.wq.weight'"),
+    (["jax", "generate", "{q}", "--prompt", "a", "--quantize", "int8", "--group-size", "16"],
+     "--group-size: .*q holds int8 weights quantised with group size None"),
+    (["jax", "generate", "{float}", "--prompt", "a", "--quantize", "int8", "--compare-torch"],
+     "--compare-torch: not with --quantize"),
+    (["bridge", "convert", "{float}", "{out}", "--quantize", "int8", "--group-size", "32"],
+     "--group-size: 32 does not divide"),
+    (["bridge", "convert", "{float}", "{out}", "--group-size", "16"],
+     "--group-size: sets the int8 quantisation's groups \\(add --quantize int8\\)"),
+    (["bridge", "convert", "{q}", "{out}"], "holds int8-quantised weights"),
+    (["bridge", "convert", "{float}", "{out}", "--to", "hf", "--quantize", "int8"],
+     "--quantize: int8 weights are stored in the native format only"),
+])
+def test_bad_quantize_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, argv, message):
+    ckpt = save_random_checkpoint(tmp_path / "float", small_config(vocab_size=259), tokenizer=True)
+    convert(ckpt, tmp_path / "q", quantize="int8", progress=False)
+    main = {"jax": jax_cli.main, "torch": torch_cli.main, "bridge": bridge_cli.main}[argv[0]]
+    paths = dict(float=ckpt, q=tmp_path / "q", out=tmp_path / "out")
+    assert main([a.format(**paths) for a in argv[1:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert re.search(message, err[0]), err[0]
+    assert not (tmp_path / "out").exists()
