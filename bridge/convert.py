@@ -86,6 +86,13 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
     src, dst = Path(src), Path(dst)
     if to not in FORMATS:
         raise BridgeError(f"unknown format {to!r}; known: {', '.join(FORMATS)}", field="to")
+    if to == "gguf" and dtype is not None:
+        # The GGUF writer casts each tensor itself (norms stay float32 whatever the file type).
+        from .formats.gguf import gguf_dtype
+        options["dtype"], dtype = gguf_dtype(dtype), None
+    if dtype == "q8_0":
+        raise BridgeError(f"q8_0 is a GGUF quantisation; only the gguf format holds it (got "
+                          f"to={to!r})", field="dtype")
     if dtype is not None and dtype not in DTYPE_NAMES:
         raise BridgeError(f"expected one of {', '.join(DTYPE_NAMES)}, got {dtype!r}", field="dtype")
     if to == "llama2c" and dtype not in (None, "float32"):
@@ -98,13 +105,13 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
             raise BridgeError(f"int8 weights are stored in the native format only, not {to}",
                               field="quantize")
     elif group_size is not None:
-        raise BridgeError("only with quantize='int8'", field="group_size")
+        raise BridgeError("sets the int8 quantisation's groups", field="group_size",
+                          hint=("quantize", "int8", "add {}"))
     ckpt = open_checkpoint(src, format=from_format)
     if ckpt.quantization is not None:
         raise BridgeError(f"{ckpt.path}: holds int8-quantised weights (config.json "
-                          f"'quantization'), which a conversion does not carry: convert the "
-                          f"float checkpoint it was made from (with quantize='int8' for a "
-                          f"native copy), or run it with jax_llama.load / torch_llama.load")
+                          f"'quantization'), which no conversion carries: convert the float "
+                          f"checkpoint it was made from instead")
     if quantization is not None:
         check_quantizable(ckpt.config, quantization)
     for source in (ckpt.path, *map(Path, inputs)):
@@ -118,9 +125,11 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
             raise BridgeError(f"{tokenizer}: no such file", field="tokenizer")
         kinds = {"tokenizer.model", "tokenizer.json", "tokenizer_config.json"}
         extra_files = [f for f in extra_files if Path(f).name not in kinds] + [Path(tokenizer)]
-    if to == "hf":  # read (and refused when it does not fit) before the progress bar starts
+    if to in ("hf", "gguf"):  # read (and refused when it does not fit) before the progress bar
         from .formats.hf import source_tokenizer
         options["tokenizer"] = source_tokenizer(extra_files, ckpt.config)
+    if to == "gguf" and "dtype" not in options:  # the source's dtype: float32 -> f32, ...
+        options["dtype"] = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}[ckpt.stored_dtype()]
 
     target = None if dtype is None else numpy_dtype(dtype)
     specs = {name: (shape, target or stored) for name, (shape, stored) in ckpt.specs.items()}

@@ -95,7 +95,8 @@ def cmd_convert(args) -> int:
 
     print(convert(args.src, args.dst, args.to, from_format=args.from_format, dtype=args.dtype,
                   max_shard_size=args.max_shard_size, force=args.force, progress=not args.quiet,
-                  tokenizer=args.tokenizer, **writer_options(args)))
+                  tokenizer=args.tokenizer, quantize=args.quantize, group_size=args.group_size,
+                  **writer_options(args)))
     return EXIT_OK
 
 
@@ -135,8 +136,9 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", choices=FORMATS, default="native", help="output format (default native)")
     p.add_argument("--from", dest="from_format", choices=FORMATS,
                    help="input format (default: detect)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES,
-                   help="cast every tensor (default: keep the stored dtype)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES + ("f32", "f16", "bf16", "q8_0"),
+                   help="cast every tensor (default: keep the stored dtype); for --to gguf also "
+                        "f32 / f16 / bf16 / q8_0, norms kept in f32 as llama.cpp does")
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors file for native / hf output (default 5GB)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
@@ -170,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     add_output_arguments(p)
+    p.add_argument("--quantize", choices=("int8",),
+                   help="--to native only: the projections as int8 with float32 scales (the rest "
+                        "in --dtype); jax-llama / torch-llama load it as it is")
+    p.add_argument("--group-size", type=int,
+                   help="with --quantize: one scale per this many input columns of each row "
+                        "(default: one per output channel)")
 
     p = add_command(sub, "merge-lora", cmd_merge_lora,
                     help="merge a PEFT LoRA adapter into its base checkpoint, one tensor at a time")

@@ -5,6 +5,7 @@ tensors (bridge.formats.base.Checkpoint) and writes one from (specs, fetch):
   hf       directory: Hugging Face config.json + safetensors, HF names, q/k permuted for half-split RoPE
   meta     directory: params.json + consolidated.NN.pth (one per model-parallel rank)
   llama2c  file: llama2.c's .bin export (v0 / v1 headers) or its .pt training checkpoint
+  gguf     file: llama.cpp's GGUF (F32 / F16 / BF16 / Q8_0), llama.cpp's names and metadata
 
 Detection looks only at file names and small headers; the format modules are imported when used.
 """
@@ -28,13 +29,14 @@ from .safetensors_dir import DEFAULT_MAX_SHARD_SIZE
 __all__ = ["FORMATS", "Checkpoint", "NativeCheckpoint", "detect_format", "open_checkpoint",
            "write_checkpoint", "write_native"]
 
-FORMATS = ("native", "hf", "meta", "llama2c")
+FORMATS = ("native", "hf", "meta", "llama2c", "gguf")
 # format -> (module, reader class, writer function)
 _MODULES = {
     "native": ("native", "NativeCheckpoint", "write_native"),
     "hf": ("hf", "HFCheckpoint", "write_hf"),
     "meta": ("meta", "MetaCheckpoint", "write_meta"),
     "llama2c": ("llama2c", "Llama2cCheckpoint", "write_llama2c"),
+    "gguf": ("gguf", "GGUFCheckpoint", "write_gguf"),
 }
 _SHARDED = ("native", "hf")  # formats that honour max_shard_size
 
@@ -60,9 +62,11 @@ def detect_format(path: str | os.PathLike) -> str:
             return "meta"
     elif path.suffix in (".bin", ".pt", ".pth"):
         return "llama2c"
+    elif path.suffix == ".gguf":
+        return "gguf"
     raise BridgeError(f"{path}: not a recognised checkpoint (expected a native or Hugging Face "
                       f"directory with config.json, a Meta directory with params.json and "
-                      f"consolidated.*.pth, or a llama2.c .bin / .pt file)")
+                      f"consolidated.*.pth, a llama2.c .bin / .pt file or a .gguf file)")
 
 
 def open_checkpoint(path: str | os.PathLike, format: str | None = None) -> Checkpoint:
