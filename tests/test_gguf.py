@@ -187,7 +187,8 @@ def test_without_a_tokenizer_warns_on_stderr(tmp_path, capsys):
 
 @pytest.mark.parametrize("changes", [dict(), dict(tie_embeddings=True), dict(n_kv_heads=1),
                                      dict(rope_scaling=SCALING, rope_theta=500000.0),
-                                     dict(head_dim=32, norm_eps=1e-6)])
+                                     dict(head_dim=32, norm_eps=1e-6),
+                                     dict(bos_id=1, eos_ids=(2, 5))])
 def test_native_gguf_native_is_bit_exact(tmp_path, changes):
     config = CFG.replace(**changes)
     src = save(tmp_path / "src", config)

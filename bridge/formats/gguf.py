@@ -48,6 +48,10 @@ GGUF_DTYPES = tuple(FILE_TYPES) + tuple(DTYPE_ALIASES)
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0")
 ROPE_FREQS = "rope_freqs.weight"
 OUR_KEY = "llama_bridge.rope_scaling."  # + RopeScaling field name
+# The config's own token ids (LlamaConfig.bos_id / eos_ids: what the checkpoint declares, e.g. a
+# base LLaMA 3's single EOS where its tokenizer also knows EOT and EOM), kept for the round trip;
+# a file without them takes BOS and EOS from the tokenizer.ggml.* keys.
+OUR_BOS, OUR_EOS = "llama_bridge.bos_id", "llama_bridge.eos_ids"
 # Canonical name -> GGUF name ({i} the layer); w1 is the gate, w3 the up, w2 the down projection.
 NAMES = {
     "tok_embeddings.weight": "token_embd.weight",
@@ -236,6 +240,10 @@ def _add_config(writer, config: LlamaConfig, file_type) -> None:
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if config.bos_id is not None:
+        writer.add_uint32(OUR_BOS, config.bos_id)
+    if config.eos_ids:
+        writer.add_array(OUR_EOS, [int(i) for i in config.eos_ids])
     s = config.rope_scaling
     if s is not None:
         writer.add_string(OUR_KEY + "type", s.type)
@@ -392,7 +400,8 @@ def _config(path: Path, fields: dict, specs: dict, rope_freqs: np.ndarray | None
             max_seq_len=key("context_length"),
             norm_eps=_f32_value(key("attention.layer_norm_rms_epsilon")), rope_theta=theta,
             rope_scaling=_rope_scaling(path, fields, theta, head_dim, rope_freqs),
-            tie_embeddings="output.weight" not in specs, head_dim=head_dim)
+            tie_embeddings="output.weight" not in specs, head_dim=head_dim,
+            **_token_ids(fields))
     except BridgeError as e:
         raise BridgeError(f"{path}: {e}") from None
     except TypeError as e:  # a key of the wrong type (a string where a number belongs)
@@ -400,6 +409,14 @@ def _config(path: Path, fields: dict, specs: dict, rope_freqs: np.ndarray | None
     if config.head_dim == config.dim // config.n_heads:
         config = config.replace(head_dim=None)
     return config
+
+
+def _token_ids(fields: dict) -> dict:
+    """bos_id and eos_ids: ours where we wrote them, else the tokenizer's BOS and EOS."""
+    if OUR_BOS in fields or OUR_EOS in fields:
+        return {"bos_id": fields.get(OUR_BOS), "eos_ids": tuple(fields.get(OUR_EOS, ()))}
+    bos, eos = (fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
+    return {"bos_id": bos, "eos_ids": () if eos is None else (eos,)}
 
 
 def _rope_scaling(path: Path, fields: dict, theta: float, head_dim: int,
