@@ -19,6 +19,7 @@ from bridge.sampling import Generation, Sampler
 
 from .checkpoint import load, save
 from .classify import Classifier, load_classifier, predict
+from .eval import evaluate
 from .generate import generate
 from .lora import adapter_of, add_lora, merge_lora, save_adapter
 from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, LlamaOutput,
@@ -30,6 +31,6 @@ from .train import TrainConfig, decay_mask, make_optimizer, make_train_step
 __all__ = ["Attention", "Block", "Classifier", "FeedForward", "Generation", "KVCache", "Llama",
            "LlamaClassifier", "LlamaConfig", "LlamaOutput", "LoraConfig", "PRESETS", "RMSNorm",
            "Sampler", "TrainConfig", "adapter_of", "add_lora", "apply_rope", "check_inputs",
-           "decay_mask", "generate", "init", "last_real_index", "load", "load_classifier",
-           "make_optimizer", "make_train_step", "merge_lora", "predict", "quantize", "resolve_dtype",
-           "rope_cos_sin", "save", "save_adapter"]
+           "decay_mask", "evaluate", "generate", "init", "last_real_index", "load",
+           "load_classifier", "make_optimizer", "make_train_step", "merge_lora", "predict",
+           "quantize", "resolve_dtype", "rope_cos_sin", "save", "save_adapter"]

@@ -86,6 +86,32 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="weights and compute (default: as stored)")
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter (PEFT format) merged into the "
                                                     "weights as they load")
+    add_quantize_arguments(p)
+
+
+def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=("int8",),
+                   help="int8 weight-only: the projections held as int8 with float32 scales, "
+                        "dequantised in the matmul (embeddings and norms keep --dtype)")
+    p.add_argument("--group-size", type=int,
+                   help="with --quantize: one scale per this many input columns of each row "
+                        "(default: one per output channel)")
+
+
+def quantization_request(args, checkpoint_quantization) -> bool:
+    """Whether the loaded model must still be quantised: --quantize on a float checkpoint. An
+    int8 checkpoint runs as it is stored; --group-size alone, or a different group size than
+    the checkpoint's, is refused."""
+    if args.quantize is None:
+        if args.group_size is not None:
+            raise BridgeError("only with --quantize int8", field="group_size")
+        return False
+    if checkpoint_quantization is not None:
+        if args.group_size not in (None, checkpoint_quantization.group_size):
+            raise BridgeError(f"{args.checkpoint} holds int8 weights quantised with group size "
+                              f"{checkpoint_quantization.group_size}", field="group_size")
+        return False
+    return True
 
 
 def generation_inputs(args, load: Callable[[], tuple]) -> tuple:
@@ -157,3 +183,59 @@ def report_warnings(caught: Iterable) -> None:
     """Warnings recorded with warnings.catch_warnings(record=True), one clean line each."""
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
+
+
+# -- what `jax-llama eval` and `torch-llama eval` share -------------------------------------------
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CKPT", help="any checkpoint the bridge reads")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE|DIR",
+                   help="text files (a .jsonl file: one document per line, its \"text\" field), "
+                        "or directories of .txt and .jsonl files; each document is tokenised on "
+                        "its own (BOS first when the tokenizer has one) and scored on its own")
+    p.add_argument("--seq-len", type=int,
+                   help="tokens per window (default: the checkpoint's max_seq_len, at most 1024)")
+    p.add_argument("--stride", type=int,
+                   help="tokens between window starts (default seq-len // 2). A window scores only "
+                        "the tokens no earlier window scored, so each token is scored once, with "
+                        "up to seq-len - stride tokens of context (transformers' perplexity "
+                        "guide); stride = seq-len: disjoint windows")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
+    p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: the checkpoint's)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES,
+                   help="weights and compute (default: as stored); the loss is float32 always")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object on stdout: nll_per_token, perplexity, tokens, "
+                        "bits_per_byte, seconds overall and per file under \"files\"")
+    add_quantize_arguments(p)
+
+
+def run_eval(args, load: Callable[[], object], evaluate: Callable[..., dict]) -> int:
+    """What both eval commands do, refusing bad input before the weights are read: read the data,
+    find the tokenizer, check the windows against the checkpoint's config, tokenize, then
+    load() -> model and evaluate(model, documents, seq_len=, stride=, batch_size=, progress=)
+    -> the report, printed as a table or (--json) one JSON object."""
+    import json
+
+    from bridge.evaluation import format_report, read_texts, tokenize, window_settings
+    from bridge.formats import open_checkpoint
+    from bridge.tokenizer import find_tokenizer
+
+    if args.batch_size < 1:
+        raise BridgeError(f"must be a positive integer (got {args.batch_size})", field="batch_size")
+    texts = read_texts(args.data)
+    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
+    config = open_checkpoint(args.checkpoint).config
+    if tokenizer.vocab_size > config.vocab_size:
+        raise BridgeError(f"{tokenizer.vocab_size} ids do not fit the vocabulary of "
+                          f"{args.checkpoint} ({config.vocab_size})", field="tokenizer")
+    seq_len, stride = window_settings(config.max_seq_len, args.seq_len, args.stride)
+    documents = tokenize(texts, tokenizer)
+    model = load()
+    report = evaluate(model, documents, seq_len=seq_len, stride=stride,
+                      batch_size=args.batch_size, progress=True)
+    report = {"checkpoint": str(args.checkpoint), "dtype": args.dtype or "as stored",
+              "quantize": args.quantize, "group_size": args.group_size,
+              "bos": tokenizer.bos_id is not None, **report}
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return EXIT_OK

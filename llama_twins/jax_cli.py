@@ -13,14 +13,16 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from bridge.classification import DEFAULT_TEMPLATE
 from bridge.config import LlamaConfig, preset
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 
-from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_generate_arguments,
-                       command_main, generation_inputs, report_warnings, run_generation)
+from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_eval_arguments,
+                       add_generate_arguments, command_main, generation_inputs,
+                       quantization_request, report_warnings, run_eval, run_generation)
 
 # TrainConfig fields settable from the command line (None = default, or the resumed run's value)
 TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
@@ -180,10 +182,12 @@ def cmd_generate(args) -> int:
     from jax_llama.generate import generate
 
     def load_model():
-        model, params = load(args.checkpoint, dtype=args.dtype, attention=args.attention,
-                             adapter=args.adapter)
+        model, params = load_quantized(args, lambda: load(
+            args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter))
         return (model, params), model.config
 
+    if args.compare_torch and args.quantize:
+        raise BridgeError("not with --quantize (it compares the float twins)", field="compare_torch")
     (model, params), tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
     if args.compare_torch:
         from .parity import format_greedy_parity, greedy_parity
@@ -197,6 +201,20 @@ def cmd_generate(args) -> int:
     return run_generation(lambda prompts, stream: generate(
         model, params, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
         tokenizer, texts, prompts)
+
+
+def load_quantized(args, load: Callable[[], tuple]) -> tuple:
+    """load() -> (model, params), quantised to int8 when --quantize asks for it."""
+    from bridge.formats import open_checkpoint
+    from bridge.quantize import Quantization, check_quantizable
+    from jax_llama.quantize import quantize
+
+    ckpt = open_checkpoint(args.checkpoint)
+    if not quantization_request(args, ckpt.quantization):
+        return load()
+    check_quantizable(ckpt.config, Quantization(args.quantize, args.group_size))  # before reading
+    model, params = load()
+    return model, quantize(params, args.group_size, args.quantize)
 
 
 def _read_task(args, path: str, require_labels: bool = True):
@@ -369,6 +387,18 @@ def cmd_split(args) -> int:
     print(f"{out / 'train.txt'}: {len(kept)} lines; {out / 'heldout.txt'}: {len(held)} lines "
           f"(seed {args.seed})")
     return EXIT_OK
+
+
+def cmd_eval(args) -> int:
+    from jax_llama.checkpoint import load
+    from jax_llama.eval import evaluate
+
+    def load_model():
+        return load_quantized(args, lambda: load(args.checkpoint, dtype=args.dtype,
+                                                 attention=args.attention))
+
+    return run_eval(args, load_model, lambda loaded, documents, **kw: evaluate(*loaded, documents,
+                                                                               **kw))
 
 
 def cmd_bench(args) -> int:
@@ -548,6 +578,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="LABEL ||| TEXT lines (or TEXT lines)")
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p, labels=False)
+    _add_attention_argument(p)
+
+    p = add_command(sub, "eval", cmd_eval,
+                    help="sliding-window perplexity, NLL per token and bits per byte of text "
+                         "files, per file and overall")
+    add_eval_arguments(p)
     _add_attention_argument(p)
 
     p = add_command(sub, "split", cmd_split,

@@ -1,12 +1,12 @@
-"""`torch-llama`: the PyTorch twin's jobs (generate)."""
+"""`torch-llama`: the PyTorch twin's jobs (generate, eval)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .commands import (add_command, add_generate_arguments, command_main, generation_inputs,
-                       run_generation)
+from .commands import (add_command, add_eval_arguments, add_generate_arguments, command_main,
+                       generation_inputs, quantization_request, run_eval, run_generation)
 
 
 def cmd_generate(args) -> int:
@@ -15,13 +15,39 @@ def cmd_generate(args) -> int:
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
     def load_model():
-        model = load(args.checkpoint, device=device, dtype=args.dtype, adapter=args.adapter)
+        model = load_quantized(args, lambda: load(args.checkpoint, device=device, dtype=args.dtype,
+                                                  adapter=args.adapter))
         return model, model.config
 
     model, tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
     return run_generation(lambda prompts, stream: generate(
         model, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
         tokenizer, texts, prompts)
+
+
+def load_quantized(args, load):
+    """load() -> the model, quantised to int8 in place when --quantize asks for it."""
+    from bridge.formats import open_checkpoint
+    from bridge.quantize import Quantization, check_quantizable
+    from torch_llama import quantize
+
+    ckpt = open_checkpoint(args.checkpoint)
+    if not quantization_request(args, ckpt.quantization):
+        return load()
+    check_quantizable(ckpt.config, Quantization(args.quantize, args.group_size))  # before reading
+    return quantize(load(), args.group_size, args.quantize)
+
+
+def cmd_eval(args) -> int:
+    from torch_llama import load, resolve_device
+    from torch_llama.eval import evaluate
+
+    device = resolve_device(args.device)  # a bad --device is refused before anything is read
+
+    def load_model():
+        return load_quantized(args, lambda: load(args.checkpoint, device=device, dtype=args.dtype))
+
+    return run_eval(args, load_model, evaluate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue prompts with a KV cache (greedy, temperature, top-k, top-p); "
                          "text streams as it is produced")
     add_generate_arguments(p)
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps...")
+    p = add_command(sub, "eval", cmd_eval,
+                    help="sliding-window perplexity, NLL per token and bits per byte of text "
+                         "files, per file and overall")
+    add_eval_arguments(p)
     p.add_argument("--device", default="auto",
                    help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps...")
     return parser

@@ -293,3 +293,20 @@ def test_bad_quantize_input_is_one_line_exit_2_and_writes_nothing(tmp_path, caps
     assert len(err) == 1 and err[0].startswith("error: ")
     assert re.search(message, err[0]), err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_quantize_scores_the_int8_weights_in_both_commands(tmp_path, capsys):
+    ckpt = save_random_checkpoint(tmp_path / "float", small_config(vocab_size=259), tokenizer=True)
+    (tmp_path / "text.txt").write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    perplexity = {}
+    for name, main in (("jax", jax_cli.main), ("torch", torch_cli.main)):
+        for quantize in ([], ["--quantize", "int8"]):
+            assert main(["eval", str(ckpt), "--data", str(tmp_path / "text.txt"), "--seq-len",
+                         "32", "--json", *quantize]) == 0
+            report = json.loads(capsys.readouterr().out)
+            assert report["quantize"] == (quantize[1] if quantize else None)
+            perplexity[name, bool(quantize)] = report["perplexity"]
+    # the twins agree on each (float32 sums in two orders), and int8 is not the float model
+    for q in (False, True):
+        assert perplexity["jax", q] == pytest.approx(perplexity["torch", q], rel=1e-5)
+    assert perplexity["jax", True] != pytest.approx(perplexity["jax", False], rel=1e-7)
