@@ -145,8 +145,10 @@ def markdown(result: dict, dtype: str) -> list[str]:
              f"weights per step)", "",
              "| implementation | batch | time to first token | decode tokens/s | vs transformers | "
              "of bandwidth bound |", "|---|---|---|---|---|---|"]
-    for label, bound in result.get("int8_bound_tokens_per_s", {}).items():
-        lines[0] += f"; {label}: {bound:,.0f} tokens/s"
+    int8_bounds = {round(b) for b in result.get("int8_bound_tokens_per_s", {}).values()}
+    if int8_bounds:  # the same bytes in every int8 row (bfloat16 changes only the embedding row)
+        lines[0] += (f"; with int8 weights, {' / '.join(f'{b:,.0f}' for b in sorted(int8_bounds))} "
+                     f"tokens/s (the int8 rows' own bound)")
     if any(r and (r.get("1", {}).get("of_bandwidth_bound") or 0) > 1 for r in result["rows"].values()):
         lines[0] += " (above 100%: the weights fit in a cache, so memory bandwidth does not bind)"
     for impl, r in result["rows"].items():
