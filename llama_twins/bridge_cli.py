@@ -17,7 +17,8 @@ from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 from bridge.formats import FORMATS, open_checkpoint
 
-from .commands import EXIT_CHECK_FAILED, EXIT_OK, add_command, command_main
+from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_quantize_arguments,
+                       command_main)
 
 
 def cmd_inspect(args) -> int:
@@ -172,12 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     add_output_arguments(p)
-    p.add_argument("--quantize", choices=("int8",),
-                   help="--to native only: the projections as int8 with float32 scales (the rest "
-                        "in --dtype); jax-llama / torch-llama load it as it is")
-    p.add_argument("--group-size", type=int,
-                   help="with --quantize: one scale per this many input columns of each row "
-                        "(default: one per output channel)")
+    add_quantize_arguments(p, "--to native only: the projections as int8 with float32 scales "
+                              "(the rest in --dtype); jax-llama / torch-llama load it as it is")
 
     p = add_command(sub, "merge-lora", cmd_merge_lora,
                     help="merge a PEFT LoRA adapter into its base checkpoint, one tensor at a time")

@@ -89,10 +89,11 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     add_quantize_arguments(p)
 
 
-def add_quantize_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", choices=("int8",),
-                   help="int8 weight-only: the projections held as int8 with float32 scales, "
-                        "dequantised in the matmul (embeddings and norms keep --dtype)")
+def add_quantize_arguments(p: argparse.ArgumentParser,
+                           what: str = "int8 weight-only: the projections held as int8 with "
+                                       "float32 scales, dequantised in the matmul (embeddings "
+                                       "and norms keep --dtype)") -> None:
+    p.add_argument("--quantize", choices=("int8",), help=what)
     p.add_argument("--group-size", type=int,
                    help="with --quantize: one scale per this many input columns of each row "
                         "(default: one per output channel)")
