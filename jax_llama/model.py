@@ -202,6 +202,13 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     multiplies the output, (x @ Q) * s, so the int8 weights are never scaled element by element;
     group-wise, each group's weights are dequantised in float32 and rounded once to `dtype`.
     torch_llama.model.int8_linear computes the same, in the same order."""
+    # The weight is made to depend on x, so that it is dequantised only once x exists, right
+    # before its matmul. Independent of x it is a constant of any loop around the model (the
+    # decode loop) and XLA hoists its conversion out of the loop, or schedules every weight's
+    # conversion first: either way a float copy of every weight lives beside the int8 one, more
+    # memory than the float model. (An optimization barrier does not hold on XLA:CPU: it is
+    # expanded away before scheduling.) Where x[0, 0] is NaN, the output is NaN either way.
+    q_IO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), q_IO.dtype), q_IO)
     G = scale_GO.shape[0]
     if G == 1:
         return jnp.dot(x_MI, q_IO.astype(dtype)) * scale_GO[0].astype(dtype)

@@ -310,3 +310,33 @@ def test_eval_quantize_scores_the_int8_weights_in_both_commands(tmp_path, capsys
     for q in (False, True):
         assert perplexity["jax", q] == pytest.approx(perplexity["torch", q], rel=1e-5)
     assert perplexity["jax", True] != pytest.approx(perplexity["jax", False], rel=1e-7)
+
+
+def test_the_decode_loop_holds_int8_weights_and_one_dequantised_matrix_at_a_time():
+    """XLA would otherwise hoist the loop-invariant conversions out of the decode loop (or run
+    them all first): a float32 copy of every weight beside the int8 ones for the whole
+    generation. The compiled decode program's scratch memory shows which happened."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from bridge.sampling import Sampler
+    from jax_llama.perf import matmul_params
+
+    generate = importlib.import_module("jax_llama.generate")
+    config = small_config(n_layers=8)
+    model, params = jax_llama.init(config)
+    stops = np.full((8,), -1, np.int32)
+
+    def scratch_bytes(p) -> int:
+        d = generate._prefill(p, np.ones((1, 8), np.int32), np.ones((1, 8), bool), stops,
+                              jax.random.key(0), model=model, sampler=Sampler(), cache_len=32)
+        compiled = generate._decode.lower(p, d, jnp.int32(4), stops, model=model,
+                                          sampler=Sampler()).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    float_weights = 4 * matmul_params(config)
+    largest = 4 * config.dim * config.vocab_size  # the LM head, dequantised
+    int8_scratch = scratch_bytes(jax_llama.quantize(params))
+    assert int8_scratch < 2 * largest + scratch_bytes(params) < float_weights / 2
