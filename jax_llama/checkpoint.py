@@ -123,7 +123,8 @@ def tensor_specs(params, config: LlamaConfig, shapes=None):
     """
     scanned = is_scanned(params)
     leaves: dict[str, tuple] = {}
-    if shapes is None:
+    whole_model = shapes is None
+    if whole_model:
         shapes = checkpoint_shapes(config, quantization_of(params))
     for name in shapes:
         path, layer, transposed = _flax_path(name, scanned)
@@ -135,7 +136,7 @@ def tensor_specs(params, config: LlamaConfig, shapes=None):
         leaves[name] = (node, layer, transposed)
     n_leaves = len(jax.tree_util.tree_leaves(params))
     n_expected = len({id(leaf) for leaf, _, _ in leaves.values()})
-    if shapes is None and has_adapters(params):
+    if whole_model and has_adapters(params):
         raise BridgeError("params hold LoRA adapters, which a checkpoint cannot: merge them "
                           "(jax_llama.merge_lora) or save the adapter alone "
                           "(jax_llama.save_adapter)", field="params")
