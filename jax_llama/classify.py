@@ -43,6 +43,7 @@ from .checkpoint import save as save_native
 from .data import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
 from .model import LlamaClassifier, init
+from .tracking import Tracker, TrackingSpec
 from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 
 
@@ -219,10 +220,14 @@ def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConf
 
 
 def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, out: Path,
-             on_epoch: Callable[[dict], None] | None = None) -> dict:
+             on_epoch: Callable[[dict], None] | None = None,
+             tracking: TrackingSpec = TrackingSpec()) -> dict:
     """Fine-tune `clf` in place on `train`; after each epoch measure `dev`, and keep the best
     epoch's classifier at out/best with its dev predictions at out/dev_predictions.txt.
-    Per-epoch figures go to out/metrics.jsonl. Returns a summary."""
+    Per-epoch figures go to out/metrics.jsonl; with `tracking`, each step's loss, grad norm and
+    learning rate and each epoch's figures and tokens/s (steps: batches trained) go to
+    TensorBoard / W&B too. Returns a summary."""
+    tracking.check()
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     train_rows, train_cut = encode_texts(clf.tokenizer, train.texts, clf.max_len)
@@ -242,20 +247,31 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
     train_labels = train.labels
     best = {"dev_accuracy": -1.0, "epoch": 0}
     history = []
+    tracker = Tracker.open(tracking, out, {
+        "finetune": asdict(fc), "model": clf.model.config.to_dict(), "labels": clf.labels,
+        "max_len": clf.max_len, "lora": None if clf.model.lora is None else clf.model.lora.to_dict(),
+        "train": str(train.path), "dev": str(dev.path)})
     metrics_file = (out / "metrics.jsonl").open("w")
+    n_tokens = sum(map(len, train_rows))  # real tokens an epoch, padding left out
     try:
         for epoch in range(1, fc.epochs + 1):
-            losses = []
+            losses, step_metrics, tick = [], [], time.perf_counter()
             bar = tqdm(training_batches(train_rows, train_labels, fc, clf.max_len, rng),
                        total=per_epoch, desc=f"epoch {epoch}/{fc.epochs}", unit="batch",
                        file=sys.stderr, leave=False)
             for batch in bar:
                 state, metrics = step(state, batch)
                 losses.append(metrics["loss"])
+                if tracker.active:  # read back at the epoch's end: no wait on the device here
+                    step_metrics.append(metrics)
                 if len(losses) % 20 == 0:
                     bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
             clf.params = state.params
             train_loss = float(np.mean(jax.device_get(losses)))
+            seconds = time.perf_counter() - tick
+            first = (epoch - 1) * per_epoch
+            for i, metrics in enumerate(jax.device_get(step_metrics)):
+                tracker.log(first + i + 1, metrics)
             if not math.isfinite(train_loss):
                 raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss})")
             predictions = predict_ids(clf, dev_rows).argmax(-1)
@@ -265,6 +281,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
+            tracker.log(epoch * per_epoch, {**record, "tokens_per_s": n_tokens / seconds})
             if record["dev_accuracy"] > best["dev_accuracy"]:
                 best = record
                 clf.save(out / "best", {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],
@@ -274,6 +291,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
                 on_epoch(record)
     finally:
         metrics_file.close()
+        tracker.close()
     return {"best": best, "history": history, "train_truncated": train_cut,
             "dev_truncated": dev_cut, "seconds": time.time() - started,
             "classifier": str(out / "best")}

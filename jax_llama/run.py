@@ -7,6 +7,8 @@ A run directory holds:
                   orbax writes each into a temporary directory and renames it, so a kill never
                   leaves a half-written one
   metrics.jsonl   one line per step (loss, grad norm, lr, tokens/s) and per evaluation
+  tensorboard/, wandb/   the same scalars for TensorBoard / Weights & Biases, when asked for
+                  (jax_llama.tracking)
   loss.png        the loss curves against the unigram baseline
   model/          the final model as a native checkpoint with its tokenizer, ready for the bridge
                   (a LoRA run: the base with the adapter merged in)
@@ -47,6 +49,7 @@ from .lora import add_lora, count, merge_lora, save_adapter, trainable_for
 from .model import Llama, init
 from .perf import measure_matmul_peak, train_flops_per_token
 from .sharding import check_batch, global_batch, make_mesh, tree_shardings
+from .tracking import Tracker, TrackingSpec
 from .train import (TrainConfig, TrainingDiverged, init_state, jit_eval_step, jit_train_step,
                     lm_loss, make_optimizer, place_state)
 
@@ -73,6 +76,8 @@ class RunSpec:
     lora: LoraConfig | None = None     # train LoRA adapters only; the base stays frozen, held in
                                        # the compute dtype (train.dtype)
     sft: sft_lib.SftSpec | None = None  # supervised fine-tuning on chats instead of a corpus
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)  # TensorBoard / W&B as well;
+                                       # not part of the setup a resume must match
 
 
 def _say(message: str) -> None:
@@ -83,7 +88,8 @@ def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
     return {"model": config.to_dict(), "train": spec.train.to_dict(), "data": spec.data,
             "tokenizer": spec.tokenizer, "init": spec.init, "strip_labels": spec.strip_labels,
             "pack": spec.pack, "lora": None if spec.lora is None else spec.lora.to_dict(),
-            "sft": None if spec.sft is None else spec.sft.to_dict()}
+            "sft": None if spec.sft is None else spec.sft.to_dict(),
+            "tracking": spec.tracking.to_dict()}
 
 
 def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
@@ -134,6 +140,7 @@ def train(spec: RunSpec) -> dict:
     """Run (or resume) training; returns a summary with the final losses and output paths."""
     tc = spec.train
     choose_attention(spec.attention, 1, 1)  # refused before anything is read or written
+    spec.tracking.check()
     if jax.process_count() > 1 and (spec.lora or spec.sft):
         raise BridgeError(f"{'LoRA' if spec.lora else 'SFT'} runs across several processes are "
                           f"not supported yet (one process with many devices is)", field="multi_host")
@@ -202,83 +209,93 @@ def train(spec: RunSpec) -> dict:
     if spec.resume and manager.latest_step() is not None:
         state = _restore(manager, state, mesh)
         _say(f"resumed {spec.out} at step {int(state.step)}")
-    scores = {}
-    if spec.sft and not spec.resume:
-        scores["before"] = chat.exact_match(model, params)
-    train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels)
-    eval_step = jit_eval_step(model, state, mesh)
+    # Only the primary process logs; a resumed run appends from the step it resumed at.
+    tracker = Tracker.open(spec.tracking, spec.out, _run_record(spec, config),
+                           int(state.step) if spec.resume else None) if primary else Tracker()
+    with tracker:
+        scores = {}
+        if spec.sft and not spec.resume:
+            scores["before"] = chat.exact_match(model, params)
+            tracker.log(0, _exact_match_scalars(scores["before"]))
+        train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels)
+        eval_step = jit_eval_step(model, state, mesh)
 
-    def evaluate(params) -> float:
-        losses = [eval_step(params, global_batch(val_batches.batch(i), mesh)) for i in range(tc.eval_batches)]
-        return float(np.mean(jax.device_get(losses)))
+        def evaluate(params) -> float:
+            losses = [eval_step(params, global_batch(val_batches.batch(i), mesh))
+                      for i in range(tc.eval_batches)]
+            return float(np.mean(jax.device_get(losses)))
 
-    peak = measure_matmul_peak(tc.dtype)
-    flops_per_token = train_flops_per_token(config, tc.seq_len)
-    tokens_per_step = tc.batch_size * tc.seq_len
-    last = {"loss": float("nan"), "val_loss": float("nan")}
-    start = int(state.step)
-    with open(spec.out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
-            tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar:
-        tick = time.perf_counter()
-        for step in range(start, tc.steps):
-            state, metrics = train_step(state, global_batch(batches.batch(step), mesh))
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
-                kept = manager.latest_step()
-                raise TrainingDiverged(
-                    f"step {step + 1}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; "
-                    f"stopped. Last good checkpoint: "
-                    f"{'none' if kept is None else spec.out / 'checkpoints' / str(kept)}")
-            now = time.perf_counter()
-            tokens_per_s = tokens_per_step / (now - tick)
-            tick = now
-            record = {"step": step + 1, **metrics, "tokens_per_s": tokens_per_s}
-            if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
-                record["val_loss"] = last["val_loss"] = evaluate(state.params)
-                tick = time.perf_counter()  # evaluation time is not training throughput
-            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
-                manager.save(step + 1, args=_save_args(state))
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            last["loss"] = metrics["loss"]
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", val=f"{last['val_loss']:.3f}",
-                            tok_s=f"{tokens_per_s:,.0f}",
-                            mfu=f"{tokens_per_s * flops_per_token / peak:.1%}")
-            bar.update()
-    manager.wait_until_finished()
+        peak = measure_matmul_peak(tc.dtype)
+        flops_per_token = train_flops_per_token(config, tc.seq_len)
+        tokens_per_step = tc.batch_size * tc.seq_len
+        last = {"loss": float("nan"), "val_loss": float("nan")}
+        start = int(state.step)
+        with open(spec.out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
+                tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar:
+            tick = time.perf_counter()
+            for step in range(start, tc.steps):
+                state, metrics = train_step(state, global_batch(batches.batch(step), mesh))
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+                    kept = manager.latest_step()
+                    raise TrainingDiverged(
+                        f"step {step + 1}: loss {metrics['loss']}, grad norm "
+                        f"{metrics['grad_norm']}; "
+                        f"stopped. Last good checkpoint: "
+                        f"{'none' if kept is None else spec.out / 'checkpoints' / str(kept)}")
+                now = time.perf_counter()
+                tokens_per_s = tokens_per_step / (now - tick)
+                tick = now
+                record = {"step": step + 1, **metrics, "tokens_per_s": tokens_per_s}
+                if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
+                    record["val_loss"] = last["val_loss"] = evaluate(state.params)
+                    tick = time.perf_counter()  # evaluation time is not training throughput
+                if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
+                    manager.save(step + 1, args=_save_args(state))
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                tracker.log(step + 1, record)
+                last["loss"] = metrics["loss"]
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", val=f"{last['val_loss']:.3f}",
+                                tok_s=f"{tokens_per_s:,.0f}",
+                                mfu=f"{tokens_per_s * flops_per_token / peak:.1%}")
+                bar.update()
+        manager.wait_until_finished()
 
-    params = state.params
-    if spec.lora:
-        save_adapter(spec.out / "adapter", model, params, base_model=spec.init, overwrite=True)
-        model, params = merge_lora(model, params)
-    if spec.lora and spec.init:  # merged into the base as stored, not the compute-dtype copy
-        merge_checkpoint(spec.init, spec.out / "adapter", spec.out / "model", force=True,
-                         progress=False)
-    else:  # every process takes part in gathering the tensors; process 0 writes them
-        save_native(spec.out / "model", config, params, overwrite=True)
-    if not primary:
-        return {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
-                "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": None,
-                "sample": ""}
-    tokenizer.save(spec.out / "model")
-    plot = _plot(spec.out, unigram)
-    summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
-               "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot}
-    if spec.sft:
-        chat.template.save(spec.out / "model")
-        scores["after"] = chat.exact_match(model, params)
-        write_text(spec.out / "exact_match.json", json.dumps(scores, indent=2) + "\n")
-        summary["exact_match"] = {k: v["exact_match"] for k, v in scores.items()}
-        summary["unseen_exact_match"] = scores["after"]["unseen_exact_match"]
-        summary["n_unseen"] = scores["after"]["n_unseen"]
-        summary["n_eval"] = scores["after"]["n"]
-        summary["sample"] = chat.sample(scores["after"])
-    else:  # one process decodes: a model sharded over several would need them all
-        summary["sample"] = _sample(model, params, tokenizer, val_tokens, tc.seq_len,
-                                    spec.sample_tokens if jax.process_count() == 1 else 0, tc.seed)
-    if spec.lora:
-        summary["adapter"] = str(spec.out / "adapter")
-    return summary
+        params = state.params
+        if spec.lora:
+            save_adapter(spec.out / "adapter", model, params, base_model=spec.init, overwrite=True)
+            model, params = merge_lora(model, params)
+        if spec.lora and spec.init:  # merged into the base as stored, not the compute-dtype copy
+            merge_checkpoint(spec.init, spec.out / "adapter", spec.out / "model", force=True,
+                             progress=False)
+        else:  # every process takes part in gathering the tensors; process 0 writes them
+            save_native(spec.out / "model", config, params, overwrite=True)
+        if not primary:
+            return {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
+                    "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": None,
+                    "sample": ""}
+        tokenizer.save(spec.out / "model")
+        plot = _plot(spec.out, unigram)
+        summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
+                   "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot}
+        if spec.sft:
+            chat.template.save(spec.out / "model")
+            scores["after"] = chat.exact_match(model, params)
+            tracker.log(tc.steps, _exact_match_scalars(scores["after"]))
+            write_text(spec.out / "exact_match.json", json.dumps(scores, indent=2) + "\n")
+            summary["exact_match"] = {k: v["exact_match"] for k, v in scores.items()}
+            summary["unseen_exact_match"] = scores["after"]["unseen_exact_match"]
+            summary["n_unseen"] = scores["after"]["n_unseen"]
+            summary["n_eval"] = scores["after"]["n"]
+            summary["sample"] = chat.sample(scores["after"])
+        else:  # one process decodes: a model sharded over several would need them all
+            summary["sample"] = _sample(model, params, tokenizer, val_tokens, tc.seq_len,
+                                        spec.sample_tokens if jax.process_count() == 1 else 0,
+                                        tc.seed)
+        if spec.lora:
+            summary["adapter"] = str(spec.out / "adapter")
+        return summary
 
 
 def _check_mesh_splits(config: LlamaConfig, mesh) -> None:
@@ -429,6 +446,11 @@ def sft_inputs(spec: RunSpec) -> ChatInputs:
     return ChatInputs(spec, tokenizer, config, template, examples, eval_examples,
                       [c for c in eval_chats if c[0] in kept], skipped + eval_skipped,
                       {sft_lib.prompt_key(messages) for _, messages in chats})
+
+
+def _exact_match_scalars(scores: dict) -> dict:
+    """exact_match()'s figures, without the replies and counts, for the tracker."""
+    return {k: scores[k] for k in ("exact_match", "unseen_exact_match")}
 
 
 # -- checkpoints -----------------------------------------------------------------------------------

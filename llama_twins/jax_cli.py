@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,8 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
                    sample_tokens=getattr(args, "sample_tokens", 0),
                    strip_labels=getattr(args, "strip_labels", False),
                    pack=pack if pack is not None else saved.get("pack", default_pack),
-                   attention=args.attention, lora=_lora_config(args, saved.get("lora")), sft=sft)
+                   attention=args.attention, lora=_lora_config(args, saved.get("lora")), sft=sft,
+                   tracking=_tracking(args, saved.get("tracking")))
 
 
 def cmd_train(args) -> int:
@@ -266,6 +268,8 @@ def cmd_finetune(args) -> int:
                         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                         grad_accum=args.grad_accum, dropout=args.dropout, max_len=args.max_len,
                         seed=args.seed)
+    tracking = _tracking(args)
+    tracking.check()  # before anything is read or trained
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise BridgeError(f"{out} is not empty", field="out")
@@ -313,7 +317,7 @@ def cmd_finetune(args) -> int:
     try:
         summary = finetune(clf, train, dev, fc, out, on_epoch=lambda r: print(
             f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, dev accuracy {r['dev_accuracy']:.4f} "
-            f"({r['seconds']:.0f} s)", file=sys.stderr))
+            f"({r['seconds']:.0f} s)", file=sys.stderr), tracking=tracking)
     except TrainingDiverged as e:
         print(f"error: {e}; lower --lr", file=sys.stderr)
         return EXIT_CHECK_FAILED
@@ -425,6 +429,33 @@ def _lora_config(args, saved: dict | None = None):
                       train_embeddings=args.lora_train_embeddings)
 
 
+def _tracking(args, saved: dict | None = None):
+    """The TrackingSpec of --log-to / --wandb-project (a resumed run: its own unless --log-to is
+    given). W&B logs offline unless WANDB_MODE=online."""
+    from jax_llama.tracking import WANDB_MODES, TrackingSpec
+
+    saved = saved or {}
+    log_to = ([s.strip() for flag in args.log_to for s in flag.split(",") if s.strip()]
+              if args.log_to else saved.get("log_to", []))
+    mode = os.environ.get("WANDB_MODE") or "offline"
+    mode = {"dryrun": "offline"}.get(mode, mode)  # wandb's old name for offline
+    if "wandb" in log_to and mode not in WANDB_MODES:
+        raise BridgeError(f"WANDB_MODE={mode!r}: expected one of {', '.join(WANDB_MODES)}")
+    return TrackingSpec(log_to=tuple(log_to),
+                        project=args.wandb_project or saved.get("project", "jax-llama"),
+                        wandb_mode=mode if mode in WANDB_MODES else "offline")
+
+
+def _add_tracking_arguments(p) -> None:
+    # Checked by the library (jax_llama.tracking.TrackingSpec), whose errors name log_to.
+    p.add_argument("--log-to", action="append", metavar="tensorboard,wandb",
+                   help="also log the run's scalars and config to TensorBoard (RUN/tensorboard/) "
+                        "and / or Weights & Biases (RUN/wandb/; offline unless WANDB_MODE=online); "
+                        "repeatable or comma-separated; needs pip install 'jax-llama[tracking]'")
+    p.add_argument("--wandb-project", help="the W&B project (default jax-llama); the run's name "
+                                           "is the run directory's")
+
+
 def _add_lora_arguments(p) -> None:
     # Checked by the library (bridge.lora.LoraConfig), whose errors name these fields.
     p.add_argument("--lora-rank", type=int,
@@ -462,6 +493,7 @@ def _add_run_arguments(p, corpus: str) -> None:
     p.add_argument("--connect-timeout", type=int, default=300,
                    help="with --multi-host: seconds to wait for the other processes (default 300)")
     _add_lora_arguments(p)
+    _add_tracking_arguments(p)
     _add_attention_argument(p)
     for name, kind in TRAIN_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
@@ -551,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "their beginning (default 512)")
     p.add_argument("--seed", type=int, default=0)
     _add_lora_arguments(p)
+    _add_tracking_arguments(p)
     p.add_argument("--skip-malformed", action="store_true",
                    help="skip malformed lines (counted) instead of stopping at the first")
     _add_attention_argument(p)
