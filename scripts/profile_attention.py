@@ -2,7 +2,9 @@
 jax-llama's chunked implementation against torch's fused SDPA kernel, on the bench config's
 attention shape at S = 8192 (B 2, 8 query heads / 4 kv heads of 64, causal, float32).
 
-Each framework runs in a process of its own; median of 3 calls after a warm-up.
+Each framework runs in a process of its own; median of 3 calls after a warm-up. A third line
+times chunked's block matmuls alone (no mask, no softmax) against torch's whole forward: what is
+left of the gap once the softmax is free.
 
     python scripts/profile_attention.py [--seq-len 8192] [--block 512]
 """
@@ -56,7 +58,37 @@ def measure(framework: str, S: int, block: int) -> dict:
     both = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention.attend(q, k, v, mask, "chunked")),
                             argnums=(0, 1, 2)))
     return {"forward_s": timed(lambda: jax.block_until_ready(forward(q, k, v))),
-            "forward_backward_s": timed(lambda: jax.block_until_ready(both(q, k, v)))}
+            "forward_backward_s": timed(lambda: jax.block_until_ready(both(q, k, v))),
+            "forward_matmuls_only_s": timed(lambda: jax.block_until_ready(
+                _matmuls_only(q, k, v, block)))}
+
+
+def _matmuls_only(q, k, v, block: int):
+    """The forward's two matmuls per (query block, key block) pair at or below the diagonal,
+    laid out as chunked lays them out, and nothing else: no mask, no softmax. What XLA:CPU's
+    GEMMs alone take for the work of the forward."""
+    import jax
+    import jax.numpy as jnp
+
+    S = q.shape[3]
+    n, M = S // block, block * G
+    rows = q.transpose(0, 1, 3, 2, 4)
+    k_T = k.transpose(0, 1, 3, 2)
+
+    @jax.jit
+    def run(rows, k_T, v):
+        def query_block(i):
+            q_blk = jax.lax.dynamic_slice_in_dim(rows, i * block, block, axis=2).reshape(
+                B, K, M, H)
+
+            def key_block(j, acc):
+                s = jnp.einsum("BKMH,BKHC->BKMC", q_blk,
+                               jax.lax.dynamic_slice_in_dim(k_T, j * block, block, axis=3))
+                return acc + jnp.einsum("BKMC,BKCH->BKMH", s,
+                                        jax.lax.dynamic_slice_in_dim(v, j * block, block, axis=2))
+            return jax.lax.fori_loop(0, i + 1, key_block, jnp.zeros((B, K, M, H), q.dtype))
+        return jax.lax.map(query_block, jnp.arange(n))
+    return run(rows, k_T, v)
 
 
 def main() -> None:
@@ -77,6 +109,11 @@ def main() -> None:
     for key in ("forward_s", "forward_backward_s"):
         j, t = results["jax"][key], results["torch"][key]
         print(f"{key}: jax-llama chunked {j:.2f} s, torch SDPA {t:.2f} s, torch / chunked {t / j:.2f}x")
+    mm, t = results["jax"]["forward_matmuls_only_s"], results["torch"]["forward_s"]
+    flops = 2 * 2 * B * K * G * (args.block ** 2 * H) * sum(range(1, args.seq_len // args.block + 1))
+    print(f"forward, matmuls only: jax-llama chunked's block matmuls without mask or softmax "
+          f"{mm:.2f} s ({flops / mm / 1e9:.0f} GFLOP/s), torch SDPA's whole forward {t:.2f} s, "
+          f"torch / matmuls {t / mm:.2f}x")
 
 
 if __name__ == "__main__":
