@@ -11,8 +11,13 @@ its G query heads without a copy.
            Blocks wholly below the diagonal, with no padding or segments, build no mask. Any
            backend.
   cudnn    jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, float16 / bfloat16.
-  auto     xla while the scores are small (under 512 x 512 per head), chunked from there: it never
-           fails for lack of a kernel.
+  splash   the Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu): TPUs. It runs
+           attention of a whole sequence over itself (training, scoring, a prefill without a
+           cache); steps over a KV cache, whose causal offset its static mask cannot follow, take
+           auto's choice among xla and chunked. Padding and segments become its segment ids.
+  auto     xla while the scores are small (under 512 x 512 per head), chunked from there; on a
+           TPU, splash from there where its shapes allow (head_dim a multiple of 128, no cache):
+           it never fails for lack of a kernel.
 
 The mask is described, not built: AttentionMask says which key slot each query sits at (causal:
 a query sees slots up to its own), which slots hold real tokens, and each token's segment (a
@@ -33,7 +38,7 @@ from flax import struct
 
 from bridge.errors import BridgeError
 
-IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "auto")
+IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "splash", "auto")
 # Masked scores are the most negative float32 rather than -inf, so that a row whose every key is
 # masked gets a uniform distribution (xla) instead of NaN.
 _MASKED = float(np.finfo(np.float32).min)
@@ -42,6 +47,9 @@ QUERY_BLOCK = KEY_BLOCK = 512
 # already faster on a 2-core CPU (429 against 391 tokens/s, `jax-llama bench --only long`) and
 # needs less memory; below it (decoding, short texts) the one fused softmax of xla wins.
 AUTO_CHUNKED_FROM = 512 * 512
+# Run the splash kernel through Pallas' interpreter, on any backend (slow: for tests on a CPU).
+SPLASH_INTERPRET = False
+SPLASH_BLOCKS = (512, 256, 128)  # the largest of these that divides the padded length
 
 
 class AttentionMask(struct.PyTreeNode):
@@ -52,12 +60,15 @@ class AttentionMask(struct.PyTreeNode):
     valid: jax.Array | None = None      # (B, T) bool
     q_segments: jax.Array | None = None  # (B, S) int32
     k_segments: jax.Array | None = None  # (B, T) int32
+    # True when the S queries are the T = S keys themselves (q_slots == arange(S), no cache):
+    # known when tracing, so kernels with a static causal mask (splash) can be chosen.
+    self_attention: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
     def causal(cls, S: int, valid_BS=None, segments_BS=None) -> "AttentionMask":
         """S tokens attending to themselves (no cache): query s at slot s."""
         return cls(q_slots=jnp.arange(S, dtype=jnp.int32), valid=valid_BS,
-                   q_segments=segments_BS, k_segments=segments_BS)
+                   q_segments=segments_BS, k_segments=segments_BS, self_attention=True)
 
     def block(self, q_start, Q: int, k_start, C: int):
         """The (B or 1, Q, C) boolean mask of queries [q_start, q_start + Q) and key slots
@@ -79,29 +90,43 @@ class AttentionMask(struct.PyTreeNode):
         return self.block(0, self.q_slots.shape[0], 0, T)
 
 
-def choose(implementation: str, S: int, T: int) -> str:
-    """The implementation `implementation` stands for at S queries and T keys (auto resolved);
-    BridgeError naming the field for one that does not exist or the backend does not have."""
+def choose(implementation: str, S: int, T: int, self_attention: bool = True,
+           head_dim: int | None = None) -> str:
+    """The implementation `implementation` stands for at S queries and T keys (auto resolved;
+    splash over a KV cache, self_attention False, resolved as auto without splash); BridgeError
+    naming the field for one that does not exist or the backend does not have."""
     if implementation not in IMPLEMENTATIONS:
         raise BridgeError(f"expected one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}",
                           field="attention")
-    if implementation == "cudnn" and jax.default_backend() != "gpu":
-        raise BridgeError(f"cudnn needs an NVIDIA GPU; this JAX runs on {jax.default_backend()} "
+    backend = jax.default_backend()
+    if implementation == "cudnn" and backend != "gpu":
+        raise BridgeError(f"cudnn needs an NVIDIA GPU; this JAX runs on {backend} "
                           f"(auto picks what the backend has)", field="attention")
+    if implementation == "splash" and backend != "tpu" and not SPLASH_INTERPRET:
+        raise BridgeError(f"splash needs a TPU; this JAX runs on {backend} "
+                          f"(auto picks what the backend has)", field="attention")
+    long = S * T >= AUTO_CHUNKED_FROM
+    if implementation == "splash":
+        return "splash" if self_attention else ("chunked" if long else "xla")
     if implementation == "auto":
-        return "chunked" if S * T >= AUTO_CHUNKED_FROM else "xla"
+        if (long and backend == "tpu" and self_attention and head_dim is not None
+                and head_dim % 128 == 0):
+            return "splash"
+        return "chunked" if long else "xla"
     return implementation
 
 
 def attend(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask, implementation: str = "xla"):
     """softmax(q k^T / sqrt(H) + mask) v, in q's dtype: (B, K, G, S, H) with keys and values
     (B, K, T, H) -> (B, K, G, S, H). Scores, softmax statistics and accumulation are float32."""
-    S, T = q_BKGSH.shape[3], k_BKTH.shape[2]
-    implementation = choose(implementation, S, T)
+    S, T, H = q_BKGSH.shape[3], k_BKTH.shape[2], q_BKGSH.shape[4]
+    implementation = choose(implementation, S, T, mask.self_attention, H)
     if implementation == "chunked":
         return _chunked(q_BKGSH, k_BKTH, v_BKTH, mask)
     if implementation == "cudnn":
         return _cudnn(q_BKGSH, k_BKTH, v_BKTH, mask)
+    if implementation == "splash":
+        return _splash(q_BKGSH, k_BKTH, v_BKTH, mask)
     return _xla(q_BKGSH, k_BKTH, v_BKTH, mask)
 
 
@@ -123,6 +148,46 @@ def _cudnn(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask):
         q_BSNH, k_BKTH.transpose(0, 2, 1, 3), v_BKTH.transpose(0, 2, 1, 3),
         mask=mask.dense(T)[:, None], implementation="cudnn")
     return out_BSNH.transpose(0, 2, 1, 3).reshape(B, K, G, S, H)
+
+
+def _splash(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask):
+    """The splash kernel for self-attention (T = S, query s at slot s): one MQA kernel per kv
+    head (its G query heads share it), vmapped over batch and kv heads. The sequence is padded to
+    a multiple of 128; padding (padded or invalid tokens) and segments become splash's segment
+    ids: each row's invalid tokens get an id no real token of the row has, so no real query sees
+    them (they see each other; their outputs are never read)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    B, K, G, S, H = q_BKGSH.shape
+    S_pad = -(-S // 128) * 128
+    block = next(b for b in SPLASH_BLOCKS if S_pad % b == 0)
+    segments_BS = (jnp.zeros((B, S), jnp.int32) if mask.q_segments is None
+                   else jnp.broadcast_to(mask.q_segments, (B, S)).astype(jnp.int32))
+    valid_BS = (jnp.ones((B, S), bool) if mask.valid is None
+                else jnp.broadcast_to(mask.valid, (B, S)))
+    segments_BS, valid_BS = _pad_to(segments_BS, S_pad, 1), _pad_to(valid_BS, S_pad, 1, False)
+    info = jnp.iinfo(jnp.int32)
+    top = jnp.max(jnp.where(valid_BS, segments_BS, info.min), axis=1, keepdims=True)
+    low = jnp.min(jnp.where(valid_BS, segments_BS, info.max), axis=1, keepdims=True)
+    unseen = jnp.where(top < info.max, top + 1, low - 1)  # an id no real token of the row has
+    segments_BS = jnp.where(valid_BS, segments_BS, unseen)
+
+    kernel = splash.make_splash_mqa_single_device(
+        splash.MultiHeadMask([splash.CausalMask((S_pad, S_pad)) for _ in range(G)]),
+        block_sizes=splash.BlockSizes(
+            block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+            block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block),
+        interpret=SPLASH_INTERPRET)
+    scale = 1.0 / math.sqrt(H)  # splash does not scale the scores itself
+    q = _pad_to((q_BKGSH.astype(jnp.float32) * scale).astype(q_BKGSH.dtype), S_pad, 3)
+    k, v = _pad_to(k_BKTH, S_pad, 2), _pad_to(v_BKTH, S_pad, 2)
+
+    def one_row(q_KGSH, k_KTH, v_KTH, segments_S):
+        ids = splash.SegmentIds(q=segments_S, kv=segments_S)
+        return jax.vmap(lambda q_GSH, k_TH, v_TH: kernel(q_GSH, k_TH, v_TH, segment_ids=ids))(
+            q_KGSH, k_KTH, v_KTH)
+    out_BKGSH = jax.vmap(one_row)(q, k, v, segments_BS)
+    return out_BKGSH[:, :, :, :S].astype(q_BKGSH.dtype)
 
 
 # -- chunked: an online softmax over key blocks, for one query block at a time --------------------

@@ -226,7 +226,8 @@ def _dense(module: nn.Module, features: int, name: str, residual: bool = False) 
 
 class Attention(nn.Module):
     """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V.
-    `attention` names the implementation (jax_llama.attention: xla, chunked, cudnn, auto)."""
+    `attention` names the implementation (jax_llama.attention: xla, chunked, cudnn, splash,
+    auto)."""
 
     config: LlamaConfig
     dtype: Dtype = jnp.float32
@@ -318,7 +319,7 @@ class Llama(nn.Module):
 
     scan_layers: run the blocks with nn.scan (parameters stacked on a leading L axis), so compile
     time does not grow with depth. remat: recompute each block's activations in the backward pass.
-    attention: xla, chunked, cudnn or auto (jax_llama.attention). lora: LoRA adapters on the
+    attention: xla, chunked, cudnn, splash or auto (jax_llama.attention). lora: LoRA adapters on the
     projections it targets (bridge.lora.LoraConfig; jax_llama.lora adds, saves and merges them).
     """
 

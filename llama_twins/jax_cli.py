@@ -504,8 +504,9 @@ def _add_attention_argument(p) -> None:
     # Checked by the library (jax_llama.attention.choose), which also knows what the backend has.
     p.add_argument("--attention", default="auto",
                    help="attention implementation: xla (scores materialised), chunked (flash-style, "
-                        "memory linear in the sequence), cudnn (NVIDIA GPUs), auto (default: xla "
-                        "for short sequences, chunked for long ones)")
+                        "memory linear in the sequence), cudnn (NVIDIA GPUs), splash (TPUs), auto "
+                        "(default: xla for short sequences, chunked - or splash on a TPU - for "
+                        "long ones)")
 
 
 def _add_task_arguments(p, labels: bool = True) -> None:

@@ -1,5 +1,6 @@
-"""Attention implementations and segment ids: chunked (flash-style) against the xla reference,
-forward and gradients, with GQA, left padding, segments and the KV cache; memory that stays
+"""Attention implementations and segment ids: chunked (flash-style) and the splash TPU kernel (run
+through Pallas' interpreter on this CPU) against the xla reference, forward and gradients, with
+GQA, left padding, segments and the KV cache; memory that stays
 linear in S; packed documents that give what each document gives alone, in both twins; refusals.
 
 Blocks are made small (8 queries x 8 keys) in most tests, so that a 37-token sequence crosses
@@ -86,6 +87,89 @@ def test_a_wrong_block_mask_is_caught(small_blocks, monkeypatch):
     no_segments = mask.replace(q_segments=None, k_segments=None)
     wrong = attend(q, k, v, no_segments, "chunked")
     assert np.abs(np.where(real, wrong - ref, 0)).max() > 0.1
+
+
+# -- splash: the TPU kernel, run here through Pallas' interpreter -----------------------------------
+
+@pytest.fixture
+def splash_interpreted(monkeypatch):
+    monkeypatch.setattr(attention, "SPLASH_INTERPRET", True)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [
+    # float32: the kernel's own blocks and online softmax, the same sums in another order.
+    (jnp.float32, 1e-5),
+    # bfloat16: probabilities rounded to 8 bits before the weighted sum, at different moments.
+    (jnp.bfloat16, 3e-2),
+])
+def test_splash_equals_xla_forward_and_gradients(splash_interpreted, dtype, tolerance):
+    """150 tokens (padded to 256: two 128 blocks and a partial one), GQA, row 1 left-padded over
+    40 tokens, two documents in each row (padding and segments become splash's segment ids)."""
+    B, S = 2, 150
+    q, k, v = qkv(B=B, K=2, G=2, S=S, H=16, dtype=dtype)
+    valid = np.ones((B, S), bool)
+    valid[1, :40] = False
+    segments = np.zeros((B, S), np.int32)
+    segments[0, 70:], segments[1, 100:] = 1, 5
+    mask = AttentionMask.causal(S, jnp.asarray(valid), jnp.asarray(segments))
+    real = jnp.asarray(valid)[:, None, None, :, None]
+    weights = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32) * real
+
+    def loss(implementation):
+        return lambda q, k, v: jnp.sum(attend(q, k, v, mask, implementation).astype(jnp.float32)
+                                       * weights)
+    ref, got = attend(q, k, v, mask, "xla"), attend(q, k, v, mask, "splash")
+    assert got.dtype == dtype
+    np.testing.assert_allclose(np.where(real, got.astype(jnp.float32), 0),
+                               np.where(real, ref.astype(jnp.float32), 0), rtol=0, atol=tolerance)
+    grads_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", grads, grads_ref):
+        scale = float(jnp.abs(b.astype(jnp.float32)).max())
+        np.testing.assert_allclose(a.astype(jnp.float32), b.astype(jnp.float32), rtol=0,
+                                   atol=tolerance * scale, err_msg=name)
+    # The comparison can fail: the same kernel without the segments differs by far more.
+    no_segments = mask.replace(q_segments=None, k_segments=None)
+    wrong = attend(q, k, v, no_segments, "splash")
+    assert np.abs(np.where(real, wrong - ref, 0)).max() > 0.1
+
+
+def test_a_splash_model_trains_and_decodes_like_xla(splash_interpreted):
+    """A whole GQA model: logits with left padding and every gradient equal xla's (1e-5,
+    float32 reordering); cached decoding, which splash's static mask cannot follow, takes auto's
+    choice and gives the same greedy tokens."""
+    config = small_config()
+    tokens = random_tokens(config, batch=2, seq_len=37)
+    mask = np.ones_like(tokens)
+    mask[1, :6] = 0
+    model, params = jax_llama.init(config, seed=3, attention="xla")
+    splash = jax_llama.Llama(config, attention="splash")
+    real = mask.astype(bool)
+    np.testing.assert_allclose(
+        np.asarray(splash.apply({"params": params}, tokens, attention_mask=mask))[real],
+        np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))[real],
+        rtol=0, atol=1e-5)
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1), "mask": mask.astype(np.float32)}
+    from jax_llama.train import loss_fn
+    grad = jax.jit(jax.grad(loss_fn), static_argnums=1)
+    g_ref, g = grad(params, model, batch), grad(params, splash, batch)
+    scale = max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(g_ref))
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
+    prompts = [tokens[0, :9].tolist(), tokens[1, :4].tolist()]
+    assert (generate(splash, params, prompts, 6).tokens
+            == generate(model, params, prompts, 6).tokens)
+
+
+def test_auto_picks_splash_on_a_tpu_only_where_it_fits(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert attention.choose("auto", 1024, 1024, head_dim=128) == "splash"
+    assert attention.choose("auto", 1024, 1024, head_dim=64) == "chunked"  # not a multiple of 128
+    assert attention.choose("auto", 1024, 1024, self_attention=False, head_dim=128) == "chunked"
+    assert attention.choose("auto", 64, 64, head_dim=128) == "xla"  # small scores
+    assert attention.choose("splash", 1, 1024, self_attention=False) == "xla"  # a decode step
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert attention.choose("auto", 1024, 1024, head_dim=128) == "chunked"
 
 
 # GQA by default; MHA and MQA (the same code with G = 1 and G = N) under -m slow
@@ -259,11 +343,15 @@ def test_segments_with_a_cache_and_unknown_implementations_are_refused():
     with pytest.raises(BridgeError, match="segment_ids: not with a KV cache"):
         model.apply({"params": params}, np.array([[1, 2]]), segment_ids=np.array([[0, 0]]),
                     cache=KVCache.create(config, 1, 8), method="run")
-    with pytest.raises(BridgeError, match="attention: expected one of xla, chunked, cudnn, auto"):
+    with pytest.raises(BridgeError,
+                       match="attention: expected one of xla, chunked, cudnn, splash, auto"):
         jax_llama.init(config, attention="flash")
     if jax.default_backend() != "gpu":
         with pytest.raises(BridgeError, match="attention: cudnn needs an NVIDIA GPU"):
             jax_llama.init(config, attention="cudnn")
+    if jax.default_backend() != "tpu":
+        with pytest.raises(BridgeError, match="attention: splash needs a TPU; this JAX runs on"):
+            jax_llama.init(config, attention="splash")
 
 
 def test_a_prompt_of_thousands_of_tokens_generates_the_same_in_both_twins(tmp_path):

@@ -251,6 +251,22 @@ def test_cli_unknown_preset_lists_valid_ones(capsys):
     assert "unknown preset 'llama5'; valid: llama2-7b" in err and "tiny" in err
 
 
+@pytest.mark.parametrize("implementation, message", [
+    ("flash", "expected one of xla, chunked, cudnn, splash, auto, got 'flash'"),
+    pytest.param("splash", "splash needs a TPU; this JAX runs on cpu",
+                 marks=pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU check")),
+])
+def test_cli_attention_the_backend_lacks_is_one_line_and_exit_2(implementation, message, tmp_path,
+                                                                capsys):
+    from llama_twins import jax_cli as cli
+    out = tmp_path / "run"
+    assert cli.main(["train", "--preset", "tiny", "--steps", "1", "--attention", implementation,
+                     "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "attention" in err and message in err, err
+    assert not out.exists()  # refused before anything is written
+
+
 def test_packed_long_context_run_from_the_command_line(tmp_path, corpus, capsys):
     """--pack with chunked attention at 4,096 tokens a row: a tiny model trained from scratch
     gets the context it is trained at (the preset's max_seq_len is 256), packed rows keep each
