@@ -108,6 +108,20 @@ def logits(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarr
                                   mask)[1])
 
 
+def rotation(x: np.ndarray, config: LlamaConfig, positions: np.ndarray) -> np.ndarray:
+    """RoPE of x (1, P, 1, H) at `positions` (P,), float64: each pair as a complex number times
+    exp(i p f) with the exact frequencies of `config` (its theta and scaling)."""
+    import jax
+    import jax.numpy as jnp
+
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling,
+                             dtype=np.float64)
+    with jax.enable_x64(True):
+        angles = jnp.exp(1j * jnp.asarray(positions, jnp.float64)[None, :, None, None]
+                         * jnp.asarray(inv_freq))
+        return np.asarray(_rotate(jnp.asarray(x, jnp.float64), angles))
+
+
 def forward(w: dict, config: LlamaConfig, inv_freq, tokens, mask):
     """(hidden state after each block, logits), float64. A token at position p (real tokens
     before it, counted) attends to the real tokens at positions <= p of its row."""

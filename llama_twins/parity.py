@@ -74,6 +74,7 @@ TOLERANCES = {
         "grad_norm": 1e-5,   # |norm difference| / norm; measured <= 6e-8
         "grad": 1e-4,        # max |gradient difference| / max |gradient|; measured <= 9.3e-7
         "adamw": 1e-3,       # max |parameter difference| / lr after 10 steps; measured <= 4e-5
+        "rope": 1e-5,        # RoPE over the context (see ROPE_POSITIONS); measured <= 1.0e-7
     },
     "bfloat16": {
         "hidden": 5e-2,      # measured <= 7.3e-3
@@ -105,7 +106,10 @@ FACTOR = 6.0
 # other is as far off (a shared error, e.g. in the checkpoint reader).
 LIMITS = {
     "float32": {"hidden": (2.5e-7, 1e-3), "logits": (2.5e-7, 1e-3), "loss": (1e-6, 1e-3),
-                "grad_norm": (1e-6, 1e-3), "grad": (2.5e-7, 1e-2), "adamw": (1e-4, 1e-1)},
+                "grad_norm": (1e-6, 1e-3), "grad": (2.5e-7, 1e-2), "adamw": (1e-4, 1e-1),
+                # An angle near 4096 radians carries 2.4e-4 of float32 rounding (its spacing
+                # there is 4.9e-4), in any correct implementation: the ceiling sits above it.
+                "rope": (2.5e-7, 2e-3)},
     "bfloat16": {"hidden": (8e-3, 0.25), "logits": (8e-3, 0.25), "loss": (4e-3, 5e-2),
                  "grad_norm": (4e-3, 5e-2), "grad": (8e-3, 0.5), "adamw": (1.0, 50.0)},
 }
@@ -224,10 +228,11 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
         notes.append("judged by fixed tolerances (no float64 reference): these were measured on "
                      "small models and may fail a correct port of a large or trained one")
 
-    say("forward pass: the hidden state after every block, and the logits")
+    say("RoPE over the context, and the forward pass: the hidden state after every block, "
+        "and the logits")
+    checks, first_divergence = [_rope_check(model, tmodel, config, seed, reference_f64)], {}
     jax_out = _jax_forward(model, params, tokens, mask)
     truth_out = (truth.hidden, truth.logits) if truth is not None else None
-    checks, first_divergence = [], {}
     first_divergence["torch vs JAX"] = _forward_checks(
         checks, "torch", jax_out, _torch_forward(tmodel, tokens, mask), truth_out, real, dtype)
     logits_row = next(c for c in checks if c["figure"] == "logits")
@@ -269,6 +274,42 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
             "judged_by": "float64" if reference_f64 else "fixed tolerances", "checks": checks,
             "first_divergence": first_divergence, "culprit": culprit, "reference": ref,
             "notes": notes, "passed": all(c["ok"] for c in checks)}
+
+
+# The RoPE figure rotates one random vector per position at positions 0 .. P - 1, P the
+# checkpoint's max_seq_len up to this: the 16 tokens of the batch turn the slow frequencies by
+# next to nothing, so a wrong theta or llama3 scaling hides there; over thousands of positions it
+# turns them by radians. Both twins compute RoPE's angles, cos and sin in float32 whatever the
+# model's dtype, so the figure is judged as float32 in every report.
+ROPE_POSITIONS = 4096
+
+
+def _rope_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
+    """Each twin's rotation (its own frequencies: the JAX model's config, the torch model's
+    buffer; its own rope_cos_sin and rotate) of one random float32 vector per position, against
+    the exact rotation by the checkpoint's frequencies."""
+    import jax.numpy as jnp
+    import torch
+
+    import jax_llama.model as jm
+    import torch_llama.model as tm
+    from bridge.rope import rope_inv_freq
+
+    c = model.config
+    P = min(config.max_seq_len, ROPE_POSITIONS)
+    positions = np.arange(P)
+    x = np.random.default_rng(seed).standard_normal((1, P, 1, config.head_dim)).astype(np.float32)
+    ours = jm.rotate(jnp.asarray(x), *jm.rope_cos_sin(
+        positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)))
+    theirs = tm.rotate(torch.as_tensor(x), *tm.rope_cos_sin(
+        torch.as_tensor(positions), tmodel._inv_freq_for(torch.device("cpu"))))
+    truth = None
+    if reference_f64:
+        from .float64 import rotation
+        truth = rotation(x, config, positions)
+    return _compare(f"RoPE, positions 0-{P - 1}", "torch vs JAX",
+                    {"JAX": np.asarray(ours), "torch": theirs.numpy()}, truth, "float32", "rope",
+                    detail="float32 in every dtype (both twins' RoPE is float32)")
 
 
 FLOAT64_BYTES_PER_PARAMETER = 40  # weights, gradients, two AdamW moments and an update

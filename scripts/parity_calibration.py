@@ -150,6 +150,8 @@ def _beyond(result: dict) -> float:
 
 def _figure(row: dict) -> str:
     figure = row["figure"]
+    if figure.startswith("RoPE, positions"):  # its positions depend on the checkpoint
+        return "RoPE over the context"
     return "hidden after a block" if figure.startswith("hidden after block") else figure
 
 

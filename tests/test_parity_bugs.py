@@ -58,6 +58,21 @@ def test_a_planted_bug_fails_naming_its_twin_and_block(bug, twin, figure, block,
         assert all(c["ok"] for c in report["checks"] if c["kind"] != "adamw")
 
 
+@pytest.mark.parametrize("dtype, twin", [("float32", "torch"), ("bfloat16", "JAX")])
+def test_a_wrong_rope_theta_fails_the_rope_figure_in_either_dtype(dtype, twin, checkpoint):
+    """RoPE theta 1% off: over the 16 tokens of the batch it hides under rounding in bfloat16,
+    but the RoPE figure turns one vector over every position of the context (64 here), in
+    float32 in both dtypes, and the wrong twin lands thousands of times beyond the bound."""
+    report = report_with("rope_theta", twin, checkpoint, dtype)
+    rope = report["checks"][0]
+    assert rope["figure"] == "RoPE, positions 0-63" and rope["kind"] == "rope"
+    assert not rope["ok"] and rope["culprit"] == twin
+    assert rope["value"] > 1000 * rope["tolerance"]
+    assert report["culprit"] == {"torch vs JAX": twin}
+    correct = parity.parity_report(checkpoint, dtype=dtype, new_tokens=0)["checks"][0]
+    assert correct["ok"] and correct["value"] < correct["tolerance"]
+
+
 def test_a_bfloat16_report_still_names_a_corrupted_block(checkpoint):
     """In bfloat16 the roundings are 2^16 times coarser; RMSNorm's eps 10x too large is still
     caught at block 0, and in the right twin (2x beyond its bound on this random-init model;
