@@ -58,24 +58,31 @@ def padded_segmented_mask(B=2, S=37):
     (jnp.bfloat16, 3e-2),
 ])
 def test_chunked_equals_xla_forward_and_gradients(small_blocks, dtype, tolerance):
-    q, k, v = qkv(dtype=dtype)
     mask, valid = padded_segmented_mask()
-    real = jnp.asarray(valid)[:, None, None, :, None]  # a query that sees no key is never read
+    assert_equals_xla("chunked", *qkv(dtype=dtype), mask, valid, tolerance)
+
+
+def assert_equals_xla(implementation, q, k, v, mask, valid, tolerance):
+    """attend(implementation) against xla over the real queries (a query that sees no key is
+    never read): the output within `tolerance`, the gradients of q, k and v of a random weighting
+    of it within `tolerance` x their scale."""
+    real = jnp.asarray(valid)[:, None, None, :, None]
     weights = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32) * real
 
     def loss(implementation):
         return lambda q, k, v: jnp.sum(attend(q, k, v, mask, implementation).astype(jnp.float32)
                                        * weights)
-    ref, chunked = attend(q, k, v, mask, "xla"), attend(q, k, v, mask, "chunked")
-    assert chunked.dtype == dtype
-    np.testing.assert_allclose(np.where(real, chunked.astype(jnp.float32), 0),
+    ref, got = attend(q, k, v, mask, "xla"), attend(q, k, v, mask, implementation)
+    assert got.dtype == q.dtype
+    np.testing.assert_allclose(np.where(real, got.astype(jnp.float32), 0),
                                np.where(real, ref.astype(jnp.float32), 0), rtol=0, atol=tolerance)
     grads_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
-    grads = jax.grad(loss("chunked"), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.grad(loss(implementation), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", grads, grads_ref):
         scale = float(jnp.abs(b.astype(jnp.float32)).max())
         np.testing.assert_allclose(a.astype(jnp.float32), b.astype(jnp.float32), rtol=0,
                                    atol=tolerance * scale, err_msg=name)
+    return ref
 
 
 def test_a_wrong_block_mask_is_caught(small_blocks, monkeypatch):
@@ -87,6 +94,31 @@ def test_a_wrong_block_mask_is_caught(small_blocks, monkeypatch):
     no_segments = mask.replace(q_segments=None, k_segments=None)
     wrong = attend(q, k, v, no_segments, "chunked")
     assert np.abs(np.where(real, wrong - ref, 0)).max() > 0.1
+
+
+def assert_models_agree(config, implementation):
+    """A model with `implementation` against xla, same weights, 2 x 37 tokens with row 1
+    left-padded over 6: logits over the real tokens and every parameter's gradient of the masked
+    loss within 1e-5 (of the gradients' scale), float32 sums in another order. Returns (xla
+    model, the other, params, tokens)."""
+    from jax_llama.train import loss_fn
+    tokens = random_tokens(config, batch=2, seq_len=37)
+    mask = np.ones_like(tokens)
+    mask[1, :6] = 0
+    model, params = jax_llama.init(config, seed=3, attention="xla")
+    other = jax_llama.Llama(config, attention=implementation)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(
+        np.asarray(other.apply({"params": params}, tokens, attention_mask=mask))[real],
+        np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))[real],
+        rtol=0, atol=1e-5)
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1), "mask": mask.astype(np.float32)}
+    grad = jax.jit(jax.grad(loss_fn), static_argnums=1)
+    g_ref, g = grad(params, model, batch), grad(params, other, batch)
+    scale = max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(g_ref))
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
+    return model, other, params, tokens
 
 
 # -- splash: the TPU kernel, run here through Pallas' interpreter -----------------------------------
@@ -112,50 +144,19 @@ def test_splash_equals_xla_forward_and_gradients(splash_interpreted, dtype, tole
     segments = np.zeros((B, S), np.int32)
     segments[0, 70:], segments[1, 100:] = 1, 5
     mask = AttentionMask.causal(S, jnp.asarray(valid), jnp.asarray(segments))
-    real = jnp.asarray(valid)[:, None, None, :, None]
-    weights = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32) * real
-
-    def loss(implementation):
-        return lambda q, k, v: jnp.sum(attend(q, k, v, mask, implementation).astype(jnp.float32)
-                                       * weights)
-    ref, got = attend(q, k, v, mask, "xla"), attend(q, k, v, mask, "splash")
-    assert got.dtype == dtype
-    np.testing.assert_allclose(np.where(real, got.astype(jnp.float32), 0),
-                               np.where(real, ref.astype(jnp.float32), 0), rtol=0, atol=tolerance)
-    grads_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
-    grads = jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v)
-    for name, a, b in zip("qkv", grads, grads_ref):
-        scale = float(jnp.abs(b.astype(jnp.float32)).max())
-        np.testing.assert_allclose(a.astype(jnp.float32), b.astype(jnp.float32), rtol=0,
-                                   atol=tolerance * scale, err_msg=name)
+    ref = assert_equals_xla("splash", q, k, v, mask, valid, tolerance)
     # The comparison can fail: the same kernel without the segments differs by far more.
     no_segments = mask.replace(q_segments=None, k_segments=None)
     wrong = attend(q, k, v, no_segments, "splash")
-    assert np.abs(np.where(real, wrong - ref, 0)).max() > 0.1
+    real = np.asarray(valid)[:, None, None, :, None]
+    assert np.abs(np.where(real, wrong.astype(jnp.float32) - ref.astype(jnp.float32), 0)).max() > 0.1
 
 
 def test_a_splash_model_trains_and_decodes_like_xla(splash_interpreted):
     """A whole GQA model: logits with left padding and every gradient equal xla's (1e-5,
     float32 reordering); cached decoding, which splash's static mask cannot follow, takes auto's
     choice and gives the same greedy tokens."""
-    config = small_config()
-    tokens = random_tokens(config, batch=2, seq_len=37)
-    mask = np.ones_like(tokens)
-    mask[1, :6] = 0
-    model, params = jax_llama.init(config, seed=3, attention="xla")
-    splash = jax_llama.Llama(config, attention="splash")
-    real = mask.astype(bool)
-    np.testing.assert_allclose(
-        np.asarray(splash.apply({"params": params}, tokens, attention_mask=mask))[real],
-        np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))[real],
-        rtol=0, atol=1e-5)
-    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1), "mask": mask.astype(np.float32)}
-    from jax_llama.train import loss_fn
-    grad = jax.jit(jax.grad(loss_fn), static_argnums=1)
-    g_ref, g = grad(params, model, batch), grad(params, splash, batch)
-    scale = max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(g_ref))
-    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
+    model, splash, params, tokens = assert_models_agree(small_config(), "splash")
     prompts = [tokens[0, :9].tolist(), tokens[1, :4].tolist()]
     assert (generate(splash, params, prompts, 6).tokens
             == generate(model, params, prompts, 6).tokens)
@@ -176,24 +177,7 @@ def test_auto_picks_splash_on_a_tpu_only_where_it_fits(monkeypatch):
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=[] if k == "gqa" else pytest.mark.slow)
                                   for k in ATTENTION_KINDS])
 def test_models_agree_across_implementations_with_padding(small_blocks, kind):
-    config = small_config(n_kv_heads=ATTENTION_KINDS[kind])
-    tokens = random_tokens(config, batch=2, seq_len=37)
-    mask = np.ones_like(tokens)
-    mask[1, :6] = 0
-    model, params = jax_llama.init(config, seed=3, attention="xla")
-    chunked = jax_llama.Llama(config, attention="chunked")
-    ref = np.asarray(model.apply({"params": params}, tokens, attention_mask=mask))
-    got = np.asarray(chunked.apply({"params": params}, tokens, attention_mask=mask))
-    real = mask.astype(bool)
-    np.testing.assert_allclose(got[real], ref[real], rtol=0, atol=1e-5)  # float32 reordering
-
-    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1), "mask": mask.astype(np.float32)}
-    from jax_llama.train import loss_fn
-    grad = jax.jit(jax.grad(loss_fn), static_argnums=1)
-    g_ref, g = grad(params, model, batch), grad(params, chunked, batch)
-    scale = max(float(jnp.abs(x).max()) for x in jax.tree_util.tree_leaves(g_ref))
-    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
+    assert_models_agree(small_config(n_kv_heads=ATTENTION_KINDS[kind]), "chunked")
 
 
 # xla's cache path is also what every generation test runs; chunked's is checked here by default
