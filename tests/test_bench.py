@@ -81,7 +81,13 @@ def test_bench_quick_runs_everything_and_writes_json_and_markdown(tmp_path):
         assert set(rows) == {"1", "8"} and rows["1"]["ttft_s"] > 0, impl
         assert {"decode_tokens_per_s", "vs_transformers", "of_bandwidth_bound"} <= set(rows["1"])
     int8 = ["jax-llama int8", "torch_llama int8", "jax-llama int8 bf16", "torch_llama int8 bf16"]
-    assert set(b["decode"]["rows"]) == {*IMPLEMENTATIONS, *int8}
+    theirs = ["transformers int8", "transformers int8 bf16"]  # through torchao, where installed
+    assert set(b["decode"]["rows"]) == {*IMPLEMENTATIONS, *int8, *theirs}
+    if report["machine"]["torchao"]:
+        int8 += theirs
+    else:
+        assert all(b["decode"]["rows"][label] is None for label in theirs)
+        assert "| transformers int8 | | torchao not installed | | | |" in markdown
     assert set(b["decode"]["int8_bound_tokens_per_s"]) == set(int8)
     for label in int8:  # each against its own bound: fewer bytes than float32, a higher bound
         rows = b["decode"]["rows"][label]

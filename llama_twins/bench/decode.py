@@ -7,7 +7,10 @@ decode tokens/s = (new_tokens - 1) x batch / (time for new_tokens - time for 1).
 bound of batch 1 is this machine's measured read bandwidth over the weight bytes a decode step
 reads (jax_llama.perf.decode_bytes_per_token). The int8 rows run our twins on int8 weights
 (jax_llama.quantize / torch_llama.quantize, per output channel), in the bench's dtype and with
-bfloat16 activations, each against its own bound (int8 bytes).
+bfloat16 activations, each against its own bound (int8 bytes); transformers' own int8 path runs
+beside them where torchao is installed (`pip install -e '.[bench]'`): the same model with
+torchao's int8 weight-only quantisation (Int8WeightOnlyConfig, what transformers'
+TorchAoConfig("int8_weight_only") applies; per output channel too).
 
     python -m llama_twins.bench.decode [--out DIR]    # writes DIR/generate.{md,json} (DIR: .)
 """
@@ -57,6 +60,9 @@ def transformers_runner(spec: Spec):
 
     device, sync = torch_device()
     model = transformers_model(spec.config).to(device=device, dtype=getattr(torch, spec.dtype)).eval()
+    if spec.quantize:  # int8: torchao's weight-only path, as transformers' TorchAoConfig runs it
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        quantize_(model, Int8WeightOnlyConfig())
 
     def run(batch, n):
         ids = torch.tensor([prompt(spec)] * batch, device=device)
@@ -78,22 +84,27 @@ def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
 
 
 def int8_variants(spec: Spec) -> dict[str, Spec]:
-    """The int8 rows: our twins on int8 weights (per channel) in the bench's dtype, and, where
-    that is not bfloat16 already, with bfloat16 activations too: the dtype torch's int8 weight
-    kernel (torch._weight_int8pack_mm) multiplies in."""
-    variants = {f"{impl} int8": dataclasses.replace(spec, quantize="int8") for impl in (JAX, TWIN)}
+    """The int8 rows: our twins and transformers (through torchao) on int8 weights (per channel)
+    in the bench's dtype, and, where that is not bfloat16 already, with bfloat16 activations too:
+    the dtype torch's int8 weight kernel (torch._weight_int8pack_mm) multiplies in."""
+    impls = (JAX, TWIN, REFERENCE)
+    variants = {f"{impl} int8": dataclasses.replace(spec, quantize="int8") for impl in impls}
     if spec.dtype != "bfloat16":
         variants.update({f"{impl} int8 bf16": dataclasses.replace(spec, quantize="int8",
                                                                   dtype="bfloat16")
-                         for impl in (JAX, TWIN)})
+                         for impl in impls})
     return variants
 
 
-def run_int8(spec: Spec, rounds: int) -> dict[str, dict | None]:
-    """times[label] of each int8 variant, each in its own worker processes."""
+def run_int8(spec: Spec, rounds: int, found: dict) -> dict[str, dict | None]:
+    """times[label] of each int8 variant, each in its own worker processes; None for the
+    transformers rows where transformers or torchao does not import."""
     times = {}
     for label, variant in int8_variants(spec).items():
         impl = label.split(" ")[0]
+        if impl == REFERENCE and not (found["transformers"] and found.get("torchao")):
+            times[label] = None
+            continue
         times[label] = run_rounds(("decode",), (impl,), variant, rounds)[impl]["decode"]
     return times
 
@@ -153,7 +164,8 @@ def markdown(result: dict, dtype: str) -> list[str]:
         lines[0] += " (above 100%: the weights fit in a cache, so memory bandwidth does not bind)"
     for impl, r in result["rows"].items():
         if r is None:
-            lines.append(f"| {impl} | | not installed | | | |")
+            missing = "torchao " if impl.startswith(f"{REFERENCE} int8") else ""
+            lines.append(f"| {impl} | | {missing}not installed | | | |")
             continue
         for batch, x in r.items():
             of_bound = f"{x['of_bandwidth_bound']:.0%}" if x.get("of_bandwidth_bound") else "-"
@@ -178,7 +190,7 @@ def main(argv=None) -> int:
     times = run_rounds(("decode",), available(found), spec, args.rounds)
     per_row = {impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)}
     if not args.no_int8:
-        per_row.update(run_int8(spec, args.rounds))
+        per_row.update(run_int8(spec, args.rounds, found))
     result = summarize(per_row, spec, bandwidth)
     lines = [f"{describe(spec.config)}; measured read bandwidth {bandwidth / 1e9:.1f} GB/s; "
              f"medians of {args.rounds} rounds x {args.repeats} runs, each implementation in its "

@@ -122,7 +122,7 @@ def run(plan: Plan, command: str) -> dict:
         for bench in in_workers:
             per_impl = {impl: times[impl][bench] if impl in times else None for impl in IMPLEMENTATIONS}
             if bench == "decode":  # and our twins on int8 weights, each in its own workers
-                per_impl.update(decode.run_int8(spec, plan.rounds))
+                per_impl.update(decode.run_int8(spec, plan.rounds, found))
             results[bench] = SUMMARIZE[bench](per_impl, spec, against[bench])
     if "compile" in plan.benches:
         say(f"compiling the train step at {plan.depths[0]} and {plan.depths[1]} layers, with and "

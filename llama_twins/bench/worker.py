@@ -53,6 +53,11 @@ def probe() -> dict:
         info.update(transformers=transformers.__version__, transformers_error=None)
     except ImportError as e:  # what `jax-llama bench` reports, and then runs our side only
         info.update(transformers=None, transformers_error=f"{type(e).__name__}: {e}")
+    from importlib.metadata import PackageNotFoundError, version
+    try:  # transformers' int8 path in the decode bench (torchao's weight-only quantisation)
+        info.update(torchao=version("torchao"))
+    except PackageNotFoundError:
+        info.update(torchao=None)
     return info
 
 
