@@ -21,13 +21,19 @@ from bridge.evaluation import DEFAULT_BATCH_SIZE, Document, WindowBatch, run_eva
 from .model import Llama
 
 
+def token_log_probs(model: Llama, params, tokens_BS, targets_BS) -> tuple[jax.Array, jax.Array]:
+    """(log_softmax of the float32 logits (B, S, V), each target's log-probability (B, S)) for
+    tokens and targets (B, S) int32."""
+    logits_BSV = model.apply({"params": params}, tokens_BS).astype(jnp.float32)
+    logp_BSV = jax.nn.log_softmax(logits_BSV, axis=-1)
+    return logp_BSV, jnp.take_along_axis(logp_BSV, targets_BS[..., None], axis=-1)[..., 0]
+
+
 def window_nll(model: Llama, params, tokens_BS, targets_BS, weights_BS) -> jax.Array:
     """(B,) float32: the NLL (nats) of each row's weighted targets, from log_softmax of the
     float32 logits. tokens, targets (B, S) int32; weights (B, S) float32, 0 where not scored."""
-    logits_BSV = model.apply({"params": params}, tokens_BS).astype(jnp.float32)
-    logp_BSV = jax.nn.log_softmax(logits_BSV, axis=-1)
-    nll_BS = -jnp.take_along_axis(logp_BSV, targets_BS[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll_BS * weights_BS, axis=-1)
+    _, logp_BS = token_log_probs(model, params, tokens_BS, targets_BS)
+    return -jnp.sum(logp_BS * weights_BS, axis=-1)
 
 
 def evaluate(model: Llama, params, documents: Sequence[Document], seq_len: int, stride: int,

@@ -99,6 +99,21 @@ def add_quantize_arguments(p: argparse.ArgumentParser,
                         "(default: one per output channel)")
 
 
+def requested_quantization(args):
+    """The bridge.quantize.Quantization to apply to the loaded model (--quantize on a float
+    checkpoint), checked against the checkpoint's dims before any weight is read; None when the
+    model runs as it is stored."""
+    from bridge.formats import open_checkpoint
+    from bridge.quantize import Quantization, check_quantizable
+
+    ckpt = open_checkpoint(args.checkpoint)
+    if not quantization_request(args, ckpt.quantization):
+        return None
+    quantization = Quantization(args.quantize, args.group_size)
+    check_quantizable(ckpt.config, quantization)
+    return quantization
+
+
 def quantization_request(args, checkpoint_quantization) -> bool:
     """Whether the loaded model must still be quantised: --quantize on a float checkpoint. An
     int8 checkpoint runs as it is stored; --group-size alone, or a different group size than

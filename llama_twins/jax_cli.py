@@ -23,7 +23,7 @@ from bridge.errors import BridgeError
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_eval_arguments,
                        add_generate_arguments, command_main, generation_inputs,
-                       quantization_request, report_warnings, run_eval, run_generation)
+                       report_warnings, requested_quantization, run_eval, run_generation)
 
 # TrainConfig fields settable from the command line (None = default, or the resumed run's value)
 TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
@@ -207,16 +207,13 @@ def cmd_generate(args) -> int:
 
 def load_quantized(args, load: Callable[[], tuple]) -> tuple:
     """load() -> (model, params), quantised to int8 when --quantize asks for it."""
-    from bridge.formats import open_checkpoint
-    from bridge.quantize import Quantization, check_quantizable
     from jax_llama.quantize import quantize
 
-    ckpt = open_checkpoint(args.checkpoint)
-    if not quantization_request(args, ckpt.quantization):
-        return load()
-    check_quantizable(ckpt.config, Quantization(args.quantize, args.group_size))  # before reading
+    quantization = requested_quantization(args)  # refused here, before any weight is read
     model, params = load()
-    return model, quantize(params, args.group_size, args.quantize)
+    if quantization is None:
+        return model, params
+    return model, quantize(params, quantization.group_size, quantization.method)
 
 
 def _read_task(args, path: str, require_labels: bool = True):

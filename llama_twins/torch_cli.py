@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .commands import (add_command, add_eval_arguments, add_generate_arguments, command_main,
-                       generation_inputs, quantization_request, run_eval, run_generation)
+                       generation_inputs, requested_quantization, run_eval, run_generation)
 
 
 def cmd_generate(args) -> int:
@@ -27,15 +27,13 @@ def cmd_generate(args) -> int:
 
 def load_quantized(args, load):
     """load() -> the model, quantised to int8 in place when --quantize asks for it."""
-    from bridge.formats import open_checkpoint
-    from bridge.quantize import Quantization, check_quantizable
     from torch_llama import quantize
 
-    ckpt = open_checkpoint(args.checkpoint)
-    if not quantization_request(args, ckpt.quantization):
-        return load()
-    check_quantizable(ckpt.config, Quantization(args.quantize, args.group_size))  # before reading
-    return quantize(load(), args.group_size, args.quantize)
+    quantization = requested_quantization(args)  # refused here, before any weight is read
+    model = load()
+    if quantization is None:
+        return model
+    return quantize(model, quantization.group_size, quantization.method)
 
 
 def cmd_eval(args) -> int:

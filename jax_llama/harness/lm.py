@@ -36,7 +36,7 @@ from bridge.tokenizer import find_tokenizer
 
 from ..checkpoint import load
 from ..data import bucket
-from ..eval import evaluate
+from ..eval import evaluate, token_log_probs
 from ..generate import _MAX_STOP_IDS, generate
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,8 @@ def continuation_scores(model, params, tokens_BS, targets_BS, weights_BS, last_B
     (B, S) float32, 1 on the continuation's positions but its last, else 0; last_B (B,) int32,
     the position that predicts the continuation's last token: the rows that differ only in that
     token share one row (lm-eval's multiple choice with one-token answers: one row per question)."""
-    logits_BSV = model.apply({"params": params}, tokens_BS).astype(jnp.float32)
-    logp_BSV = jax.nn.log_softmax(logits_BSV, axis=-1)
-    logp_BS = jnp.take_along_axis(logp_BSV, targets_BS[..., None], axis=-1)[..., 0]
-    greedy_BS = jnp.argmax(logits_BSV, axis=-1) == targets_BS
+    logp_BSV, logp_BS = token_log_probs(model, params, tokens_BS, targets_BS)
+    greedy_BS = jnp.argmax(logp_BSV, axis=-1) == targets_BS  # as lm-eval's hf model: of log_softmax
     return (jnp.sum(logp_BS * weights_BS, axis=-1),
             jnp.all(greedy_BS | (weights_BS == 0), axis=-1),
             logp_BSV[jnp.arange(logp_BSV.shape[0]), last_B])
