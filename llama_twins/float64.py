@@ -14,6 +14,7 @@ the (B, N, S, S) scores of one block: the report's default 2 x 16 batch is nothi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -71,13 +72,7 @@ def truth(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarra
         inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
         grad_fn = jax.jit(jax.value_and_grad(
             lambda w: loss(w, config, inv_freq, inputs, targets)))
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0, adamw.lr, adamw.warmup_steps, adamw.steps, end_value=adamw.lr * adamw.end_lr_ratio)
-        optimizer = optax.chain(
-            optax.clip_by_global_norm(adamw.grad_clip),
-            optax.adamw(schedule, b1=adamw.b1, b2=adamw.b2, eps=adamw.eps,
-                        weight_decay=adamw.weight_decay,
-                        mask=lambda w: {name: t.ndim == 2 for name, t in w.items()}))
+        optimizer = _optimizer(adamw)
         update, state, trained = jax.jit(optimizer.update), optimizer.init(weights), weights
         for i in range(adamw.steps):
             value, grads = grad_fn(trained)
@@ -88,6 +83,46 @@ def truth(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarra
         return Truth(hidden=[np.asarray(h) for h in hidden], logits=np.asarray(logits),
                      loss=first_loss, grads=first_grads,
                      trained={k: np.asarray(t) for k, t in trained.items()})
+
+
+def adamw_steps(tensors: dict[str, np.ndarray], grads: Callable[[int], dict[str, np.ndarray]],
+                adamw: AdamW) -> dict[str, np.ndarray]:
+    """The weights after `adamw.steps` float64 steps of the recipe from `tensors` (canonical
+    names), step k taking the gradients grads(k) (canonical names) instead of the model's own:
+    the optimizer alone, for the report's figure that feeds both twins the same gradients."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    with jax.enable_x64(True):
+        trained = {name: jnp.asarray(np.asarray(t, np.float64)) for name, t in tensors.items()}
+        optimizer = _optimizer(adamw)
+        update, state = jax.jit(optimizer.update), optimizer.init(trained)
+        for k in range(adamw.steps):
+            g = {name: jnp.asarray(np.asarray(t, np.float64)) for name, t in grads(k).items()}
+            updates, state = update(g, state, trained)
+            trained = optax.apply_updates(trained, updates)
+        return {name: np.asarray(t) for name, t in trained.items()}
+
+
+def _optimizer(adamw: AdamW):
+    """The recipe as optax: warmup-cosine schedule, clipping by global norm, AdamW decaying the
+    2-D tensors (canonical names, so the embedding and the linear weights)."""
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, adamw.lr, adamw.warmup_steps, adamw.steps, end_value=adamw.lr * adamw.end_lr_ratio)
+    return optax.chain(
+        optax.clip_by_global_norm(adamw.grad_clip),
+        optax.adamw(schedule, b1=adamw.b1, b2=adamw.b2, eps=adamw.eps,
+                    weight_decay=adamw.weight_decay,
+                    mask=lambda w: {name: t.ndim == 2 for name, t in w.items()}))
+
+
+def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) over the last axis, in float64 (gain 1)."""
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
 def logits(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarray,

@@ -51,6 +51,8 @@ ADAMW_STEPS = 10
 # ~lr * g / eps, smooth in g: rounding then moves parameters by 4e-5 lr (tests/test_train.py
 # uses eps = 1 for the same reason).
 ADAMW_EPS = 1e-3
+# The weights figure's bound, in ulps of the dtype (see _weights_check).
+WEIGHT_ULPS = 1.0
 
 # The fixed tolerances (reference_f64=False, and the old judgement): per compute dtype, each on a
 # figure relative to the scale of what it measures.
@@ -75,6 +77,8 @@ TOLERANCES = {
         "grad": 1e-4,        # max |gradient difference| / max |gradient|; measured <= 9.3e-7
         "adamw": 1e-3,       # max |parameter difference| / lr after 10 steps; measured <= 4e-5
         "rope": 1e-5,        # RoPE over the context (see ROPE_POSITIONS); measured <= 1.0e-7
+        "norm": 1e-5,        # RMSNorm near eps (see _norm_check); measured <= TODO
+        "weights": WEIGHT_ULPS,  # ulps (see _weights_check): correct loaders are 0 apart
     },
     "bfloat16": {
         "hidden": 5e-2,      # measured <= 7.3e-3
@@ -86,6 +90,7 @@ TOLERANCES = {
         # differs costs a few lr, and smaller steps vanish in both twins, so this figure catches
         # only gross errors (a wrong lr or sign); the float32 report checks the optimizer.
         "adamw": 10.0,       # measured 0.24 - 1.3
+        "weights": WEIGHT_ULPS,
     },
 }
 # The judgement against float64 (see the module docstring). FACTOR: how many times the smaller
@@ -109,9 +114,12 @@ LIMITS = {
                 "grad_norm": (1e-6, 1e-3), "grad": (2.5e-7, 1e-2), "adamw": (1e-4, 1e-1),
                 # An angle near 4096 radians carries 2.4e-4 of float32 rounding (its spacing
                 # there is 4.9e-4), in any correct implementation: the ceiling sits above it.
-                "rope": (2.5e-7, 2e-3)},
+                "rope": (2.5e-7, 2e-3), "norm": (2.5e-7, 1e-3),
+                # ulps: a twin more than one off the checkpoint's value holds another weight
+                "weights": (WEIGHT_ULPS, WEIGHT_ULPS)},
     "bfloat16": {"hidden": (8e-3, 0.25), "logits": (8e-3, 0.25), "loss": (4e-3, 5e-2),
-                 "grad_norm": (4e-3, 5e-2), "grad": (8e-3, 0.5), "adamw": (1.0, 50.0)},
+                 "grad_norm": (4e-3, 5e-2), "grad": (8e-3, 0.5), "adamw": (1.0, 50.0),
+                 "weights": (WEIGHT_ULPS, WEIGHT_ULPS)},
 }
 # Greedy decoding may differ only at a near-tie: if the twins' logits agree within d, each twin's
 # logits of the two tokens they chose are within 2d of each other (JAX's a >= b and torch's
@@ -231,10 +239,19 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     say("RoPE over the context, and the forward pass: the hidden state after every block, "
         "and the logits")
     checks, first_divergence = [_rope_check(model, tmodel, config, seed, reference_f64)], {}
+    say("the weights each twin holds, and RMSNorm")
+    weights = _weights_check(model, params, tmodel, ckpt, dtype)
+    checks += [weights, _norm_check(model, tmodel, config, seed, reference_f64)]
     jax_out = _jax_forward(model, params, tokens, mask)
     truth_out = (truth.hidden, truth.logits) if truth is not None else None
     first_divergence["torch vs JAX"] = _forward_checks(
         checks, "torch", jax_out, _torch_forward(tmodel, tokens, mask), truth_out, real, dtype)
+    if first_divergence["torch vs JAX"] is None:
+        # A bug too small for the forward figures (in bfloat16) that a component figure sees: a
+        # wrong weight diverges at its block, RoPE and RMSNorm at the first (they run in all).
+        rope, norm = checks[0], checks[2]
+        first_divergence["torch vs JAX"] = (weights["block"] if not weights["ok"] else
+                                            0 if not (rope["ok"] and norm["ok"]) else None)
     logits_row = next(c for c in checks if c["figure"] == "logits")
     logit_bound = logits_row["tolerance"] * logits_row["scale"]  # absolute
 
@@ -251,7 +268,12 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
         notes.append(f"greedy tokens: skipped ({why})")
 
     say(f"one training step, then {ADAMW_STEPS} AdamW steps in both twins")
-    checks += _training_checks(model, params, tmodel, tokens, tc, truth, dtype)
+    training, jax_grads = _training_checks(model, params, tmodel, tokens, tc, truth, dtype)
+    checks += training
+    say(f"{ADAMW_STEPS} AdamW steps of both twins' optimizers on the same gradients, float32")
+    checks.append(_optimizer_check(model, params, tmodel, tc, ckpt, dtype,
+                                   truth.grads if truth is not None else jax_grads,
+                                   reference_f64))
 
     ref = None
     if reference == "transformers":
@@ -310,6 +332,165 @@ def _rope_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
     return _compare(f"RoPE, positions 0-{P - 1}", "torch vs JAX",
                     {"JAX": np.asarray(ours), "torch": theirs.numpy()}, truth, "float32", "rope",
                     detail="float32 in every dtype (both twins' RoPE is float32)")
+
+
+# The weights figure: every tensor each twin holds against the checkpoint's value rounded to the
+# report's dtype (round to nearest even, what both twins' loaders do), in units of that value's
+# spacing in the dtype (its ulp). A correct loader is 0 ulps off; the bound allows 1, for a loader
+# that rounds another way. A wrong weight is many ulps off in any dtype: 0.01 on a weight of 0.05
+# is 40 bfloat16 ulps, 5 million float32 ones. It is exact, so a bug that moves the outputs less
+# than bfloat16 rounds them is still seen here, and the tensor names its block.
+
+
+def _weights_check(model, params, tmodel, ckpt, dtype: str) -> dict:
+    """Each twin's weights (JAX: its params in canonical layout; torch: its state_dict) against
+    the checkpoint rounded to `dtype`, in ulps of the dtype, tensor by tensor."""
+    from jax_llama.checkpoint import tensor_specs
+
+    exact = numpy_dtype(dtype)
+    jax_tensor = tensor_specs(params, model.config)[1]
+    torch_tensors = tmodel.state_dict()
+    worst = {"JAX": 0.0, "torch": 0.0}
+    difference, first_off, worst_name = 0.0, None, None
+    for name in ckpt.specs:
+        truth = np.asarray(ckpt.tensor(name)).astype(exact)
+        spacing = _ulp(truth)
+        truth = truth.astype(np.float64)
+        ours, theirs = _f64(jax_tensor(name)), _f64(torch_tensors[name])
+        off = {"JAX": float((np.abs(ours - truth) / spacing).max()),
+               "torch": float((np.abs(theirs - truth) / spacing).max())}
+        between = float((np.abs(ours - theirs) / spacing).max())
+        if first_off is None and max(off.values()) > WEIGHT_ULPS:
+            first_off = name
+        if between > difference:
+            difference, worst_name = between, name
+        worst = {k: max(worst[k], off[k]) for k in worst}
+    named = first_off or worst_name
+    block = (int(named.split(".")[1]) if named is not None and named.startswith("layers.")
+             else None)
+    detail = (f"ulps of {dtype_name(dtype)}, every tensor against the checkpoint rounded to it"
+              + (f"; first tensor off: {first_off}" if first_off else
+                 f"; largest in {worst_name}" if worst_name else ""))
+    return dict(_row("weights as loaded", "torch vs JAX", difference, worst, dtype, "weights",
+                     detail), block=block)
+
+
+
+def _ulp(x: np.ndarray) -> np.ndarray:
+    """The spacing of x's dtype at each value of x (its ulp), float64; at 0 the least normal's."""
+    import ml_dtypes
+
+    info = ml_dtypes.finfo(x.dtype)
+    magnitude = np.abs(x.astype(np.float64))
+    exponent = np.floor(np.log2(np.maximum(magnitude, float(info.smallest_normal))))
+    return np.exp2(exponent - info.nmant)
+
+
+# The RMSNorm figure: each twin's RMSNorm, with the eps it carries (the JAX config's, every torch
+# module's own), on float32 rows whose mean square runs from eps / 100 to 100 eps, where eps
+# weighs: in the model's activations (mean squares near 1, bfloat16 rounding 4e-3) an eps 10x too
+# large moves a hidden state by ~1e-4 and hides. Both twins take the statistics in float32 whatever
+# the model's dtype, so the figure is judged as float32 in every report; the gain is 1 (the
+# weights figure checks the gains).
+NORM_ROWS = 64
+
+
+def _norm_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
+    """Every RMSNorm of each twin on the same float32 rows, against the float64 norm with the
+    checkpoint's eps."""
+    import jax.numpy as jnp
+    import torch
+
+    import jax_llama.model as jm
+    import torch_llama.model as tm
+
+    eps = config.norm_eps
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((NORM_ROWS, config.dim))
+    x /= np.sqrt(np.mean(x * x, axis=-1, keepdims=True))  # each row's mean square: 1
+    x = (x * np.sqrt(eps * np.logspace(-2, 2, NORM_ROWS))[:, None]).astype(np.float32)
+    ones = jnp.ones((config.dim,), jnp.float32)
+    ours = np.asarray(jm.RMSNorm(model.config.norm_eps).apply({"params": {"weight": ones}},
+                                                              jnp.asarray(x)))
+    norms = [m for m in tmodel.modules() if isinstance(m, tm.RMSNorm)]
+    with torch.no_grad():
+        theirs = np.stack([tm.RMSNorm(config.dim, m.eps)(torch.as_tensor(x)).numpy()
+                           for m in norms])
+    truth = None
+    if reference_f64:
+        from .float64 import rms_norm
+        truth = np.broadcast_to(rms_norm(x, eps), theirs.shape)
+    return _compare(f"RMSNorm, mean squares {eps / 100:.0e}-{eps * 100:.0e}", "torch vs JAX",
+                    {"JAX": np.broadcast_to(ours, theirs.shape), "torch": theirs}, truth,
+                    "float32", "norm",
+                    detail=f"float32 in every dtype (both twins' statistics are float32); "
+                           f"{len(norms)} torch norms")
+
+
+def _optimizer_check(model, params, tmodel, tc, ckpt, dtype: str, grads0: dict,
+                     reference_f64: bool) -> dict:
+    """Both twins' optimizers (jax_llama.train.make_optimizer; torch_llama's clipping and AdamW
+    with its decay mask) for tc.steps steps from the checkpoint's weights in `dtype`, held in
+    float32 as training keeps its master weights, each step given the same gradients: grads0
+    (the float64 run's first gradients) scaled at step k to a global norm of (k + 2) x the
+    clipping threshold, so that clipping acts at every step, by a different factor. The model's
+    own gradients do not enter, so the figure sees the optimizer alone and is judged as float32 in
+    every report: in bfloat16 a wrong decay mask or missing clipping moves the parameters less
+    than their rounding, and the figure of the training steps cannot see it."""
+    import jax
+    import optax
+    import torch
+
+    import torch_llama
+    from jax_llama.checkpoint import params_from_tensors, tensor_specs
+    from jax_llama.train import make_optimizer
+
+    names = list(ckpt.specs)
+    exact = numpy_dtype(dtype)
+    start = {n: np.asarray(ckpt.tensor(n)).astype(exact).astype(np.float32) for n in names}
+    norm = math.sqrt(sum(float(np.sum(np.square(np.asarray(grads0[n], np.float64))))
+                         for n in names))
+    clip = tc.grad_clip or 1.0
+    step_grads = [{n: (np.asarray(grads0[n], np.float64) * ((k + 2) * clip / norm))
+                   .astype(np.float32) for n in names} for k in range(tc.steps)]
+
+    optimizer = make_optimizer(tc)
+    trained = params_from_tensors(start.__getitem__, model.config, dtype="float32")
+    update, state = jax.jit(optimizer.update), optimizer.init(trained)
+    for g in step_grads:
+        updates, state = update(params_from_tensors(g.__getitem__, model.config,
+                                                    dtype="float32"), state, trained)
+        trained = optax.apply_updates(trained, updates)
+    jax_trained = tensor_specs(trained, model.config)[1]
+
+    twin = copy.deepcopy(tmodel).float()  # float32 master weights; the caller's model stays
+    twin.load_state_dict({n: torch.from_numpy(start[n]) for n in names})
+    weights = dict(twin.named_parameters())
+    schedule = torch_llama.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps,
+                                                        tc.lr * tc.end_lr_ratio)
+    opt = torch_llama.AdamW(list(weights.values()), lr=schedule, betas=(tc.b1, tc.b2),
+                            eps=tc.eps, weight_decay=tc.weight_decay, mask=torch_llama.decay_mask)
+    for g in step_grads:
+        for n, p in weights.items():
+            p.grad = torch.from_numpy(g[n].copy())
+        torch_llama.clip_by_global_norm(list(weights.values()), tc.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    state_dict = twin.state_dict()
+
+    flat = lambda get: np.concatenate([_f64(get(n)).ravel() for n in names])  # noqa: E731
+    truth = None
+    if reference_f64:
+        from .float64 import AdamW, adamw_steps
+        recipe = AdamW(steps=tc.steps, lr=tc.lr, warmup_steps=tc.warmup_steps,
+                       end_lr_ratio=tc.end_lr_ratio, b1=tc.b1, b2=tc.b2, eps=tc.eps,
+                       weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)
+        truth = flat(adamw_steps(start, step_grads.__getitem__, recipe).get)
+    return _compare(f"AdamW on shared gradients, {tc.steps} steps", "torch vs JAX",
+                    {"JAX": flat(jax_trained), "torch": flat(state_dict.get)}, truth, "float32",
+                    "adamw", scale=tc.lr,
+                    detail="max abs / lr; float32 master weights in every dtype, the same "
+                           "gradients in both")
 
 
 FLOAT64_BYTES_PER_PARAMETER = 40  # weights, gradients, two AdamW moments and an update
@@ -583,8 +764,9 @@ def _greedy_check(model, params, tmodel, tokens, real, n_new: int, logit_bound: 
     return dict(check, rows=rows)
 
 
-def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str) -> list[dict]:
-    """Loss and gradients of one step of mean next-token cross-entropy on the batch (the same ids,
+def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
+                     ) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """(rows, JAX's gradients of the first step by canonical name). Loss and gradients of one step of mean next-token cross-entropy on the batch (the same ids,
     no padding: jax_llama.train.loss_fn takes no attention mask), then the parameters after
     tc.steps steps on that batch of jax_llama.train's optimizer and of torch_llama.AdamW with the
     same hyperparameters and schedule; each against the float64 run of the same (`truth`)."""
@@ -645,7 +827,7 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str) -> li
         _compare(f"parameters after {tc.steps} AdamW steps", compared,
                  {"JAX": p_jax, "torch": p_torch}, t_trained, dtype, "adamw", scale=tc.lr,
                  detail=f"max abs / lr; lr {tc.lr:g}, eps {tc.eps:g}"),
-    ]
+    ], {name: jax_grads(name) for name in names}
 
 
 # -- output ---------------------------------------------------------------------------------------

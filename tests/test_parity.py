@@ -19,9 +19,11 @@ from bridge.errors import BridgeError
 from bridge.formats.hf import config_to_hf
 from conftest import save_random_checkpoint, small_config
 
-TORCH_FIGURES = {"RoPE, positions 0-63", "hidden after block 0", "hidden after block 1", "logits", "KL, max over positions",
+TORCH_FIGURES = {"RoPE, positions 0-63", "weights as loaded", "RMSNorm, mean squares 1e-07-1e-03",
+                 "hidden after block 0", "hidden after block 1", "logits", "KL, max over positions",
                  "KL, mean over positions", "greedy tokens, first difference", "loss, one step",
-                 "gradient norm", "gradients", "parameters after 10 AdamW steps"}
+                 "gradient norm", "gradients", "parameters after 10 AdamW steps",
+                 "AdamW on shared gradients, 10 steps"}
 REFERENCE_FIGURES = {"hidden after block 0", "hidden after block 1", "logits",
                      "KL, max over positions", "KL, mean over positions"}
 
@@ -160,7 +162,8 @@ def test_without_the_float64_run_fixed_tolerances_judge_and_say_so(checkpoint, c
     assert report["judged_by"] == "fixed tolerances" and report["passed"]
     assert any("judged by fixed tolerances (no float64 reference)" in n for n in report["notes"])
     for c in report["checks"]:
-        assert c["errors"] is None
+        # the weights are measured against the checkpoint itself, with or without float64
+        assert c["errors"] is None or (c["kind"] == "weights" and c["errors"]["JAX"] == 0)
         if c["kind"] in parity.TOLERANCES["float32"]:
             assert c["tolerance"] == parity.TOLERANCES["float32"][c["kind"]]
 
