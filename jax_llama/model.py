@@ -202,6 +202,10 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     multiplies the output, (x @ Q) * s, so the int8 weights are never scaled element by element;
     group-wise, each group's weights are dequantised in float32 and rounded once to `dtype`.
     torch_llama.model.int8_linear computes the same, in the same order."""
+    G = scale_GO.shape[0]
+    I, O = q_IO.shape
+    if G == 1 and I % INT8_BLOCK_ROWS == 0 and I > INT8_BLOCK_ROWS:
+        return _int8_dot_by_blocks(x_MI, q_IO, dtype).astype(dtype) * scale_GO[0].astype(dtype)
     # The weight is made to depend on x, so that it is dequantised only once x exists, right
     # before its matmul. Independent of x it is a constant of any loop around the model (the
     # decode loop) and XLA hoists its conversion out of the loop, or schedules every weight's
@@ -209,12 +213,34 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     # memory than the float model. (An optimization barrier does not hold on XLA:CPU: it is
     # expanded away before scheduling.) Where x[0, 0] is NaN, the output is NaN either way.
     q_IO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), q_IO.dtype), q_IO)
-    G = scale_GO.shape[0]
     if G == 1:
         return jnp.dot(x_MI, q_IO.astype(dtype)) * scale_GO[0].astype(dtype)
-    I, O = q_IO.shape
     w_GiO = q_IO.reshape(G, I // G, O).astype(jnp.float32) * scale_GO[:, None, :]
     return jnp.dot(x_MI, w_GiO.reshape(I, O).astype(dtype))
+
+
+# Rows of an int8 weight converted at a time by _int8_dot_by_blocks.
+INT8_BLOCK_ROWS = 64
+
+
+def _int8_dot_by_blocks(x_MI, q_IO, dtype):
+    """x @ Q.astype(dtype), converting INT8_BLOCK_ROWS rows of Q at a time in a loop, each block's
+    product added to the output. XLA:CPU does not fuse an int8 -> float conversion into a
+    matmul: converted whole, Q's float copy is written to memory and read back, 8 bytes of traffic
+    a weight beside the int8 byte, slower than the float32 model (results/int8_matmul.md). A block
+    of 64 rows stays in cache. Its conversion depends on the loop index, so XLA cannot hoist it
+    out of the decode loop either: only one block's float copy exists at a time. The products
+    are summed in float32 (bfloat16 too), as one matmul accumulates."""
+    I, O = q_IO.shape
+    K = INT8_BLOCK_ROWS
+
+    def add_block(i, acc_MO):
+        q_KO = jax.lax.dynamic_slice_in_dim(q_IO, i * K, K, axis=0).astype(dtype)
+        x_MK = jax.lax.dynamic_slice_in_dim(x_MI, i * K, K, axis=x_MI.ndim - 1)
+        return acc_MO + jnp.dot(x_MK, q_KO, preferred_element_type=jnp.float32)
+
+    return jax.lax.fori_loop(0, I // K, add_block,
+                             jnp.zeros((*x_MI.shape[:-1], O), jnp.float32))
 
 
 def _dense(module: nn.Module, features: int, name: str, residual: bool = False) -> Linear:

@@ -1,6 +1,7 @@
 """int8 weight-only quantisation: the arithmetic, both twins on the same int8 weights, the native
 format that holds them, the commands, and what is refused."""
 
+import dataclasses
 import json
 import re
 
@@ -21,6 +22,9 @@ from llama_twins import bridge_cli, jax_cli, torch_cli
 
 # small_config's dims: 48 model, 80 ffn; 16 divides both
 CONFIG = small_config()
+# inputs of 128 and 192: the JAX twin's per-channel int8 matmul converts the weight in blocks of
+# jax_llama.model.INT8_BLOCK_ROWS (64) rows, summed in a loop
+BLOCKED = small_config(dim=128, n_heads=4, n_kv_heads=2, ffn_dim=192)
 
 
 def softmax_kl(p_logits, q_logits) -> float:
@@ -72,10 +76,11 @@ def test_group_size_that_does_not_divide_is_refused_naming_the_tensor():
 
 # -- the twins on the same int8 weights --------------------------------------------------------------
 
-@pytest.fixture(params=[(False, None), (False, 16), (True, None)], ids=["untied", "group16", "tied"])
+@pytest.fixture(params=[(False, None, CONFIG), (False, 16, CONFIG), (True, None, CONFIG),
+                        (False, None, BLOCKED)], ids=["untied", "group16", "tied", "blocked"])
 def float_checkpoint(request, tmp_path):
-    tied, group_size = request.param
-    config = small_config(tie_embeddings=tied)
+    tied, group_size, base = request.param
+    config = dataclasses.replace(base, tie_embeddings=tied)
     return save_random_checkpoint(tmp_path / "float", config), config, group_size
 
 
@@ -121,10 +126,11 @@ def test_twins_give_the_same_logits_on_int8_weights(float_checkpoint, tmp_path):
     assert softmax_kl(float_logits, ours) < 1e-3
 
 
-def test_bfloat16_twins_on_int8_weights_agree_to_bfloat16_rounding(tmp_path):
-    path = save_random_checkpoint(tmp_path / "float", CONFIG)
+@pytest.mark.parametrize("config", [CONFIG, BLOCKED], ids=["small", "blocked"])
+def test_bfloat16_twins_on_int8_weights_agree_to_bfloat16_rounding(tmp_path, config):
+    path = save_random_checkpoint(tmp_path / "float", config)
     convert(path, tmp_path / "q", quantize="int8", progress=False)
-    tokens = random_tokens(CONFIG, batch=2, seq_len=12)
+    tokens = random_tokens(config, batch=2, seq_len=12)
     model, params = jax_llama.load(tmp_path / "q", dtype="bfloat16")
     tmodel = torch_llama.load(tmp_path / "q", device="cpu", dtype="bfloat16")  # int8 kernel
     ours, theirs = jax_logits(model, params, tokens), torch_logits(tmodel, tokens)
@@ -340,3 +346,46 @@ def test_the_decode_loop_holds_int8_weights_and_one_dequantised_matrix_at_a_time
     largest = 4 * config.dim * config.vocab_size  # the LM head, dequantised
     int8_scratch = scratch_bytes(jax_llama.quantize(params))
     assert int8_scratch < 2 * largest + scratch_bytes(params) < float_weights / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_projection_follows_scales_written_in_place(dtype):
+    """The per-channel scales are kept converted to the activations' dtype between calls; a load
+    writing weight_scale in place (or a new tensor) must still take effect at the next call."""
+    from torch_llama.model import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(16, 8).to(dtype)
+    layer.quantize(Quantization("int8"))
+    x = torch.randn(2, 16, dtype=dtype)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight_scale.mul_(2)   # in place, as loading a checkpoint writes it
+        doubled = layer(x)
+        layer.weight_scale = layer.weight_scale / 4   # replaced: a new tensor
+        halved = layer(x)
+    assert torch.equal(doubled, before * 2) and torch.equal(halved, before / 2)
+
+
+def test_the_int8_matmul_by_blocks_is_the_whole_matmul():
+    """_int8_dot_by_blocks sums 64-row blocks of x @ Q: the same products as one matmul, summed
+    in another order (float32 rounding only); the scaled result is what int8_matmul returns."""
+    import jax.numpy as jnp
+
+    from jax_llama.model import INT8_BLOCK_ROWS, _int8_dot_by_blocks, int8_matmul
+
+    rng = np.random.default_rng(0)
+    I, O = 3 * INT8_BLOCK_ROWS, 40
+    q = rng.integers(-127, 128, (I, O)).astype(np.int8)
+    x = rng.standard_normal((5, I)).astype(np.float32)
+    scale = rng.uniform(0.01, 0.02, (1, O)).astype(np.float32)
+    exact = x.astype(np.float64) @ q.astype(np.float64)
+    by_blocks = np.asarray(_int8_dot_by_blocks(jnp.asarray(x), jnp.asarray(q), jnp.float32))
+    np.testing.assert_allclose(by_blocks, exact, rtol=0, atol=1e-6 * np.abs(exact).max())
+    scaled = np.asarray(int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale),
+                                    jnp.float32))
+    np.testing.assert_allclose(scaled, exact * scale, rtol=0,
+                               atol=1e-6 * np.abs(exact * scale).max())
+    # a block left out is far off: the loop covers every row
+    partial = x[:, INT8_BLOCK_ROWS:].astype(np.float64) @ q[INT8_BLOCK_ROWS:].astype(np.float64)
+    assert np.abs(by_blocks - partial).max() > 1e-2 * np.abs(exact).max()

@@ -14,7 +14,7 @@ Each projection is a Linear, which can carry a LoRA adapter (torch_llama.lora ad
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -104,6 +104,9 @@ class AttentionMask:
     valid: torch.Tensor | None = None          # (B, T) bool
     q_segments: torch.Tensor | None = None     # (B, S)
     k_segments: torch.Tensor | None = None     # (B, T)
+    # additive() of this mask by (T, dtype): every layer of a forward pass attends with the same
+    # mask, so it is built once (a decode step makes a new mask; it is not kept across steps)
+    _biases: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def causal(cls, S: int, valid_BS=None, segments_BS=None, device=None) -> "AttentionMask":
@@ -120,6 +123,14 @@ class AttentionMask:
         if self.q_segments is not None:
             allowed = allowed & (self.q_segments[:, :, None] == self.k_segments[:, None, :])
         return allowed
+
+    def additive(self, T: int, dtype: torch.dtype) -> torch.Tensor:
+        """dense(T) as SDPA's additive bias (B or 1, 1, S, T) in `dtype` (_additive), built
+        once per mask."""
+        key = (T, dtype)
+        if key not in self._biases:
+            self._biases[key] = _additive(self.dense(T)[:, None], dtype)
+        return self._biases[key]
 
 
 # -- the key/value cache for generation ----------------------------------------------------------
@@ -226,6 +237,22 @@ class Linear(nn.Linear):
             self.weight.copy_(torch.from_numpy(q_OI))
             self.weight_scale.copy_(torch.from_numpy(scale_OG))
 
+    def _scale_in(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The per-channel scales (G = 1) as an (out,) vector in `dtype`, what torch's int8
+        kernel multiplies by: converted once, not at every call (a decode step makes one call per
+        projection), and again whenever weight_scale changes (a load writes it in place, .to()
+        replaces it). None for group-wise scales."""
+        scale = self.weight_scale
+        if scale.shape[1] != 1:
+            return None
+        try:
+            key = (dtype, scale.data_ptr(), scale._version)
+        except RuntimeError:  # an inference tensor keeps no version: convert every call
+            return scale[:, 0].to(dtype)
+        if getattr(self, "_scale_key", None) != key:
+            self._scale_vec, self._scale_key = scale[:, 0].to(dtype), key
+        return self._scale_vec
+
     def make_int8(self, groups: int) -> None:
         """Turn W into an (uninitialised) int8 weight with `groups` scales per row, on W's
         device (meta included): what loading a quantised checkpoint fills."""
@@ -237,7 +264,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.int8:
-            y = int8_linear(x, self.weight, self.weight_scale)
+            y = int8_linear(x, self.weight, self.weight_scale, self._scale_in(x.dtype))
         else:
             y = super().forward(x)
         if self.lora is None:
@@ -247,18 +274,21 @@ class Linear(nn.Linear):
         return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.lora.scale
 
 
-def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor,
+                scale_O: torch.Tensor | None = None) -> torch.Tensor:
     """x Q^T scaled, for int8 Q (out, in) and float32 scales (out, G) (bridge.quantize), in x's
     dtype: jax_llama.model.int8_matmul's twin. Per channel (G = 1), (x Q^T) * s - through
     torch's int8 weight kernel when x is bfloat16 on a CPU or CUDA device, which reads the int8
-    weight as it multiplies; group-wise, each group dequantised in float32, rounded once."""
+    weight as it multiplies; group-wise, each group dequantised in float32, rounded once.
+    scale_O: the per-channel scales already in x's dtype (Linear keeps them), else converted."""
     O, I = q_OI.shape
     G = scale_OG.shape[1]
     if G == 1:
+        scale_O = scale_OG[:, 0].to(x.dtype) if scale_O is None else scale_O
         if x.dtype == torch.bfloat16 and x.device.type in ("cpu", "cuda"):
-            y = torch._weight_int8pack_mm(x.reshape(-1, I), q_OI, scale_OG[:, 0].to(x.dtype))
+            y = torch._weight_int8pack_mm(x.reshape(-1, I), q_OI, scale_O)
             return y.reshape(*x.shape[:-1], O)
-        return F.linear(x, q_OI.to(x.dtype)) * scale_OG[:, 0].to(x.dtype)
+        return F.linear(x, q_OI.to(x.dtype)) * scale_O
     w_OGi = q_OI.view(O, G, I // G).to(torch.float32) * scale_OG[..., None]
     return F.linear(x, w_OGi.view(O, I).to(x.dtype))
 
@@ -295,8 +325,7 @@ class Attention(nn.Module):
             cache.k[layer, :, :, cache.index - S:cache.index] = k_BKTH
             cache.v[layer, :, :, cache.index - S:cache.index] = v_BKTH
             k_BKTH, v_BKTH = cache.k[layer], cache.v[layer]
-        bias_B1ST = (None if mask is None
-                     else _additive(mask.dense(k_BKTH.shape[2])[:, None], q_BSNH.dtype))
+        bias_B1ST = None if mask is None else mask.additive(k_BKTH.shape[2], q_BSNH.dtype)
         out_BNSH = F.scaled_dot_product_attention(
             q_BSNH.transpose(1, 2), k_BKTH, v_BKTH,
             attn_mask=bias_B1ST, is_causal=mask is None, enable_gqa=c.n_groups > 1)
