@@ -204,8 +204,9 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     torch_llama.model.int8_linear computes the same, in the same order."""
     G = scale_GO.shape[0]
     I, O = q_IO.shape
-    if G == 1 and I % INT8_BLOCK_ROWS == 0 and I > INT8_BLOCK_ROWS:
-        return _int8_dot_by_blocks(x_MI, q_IO, dtype).astype(dtype) * scale_GO[0].astype(dtype)
+    K = math.gcd(I, INT8_BLOCK_ROWS)  # rows per block: 64, or fewer where 64 does not divide I
+    if G == 1 and K >= INT8_BLOCK_ROWS // 4 and I > K:
+        return _int8_dot_by_blocks(x_MI, q_IO, K, dtype).astype(dtype) * scale_GO[0].astype(dtype)
     # The weight is made to depend on x, so that it is dequantised only once x exists, right
     # before its matmul. Independent of x it is a constant of any loop around the model (the
     # decode loop) and XLA hoists its conversion out of the loop, or schedules every weight's
@@ -219,12 +220,12 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     return jnp.dot(x_MI, w_GiO.reshape(I, O).astype(dtype))
 
 
-# Rows of an int8 weight converted at a time by _int8_dot_by_blocks.
+# Rows of an int8 weight converted at a time by _int8_dot_by_blocks (at most).
 INT8_BLOCK_ROWS = 64
 
 
-def _int8_dot_by_blocks(x_MI, q_IO, dtype):
-    """x @ Q.astype(dtype), converting INT8_BLOCK_ROWS rows of Q at a time in a loop, each block's
+def _int8_dot_by_blocks(x_MI, q_IO, K: int, dtype):
+    """x @ Q.astype(dtype), converting K rows of Q at a time in a loop, each block's
     product added to the output. XLA:CPU does not fuse an int8 -> float conversion into a
     matmul: converted whole, Q's float copy is written to memory and read back, 8 bytes of traffic
     a weight beside the int8 byte, slower than the float32 model (results/int8_matmul.md). A block
@@ -232,7 +233,6 @@ def _int8_dot_by_blocks(x_MI, q_IO, dtype):
     out of the decode loop either: only one block's float copy exists at a time. The products
     are summed in float32 (bfloat16 too), as one matmul accumulates."""
     I, O = q_IO.shape
-    K = INT8_BLOCK_ROWS
 
     def add_block(i, acc_MO):
         q_KO = jax.lax.dynamic_slice_in_dim(q_IO, i * K, K, axis=0).astype(dtype)

@@ -22,9 +22,9 @@ from llama_twins import bridge_cli, jax_cli, torch_cli
 
 # small_config's dims: 48 model, 80 ffn; 16 divides both
 CONFIG = small_config()
-# inputs of 128 and 192: the JAX twin's per-channel int8 matmul converts the weight in blocks of
-# jax_llama.model.INT8_BLOCK_ROWS (64) rows, summed in a loop
-BLOCKED = small_config(dim=128, n_heads=4, n_kv_heads=2, ffn_dim=192)
+# inputs of 128 and 160: the JAX twin's per-channel int8 matmul converts the weight in blocks of
+# jax_llama.model.INT8_BLOCK_ROWS (64) rows, or 32 where 64 does not divide (160), summed in a loop
+BLOCKED = small_config(dim=128, n_heads=4, n_kv_heads=2, ffn_dim=160)
 
 
 def softmax_kl(p_logits, q_logits) -> float:
@@ -380,7 +380,8 @@ def test_the_int8_matmul_by_blocks_is_the_whole_matmul():
     x = rng.standard_normal((5, I)).astype(np.float32)
     scale = rng.uniform(0.01, 0.02, (1, O)).astype(np.float32)
     exact = x.astype(np.float64) @ q.astype(np.float64)
-    by_blocks = np.asarray(_int8_dot_by_blocks(jnp.asarray(x), jnp.asarray(q), jnp.float32))
+    by_blocks = np.asarray(_int8_dot_by_blocks(jnp.asarray(x), jnp.asarray(q), INT8_BLOCK_ROWS,
+                                                 jnp.float32))
     np.testing.assert_allclose(by_blocks, exact, rtol=0, atol=1e-6 * np.abs(exact).max())
     scaled = np.asarray(int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale),
                                     jnp.float32))
