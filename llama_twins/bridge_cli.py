@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "transformers (skipped, with the reason, if not installed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
     p.add_argument("--no-reference-f64", dest="reference_f64", action="store_false",
-                   help="skip the float64 run (40 bytes a parameter) and judge by the fixed "
+                   help="skip the float64 run (64 bytes a parameter) and judge by the fixed "
                         "tolerances of small models, for models too large for it")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
