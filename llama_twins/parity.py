@@ -203,6 +203,10 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
             raise BridgeError(f"must be at least {least} (got {value})", field=name)
     ckpt = open_checkpoint(path)  # an unsupported config is refused here, by field
     config = ckpt.config
+    if ckpt.quantization is not None:  # gradients and AdamW steps need float weights
+        raise BridgeError(f"{ckpt.path}: holds int8-quantised weights (config.json "
+                          f"'quantization'), which the report cannot train or compare with "
+                          f"float64: run it on the float checkpoint they were made from")
     if seq_len > config.max_seq_len:
         raise BridgeError(f"{seq_len} exceeds the checkpoint's max_seq_len {config.max_seq_len}",
                           field="seq_len")
@@ -375,7 +379,6 @@ def _weights_check(model, params, tmodel, ckpt, dtype: str) -> dict:
                  f"; largest in {worst_name}" if worst_name else ""))
     return dict(_row("weights as loaded", "torch vs JAX", difference, worst, dtype, "weights",
                      detail), block=block)
-
 
 
 def _ulp(x: np.ndarray) -> np.ndarray:

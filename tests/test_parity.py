@@ -15,6 +15,7 @@ import torch
 import torch_llama
 from llama_twins import bridge_cli
 from llama_twins import parity
+from bridge.convert import convert
 from bridge.errors import BridgeError
 from bridge.formats.hf import config_to_hf
 from conftest import save_random_checkpoint, small_config
@@ -190,6 +191,15 @@ def test_unsupported_checkpoint_exits_2_naming_the_field(tmp_path, capsys):
     assert bridge_cli.main(["parity", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path}/config.json: hidden_act='gelu' is not supported")
+    assert err.count("\n") == 1
+
+
+def test_an_int8_checkpoint_is_refused_in_one_line(checkpoint, tmp_path, capsys):
+    """int8 weights cannot take gradients or AdamW steps: refused by name, not a traceback."""
+    convert(checkpoint, tmp_path / "int8", quantize="int8", progress=False)
+    assert bridge_cli.main(["parity", str(tmp_path / "int8")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'int8'}: holds int8-quantised weights")
     assert err.count("\n") == 1
 
 
