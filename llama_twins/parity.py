@@ -88,7 +88,8 @@ TOLERANCES = {
         "grad": 1e-1,        # measured <= 1.7e-2
         # A parameter near 1 (a norm gain) has a bfloat16 spacing of 8e-3, 2.6 lr: a rounding that
         # differs costs a few lr, and smaller steps vanish in both twins, so this figure catches
-        # only gross errors (a wrong lr or sign); the float32 report checks the optimizer.
+        # only gross errors (a wrong lr or sign); the AdamW figure on shared gradients (float32
+        # master weights) checks the optimizer in every report.
         "adamw": 10.0,       # measured 0.24 - 1.3
         "weights": WEIGHT_ULPS,
     },
@@ -787,8 +788,9 @@ def _greedy_check(model, params, tmodel, tokens, real, n_new: int, logit_bound: 
 
 def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
                      ) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """(rows, JAX's gradients of the first step by canonical name). Loss and gradients of one step of mean next-token cross-entropy on the batch (the same ids,
-    no padding: jax_llama.train.loss_fn takes no attention mask), then the parameters after
+    """(rows, JAX's gradients of the first step by canonical name). Loss and gradients of one
+    step of mean next-token cross-entropy on the batch (the same ids, no padding:
+    jax_llama.train.loss_fn takes no attention mask), then the parameters after
     tc.steps steps on that batch of jax_llama.train's optimizer and of torch_llama.AdamW with the
     same hyperparameters and schedule; each against the float64 run of the same (`truth`)."""
     import jax
