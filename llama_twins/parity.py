@@ -225,28 +225,26 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     tokens, mask = _random_batch(config, batch, seq_len, seed)
     real = mask.astype(bool)
     tc = TrainConfig(steps=ADAMW_STEPS, batch_size=batch, seq_len=seq_len - 1, eps=ADAMW_EPS)
+    # The weights the twins hold, exactly: the checkpoint rounded to the dtype, read once for the
+    # float64 run, the weights figure and the optimizer figure's starting point.
+    held = {name: t.astype(numpy_dtype(dtype)) for name, t in ckpt}
     truth = None
     if reference_f64:
-        from .float64 import AdamW, truth as float64_truth
+        from .float64 import truth as float64_truth
 
         say(f"the float64 reference: forward, gradients and {ADAMW_STEPS} AdamW steps")
-        exact = numpy_dtype(dtype)  # the weights the twins hold, exactly, then float64 math
-        tensors = {name: t.astype(exact) for name, t in ckpt}
-        truth = float64_truth(tensors, config, tokens, mask, AdamW(
-            steps=tc.steps, lr=tc.lr, warmup_steps=tc.warmup_steps, end_lr_ratio=tc.end_lr_ratio,
-            b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay,
-            grad_clip=tc.grad_clip))
-        del tensors
+        truth = float64_truth(held, config, tokens, mask, _float64_recipe(tc))
     else:
         notes.append("judged by fixed tolerances (no float64 reference): these were measured on "
                      "small models and may fail a correct port of a large or trained one")
 
     say("RoPE over the context, and the forward pass: the hidden state after every block, "
         "and the logits")
-    checks, first_divergence = [_rope_check(model, tmodel, config, seed, reference_f64)], {}
+    rope = _rope_check(model, tmodel, config, seed, reference_f64)
     say("the weights each twin holds, and RMSNorm")
-    weights = _weights_check(model, params, tmodel, ckpt, dtype)
-    checks += [weights, _norm_check(model, tmodel, config, seed, reference_f64)]
+    weights = _weights_check(model, params, tmodel, held, dtype)
+    norm = _norm_check(model, tmodel, config, seed, reference_f64)
+    checks, first_divergence = [rope, weights, norm], {}
     jax_out = _jax_forward(model, params, tokens, mask)
     truth_out = (truth.hidden, truth.logits) if truth is not None else None
     first_divergence["torch vs JAX"] = _forward_checks(
@@ -254,7 +252,6 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     if first_divergence["torch vs JAX"] is None:
         # A bug too small for the forward figures (in bfloat16) that a component figure sees: a
         # wrong weight diverges at its block, RoPE and RMSNorm at the first (they run in all).
-        rope, norm = checks[0], checks[2]
         first_divergence["torch vs JAX"] = (weights["block"] if not weights["ok"] else
                                             0 if not (rope["ok"] and norm["ok"]) else None)
     logits_row = next(c for c in checks if c["figure"] == "logits")
@@ -278,7 +275,7 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     if truth is not None:
         truth.trained.clear()  # measured; freed before the optimizer figure's own runs
     say(f"{ADAMW_STEPS} AdamW steps of both twins' optimizers on the same gradients, float32")
-    checks.append(_optimizer_check(model, params, tmodel, tc, ckpt, dtype,
+    checks.append(_optimizer_check(model, tmodel, tc, held,
                                    truth.grads if truth is not None else jax_grads,
                                    reference_f64))
 
@@ -349,18 +346,16 @@ def _rope_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
 # than bfloat16 rounds them is still seen here, and the tensor names its block.
 
 
-def _weights_check(model, params, tmodel, ckpt, dtype: str) -> dict:
+def _weights_check(model, params, tmodel, held: dict[str, np.ndarray], dtype: str) -> dict:
     """Each twin's weights (JAX: its params in canonical layout; torch: its state_dict) against
-    the checkpoint rounded to `dtype`, in ulps of the dtype, tensor by tensor."""
+    `held`, the checkpoint rounded to `dtype`, in ulps of the dtype, tensor by tensor."""
     from jax_llama.checkpoint import tensor_specs
 
-    exact = numpy_dtype(dtype)
     jax_tensor = tensor_specs(params, model.config)[1]
     torch_tensors = tmodel.state_dict()
     worst = {"JAX": 0.0, "torch": 0.0}
     difference, first_off, worst_name = 0.0, None, None
-    for name in ckpt.specs:
-        truth = np.asarray(ckpt.tensor(name)).astype(exact)
+    for name, truth in held.items():
         spacing = _ulp(truth)
         truth = truth.astype(np.float64)
         ours, theirs = _f64(jax_tensor(name)), _f64(torch_tensors[name])
@@ -433,11 +428,11 @@ def _norm_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
                            f"{len(norms)} torch norms")
 
 
-def _optimizer_check(model, params, tmodel, tc, ckpt, dtype: str, grads0: dict,
+def _optimizer_check(model, tmodel, tc, held: dict[str, np.ndarray], grads0: dict,
                      reference_f64: bool) -> dict:
     """Both twins' optimizers (jax_llama.train.make_optimizer; torch_llama's clipping and AdamW
-    with its decay mask) for tc.steps steps from the checkpoint's weights in `dtype`, held in
-    float32 as training keeps its master weights, each step given the same gradients: grads0
+    with its decay mask) for tc.steps steps from `held` (the checkpoint in the report's dtype),
+    held in float32 as training keeps its master weights, each step given the same gradients: grads0
     (the float64 run's first gradients) scaled at step k to a global norm of (k + 2) x the
     clipping threshold, so that clipping acts at every step, by a different factor. The model's
     own gradients do not enter, so the figure sees the optimizer alone and is judged as float32 in
@@ -451,9 +446,8 @@ def _optimizer_check(model, params, tmodel, tc, ckpt, dtype: str, grads0: dict,
     from jax_llama.checkpoint import params_from_tensors, tensor_specs
     from jax_llama.train import make_optimizer
 
-    names = list(ckpt.specs)
-    exact = numpy_dtype(dtype)
-    start = {n: np.asarray(ckpt.tensor(n)).astype(exact).astype(np.float32) for n in names}
+    names = list(held)
+    start = {n: held[n].astype(np.float32) for n in names}
     norm = math.sqrt(sum(float(np.sum(np.square(np.asarray(grads0[n], np.float64))))
                          for n in names))
     factor = (tc.grad_clip or 1.0) / norm if norm > 0 else 0.0
@@ -476,10 +470,7 @@ def _optimizer_check(model, params, tmodel, tc, ckpt, dtype: str, grads0: dict,
     twin = copy.deepcopy(tmodel).float()  # float32 master weights; the caller's model stays
     twin.load_state_dict({n: torch.from_numpy(start[n]) for n in names})
     weights = dict(twin.named_parameters())
-    schedule = torch_llama.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps,
-                                                        tc.lr * tc.end_lr_ratio)
-    opt = torch_llama.AdamW(list(weights.values()), lr=schedule, betas=(tc.b1, tc.b2),
-                            eps=tc.eps, weight_decay=tc.weight_decay, mask=torch_llama.decay_mask)
+    opt = _torch_optimizer(list(weights.values()), tc)
     for k in range(tc.steps):
         g = step_grads(k)
         for n, p in weights.items():
@@ -492,11 +483,8 @@ def _optimizer_check(model, params, tmodel, tc, ckpt, dtype: str, grads0: dict,
 
     truth = None
     if reference_f64:
-        from .float64 import AdamW, adamw_steps
-        recipe = AdamW(steps=tc.steps, lr=tc.lr, warmup_steps=tc.warmup_steps,
-                       end_lr_ratio=tc.end_lr_ratio, b1=tc.b1, b2=tc.b2, eps=tc.eps,
-                       weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)
-        truth = adamw_steps(start, step_grads, recipe)
+        from .float64 import adamw_steps
+        truth = adamw_steps(start, step_grads, _float64_recipe(tc))
     # max abs / lr over every tensor, taken tensor by tensor (no whole-model copy)
     difference, errors = 0.0, {"JAX": 0.0, "torch": 0.0} if truth is not None else None
     for n in names:
@@ -512,9 +500,30 @@ def _optimizer_check(model, params, tmodel, tc, ckpt, dtype: str, grads0: dict,
                 max_abs=difference * tc.lr, scale=tc.lr)
 
 
+def _torch_optimizer(weights, tc):
+    """torch_llama.AdamW with tc's hyperparameters, schedule and the decay mask (clipping is the
+    caller's, torch_llama.clip_by_global_norm before each step)."""
+    import torch_llama
+
+    schedule = torch_llama.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps,
+                                                        tc.lr * tc.end_lr_ratio)
+    return torch_llama.AdamW(weights, lr=schedule, betas=(tc.b1, tc.b2), eps=tc.eps,
+                             weight_decay=tc.weight_decay, mask=torch_llama.decay_mask)
+
+
+def _float64_recipe(tc):
+    """tc's optimizer as the float64 run takes it (llama_twins.float64.AdamW)."""
+    from .float64 import AdamW
+
+    return AdamW(steps=tc.steps, lr=tc.lr, warmup_steps=tc.warmup_steps,
+                 end_lr_ratio=tc.end_lr_ratio, b1=tc.b1, b2=tc.b2, eps=tc.eps,
+                 weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)
+
+
 # The float64 run: weights, gradients, two AdamW moments and an update, 40 bytes; its gradients
 # are kept (8) for the optimizer figure, which then runs float32 optimizers (4 for its starting
-# weights, 4 for each twin's result) beside a second float64 optimizer run (40): 56, rounded up.
+# weights, 4 for each twin's result) beside a second float64 optimizer run (40), while the
+# checkpoint as the twins hold it stays read (up to 4): 60, rounded up.
 FLOAT64_BYTES_PER_PARAMETER = 64
 
 
@@ -814,10 +823,7 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
 
     twin = copy.deepcopy(tmodel).train()  # the caller's model stays as it was
     weights = list(twin.parameters())
-    schedule = torch_llama.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps,
-                                                        tc.lr * tc.end_lr_ratio)
-    opt = torch_llama.AdamW(weights, lr=schedule, betas=(tc.b1, tc.b2), eps=tc.eps,
-                            weight_decay=tc.weight_decay, mask=torch_llama.decay_mask)
+    opt = _torch_optimizer(weights, tc)
     inputs = torch.as_tensor(batch["inputs"])
     targets = torch.as_tensor(batch["targets"], dtype=torch.long).flatten()
     for i in range(tc.steps):
