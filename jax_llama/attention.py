@@ -220,21 +220,13 @@ def _padded_mask(mask: AttentionMask, S_pad: int, T: int, T_pad: int) -> Attenti
         k_segments=None if mask.k_segments is None else _pad_to(mask.k_segments, T_pad, 1))
 
 
-def _interior(mask: AttentionMask, q_start, Q: int, k_start, C: int):
-    """True when every query of the block may see every key of the block: wholly below the
-    causal diagonal, with no padding or segments to mask. Such a block needs no mask at all."""
+def _free_key_blocks(mask: AttentionMask, q_start, Q: int, C: int, needed):
+    """How many key blocks from the first one every query of the block may see whole: wholly
+    below the causal diagonal, with no padding or segments to mask. They need no mask at all."""
     if mask.valid is not None or mask.q_segments is not None:
-        return False
+        return 0
     first_slot = jnp.min(jax.lax.dynamic_slice_in_dim(mask.q_slots, q_start, Q))
-    return k_start + C - 1 <= first_slot
-
-
-def _masked_where(interior, allowed_fn, x, fill):
-    """x where the block mask allows, else fill; the mask is not even built for an interior
-    block (lax.cond runs one branch)."""
-    if interior is False:
-        return jnp.where(allowed_fn(), x, fill)
-    return jax.lax.cond(interior, lambda: x, lambda: jnp.where(allowed_fn(), x, fill))
+    return jnp.clip((first_slot + 1) // C, 0, needed)
 
 
 def _key_blocks_needed(mask: AttentionMask, q_start, Q: int, C: int, n_k: int):
@@ -242,6 +234,15 @@ def _key_blocks_needed(mask: AttentionMask, q_start, Q: int, C: int, n_k: int):
     slot are masked by causality, so those blocks are skipped (half the work of a prefill)."""
     last_slot = jnp.max(jax.lax.dynamic_slice_in_dim(mask.q_slots, q_start, Q))
     return jnp.clip(last_slot // C + 1, 0, n_k)
+
+
+def _sweep(mask: AttentionMask, i, Q: int, C: int, n_k: int, step, carry):
+    """carry = step(j, carry, masked) over the key blocks query block i sees: first those it sees
+    whole (masked False: no mask built), then the rest (the diagonal, padding, segments)."""
+    needed = _key_blocks_needed(mask, i * Q, Q, C, n_k)
+    free = _free_key_blocks(mask, i * Q, Q, C, needed)
+    carry = jax.lax.fori_loop(0, free, lambda j, c: step(j, c, False), carry)
+    return jax.lax.fori_loop(free, needed, lambda j, c: step(j, c, True), carry)
 
 
 def _chunked(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask):
@@ -284,17 +285,19 @@ def _flash_forward(q, k, v, mask: AttentionMask, Q: int, C: int):
     def query_block(i):
         q_blk = _rows(q, i * Q, Q)                                      # (B, K, M, H)
 
-        def key_block(j, carry):
+        def key_block(j, carry, masked: bool):
             m, l, acc = carry
             kT_blk = jax.lax.dynamic_slice_in_dim(k_T, j * C, C, axis=3)
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * C, C, axis=2)
-            allowed = lambda: _row_mask(mask, i * Q, Q, G, j * C, C)  # noqa: E731
-            interior = _interior(mask, i * Q, Q, j * C, C)
             s = jnp.einsum("BKMH,BKHC->BKMC", q_blk, kT_blk,
                            preferred_element_type=jnp.float32) * scale
-            s = _masked_where(interior, allowed, s, _MASKED)
+            if masked:
+                allowed = _row_mask(mask, i * Q, Q, G, j * C, C)
+                s = jnp.where(allowed, s, _MASKED)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-            p = _masked_where(interior, allowed, jnp.exp(s - m_new[..., None]), 0.0)
+            p = jnp.exp(s - m_new[..., None])
+            if masked:
+                p = jnp.where(allowed, p, 0.0)
             correction = jnp.exp(m - m_new)
             l = l * correction + p.sum(-1)
             acc = acc * correction[..., None] + jnp.einsum(
@@ -303,8 +306,7 @@ def _flash_forward(q, k, v, mask: AttentionMask, Q: int, C: int):
 
         start = (jnp.full((B, K, M), _MASKED, jnp.float32), jnp.zeros((B, K, M), jnp.float32),
                  jnp.zeros((B, K, M, H), jnp.float32))
-        needed = _key_blocks_needed(mask, i * Q, Q, C, n_k)
-        m, l, acc = jax.lax.fori_loop(0, needed, key_block, start)
+        m, l, acc = _sweep(mask, i, Q, C, n_k, key_block, start)
         seen = l > 0
         out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
@@ -322,66 +324,60 @@ def _flash_fwd(q, k, v, mask, Q, C):
 
 
 def _flash_bwd(Q, C, residuals, d_out):
-    """The flash backward in two passes that keep only block-sized accumulators: per key block,
-    dK and dV over the query blocks that can see it; then per query block, dQ over the key blocks
-    it sees. Each (Q, C) block of probabilities is recomputed from the log-sum-exp (twice), so
-    nothing of size S x T is kept, and no full-size array is updated inside a loop."""
+    """The flash backward in one sweep, the forward's: per query block, over the key blocks it
+    sees, each block of probabilities recomputed from the log-sum-exp once; dQ of the query
+    block is carried, dK and dV (float32, the keys' size) are added to block by block. No array
+    of size S x T is kept.
+
+    The block is worked on transposed, keys by query rows (C, M): then every one of its five
+    matmuls contracts the left operand's last axis and the right's first, the layout XLA:CPU
+    runs fastest (twice the speed of contracting the rows of a (M, C) block for dK and dV)."""
     q, k, v, mask, out, lse = residuals
     B, K, S, G, H = q.shape
     n_q, n_k, scale = S // Q, k.shape[2] // C, 1.0 / math.sqrt(H)
-    k_T, v_T = k.transpose(0, 1, 3, 2), v.transpose(0, 1, 3, 2)          # (B, K, H, T)
+    k_T = k.transpose(0, 1, 3, 2)                                       # (B, K, H, T)
     # D = rowsum(dO * O): the softmax's own term in dS = P (dP - D)
     delta = jnp.einsum("BKSGH,BKSGH->BKSG", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
-    def block(i, j):
-        """(q rows, dO rows, P, dS) of query block i against key block j, (B, K, M, ...)."""
-        q_blk, do_blk = _rows(q, i * Q, Q), _rows(d_out, i * Q, Q)
-        lse_blk, delta_blk = _rows(lse, i * Q, Q), _rows(delta, i * Q, Q)
-        kT_blk = jax.lax.dynamic_slice_in_dim(k_T, j * C, C, axis=3)
-        vT_blk = jax.lax.dynamic_slice_in_dim(v_T, j * C, C, axis=3)
-        allowed = lambda: _row_mask(mask, i * Q, Q, G, j * C, C)  # noqa: E731
-        s = jnp.einsum("BKMH,BKHC->BKMC", q_blk, kT_blk, preferred_element_type=jnp.float32) * scale
-        p = _masked_where(_interior(mask, i * Q, Q, j * C, C), allowed,
-                          jnp.exp(s - lse_blk[..., None]), 0.0)
-        d_p = jnp.einsum("BKMH,BKHC->BKMC", do_blk, vT_blk, preferred_element_type=jnp.float32)
-        return q_blk, do_blk, p, p * (d_p - delta_blk[..., None]) * scale
+    def query_block(d_kv, i):
+        q_blk, do_blk = _rows(q, i * Q, Q), _rows(d_out, i * Q, Q)       # (B, K, M, H)
+        qT_blk, doT_blk = q_blk.swapaxes(2, 3), do_blk.swapaxes(2, 3)    # (B, K, H, M)
+        lse_blk, delta_blk = _rows(lse, i * Q, Q)[:, :, None], _rows(delta, i * Q, Q)[:, :, None]
 
-    def key_block(j):
-        def step(i, carry):
-            d_k, d_v = carry
-            q_blk, do_blk, p, d_s = block(i, j)
-            d_v = d_v + jnp.einsum("BKMC,BKMH->BKCH", p.astype(do_blk.dtype), do_blk,
-                                   preferred_element_type=jnp.float32)
-            d_k = d_k + jnp.einsum("BKMC,BKMH->BKCH", d_s, q_blk.astype(jnp.float32))
-            return d_k, d_v
-        zeros = jnp.zeros((B, K, C, H), jnp.float32)
-        # Causality: query block i sees key block j only if its last slot reaches j * C.
-        return jax.lax.fori_loop(_first_query_block(mask, j * C, Q, n_q), n_q, step, (zeros, zeros))
+        def key_block(j, carry, masked: bool):
+            d_qT, d_k, d_v = carry
+            k_blk = jax.lax.dynamic_slice_in_dim(k, j * C, C, axis=2)     # (B, K, C, H)
+            v_blk = jax.lax.dynamic_slice_in_dim(v, j * C, C, axis=2)
+            kT_blk = jax.lax.dynamic_slice_in_dim(k_T, j * C, C, axis=3)  # (B, K, H, C)
+            s = jnp.einsum("BKCH,BKHM->BKCM", k_blk, qT_blk,
+                           preferred_element_type=jnp.float32) * scale
+            p = jnp.exp(s - lse_blk)
+            if masked:
+                p = jnp.where(_row_mask(mask, i * Q, Q, G, j * C, C).swapaxes(2, 3), p, 0.0)
+            d_p = jnp.einsum("BKCH,BKHM->BKCM", v_blk, doT_blk, preferred_element_type=jnp.float32)
+            d_s = p * (d_p - delta_blk) * scale
+            d_qT = d_qT + jnp.einsum("BKHC,BKCM->BKHM", kT_blk.astype(jnp.float32), d_s)
+            d_v = _add_block(d_v, j * C, C, jnp.einsum(
+                "BKCM,BKMH->BKCH", p.astype(do_blk.dtype), do_blk, preferred_element_type=jnp.float32))
+            d_k = _add_block(d_k, j * C, C, jnp.einsum(
+                "BKCM,BKMH->BKCH", d_s, q_blk.astype(jnp.float32)))
+            return d_qT, d_k, d_v
 
-    def query_block(i):
-        def step(j, d_q):
-            _, _, _, d_s = block(i, j)
-            k_blk = jax.lax.dynamic_slice_in_dim(k, j * C, C, axis=2)
-            return d_q + jnp.einsum("BKMC,BKCH->BKMH", d_s, k_blk.astype(jnp.float32))
-        d_q = jax.lax.fori_loop(0, _key_blocks_needed(mask, i * Q, Q, C, n_k), step,
-                                jnp.zeros((B, K, Q * G, H), jnp.float32))
-        return d_q.reshape(B, K, Q, G, H)
+        d_qT = jnp.zeros((B, K, H, Q * G), jnp.float32)
+        d_qT, d_k, d_v = _sweep(mask, i, Q, C, n_k, key_block, (d_qT, *d_kv))
+        return (d_k, d_v), d_qT.swapaxes(2, 3).reshape(B, K, Q, G, H)
 
-    d_k, d_v = jax.lax.map(key_block, jnp.arange(n_k))        # (n_k, B, K, C, H) each
-    d_q = jax.lax.map(query_block, jnp.arange(n_q))            # (n_q, B, K, Q, G, H)
-    d_k = jnp.moveaxis(d_k, 0, 2).reshape(k.shape)
-    d_v = jnp.moveaxis(d_v, 0, 2).reshape(v.shape)
-    d_q = jnp.moveaxis(d_q, 0, 2).reshape(q.shape)
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    (d_k, d_v), d_q = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(n_q))
+    d_q = jnp.moveaxis(d_q, 0, 2).reshape(q.shape)                       # (n_q, B, K, Q, G, H)
     d_mask = jax.tree_util.tree_map(_zero_cotangent, mask)
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_mask
 
 
-def _first_query_block(mask: AttentionMask, k_start, Q: int, n_q: int):
-    """The first query block that can see key slot k_start: slots rise with the query index
-    (padded queries, at the end, have slot -1), so it is the first block whose largest slot
-    reaches k_start; n_q when none does."""
-    reaches = mask.q_slots.reshape(n_q, Q).max(axis=1) >= k_start
-    return jnp.where(reaches.any(), jnp.argmax(reaches), n_q)
+def _add_block(x, start, C: int, block):
+    """x with block added to its positions [start, start + C) along axis 2 (in place in a loop)."""
+    return jax.lax.dynamic_update_slice_in_dim(
+        x, jax.lax.dynamic_slice_in_dim(x, start, C, axis=2) + block, start, axis=2)
 
 
 def _zero_cotangent(x):
