@@ -341,7 +341,6 @@ def _flash_bwd(Q, C, residuals, d_out):
 
     def query_block(d_kv, i):
         q_blk, do_blk = _rows(q, i * Q, Q), _rows(d_out, i * Q, Q)       # (B, K, M, H)
-        qT_blk, doT_blk = q_blk.swapaxes(2, 3), do_blk.swapaxes(2, 3)    # (B, K, H, M)
         lse_blk, delta_blk = _rows(lse, i * Q, Q)[:, :, None], _rows(delta, i * Q, Q)[:, :, None]
 
         def key_block(j, carry, masked: bool):
@@ -349,12 +348,12 @@ def _flash_bwd(Q, C, residuals, d_out):
             k_blk = jax.lax.dynamic_slice_in_dim(k, j * C, C, axis=2)     # (B, K, C, H)
             v_blk = jax.lax.dynamic_slice_in_dim(v, j * C, C, axis=2)
             kT_blk = jax.lax.dynamic_slice_in_dim(k_T, j * C, C, axis=3)  # (B, K, H, C)
-            s = jnp.einsum("BKCH,BKHM->BKCM", k_blk, qT_blk,
+            s = jnp.einsum("BKCH,BKMH->BKCM", k_blk, q_blk,
                            preferred_element_type=jnp.float32) * scale
             p = jnp.exp(s - lse_blk)
             if masked:
                 p = jnp.where(_row_mask(mask, i * Q, Q, G, j * C, C).swapaxes(2, 3), p, 0.0)
-            d_p = jnp.einsum("BKCH,BKHM->BKCM", v_blk, doT_blk, preferred_element_type=jnp.float32)
+            d_p = jnp.einsum("BKCH,BKMH->BKCM", v_blk, do_blk, preferred_element_type=jnp.float32)
             d_s = p * (d_p - delta_blk) * scale
             d_qT = d_qT + jnp.einsum("BKHC,BKCM->BKHM", kT_blk.astype(jnp.float32), d_s)
             d_v = _add_block(d_v, j * C, C, jnp.einsum(
