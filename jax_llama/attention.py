@@ -7,9 +7,9 @@ its G query heads without a copy.
   chunked  blockwise attention with an online softmax (flash-style): query blocks of Q positions
            (Q x G rows: a kv head's G query heads together) against key blocks of C; memory
            linear in S, blocks above the causal diagonal skipped, and a backward pass (custom
-           VJP) that recomputes each block from the saved log-sum-exp, so it stays linear too.
-           Blocks wholly below the diagonal, with no padding or segments, build no mask. Any
-           backend.
+           VJP) that sweeps the same blocks once, recomputing each one's probabilities from the
+           saved log-sum-exp, so it stays linear too. Blocks wholly below the diagonal, with no
+           padding or segments, run in a loop of their own that builds no mask. Any backend.
   cudnn    jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, float16 / bfloat16.
   splash   the Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu): TPUs. It runs
            attention of a whole sequence over itself (training, scoring, a prefill without a
