@@ -62,6 +62,15 @@ def test_chunked_equals_xla_forward_and_gradients(small_blocks, dtype, tolerance
     assert_equals_xla("chunked", *qkv(dtype=dtype), mask, valid, tolerance)
 
 
+def test_chunked_backward_on_blocks_wider_than_the_forwards(small_blocks):
+    """48 causal tokens: the forward works on 6 x 6 blocks of 8, the backward on 3 x 3 blocks of
+    16 (BACKWARD_WIDEN), with wholly visible key blocks in both. The gradients need no block of
+    the forward's, only its log-sum-exp per query; float32 tolerance as above."""
+    assert attention._widened(8, 48) == 16 and attention._widened(8, 40) == 8
+    q, k, v = qkv(S=48)
+    assert_equals_xla("chunked", q, k, v, AttentionMask.causal(48), np.ones((2, 48), bool), 1e-5)
+
+
 def assert_equals_xla(implementation, q, k, v, mask, valid, tolerance):
     """attend(implementation) against xla over the real queries (a query that sees no key is
     never read): the output within `tolerance`, the gradients of q, k and v of a random weighting
