@@ -43,9 +43,9 @@ IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "splash", "auto")
 # masked gets a uniform distribution (xla) instead of NaN.
 _MASKED = float(np.finfo(np.float32).min)
 # The forward's blocks: queries by keys. Its softmax passes over each block of scores (the row
-# maximum, the exponential, the sum) stay in cache at 256 x 256 (B x K x 2 MB for G = 2); at
-# 512 x 512 the forward took 1.88 against 1.41 s on an AMD EPYC (scripts/profile_attention.py's
-# shape). The backward works on blocks BACKWARD_WIDEN times larger where the block count allows:
+# maximum, the exponential, the sum) stay in cache at 256 x 256 (512 KB per row and kv head for
+# G = 2; 8 MB in all for B 2, K 4); at 512 x 512 the forward took 1.88 against 1.41 s on an AMD
+# EPYC (scripts/profile_attention.py's shape). The backward works on blocks BACKWARD_WIDEN times larger where the block count allows:
 # its five matmuls per block, not its element-wise passes, are what it spends its time on, and
 # they run faster on larger blocks (4.04 against 4.20 s).
 QUERY_BLOCK = KEY_BLOCK = 256
