@@ -9,7 +9,8 @@ its G query heads without a copy.
            linear in S, blocks above the causal diagonal skipped, and a backward pass (custom
            VJP) that sweeps the same blocks once, recomputing each one's probabilities from the
            saved log-sum-exp, so it stays linear too. Blocks wholly below the diagonal, with no
-           padding or segments, run in a loop of their own that builds no mask. Any backend.
+           padding or segments, run in a loop of their own that builds no mask. Any backend; on
+           a CPU one (sequence, kv head) at a time, so that a block stays in cache.
   cudnn    jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, float16 / bfloat16.
   splash   the Pallas TPU splash-attention kernel (jax.experimental.pallas.ops.tpu): TPUs. It runs
            attention of a whole sequence over itself (training, scoring, a prefill without a
@@ -43,13 +44,19 @@ IMPLEMENTATIONS = ("xla", "chunked", "cudnn", "splash", "auto")
 # masked gets a uniform distribution (xla) instead of NaN.
 _MASKED = float(np.finfo(np.float32).min)
 # The forward's blocks: queries by keys. Its softmax passes over each block of scores (the row
-# maximum, the exponential, the sum) stay in cache at 256 x 256 (512 KB per row and kv head for
-# G = 2; 8 MB in all for B 2, K 4); at 512 x 512 the forward took 1.88 against 1.41 s on an AMD
-# EPYC (scripts/profile_attention.py's shape). The backward works on blocks BACKWARD_WIDEN times larger where the block count allows:
-# its five matmuls per block, not its element-wise passes, are what it spends its time on, and
-# they run faster on larger blocks (4.04 against 4.20 s).
+# maximum, the exponential, the sum) stay in cache at 256 x 256 (512 KB per kv head for G = 2);
+# at 512 x 512 the forward took 1.88 against 1.41 s on an AMD EPYC (scripts/profile_attention.py's
+# shape, all heads at once). The backward works on blocks BACKWARD_WIDEN times larger where the
+# block count allows: its five matmuls per block, not its element-wise passes, are what it spends
+# its time on, and they run faster on larger blocks (4.04 against 4.20 s).
 QUERY_BLOCK = KEY_BLOCK = 256
 BACKWARD_WIDEN = 2
+# Backends on which chunked works one (sequence, kv head) pair at a time, in a loop: a block's
+# arrays are then one head's (0.5 to 2 MB) and stay in a CPU's cache through their passes, where
+# those of all B x K heads at once (8 to 16 MB for B 2, K 4) do not. On an AMD EPYC, one layer's
+# forward and backward at S = 8192 took 4.98 against 5.94 s, and at S = 512, B = 32, 0.73 against
+# 1.29 s. Accelerators take all the heads at once, which they run in parallel.
+PER_HEAD_BACKENDS = ("cpu",)
 # S x T scores per head from which auto chooses chunked: from 512 x 512 a chunked train step is
 # already faster on a 2-core CPU (429 against 391 tokens/s, `jax-llama bench --only long`) and
 # needs less memory; below it (decoding, short texts) the one fused softmax of xla wins.
@@ -269,6 +276,42 @@ def _flash(q, k, v, mask, Q: int, C: int):
     return _flash_forward(q, k, v, mask, Q, C)[0]
 
 
+def _flash_forward(q, k, v, mask: AttentionMask, Q: int, C: int):
+    return _per_head(lambda arrays, one: _forward_blocks(*arrays, one, Q, C), (q, k, v), mask)
+
+
+def _flash_fwd(q, k, v, mask, Q, C):
+    out, lse = _flash_forward(q, k, v, mask, Q, C)
+    return out, (q, k, v, mask, out, lse)
+
+
+def _flash_bwd(Q, C, residuals, d_out):
+    q, k, v, mask, out, lse = residuals
+    d_q, d_k, d_v = _per_head(lambda arrays, one: _backward_blocks(*arrays, one, Q, C),
+                              (q, k, v, out, lse, d_out), mask)
+    return d_q, d_k, d_v, jax.tree_util.tree_map(_zero_cotangent, mask)
+
+
+def _per_head(blocks, arrays, mask: AttentionMask):
+    """blocks(arrays, mask) with arrays and results (B, K, ...): on the backends of
+    PER_HEAD_BACKENDS, in a loop over the B x K (sequence, kv head) pairs, each a call on
+    (1, 1, ...) arrays; elsewhere one call on them all. The mask's per-sequence fields follow
+    their sequence."""
+    B, K = arrays[0].shape[:2]
+    if jax.default_backend() not in PER_HEAD_BACKENDS or B * K == 1:
+        return blocks(arrays, mask)
+    per_sequence = {name: jnp.repeat(x, K, axis=0)[:, None]
+                    for name in ("valid", "q_segments", "k_segments")
+                    if (x := getattr(mask, name)) is not None and x.shape[0] > 1}
+
+    def one_pair(xs):
+        arrays, fields = xs
+        return blocks(arrays, mask.replace(**fields))
+    pairs = tuple(x.reshape(B * K, 1, 1, *x.shape[2:]) for x in arrays)
+    results = jax.lax.map(one_pair, (pairs, per_sequence))
+    return jax.tree_util.tree_map(lambda x: x.reshape(B, K, *x.shape[3:]), results)
+
+
 def _rows(x, start, Q: int):
     """Queries [start, start + Q) of x (B, K, S, G, ...) as Q * G rows: (B, K, M, ...)."""
     block = jax.lax.dynamic_slice_in_dim(x, start, Q, axis=2)
@@ -282,7 +325,7 @@ def _row_mask(mask: AttentionMask, q_start, Q: int, G: int, k_start, C: int):
     return allowed.reshape(allowed.shape[0], 1, Q * G, C)
 
 
-def _flash_forward(q, k, v, mask: AttentionMask, Q: int, C: int):
+def _forward_blocks(q, k, v, mask: AttentionMask, Q: int, C: int):
     """(out (B, K, S, G, H) in q's dtype, log-sum-exp (B, K, S, G) float32; +inf where a query
     sees no key)."""
     B, K, S, G, H = q.shape
@@ -326,12 +369,7 @@ def _flash_forward(q, k, v, mask: AttentionMask, Q: int, C: int):
     return out, lse
 
 
-def _flash_fwd(q, k, v, mask, Q, C):
-    out, lse = _flash_forward(q, k, v, mask, Q, C)
-    return out, (q, k, v, mask, out, lse)
-
-
-def _flash_bwd(Q, C, residuals, d_out):
+def _backward_blocks(q, k, v, out, lse, d_out, mask: AttentionMask, Q: int, C: int):
     """The flash backward in one sweep, the forward's: per query block, over the key blocks it
     sees, each block of probabilities recomputed from the log-sum-exp once; dQ of the query
     block is carried, dK and dV (float32, the keys' size) are added to block by block. No array
@@ -340,7 +378,6 @@ def _flash_bwd(Q, C, residuals, d_out):
     The block is worked on transposed, keys by query rows (C, M): then none of its five matmuls
     contracts over the leading axis of a left operand (the rows of an (M, C) block, for dK and
     dV), which XLA:CPU runs at half the speed of the other layouts."""
-    q, k, v, mask, out, lse = residuals
     B, K, S, G, H = q.shape
     Q, C = _widened(Q, S), _widened(C, k.shape[2])
     n_q, n_k, scale = S // Q, k.shape[2] // C, 1.0 / math.sqrt(H)
@@ -378,8 +415,7 @@ def _flash_bwd(Q, C, residuals, d_out):
     zeros = jnp.zeros(k.shape, jnp.float32)
     (d_k, d_v), d_q = jax.lax.scan(query_block, (zeros, zeros), jnp.arange(n_q))
     d_q = jnp.moveaxis(d_q, 0, 2).reshape(q.shape)                       # (n_q, B, K, Q, G, H)
-    d_mask = jax.tree_util.tree_map(_zero_cotangent, mask)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_mask
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
 
 
 def _widened(block: int, n: int) -> int:

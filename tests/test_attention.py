@@ -31,6 +31,15 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(attention, "KEY_BLOCK", 8)
 
 
+@pytest.fixture(params=["one head at a time", "all heads at once"])
+def heads(request, monkeypatch):
+    """chunked's two layouts: a loop over (sequence, kv head) pairs, as on a CPU, and every head
+    in one batched call, as on an accelerator."""
+    monkeypatch.setattr(attention, "PER_HEAD_BACKENDS",
+                        ("cpu",) if request.param == "one head at a time" else ())
+    return request.param
+
+
 def qkv(B=2, K=2, G=3, S=37, T=None, H=8, seed=0, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
     T = T or S
@@ -57,12 +66,12 @@ def padded_segmented_mask(B=2, S=37):
     # weighted sum in both (8 bits of mantissa, 4e-3 relative), at different moments.
     (jnp.bfloat16, 3e-2),
 ])
-def test_chunked_equals_xla_forward_and_gradients(small_blocks, dtype, tolerance):
+def test_chunked_equals_xla_forward_and_gradients(small_blocks, heads, dtype, tolerance):
     mask, valid = padded_segmented_mask()
     assert_equals_xla("chunked", *qkv(dtype=dtype), mask, valid, tolerance)
 
 
-def test_chunked_backward_on_blocks_wider_than_the_forwards(small_blocks):
+def test_chunked_backward_on_blocks_wider_than_the_forwards(small_blocks, heads):
     """48 causal tokens: the forward works on 6 x 6 blocks of 8, the backward on 3 x 3 blocks of
     16 (BACKWARD_WIDEN), with wholly visible key blocks in both. The gradients need no block of
     the forward's, only its log-sum-exp per query; float32 tolerance as above."""
@@ -224,12 +233,13 @@ def compiled_temp_bytes(implementation: str, S: int) -> int:
 
 
 def test_chunked_memory_stays_linear_in_the_sequence():
-    """From S = 1024 to 8192 (8x): the materialised scores grow 64x, chunked's scratch stays
-    within 2x (it holds one 512 x 512 block per head and vectors of length S)."""
+    """From S = 1024 to 8192 (8x): the materialised scores grow 64x; chunked's scratch grows
+    less than S does (8.3 to 21 MB, 2.5x, one head at a time): blocks of a fixed size, and
+    arrays of S positions (the log-sum-exp, a head's keys' gradients, the results)."""
     xla = [compiled_temp_bytes("xla", S) for S in (1024, 8192)]
     chunked = [compiled_temp_bytes("chunked", S) for S in (1024, 8192)]
     assert xla[1] / xla[0] > 30
-    assert chunked[1] / chunked[0] < 2
+    assert chunked[1] / chunked[0] < 4
     assert chunked[1] < xla[1] / 50
 
 
