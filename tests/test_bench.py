@@ -54,6 +54,10 @@ def assert_throughput(rows: dict, implementations) -> None:
         assert row["median_s"] == pytest.approx(statistics.median(row["runs_s"]))
 
 
+# Every section end to end: about 3.5 minutes on 2 cores, so with -m slow; the default run keeps
+# the forward section end to end (without transformers, below, also run without --out) and the
+# LoRA section.
+@pytest.mark.slow
 def test_bench_quick_runs_everything_and_writes_json_and_markdown(tmp_path):
     """Run from another directory without --out: the results land in the current directory,
     and nothing is written into the installed package."""
@@ -115,8 +119,15 @@ def test_bench_without_transformers_runs_our_side_and_says_so(tmp_path):
     (shadow / "__init__.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'transformers'\", name='transformers')\n")
     path = os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")])
-    result = bench(tmp_path / "out", "--only", "forward", env={"PYTHONPATH": path})
+    # Run from another directory without --out, as the test above: the results land in the
+    # current directory, and nothing is written into the installed package.
+    package = Path(llama_twins.__file__).parent
+    before = files_under(package)
+    (tmp_path / "out").mkdir()
+    result = bench(None, "--only", "forward", env={"PYTHONPATH": path}, cwd=tmp_path / "out")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert files_under(package) == before
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bench.json", "bench.md"]
     assert "warning: transformers is not installed (ModuleNotFoundError" in result.stderr
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert report["transformers"]["available"] is False and report["machine"]["transformers"] is None

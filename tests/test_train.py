@@ -116,7 +116,9 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-8)
 
 
-@pytest.mark.parametrize("flags", [[], ["--lora"]], ids=["full", "lora"])
+# About a minute each: the full step runs by default, the LoRA one with -m slow.
+@pytest.mark.parametrize("flags", [[], pytest.param(["--lora"], marks=pytest.mark.slow)],
+                         ids=["full", "lora"])
 def test_sharded_step_equals_the_single_device_step(flags):
     """With --lora only the adapters train (replicated: the sharding rules leave them whole),
     the frozen weights sharded as ever."""
