@@ -16,10 +16,17 @@ from bridge.config import LlamaConfig, RopeScaling
 
 # Many tests compile the same small programs (each builds its own jitted closure, which jit's own
 # cache cannot share): XLA's persistent cache serves the repeats from disk, across tests and the
-# two xdist workers, and cuts the suite's time by about a third. In-process only: the commands a
-# test runs as subprocesses (the benchmarks among them, which time compilation) compile afresh.
-jax.config.update("jax_compilation_cache_dir",
-                  str(Path(tempfile.gettempdir()) / f"jax-llama-tests-xla-cache-{os.getuid()}"))
+# two xdist workers, and cuts the suite's time by about a third. The commands tests run as
+# subprocesses read it too, through the environment (the same trainer compiled for a straight, a
+# killed and a resumed run); the benchmark tests take it out of theirs (XLA_CACHE_ENV), since a
+# benchmark times compilation.
+XLA_CACHE_ENV = {
+    "JAX_COMPILATION_CACHE_DIR":
+        str(Path(tempfile.gettempdir()) / f"jax-llama-tests-xla-cache-{os.getuid()}"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+os.environ.update(XLA_CACHE_ENV)
+jax.config.update("jax_compilation_cache_dir", XLA_CACHE_ENV["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import XLA_CACHE_ENV
 
 import llama_twins
 from llama_twins import jax_cli
@@ -21,7 +22,12 @@ def bench(out, *options, env=None, cwd=None):
     out_option = [] if out is None else ["--out", str(out)]
     return subprocess.run([sys.executable, "-m", "llama_twins.jax_cli", "bench", "--quick",
                            *out_option, *options], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})}, cwd=cwd)
+                          env={**without_xla_cache(os.environ), **(env or {})}, cwd=cwd)
+
+
+def without_xla_cache(environ) -> dict:
+    """The environment without the tests' XLA cache: the benchmarks time compilation."""
+    return {k: v for k, v in environ.items() if k not in XLA_CACHE_ENV}
 
 
 def files_under(directory: Path) -> dict[str, int]:
