@@ -8,6 +8,24 @@ import os
 import tempfile
 from pathlib import Path
 
+# XLA:CPU's LLVM back end without its optimisation passes, for the tests (set before jax starts
+# its back end; the commands the tests run inherit it, through xla_flags below where they set
+# flags of their own). The tests' programs are small, so compiling them is most of the suite's
+# time: at -O0 a fresh clone's run takes about a quarter less. XLA's own passes (fusion, layout,
+# buffer assignment: what the memory tests read) still run; the machine code is slower and not
+# always the same bits as at the default level (a small model's gradients: up to 1.5e-8 apart,
+# fused multiply-adds), so a test compares results computed under the same flags - the commands
+# it runs inherit them - or within a tolerance. Benchmarks (tests/test_bench.py) run without it.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS for a command a test runs: the tests' own, then `flags`."""
+    return " ".join((TEST_XLA_FLAGS, *flags))
+
+
+os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""))
+
 import jax
 import numpy as np
 import pytest

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import XLA_CACHE_ENV
+from conftest import TEST_XLA_FLAGS, XLA_CACHE_ENV
 
 import llama_twins
 from llama_twins import jax_cli
@@ -26,8 +26,11 @@ def bench(out, *options, env=None, cwd=None):
 
 
 def without_xla_cache(environ) -> dict:
-    """The environment without the tests' XLA cache: the benchmarks time compilation."""
-    return {k: v for k, v in environ.items() if k not in XLA_CACHE_ENV}
+    """The environment without the tests' XLA cache and flags: the benchmarks time compilation
+    and the compiled code."""
+    env = {k: v for k, v in environ.items() if k not in XLA_CACHE_ENV}
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(TEST_XLA_FLAGS, "").strip()
+    return env
 
 
 def files_under(directory: Path) -> dict[str, int]:

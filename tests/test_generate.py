@@ -57,18 +57,23 @@ def test_left_padded_batch_gives_each_prompt_alone(tiny):
 
 
 def test_greedy_equals_argmax_of_the_full_forward_with_logprobs(tiny):
+    """Each generated token is the argmax of the full forward (no cache) over everything before
+    it, and its logprob that forward's. One forward of the whole sequence gives them all: the
+    model is causal, so position t's logits are those of the first t + 1 tokens alone."""
     _, model, params = tiny
     prompt, out = [1, 2, 3, 4], generate(model, params, [[1, 2, 3, 4]], 10)
-    seq = list(prompt)
-    for token, logprob in zip(out.tokens[0], out.logprobs[0]):
-        logits = np.asarray(model.apply({"params": params}, np.array([seq])))[0, -1]
-        assert token == int(logits.argmax())
-        assert logprob == pytest.approx(float(jax.nn.log_softmax(logits)[token]), abs=1e-5)
-        seq.append(token)
+    seq = prompt + out.tokens[0]
+    logits = np.asarray(model.apply({"params": params}, np.array([seq])))[0]
+    for i, (token, logprob) in enumerate(zip(out.tokens[0], out.logprobs[0])):
+        at = logits[len(prompt) - 1 + i]  # the logits that chose token i
+        assert token == int(at.argmax())
+        assert logprob == pytest.approx(float(jax.nn.log_softmax(at)[token]), abs=1e-5)
 
 
-def test_one_compilation_for_prompts_within_a_bucket(tiny):
-    _, model, params = tiny
+def test_one_compilation_for_prompts_within_a_bucket():
+    # A model of its own (max_seq_len no other test uses): jit's cache is keyed by the model, and
+    # another test in this process may already have compiled `tiny`'s programs for these shapes.
+    model, params = jax_llama.init(small_config(vocab_size=259, max_seq_len=72), seed=1)
     before = compilations()  # jax.jit's own cache of the prefill program
     for length in (3, 9, 16):  # all in the 16-token prompt bucket
         generate(model, params, [list(range(1, length + 1))] * 2, 8)

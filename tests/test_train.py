@@ -17,7 +17,7 @@ import jax_llama
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.tokenizer import ByteTokenizer
-from conftest import random_tokens, small_config
+from conftest import random_tokens, small_config, xla_flags
 from jax_llama import run as run_lib
 from jax_llama.run import RunSpec, TrainingDiverged, train
 from jax_llama.sharding import parse_mesh
@@ -122,7 +122,7 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path):
 def test_sharded_step_equals_the_single_device_step(flags):
     """With --lora only the adapters train (replicated: the sharding rules leave them whole),
     the frozen weights sharded as ever."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
     result = subprocess.run([sys.executable, str(Path(__file__).parent / "sharded_step.py"), *flags],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -270,19 +270,19 @@ def test_cli_attention_the_backend_lacks_is_one_line_and_exit_2(implementation, 
 
 
 def test_packed_long_context_run_from_the_command_line(tmp_path, corpus, capsys):
-    """--pack with chunked attention at 4,096 tokens a row: a tiny model trained from scratch
-    gets the context it is trained at (the preset's max_seq_len is 256), packed rows keep each
-    document to itself, and a resume must keep --pack."""
+    """--pack with chunked attention at 1,024 tokens a row (several of its blocks): a tiny model
+    trained from scratch gets the context it is trained at (the preset's max_seq_len is 256),
+    packed rows keep each document to itself, and a resume must keep --pack."""
     from llama_twins import jax_cli as cli
     argv = ["train", "--preset", "tiny", "--data", *[str(corpus / f"doc{i}.txt") for i in range(4)],
-            "--tokenizer", str(corpus / "tokenizer"), "--seq-len", "4096", "--batch-size", "2",
+            "--tokenizer", str(corpus / "tokenizer"), "--seq-len", "1024", "--batch-size", "2",
             "--steps", "2", "--eval-every", "2", "--checkpoint-every", "2",
             "--sample-tokens", "4", "--pack", "--attention", "chunked", "--out", str(tmp_path / "run")]
     assert cli.main(argv) == 0, capsys.readouterr().err
     err = capsys.readouterr().err
     assert "packed" in err and "padding" in err
     record = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert record["pack"] is True and record["model"]["max_seq_len"] == 4096
+    assert record["pack"] is True and record["model"]["max_seq_len"] == 1024
     losses = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(np.isfinite(r["loss"]) for r in losses)
     assert np.isfinite(losses[-1]["val_loss"])
