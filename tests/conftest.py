@@ -9,8 +9,7 @@ import tempfile
 from pathlib import Path
 
 # XLA:CPU's LLVM back end without its optimisation passes, for the tests (set before jax starts
-# its back end; the commands the tests run inherit it, through xla_flags below where they set
-# flags of their own). The tests' programs are small, so compiling them is most of the suite's
+# its back end; the commands the tests run inherit it, with_host_devices below included). The tests' programs are small, so compiling them is most of the suite's
 # time: at -O0 a fresh clone's run takes about a quarter less. XLA's own passes (fusion, layout,
 # buffer assignment: what the memory tests read) still run; the machine code is slower and not
 # always the same bits as at the default level (a small model's gradients: up to 1.5e-8 apart,
@@ -19,12 +18,13 @@ from pathlib import Path
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
-def xla_flags(*flags: str) -> str:
-    """XLA_FLAGS for a command a test runs: the tests' own, then `flags`."""
-    return " ".join((TEST_XLA_FLAGS, *flags))
+os.environ["XLA_FLAGS"] = f"{TEST_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
 
 
-os.environ["XLA_FLAGS"] = xla_flags(os.environ.get("XLA_FLAGS", ""))
+def with_host_devices(n: int) -> dict:
+    """The environment for a command a test runs on n CPU devices: the tests' XLA flags kept."""
+    return dict(os.environ,
+                XLA_FLAGS=f"{TEST_XLA_FLAGS} --xla_force_host_platform_device_count={n}")
 
 import jax
 import numpy as np

@@ -5,7 +5,6 @@ and resumed by both, the native model written once. And checkpoints loaded strai
 the parameters of a plain load, bit for bit, each device's part read alone."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import xla_flags
+from conftest import with_host_devices
 
 from bridge.formats import open_checkpoint
 
@@ -29,8 +28,7 @@ def free_port() -> int:
 
 
 def launch(argv, devices: int) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"),
-               JAX_PLATFORMS="cpu")
+    env = dict(with_host_devices(devices), JAX_PLATFORMS="cpu")
     return subprocess.Popen(CLI + argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -121,8 +119,8 @@ def test_an_unreachable_coordinator_is_one_line_and_no_hang(tmp_path, corpus):
 
 
 def test_mesh_loading_reads_parts_and_equals_a_plain_load(tmp_path):
-    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
-    result = subprocess.run([sys.executable, str(HERE / "mesh_load.py"), str(tmp_path)], env=env,
+    result = subprocess.run([sys.executable, str(HERE / "mesh_load.py"), str(tmp_path)],
+                            env=with_host_devices(8),
                             capture_output=True, text=True, timeout=LIMIT)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines()]

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import jax_llama
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.tokenizer import ByteTokenizer
-from conftest import random_tokens, small_config, xla_flags
+from conftest import random_tokens, small_config, with_host_devices
 from jax_llama import run as run_lib
 from jax_llama.run import RunSpec, TrainingDiverged, train
 from jax_llama.sharding import parse_mesh
@@ -122,9 +121,8 @@ def test_gradient_accumulation_matches_the_large_batch(tmp_path):
 def test_sharded_step_equals_the_single_device_step(flags):
     """With --lora only the adapters train (replicated: the sharding rules leave them whole),
     the frozen weights sharded as ever."""
-    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
     result = subprocess.run([sys.executable, str(Path(__file__).parent / "sharded_step.py"), *flags],
-                            capture_output=True, text=True, timeout=600, env=env)
+                            capture_output=True, text=True, timeout=600, env=with_host_devices(8))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     meshes = [r for r in rows if "mesh" in r]
