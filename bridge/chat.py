@@ -30,8 +30,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .atomic import write_text
 from .errors import BridgeError
+from .formats.base import CHAT_TEMPLATE_FILE
 
-TEMPLATE_FILE = "chat_template.jinja"  # the file name transformers saves a template under
+TEMPLATE_FILE = CHAT_TEMPLATE_FILE  # the file name transformers saves a template under
 ROLES = ("system", "user", "assistant")
 
 # Meta's Llama-3-Instruct format. The generation block is the reply and its <|eot_id|>: what the
@@ -216,11 +217,21 @@ def _config_template(path: Path) -> ChatTemplate | None:
     return None if source is None else ChatTemplate(source, str(path))
 
 
+def _gguf_template(path: Path) -> ChatTemplate | None:
+    """A GGUF file's own template (its tokenizer.chat_template key), or None."""
+    from .formats.gguf_file import read_gguf
+    from .formats.gguf_read import gguf_chat_template
+
+    source = gguf_chat_template(read_gguf(path).fields, path)
+    return None if source is None else ChatTemplate(source, f"{path}: tokenizer.chat_template")
+
+
 def find_template(checkpoint: str | Path | None, tokenizer, choice: str | None = None
                   ) -> ChatTemplate:
     """The chat template to use. choice "llama3" / "llama2": that built-in; another choice: the
-    jinja file it names. No choice: the checkpoint's own (its chat_template.jinja, else the
-    chat_template of its tokenizer_config.json), else the built-in for the tokenizer: llama3 when
+    jinja file it names. No choice: the checkpoint's own (a directory's chat_template.jinja, else
+    the chat_template of its tokenizer_config.json; a .gguf file's tokenizer.chat_template), else
+    the built-in for the tokenizer: llama3 when
     it has <|start_header_id|>, llama2 otherwise."""
     if choice in BUILTIN:
         return ChatTemplate(BUILTIN[choice], choice)
@@ -229,8 +240,13 @@ def find_template(checkpoint: str | Path | None, tokenizer, choice: str | None =
             raise BridgeError(f"{choice}: neither a built-in template ({', '.join(BUILTIN)}) nor "
                               f"a file", field="chat_template")
         return _read_template(Path(choice))
-    if checkpoint is not None:
-        directory = Path(checkpoint) if Path(checkpoint).is_dir() else Path(checkpoint).parent
+    if checkpoint is not None and Path(checkpoint).suffix == ".gguf" and \
+            Path(checkpoint).is_file():
+        found = _gguf_template(Path(checkpoint))
+        if found is not None:
+            return found
+    elif checkpoint is not None and Path(checkpoint).is_dir():
+        directory = Path(checkpoint)
         if (directory / TEMPLATE_FILE).is_file():
             return _read_template(directory / TEMPLATE_FILE)
         if (directory / "tokenizer_config.json").is_file():

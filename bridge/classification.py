@@ -161,10 +161,10 @@ def truncate_left(ids: list[int], max_len: int, keep_first: int | None = None) -
 
 
 def encode_texts(tokenizer, texts: list[str], max_len: int) -> tuple[list[list[int]], int]:
-    """Each text as BOS + ids + EOS, cut from the left to max_len (BOS kept); and how many were
-    cut. The head reads the hidden state at EOS: the same token ends every row, so it can learn to
+    """Each text as BOS + ids + EOS (BOS when the tokenizer adds one), cut from the left to
+    max_len (BOS kept); and how many were cut. The head reads the hidden state at EOS: the same token ends every row, so it can learn to
     gather the whole text (GPT's extract token), rather than sit on whatever word ends it."""
-    bos, eos = tokenizer.bos_id is not None, tokenizer.eos_id is not None
+    bos, eos = tokenizer.add_bos, tokenizer.eos_id is not None
     encoded, cut = [], 0
     for text in texts:
         ids, was_cut = truncate_left(tokenizer.encode(text, bos=bos, eos=eos), max_len,

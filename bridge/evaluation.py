@@ -128,11 +128,11 @@ class Document:
 
 
 def tokenize(texts: Sequence[Text], tokenizer) -> list[Document]:
-    """Each text on its own with `tokenizer`, BOS first when the tokenizer has one (as Hugging Face
-    tokenizers add it), no EOS. A text of fewer than 2 tokens has nothing to score: refused."""
+    """Each text on its own with `tokenizer`, BOS first when the tokenizer adds one (as Hugging
+    Face tokenizers do; SmolLM2's adds none), no EOS. A text of fewer than 2 tokens has nothing to score: refused."""
     documents = []
     for t in texts:
-        ids = np.asarray(tokenizer.encode(t.text, bos=tokenizer.bos_id is not None), np.int32)
+        ids = np.asarray(tokenizer.encode(t.text, bos=tokenizer.add_bos), np.int32)
         if len(ids) < 2:
             raise BridgeError(f"{t.where}: {len(ids)} token(s); at least 2 are needed (the first "
                               f"is never scored)", field="data")

@@ -2,7 +2,7 @@
 special_tokens_map.json) and generation defaults for any bridge Tokenizer, so that
 
     transformers.AutoTokenizer.from_pretrained(directory).encode(text)
-        == tokenizer.encode(text, bos=True)          # BOS added, no EOS
+        == tokenizer.encode(text, bos=tokenizer.add_bos, eos=tokenizer.add_eos)
 
 and decode(ids, skip_special_tokens=True) gives the text back. Every kind becomes a `tokenizers`
 BPE that runs the same algorithm as the original:
@@ -11,7 +11,7 @@ BPE that runs the same algorithm as the original:
             tiktoken's rule; LLaMA 3's split regex; the 256 special tokens at 128000+.
     llama2  SentencePiece BPE -> BPE over "▁"-escaped text with byte fallback; merge priority =
             the merged piece's score, exactly SentencePiece's rule (ties: see _sentencepiece_bpe).
-    hf      its own tokenizer.json, plus a post-processor that adds its BOS.
+    hf      its own tokenizer.json, plus a post-processor that adds its BOS (where add_bos).
     bytes   byte-level BPE without merges: id b is byte b; <|bos|> <|eos|> <|pad|> at 256..258.
 
 One difference is by design: text that spells a special token ("<|eot_id|>", "<s>") is plain
@@ -50,8 +50,11 @@ def hf_tokenizer_files(tokenizer: Tokenizer, directory: str | Path, *, model_max
                                                      ("eos_token", tokenizer.eos_id),
                                                      ("pad_token", tokenizer.pad_id))
              if i is not None}
-    if "bos_token" in names:
-        _add_bos(tok, names["bos_token"], tokenizer.bos_id)
+    add_bos = tokenizer.add_bos and "bos_token" in names
+    add_eos = tokenizer.add_eos and "eos_token" in names
+    if add_bos or add_eos:
+        _add_specials(tok, names["bos_token"] if add_bos else None, tokenizer.bos_id,
+                      names["eos_token"] if add_eos else None, tokenizer.eos_id)
     if chat_template is None and tokenizer.kind == "hf":
         chat_template = tokenizer._config.get("chat_template")
     config = {
@@ -59,8 +62,8 @@ def hf_tokenizer_files(tokenizer: Tokenizer, directory: str | Path, *, model_max
         # (LlamaTokenizer) would rebuild parts of the pipeline from its own defaults.
         "tokenizer_class": "PreTrainedTokenizerFast",
         **names,
-        "add_bos_token": "bos_token" in names,
-        "add_eos_token": False,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
         # True would rewrite " ." as "." and so break the decode round trip.
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
@@ -95,14 +98,20 @@ def generation_config(tokenizer: Tokenizer) -> dict:
     return out
 
 
-def _add_bos(tok, bos: str, bos_id: int) -> None:
-    """Make `tok` add `bos` in front of every encoded text (and of each text of a pair), keeping
-    a ByteLevel post-processor (it only trims offsets) where there is one."""
+def _add_specials(tok, bos: str | None, bos_id: int | None, eos: str | None,
+                  eos_id: int | None) -> None:
+    """Make `tok` add `bos` in front of / `eos` after every encoded text (and each text of a
+    pair) where given, keeping a ByteLevel post-processor (it only trims offsets) where there
+    is one."""
     from tokenizers import processors
 
-    template = processors.TemplateProcessing(single=f"{bos}:0 $A:0",
-                                             pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-                                             special_tokens=[(bos, bos_id)])
+    def one(text: str, type_id: int) -> str:
+        return " ".join([f"{bos}:{type_id}"] * (bos is not None) + [f"{text}:{type_id}"] +
+                        [f"{eos}:{type_id}"] * (eos is not None))
+
+    template = processors.TemplateProcessing(
+        single=one("$A", 0), pair=f"{one('$A', 0)} {one('$B', 1)}",
+        special_tokens=[(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None])
     old = tok.post_processor
     keep = isinstance(old, processors.ByteLevel)
     tok.post_processor = processors.Sequence([old, template]) if keep else template

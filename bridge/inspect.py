@@ -15,8 +15,8 @@ _SCAN_CHUNK = 1 << 24  # elements per NaN / Inf count: 16 MiB of booleans at a t
 
 
 def describe(ckpt: Checkpoint) -> dict:
-    """path, format, config, parameters, tensors, files, dtypes, bytes, quantization and notes,
-    as JSON values."""
+    """path, format, config, parameters, tensors, files, dtypes, bytes, quantization, tensor
+    types (as a GGUF file names them, with counts; else None) and notes, as JSON values."""
     return {
         "path": str(ckpt.path),
         "format": ckpt.format,
@@ -27,6 +27,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "dtypes": sorted({dtype.name for _, dtype in ckpt.specs.values()}),
         "bytes": ckpt.nbytes,
         "quantization": None if ckpt.quantization is None else ckpt.quantization.to_dict(),
+        "tensor_types": ckpt.tensor_types,
         "notes": ckpt.notes + ([] if ckpt.quantization is None else [_quantized_note(ckpt)]),
     }
 

@@ -15,8 +15,9 @@ from .tokenizer import Tokenizer
 def encode_prompts(tokenizer: Tokenizer, texts: Sequence[str], max_seq_len: int,
                    chat: ChatTemplate | None = None, truncate: str | None = None, warn=None,
                    system: str | None = None) -> list[list[int]]:
-    """Token ids per prompt: BOS + text, or with `chat` one user turn (after a `system` one when
-    given) rendered by the template up to the assistant's reply; an empty prompt is just BOS. A
+    """Token ids per prompt: BOS + text (no BOS for a tokenizer that adds none, such as
+    SmolLM2's), or with `chat` one user turn (after a `system` one when given) rendered by the
+    template up to the assistant's reply; an empty prompt is just BOS. A
     prompt that leaves no room for one new token is refused, or cut from the left (keeping BOS)
     when truncate == "left"; warn(message) hears each cut (default: stderr)."""
     prompts = []
@@ -26,9 +27,9 @@ def encode_prompts(tokenizer: Tokenizer, texts: Sequence[str], max_seq_len: int,
             ids = chat.encode(messages + [{"role": "user", "content": text}], tokenizer,
                               add_generation_prompt=True)
         else:
-            ids = tokenizer.encode(text, bos=tokenizer.bos_id is not None)
+            ids = tokenizer.encode(text, bos=tokenizer.add_bos)
         if not ids:
-            raise BridgeError(f"prompt {i}: empty, and the tokenizer has no BOS to start from")
+            raise BridgeError(f"prompt {i}: empty, and the tokenizer adds no BOS to start from")
         limit = max_seq_len - 1
         if len(ids) > limit:
             if truncate != "left":

@@ -319,7 +319,7 @@ def zero_shot_rows(tokenizer: Tokenizer, texts: list[str], labels: list[str], te
     if room < 2:
         raise BridgeError(f"{max_len} tokens leave no room for a prompt before the labels",
                           field="max_len")
-    bos = tokenizer.bos_id is not None
+    bos = tokenizer.add_bos
     prompts, cut = [], 0
     for text in texts:
         ids, was_cut = truncate_left(tokenizer.encode(fill_template(template, text), bos=bos), room,

@@ -113,7 +113,7 @@ def tokenize_corpus(files: list[Path], tokenizer, cache_dir: str | os.PathLike,
         try:
             with os.fdopen(fd, "wb") as out:
                 for text in (progress or iter)(read_documents(files, labeled=labeled)):
-                    ids = tokenizer.encode(text, bos=tokenizer.bos_id is not None,
+                    ids = tokenizer.encode(text, bos=tokenizer.add_bos,
                                            eos=tokenizer.eos_id is not None)
                     np.asarray(ids, dtype=dtype).tofile(out)
                     n_docs += 1
@@ -129,10 +129,11 @@ def tokenize_corpus(files: list[Path], tokenizer, cache_dir: str | os.PathLike,
 
 def split(tokens: np.ndarray, val_fraction: float, min_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation): the last val_fraction of the tokens is held out. Each part must hold
-    at least `min_tokens` (one window), else the corpus is too small for the sequence length."""
-    n_val = max(int(len(tokens) * val_fraction), min_tokens)
+    more than `min_tokens` (one window, and a second place to start it: Batches draws a start
+    below len - window), else the corpus is too small for the sequence length."""
+    n_val = max(int(len(tokens) * val_fraction), min_tokens + 1)
     train, val = tokens[:-n_val], tokens[-n_val:]
-    if len(train) < min_tokens or len(val) < min_tokens:
+    if len(train) <= min_tokens or len(val) <= min_tokens:
         raise BridgeError(f"{len(tokens):,} tokens are too few for windows of {min_tokens} "
                           f"tokens in both the train and validation parts", field="data")
     return train, val
@@ -169,12 +170,16 @@ class Batches:
         return {"inputs": inputs, "targets": targets, "mask": mask}
 
 
-def documents(tokens: np.ndarray, bos_id: int | None) -> np.ndarray:
+def documents(tokens: np.ndarray, bos_id: int | None, eos_id: int | None = None) -> np.ndarray:
     """(N, 2) int64 (start, length) of each document in a flat token array: each begins at a
-    BOS (tokenize_corpus frames every file as BOS text EOS); without a BOS id, one document."""
-    if bos_id is None:
+    BOS (tokenize_corpus frames every file as BOS text EOS); for a tokenizer that adds no BOS
+    (bos_id None), each ends at an EOS; with neither, one document."""
+    if bos_id is None and eos_id is None:
         return np.array([[0, len(tokens)]], np.int64)
-    starts = np.flatnonzero(np.asarray(tokens) == bos_id)
+    if bos_id is None:
+        starts = np.flatnonzero(np.asarray(tokens)[:-1] == eos_id) + 1
+    else:
+        starts = np.flatnonzero(np.asarray(tokens) == bos_id)
     if len(starts) == 0 or starts[0] != 0:
         starts = np.concatenate([[0], starts])
     return np.stack([starts, np.diff(np.append(starts, len(tokens)))], axis=1).astype(np.int64)
@@ -230,6 +235,7 @@ class PackedBatches:
     process_index: int = 0
     bos_id: int | None = None
     pad_id: int = 0
+    eos_id: int | None = None  # where documents end when there is no bos_id
     docs: np.ndarray | None = None
     trained: np.ndarray | None = None
     one_per_row: bool = False
@@ -237,7 +243,7 @@ class PackedBatches:
 
     @functools.cached_property
     def rows(self) -> list[list[tuple[int, int]]]:
-        docs = documents(self.tokens, self.bos_id) if self.docs is None else self.docs
+        docs = documents(self.tokens, self.bos_id, self.eos_id) if self.docs is None else self.docs
         if self.one_per_row:
             return [[(start, min(length, self.seq_len + 1))] for start, length in docs.tolist()]
         return pack(docs, self.seq_len + 1)

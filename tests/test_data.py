@@ -91,6 +91,12 @@ def test_split_and_too_small_corpus():
     assert len(val) == 100 and len(train) == 900 and train[-1] + 1 == val[0]
     with pytest.raises(BridgeError, match="too few for windows of 600 tokens"):
         data.split(np.arange(1000), 0.1, min_tokens=600)
+    # a part of exactly one window has one place for it, which Batches cannot draw from
+    train, val = data.split(np.arange(100), 0.05, min_tokens=33)
+    assert len(val) == 34
+    data.Batches(val, batch_size=2, seq_len=32).batch(0)
+    with pytest.raises(BridgeError, match="too few"):
+        data.split(np.arange(67), 0.05, min_tokens=33)
 
 
 def test_unigram_loss_by_hand():

@@ -16,6 +16,7 @@ from bridge.config import RopeScaling
 from bridge.convert import convert
 from bridge.errors import BridgeError
 from bridge.formats import detect_format, open_checkpoint
+from bridge.formats import gguf_read as gguf_module
 from bridge.formats.gguf import NAMES, OUR_KEY, llama3_rope_freqs
 from bridge.rope import rope_inv_freq
 from bridge.tensors import canonical_shapes
@@ -277,7 +278,7 @@ def test_llama3_tokenizer_keys_and_round_trip(tmp_path, llama3):
     gg = tokenizer_model(tmp_path, SHARED / "tokenizers/llama3/tokenizer.model", 128256)
     # One open: gguf's reader takes about 25 s on a vocabulary of 128k tokens and 280k merges
     ckpt = open_checkpoint(gg)  # its tokenizer files live as long as it does
-    f = fields(ckpt._reader)
+    f = fields(ckpt.path)
     assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "llama-bpe"
     tokens = f["tokenizer.ggml.tokens"]
     to_byte = {c: b for b, c in enumerate(_byte_level_chars())}
@@ -361,15 +362,16 @@ def test_refusals(tmp_path, capsys):
     refused(capsys, tmp_path, ["convert", qwen, out], "qwen.gguf", "general.architecture",
             "'qwen2'")
 
-    # a Q4_K tensor (256-element blocks of 144 bytes), as a k-quant file holds
-    q4 = gguf.GGUFWriter(tmp_path / "q4.gguf", "llama")
-    q4.add_tensor("blk.0.attn_q.weight", np.zeros((64, 144), np.uint8), raw_dtype=Q.Q4_K)
-    q4.write_header_to_file()
-    q4.write_kv_data_to_file()
-    q4.write_tensors_to_file()
-    q4.close()
-    refused(capsys, tmp_path, ["convert", tmp_path / "q4.gguf", out], "q4.gguf",
-            "'blk.0.attn_q.weight'", "Q4_K")
+    # a Q8_K tensor (256-element blocks of 292 bytes: llama.cpp's intermediate type for K-quant
+    # matmuls, which gguf does not dequantise)
+    q8k = gguf.GGUFWriter(tmp_path / "q8k.gguf", "llama")
+    q8k.add_tensor("blk.0.attn_q.weight", np.zeros((64, 292), np.uint8), raw_dtype=Q.Q8_K)
+    q8k.write_header_to_file()
+    q8k.write_kv_data_to_file()
+    q8k.write_tensors_to_file()
+    q8k.close()
+    refused(capsys, tmp_path, ["convert", tmp_path / "q8k.gguf", out], "q8k.gguf",
+            "'blk.0.attn_q.weight'", "Q8_K", "cannot dequantise")
 
     data = gg.read_bytes()
     for cut in (len(data) - 100, 20, len(data) // 3):
@@ -377,6 +379,71 @@ def test_refusals(tmp_path, capsys):
         short.write_bytes(data[:cut])
         refused(capsys, tmp_path, ["convert", short, out], short.name, "truncated")
 
+
+
+# Every type gguf 0.19 dequantises: the float types, the legacy and K-quants, IQ, TQ, MXFP4.
+QUANTISED = [t for t in Q if t.name not in ("F32", "F16", "BF16", "F64")
+             and gguf_module._readable(t)]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random scale bits overflow float32
+def test_every_type_gguf_dequantises_is_read_as_gguf_reads_it(tmp_path, monkeypatch):
+    """Each quantised type, on random block bytes (dim 256: whole blocks of 256 for the
+    K-quants), read through a few rows at a time equals gguf.quants.dequantize of the whole
+    tensor - bit for bit, NaN where random scale bits make one."""
+    assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+            "IQ2_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "IQ1_M", "TQ1_0", "TQ2_0"} <= \
+        {t.name for t in QUANTISED}
+    monkeypatch.setattr(gguf_module, "_DEQUANT_CHUNK", 1000)  # several chunks per tensor
+    config = CFG.replace(dim=256, ffn_dim=256, n_layers=1)
+    gg = convert(save(tmp_path / "src", config), tmp_path / "f32.gguf", "gguf", progress=False)
+    rng = np.random.default_rng(0)
+    for qtype in QUANTISED:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        path = tmp_path / f"{qtype.name}.gguf"
+        reader = gguf.GGUFReader(gg)
+        writer = gguf.GGUFWriter(path, "llama")
+        for key, f in reader.fields.items():
+            if not key.startswith("GGUF.") and key != "general.architecture":
+                sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+        for t in reader.tensors:
+            data = np.array(t.data)
+            if data.ndim == 2:  # random blocks of qtype in place of the float32 rows
+                data = rng.integers(0, 256, (data.shape[0], data.shape[1] // block * size),
+                                    np.uint8)
+            writer.add_tensor(t.name, data, raw_dtype=qtype if data.ndim == 2 else t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        ckpt = open_checkpoint(path)
+        assert qtype.name in ckpt.tensor_types, qtype.name
+        for t in gguf.GGUFReader(path).tensors:
+            if t.tensor_type != qtype:
+                continue
+            name = gguf_module.canonical_name(t.name)
+            assert ckpt.specs[name][1] == np.float32
+            want = gguf.quants.dequantize(np.array(t.data), qtype)
+            np.testing.assert_array_equal(ckpt.tensor(name), want, err_msg=f"{qtype.name} {name}")
+
+
+def test_a_vocabulary_larger_than_the_embedding_is_refused(tmp_path, capsys):
+    """CFG's embedding has 97 rows; a tokenizer of 98 tokens has an id no row stands for."""
+    gg = convert(save(tmp_path / "src", CFG), tmp_path / "m.gguf", "gguf", progress=False)
+    capsys.readouterr()
+    tokens = [bytes([b]).decode("latin-1") for b in range(98)]
+
+    def vocab(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * len(tokens))
+
+    big = rewrite(gg, tmp_path / "big.gguf", add=vocab)
+    err = refused(capsys, tmp_path, ["convert", big, tmp_path / "out"], "big.gguf",
+                  "tokenizer.ggml.tokens holds 98 tokens", "97 rows")
+    assert "Traceback" not in err
 
 
 def test_unknown_tensor_and_scaling_type_are_refused(tmp_path):

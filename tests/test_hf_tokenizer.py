@@ -136,6 +136,19 @@ def test_transformers_own_converter_differs_on_runs_of_spaces(tmp_path):
     assert theirs.tokenize(text)[2:4] == ["▁▁", "The"]
 
 
+def test_a_tokenizer_without_add_bos_exports_without_it(tmp_path):
+    """add_bos false (SmolLM2's GGUF, say): no BOS post-processor, add_bos_token false, and
+    transformers encodes as ours does without BOS; add_eos true appends EOS in both."""
+    ours = train_tokenizer(HARD * 20, vocab_size=400)
+    ours.add_bos, ours.add_eos = False, True
+    hf_tokenizer_files(ours, tmp_path, model_max_length=64)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert (config["add_bos_token"], config["add_eos_token"]) == (False, True)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in HARD[1:]:
+        assert theirs.encode(text, split_special_tokens=True) == ours.encode(text, eos=True)
+
+
 def test_bad_model_max_length():
     with pytest.raises(BridgeError, match="model_max_length: must be a positive integer"):
         hf_tokenizer_files(ByteTokenizer(), "unused", model_max_length=0)

@@ -211,6 +211,36 @@ def test_tokenizer_config_token_as_object(tmp_path, trained):
     assert load_tokenizer(tmp_path / "tokenizer.json").bos_id == 2
 
 
+def test_add_bos_add_eos_and_null_tokens_come_from_tokenizer_config(tmp_path, trained):
+    assert (trained.add_bos, trained.add_eos) == (True, False)  # a BOS token: BOS opens a text
+    trained.save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert (config["add_bos_token"], config["add_eos_token"], config["unk_token"]) == \
+        (True, False, None)
+    config.update(add_bos_token=False, add_eos_token=True, pad_token=None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(tmp_path)
+    assert (tok.add_bos, tok.add_eos, tok.bos_id, tok.pad_id) == (False, True, 0, None)
+    tok.save(tmp_path / "again")  # and the files it writes load back the same
+    again = load_tokenizer(tmp_path / "again")
+    assert (again.add_bos, again.add_eos, again.bos_id, again.pad_id) == (False, True, 0, None)
+    # a string is no boolean: the default stands
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": "no"}))
+    assert load_tokenizer(tmp_path).add_bos is True
+
+
+def test_stop_ids_by_llama_cpps_names(tmp_path):
+    """EOS, then every token llama.cpp ends a generation at by its name (<|im_end|>,
+    <|endoftext|>, ..., a FIM pad / repo / separator token), less its exception for <|end|>."""
+    tok = train_tokenizer(CORPUS, vocab_size=290, special_tokens=(
+        "<s>", "</eos>", "<pad>", "<|im_end|>", "<|endoftext|>", "<|fim_pad|>", "<|end|>",
+        "<im_end>"))
+    assert tok.stop_ids == (1, 3, 4, 5, 6)
+    harmony = train_tokenizer(CORPUS, vocab_size=290, special_tokens=(
+        "<s>", "</eos>", "<pad>", "<|end|>", "<|return|>", "<|call|>"))
+    assert harmony.stop_ids == (1, 4, 5)  # <|end|> ends a message, not the generation
+
+
 @pytest.mark.parametrize("vocab_size", [259, 100, 300.0, "500"])
 def test_train_refuses_small_vocab(vocab_size):
     with pytest.raises(BridgeError, match="vocab_size"):

@@ -5,7 +5,8 @@ tensors (bridge.formats.base.Checkpoint) and writes one from (specs, fetch):
   hf       directory: Hugging Face config.json + safetensors, HF names, q/k permuted for half-split RoPE
   meta     directory: params.json + consolidated.NN.pth (one per model-parallel rank)
   llama2c  file: llama2.c's .bin export (v0 / v1 headers) or its .pt training checkpoint
-  gguf     file: llama.cpp's GGUF (F32 / F16 / BF16 / Q8_0), llama.cpp's names and metadata
+  gguf     file: llama.cpp's GGUF (float tensors, and every quantised type gguf dequantises;
+           written in F32 ... Q8_0, Q4_0 ... Q5_1 and llama.cpp's K-quants), llama.cpp's names
 
 Detection looks only at file names and small headers; the format modules are imported when used.
 """
@@ -30,20 +31,20 @@ __all__ = ["FORMATS", "Checkpoint", "NativeCheckpoint", "detect_format", "open_c
            "write_checkpoint", "write_native"]
 
 FORMATS = ("native", "hf", "meta", "llama2c", "gguf")
-# format -> (module, reader class, writer function)
+# format -> ((module, reader class), (module, writer function))
 _MODULES = {
-    "native": ("native", "NativeCheckpoint", "write_native"),
-    "hf": ("hf", "HFCheckpoint", "write_hf"),
-    "meta": ("meta", "MetaCheckpoint", "write_meta"),
-    "llama2c": ("llama2c", "Llama2cCheckpoint", "write_llama2c"),
-    "gguf": ("gguf", "GGUFCheckpoint", "write_gguf"),
+    "native": (("native", "NativeCheckpoint"), ("native", "write_native")),
+    "hf": (("hf", "HFCheckpoint"), ("hf", "write_hf")),
+    "meta": (("meta", "MetaCheckpoint"), ("meta", "write_meta")),
+    "llama2c": (("llama2c", "Llama2cCheckpoint"), ("llama2c", "write_llama2c")),
+    "gguf": (("gguf_read", "GGUFCheckpoint"), ("gguf", "write_gguf")),
 }
 _SHARDED = ("native", "hf")  # formats that honour max_shard_size
 
 
 def _member(fmt: str, index: int):
-    module, *names = _MODULES[fmt]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), names[index])
+    module, name = _MODULES[fmt][index]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
 
 def detect_format(path: str | os.PathLike) -> str:

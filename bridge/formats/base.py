@@ -30,8 +30,9 @@ def check_inside(file: Path, directory: Path) -> Path:
 
 FLOAT_DTYPES = {np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16)}
 # Files that travel with the weights between directory formats (tokenizers, generation defaults).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the file name transformers saves a template under
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+                   "special_tokens_map.json", "generation_config.json", CHAT_TEMPLATE_FILE)
 
 Spec = tuple[tuple[int, ...], np.dtype]  # (canonical shape, numpy dtype)
 
@@ -49,6 +50,9 @@ class Checkpoint:
     # int8 weight-only quantisation (bridge.quantize): the projections are int8 in `specs`, each
     # with its float32 `<name>_scale`; None for a float checkpoint (every format but native)
     quantization: Quantization | None = None
+    # The tensor types as the file names them, with counts, most common first (GGUF: {"Q4_1":
+    # 210, "F32": 61, "Q8_0": 1}); None where the stored dtypes say it all
+    tensor_types: dict[str, int] | None = None
 
     def tensor(self, name: str) -> np.ndarray:
         """One tensor by canonical name, in canonical layout, as a fresh numpy array."""

@@ -1,6 +1,8 @@
-"""GGUF, llama.cpp's single-file format: read (F32, F16, BF16, Q8_0 tensors) and write (f32, f16,
-bf16, q8_0) LLaMA models, through llama.cpp's own `gguf` package (the container, and Q8_0 / BF16
-rounding from gguf.quants).
+"""GGUF, llama.cpp's single-file format: read (float tensors as stored, every quantised type that
+gguf.quants dequantises as float32) and write (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; the
+K-quants q2_k ... q6_k by llama.cpp's own quantiser, bridge.formats.gguf_quantize) LLaMA models,
+through llama.cpp's own `gguf` package (the container, and the rounding of every type it
+quantises from gguf.quants).
 
 What llama.cpp reads, and so what is written (facts from llama.cpp's converter and loader):
   - architecture "llama" and its keys: llama.context_length, embedding_length, block_count,
@@ -15,8 +17,9 @@ What llama.cpp reads, and so what is written (facts from llama.cpp's converter a
     rope.scaling.* keys must not carry it: rope.scaling.type "llama3" fails its loader's
     assertion and rope.scaling.factor would scale every frequency once more. The four parameters
     travel under our own keys (llama_bridge.rope_scaling.*) so that an import rebuilds RopeScaling.
-  - 1-D tensors (norms, rope_freqs) in F32 whatever the file type; under q8_0 a matrix whose row
-    length is not a multiple of 32 falls back to F16, as llama.cpp's converter does.
+  - 1-D tensors (norms, rope_freqs) in F32 whatever the file type; the output projection in Q8_0
+    under a quantised type (OUTPUT_QTYPE); a matrix whose row length is not whole blocks of its
+    type falls back to F16, as llama.cpp's converter and quantiser do (_tensor_type).
 The tokenizer keys come from bridge.gguf_tokenizer.
 """
 
@@ -26,8 +29,7 @@ import math
 import os
 import re
 import sys
-import tempfile
-import weakref
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -37,15 +39,35 @@ import numpy as np
 from ..atomic import atomic_file
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
-from .base import Checkpoint, Spec, check_specs
+from .base import Spec, check_specs
 
 ARCH = "llama"
-# --dtype for a GGUF target -> (gguf.GGMLQuantizationType name, gguf.LlamaFileType name)
-FILE_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"),
-              "bf16": ("BF16", "MOSTLY_BF16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0")}
+# --dtype for a GGUF target -> (gguf.GGMLQuantizationType name: the matrices' type before the
+# per-tensor rules of _tensor_type; gguf.LlamaFileType name: general.file_type, and the name of
+# llama_cpp.LLAMA_FTYPE_<it>; who quantises: GGUF_PY = gguf.quants' numpy quantisers, here, one
+# tensor at a time; LLAMA_CPP = llama.cpp's own quantiser, on a lossless file written first, since
+# gguf.quants has no K-quant quantisers). The type of each file type is llama.cpp's
+# llama_ftype_get_default_type (src/llama-quant.cpp, llama-cpp-python 0.3.36). Left out: Q2_K_S
+# and the IQ types (llama.cpp wants an importance matrix for most), TQ and MXFP4 (other models).
+GGUF_PY, LLAMA_CPP = "gguf", "llama.cpp"
+FILE_TYPES = {
+    "f32": ("F32", "ALL_F32", GGUF_PY), "f16": ("F16", "MOSTLY_F16", GGUF_PY),
+    "bf16": ("BF16", "MOSTLY_BF16", GGUF_PY), "q8_0": ("Q8_0", "MOSTLY_Q8_0", GGUF_PY),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0", GGUF_PY), "q4_1": ("Q4_1", "MOSTLY_Q4_1", GGUF_PY),
+    "q5_0": ("Q5_0", "MOSTLY_Q5_0", GGUF_PY), "q5_1": ("Q5_1", "MOSTLY_Q5_1", GGUF_PY),
+    "q2_k": ("Q2_K", "MOSTLY_Q2_K", LLAMA_CPP), "q3_k_s": ("Q3_K", "MOSTLY_Q3_K_S", LLAMA_CPP),
+    "q3_k_m": ("Q3_K", "MOSTLY_Q3_K_M", LLAMA_CPP), "q3_k_l": ("Q3_K", "MOSTLY_Q3_K_L", LLAMA_CPP),
+    "q4_k_s": ("Q4_K", "MOSTLY_Q4_K_S", LLAMA_CPP), "q4_k_m": ("Q4_K", "MOSTLY_Q4_K_M", LLAMA_CPP),
+    "q5_k_s": ("Q5_K", "MOSTLY_Q5_K_S", LLAMA_CPP), "q5_k_m": ("Q5_K", "MOSTLY_Q5_K_M", LLAMA_CPP),
+    "q6_k": ("Q6_K", "MOSTLY_Q6_K", LLAMA_CPP)}
+# The output projection (output.weight, or token_embd.weight when the embeddings are tied) under a
+# quantised file type: llama.cpp's quantiser gives it Q6_K when its rows are whole 256-blocks,
+# else Q8_0, and keeps Q8_0 as Q8_0 (src/llama-quant.cpp, llama_tensor_get_type_impl, the OUTPUT /
+# TOKEN_EMBD branch). gguf.quants cannot write Q6_K, so the types it quantises take Q8_0 there:
+# llama.cpp's own fallback for it, more bits than Q6_K rather than fewer.
+OUTPUT_QTYPE = "Q8_0"
 DTYPE_ALIASES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 GGUF_DTYPES = tuple(FILE_TYPES) + tuple(DTYPE_ALIASES)
-READ_TYPES = ("F32", "F16", "BF16", "Q8_0")
 ROPE_FREQS = "rope_freqs.weight"
 OUR_KEY = "llama_bridge.rope_scaling."  # + RopeScaling field name
 # The config's own token ids (LlamaConfig.bos_id / eos_ids: what the checkpoint declares, e.g. a
@@ -91,7 +113,8 @@ def canonical_name(name: str) -> str | None:
 
 
 def gguf_dtype(dtype: str) -> str:
-    """f32 / f16 / bf16 / q8_0 from any spelling --dtype accepts for a GGUF target."""
+    """Our name of a GGUF file type (a FILE_TYPES key: f32 ... q6_k) from any spelling --dtype
+    accepts for a GGUF target."""
     name = DTYPE_ALIASES.get(dtype, dtype)
     if name not in FILE_TYPES:
         raise BridgeError(f"GGUF holds {', '.join(FILE_TYPES)} (or float32 / float16 / bfloat16), "
@@ -119,21 +142,29 @@ def llama3_rope_freqs(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray
 # -- writing ---------------------------------------------------------------------------------------
 
 def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)
+    from tqdm import tqdm
+    tqdm.write(message, file=sys.stderr)  # above an open progress bar (llama.cpp's warnings)
 
 
 def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec],
                fetch: Callable[[str], np.ndarray], *, overwrite: bool = False,
                progress: Callable[[int], object] | None = None, extra_files: Iterable[Path] = (),
                dtype: str | None = None, tokenizer=None,
-               warn: Callable[[str], object] | None = None) -> Path:
+               warn: Callable[[str], object] | None = None,
+               stage: Callable[[str], object] | None = None) -> Path:
     """Write a LLaMA GGUF file atomically, one tensor in memory at a time.
 
-    `dtype` f32 / f16 / bf16 / q8_0 (default: the specs' dtype, f32 when mixed) applies to the
-    matrices; 1-D tensors stay F32. `tokenizer` (a bridge Tokenizer, or None) becomes the
-    tokenizer.ggml.* keys; a `chat_template.jinja` among `extra_files` becomes
-    tokenizer.chat_template. `warn(message)` hears the Q8_0 fallbacks and a missing tokenizer
-    (default: stderr). `progress(nbytes)` is called after each tensor with its size as fetched.
+    `dtype` a FILE_TYPES name (default: the specs' dtype, f32 when mixed) applies to the matrices,
+    by the rules of _tensor_type (1-D tensors F32, the output projection Q8_0 under a quantised
+    type). The K-quants (q2_k ... q6_k) are llama.cpp's: the file is first written losslessly (the
+    specs' dtype) beside `path`, then llama.cpp's quantiser writes `path`, choosing each tensor's
+    type itself; without llama-cpp-python, or without a tokenizer (llama.cpp loads no model
+    without one), they are refused before anything is written. `tokenizer` (a bridge Tokenizer,
+    or None) becomes the tokenizer.ggml.* keys; a `chat_template.jinja` among `extra_files`
+    becomes tokenizer.chat_template. `warn(message)` hears the F16 fallbacks (llama.cpp's too)
+    and a missing tokenizer (default: stderr); `stage(line)` the line that says llama.cpp's
+    quantiser is running (default: stderr). `progress(nbytes)` is called after each tensor
+    with its size as fetched.
     """
     import gguf
 
@@ -141,11 +172,25 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
 
     ordered = check_specs(config, specs, "tensors to write")
     warn = warn or _stderr
-    if dtype is None:
-        stored = {d.name for _, d in ordered.values()}
-        dtype = {"float16": "f16", "bfloat16": "bf16"}.get(stored.pop(), "f32") \
-            if len(stored) == 1 else "f32"
-    qtype_name, ftype_name = FILE_TYPES[gguf_dtype(dtype)]
+    stored = {d.name for _, d in ordered.values()}
+    lossless = {"float16": "f16", "bfloat16": "bf16"}.get(stored.pop(), "f32") \
+        if len(stored) == 1 else "f32"
+    file_type, quantise = gguf_dtype(dtype or lossless), None
+    if FILE_TYPES[file_type][2] == LLAMA_CPP:
+        from .gguf_quantize import input_beside, quantize_with_llama_cpp, require_llama_cpp
+        require_llama_cpp(file_type)
+        if tokenizer is None:
+            # llama.cpp's quantiser runs without one, but llama.cpp loads no model without it:
+            # a K-quant file is for llama.cpp (the f32 ... q5_1 ones only warn, see below)
+            raise BridgeError(f"{path}: {file_type} is a file for llama.cpp, which loads none "
+                              f"without a tokenizer, and there is none",
+                              hint=("tokenizer", "FILE", "pass {}"))
+
+        def quantise(src: Path, dst: Path, target: str = file_type) -> None:
+            quantize_with_llama_cpp(src, dst, target, FILE_TYPES[target][1], warn=warn,
+                                    stage=stage, name=path)
+        file_type = lossless  # what llama.cpp reads: every value as it came
+    qtype_name, ftype_name, _ = FILE_TYPES[file_type]
     qtype = gguf.GGMLQuantizationType[qtype_name]
 
     writer = gguf.GGUFWriter(None, ARCH)
@@ -167,17 +212,21 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
     plan = []  # (canonical name or None for rope_freqs, GGUF name, quantisation type)
     if config.rope_scaling is not None:
         plan.append((None, ROPE_FREQS, gguf.GGMLQuantizationType.F32))
+    # the output projection, as llama.cpp tells it: by name, the embedding when there is no output
+    output = "output.weight" if "output.weight" in ordered else "tok_embeddings.weight"
     for name, (shape, _) in ordered.items():
-        plan.append((name, gguf_name(name), _tensor_type(gguf, name, shape, qtype, warn)))
+        plan.append((name, gguf_name(name),
+                     _tensor_type(gguf, name, shape, qtype, warn, output=name == output)))
     for name, out_name, t in plan:
         shape = (config.head_dim // 2,) if name is None else ordered[name][0]
         block, size = gguf.GGML_QUANT_SIZES[t]
         writer.add_tensor_info(out_name, shape, np.dtype(np.float32),
                                math.prod(shape) // block * size, raw_dtype=t)
 
-    with atomic_file(path, overwrite=overwrite) as tmp:
+    with atomic_file(path, overwrite=overwrite) as tmp, ExitStack() as stack:
+        out = tmp if quantise is None else stack.enter_context(input_beside(tmp))
         try:
-            writer.write_header_to_file(Path(tmp))
+            writer.write_header_to_file(Path(out))
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
             for name, out_name, t in plan:
@@ -195,23 +244,31 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
                 del array
         finally:
             writer.close()
+        if quantise is not None:
+            quantise(out, tmp)
     return Path(path)
 
 
-def _tensor_type(gguf, name: str, shape: tuple[int, ...], qtype, warn):
-    """llama.cpp's rule: 1-D tensors in F32; a row that is not whole Q8_0 blocks in F16."""
+def _tensor_type(gguf, name: str, shape: tuple[int, ...], qtype, warn, output: bool = False):
+    """llama.cpp's rules for a tensor of the file type `qtype`: 1-D tensors F32 (its converter,
+    conversion/base.py, and its quantiser's tensor_allows_quantization, src/llama-quant.cpp);
+    the output projection OUTPUT_QTYPE under a quantised type (see there); a row that is not
+    whole blocks of the type F16 (the converter's QuantError fallback; the quantiser's
+    tensor_type_fallback for 32-element blocks)."""
     if len(shape) == 1:
         return gguf.GGMLQuantizationType.F32
+    if output and gguf.GGML_QUANT_SIZES[qtype][0] > 1:  # blocks of more than one: quantised
+        qtype = gguf.GGMLQuantizationType[OUTPUT_QTYPE]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if shape[-1] % block:
         warn(f"tensor {name!r}: rows of {shape[-1]} are not whole {qtype.name} blocks of {block}; "
-             f"written as F16, as llama.cpp's converter does")
+             f"written as F16, as llama.cpp does")
         return gguf.GGMLQuantizationType.F16
     return qtype
 
 
 def _encode(gguf, array: np.ndarray, t) -> np.ndarray:
-    """The bytes of `array` as GGML type `t`, by gguf.quants (F16 / BF16 / Q8_0 rounding
+    """The bytes of `array` as GGML type `t`, by gguf.quants (F16 / BF16 / Q4_0 ... Q8_0 rounding
     exactly as llama.cpp's converter does); F32 and F16 keep their numpy dtype."""
     array = np.ascontiguousarray(array)
     if t == gguf.GGMLQuantizationType.F32:
@@ -251,199 +308,3 @@ def _add_config(writer, config: LlamaConfig, file_type) -> None:
             writer.add_float64(OUR_KEY + field, float(getattr(s, field)))
         writer.add_uint32(OUR_KEY + "original_max_position_embeddings",
                           s.original_max_position_embeddings)
-
-
-# -- reading ---------------------------------------------------------------------------------------
-
-def is_gguf(path: Path) -> bool:
-    """True for a file that starts with GGUF's magic."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
-class GGUFCheckpoint(Checkpoint):
-    """A LLaMA GGUF file: F32 / F16 / BF16 tensors as stored, Q8_0 dequantised to float32. Its
-    vocabulary, where we can rebuild it, becomes a tokenizer file in `extra_files`, in a
-    temporary directory that lives as long as this object."""
-
-    format = "gguf"
-
-    def __init__(self, path: str | os.PathLike):
-        import gguf
-
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise BridgeError(f"{self.path}: not a file")
-        if not is_gguf(self.path):
-            raise BridgeError(f"{self.path}: not a GGUF file (no GGUF magic)")
-        try:
-            reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-            raise BridgeError(f"{self.path}: truncated or corrupt GGUF file "
-                              f"({(str(e).splitlines() or [type(e).__name__])[0][:120]})") from None
-        self._reader = reader
-        self.files, self.notes = [self.path], []
-        fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")
-                  and not k.startswith("tokenizer.ggml.")}
-        arch = fields.get("general.architecture")
-        if arch != ARCH:
-            raise BridgeError(f"{self.path}: general.architecture is {arch!r}; only {ARCH!r} "
-                              f"GGUF files are read")
-        if reader.endianess != gguf.GGUFEndian.LITTLE:
-            raise BridgeError(f"{self.path}: a big-endian GGUF file; only little-endian is read")
-
-        self._tensors, specs, rope_freqs = {}, {}, None
-        size = self.path.stat().st_size
-        for t in reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise BridgeError(f"{self.path}: truncated: tensor {t.name!r} ends at byte "
-                                  f"{t.data_offset + t.n_bytes}, the file has {size}")
-            if t.tensor_type.name not in READ_TYPES:
-                raise BridgeError(f"{self.path}: tensor {t.name!r} is {t.tensor_type.name}; this "
-                                  f"reader takes {', '.join(READ_TYPES)} (dequantise it with "
-                                  f"llama.cpp first)")
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            if t.name == ROPE_FREQS:
-                rope_freqs = _as_array(t, shape)
-                continue
-            name = canonical_name(t.name)
-            if name is None:
-                raise BridgeError(f"{self.path}: unexpected tensor {t.name!r} for a LLaMA model")
-            self._tensors[name] = (t, shape)
-            stored = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-                      "Q8_0": np.float32}[t.tensor_type.name]
-            specs[name] = (shape, np.dtype(stored))
-        self.config = _config(self.path, fields, specs, rope_freqs)
-        self.specs = check_specs(self.config, specs, self.path, source="its llama.* keys")
-        types = sorted({t.tensor_type.name for t, _ in self._tensors.values()})
-        self.notes.append(f"GGUF v{reader.fields['GGUF.version'].contents()}, tensors "
-                          f"{', '.join(types)}" + (" (Q8_0 dequantised to float32)"
-                                                   if "Q8_0" in types else ""))
-        if rope_freqs is not None:
-            self.notes.append("rope_freqs.weight matches the llama3 rope scaling")
-        self.extra_files = self._tokenizer_files(reader)
-
-    def tensor(self, name: str) -> np.ndarray:
-        if name not in self._tensors:
-            raise BridgeError(f"{self.path}: no tensor {name!r}")
-        return _as_array(*self._tensors[name])
-
-    def _tokenizer_files(self, reader) -> list[Path]:
-        """The GGUF vocabulary as tokenizer files in a directory of our own (removed with this
-        object), or none, with a note saying why."""
-        from ..gguf_tokenizer import tokenizer_files
-
-        directory = Path(tempfile.mkdtemp(prefix="llama-bridge-gguf-tokenizer-"))
-        weakref.finalize(self, _remove_tree, directory)
-        files, note = tokenizer_files(reader, directory, self.path)
-        if note:
-            self.notes.append(note)
-        return files
-
-
-def _remove_tree(directory: Path) -> None:
-    import shutil
-    shutil.rmtree(directory, ignore_errors=True)
-
-
-def _as_array(t, shape: tuple[int, ...]) -> np.ndarray:
-    """A fresh array in canonical (numpy) layout: F32 / F16 / BF16 as stored, Q8_0 as float32."""
-    import gguf
-
-    kind = t.tensor_type.name
-    if kind == "Q8_0":
-        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-    if kind == "BF16":
-        return np.array(t.data.view(ml_dtypes.bfloat16).reshape(shape))
-    return np.array(t.data.reshape(shape))
-
-
-def _f32_value(value: float) -> float:
-    """A float32 key as the shortest decimal that rounds to it (1e-05, not 9.99999974738e-06)."""
-    return float(str(np.float32(value)))
-
-
-def _config(path: Path, fields: dict, specs: dict, rope_freqs: np.ndarray | None) -> LlamaConfig:
-    def key(name: str, default=None):
-        value = fields.get(f"{ARCH}.{name}", default)
-        if value is None:
-            raise BridgeError(f"{path}: key {ARCH}.{name} is missing")
-        return value
-
-    if fields.get(f"{ARCH}.expert_count", 0):
-        raise BridgeError(f"{path}: {ARCH}.expert_count is {fields[f'{ARCH}.expert_count']}: a "
-                          f"mixture-of-experts model, which LlamaConfig does not describe")
-    scaling_type = fields.get(f"{ARCH}.rope.scaling.type", "none")
-    if scaling_type != "none" or fields.get(f"{ARCH}.rope.scaling.factor", 0.0) not in (0.0, 1.0):
-        raise BridgeError(f"{path}: {ARCH}.rope.scaling.type {scaling_type!r} (factor "
-                          f"{fields.get(f'{ARCH}.rope.scaling.factor')}) is not supported; only "
-                          f"unscaled RoPE and LLaMA 3's rope_freqs are read")
-    n_heads = key("attention.head_count")
-    dim = key("embedding_length")
-    head_dim = key("attention.key_length", key("rope.dimension_count", dim // max(n_heads, 1)))
-    for name in ("attention.value_length", "rope.dimension_count"):
-        if fields.get(f"{ARCH}.{name}", head_dim) != head_dim:
-            raise BridgeError(f"{path}: {ARCH}.{name} is {fields[f'{ARCH}.{name}']}, but the head "
-                              f"dim is {head_dim}; partial RoPE and unequal k/v heads are not "
-                              f"supported")
-    embedding = specs.get("tok_embeddings.weight")
-    vocab = fields.get(f"{ARCH}.vocab_size") or (embedding[0][0] if embedding else None)
-    theta = _f32_value(key("rope.freq_base", 10000.0))
-    try:
-        config = LlamaConfig(
-            dim=dim, n_layers=key("block_count"), n_heads=n_heads,
-            n_kv_heads=key("attention.head_count_kv", n_heads), ffn_dim=key("feed_forward_length"),
-            vocab_size=vocab if vocab is not None else key("vocab_size"),
-            max_seq_len=key("context_length"),
-            norm_eps=_f32_value(key("attention.layer_norm_rms_epsilon")), rope_theta=theta,
-            rope_scaling=_rope_scaling(path, fields, theta, head_dim, rope_freqs),
-            tie_embeddings="output.weight" not in specs, head_dim=head_dim,
-            **_token_ids(fields))
-    except BridgeError as e:
-        raise BridgeError(f"{path}: {e}") from None
-    except TypeError as e:  # a key of the wrong type (a string where a number belongs)
-        raise BridgeError(f"{path}: a {ARCH}.* key has the wrong type ({e})") from None
-    if config.head_dim == config.dim // config.n_heads:
-        config = config.replace(head_dim=None)
-    return config
-
-
-def _token_ids(fields: dict) -> dict:
-    """bos_id and eos_ids: ours where we wrote them, else the tokenizer's BOS and EOS."""
-    if OUR_BOS in fields or OUR_EOS in fields:
-        return {"bos_id": fields.get(OUR_BOS), "eos_ids": tuple(fields.get(OUR_EOS, ()))}
-    bos, eos = (fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
-    return {"bos_id": bos, "eos_ids": () if eos is None else (eos,)}
-
-
-def _rope_scaling(path: Path, fields: dict, theta: float, head_dim: int,
-                  rope_freqs: np.ndarray | None) -> RopeScaling | None:
-    """RopeScaling from our keys; else, for a file llama.cpp made (rope_freqs.weight only), the
-    LLaMA 3.1 / 3.2 parameters (low 1, high 4, original context 8192, factor = the largest
-    divisor) when they reproduce rope_freqs; refused otherwise. rope_freqs, when present, must
-    match the scaling within float32 rounding, since llama.cpp runs on it."""
-    ours = {k[len(OUR_KEY):]: v for k, v in fields.items() if k.startswith(OUR_KEY)}
-    if ours:
-        try:
-            scaling = RopeScaling.from_dict(ours)
-        except BridgeError as e:
-            raise BridgeError(f"{path}: {OUR_KEY}*: {e}") from None
-    elif rope_freqs is None or np.all(rope_freqs == 1):
-        return None
-    else:
-        scaling = RopeScaling(factor=float(rope_freqs.max()), low_freq_factor=1.0,
-                              high_freq_factor=4.0, original_max_position_embeddings=8192)
-    if rope_freqs is None:
-        return scaling
-    expected = llama3_rope_freqs(head_dim, theta, scaling)
-    # rtol: a few float32 ulps (the formula runs in float32; pow may round differently by a ulp)
-    if rope_freqs.shape != expected.shape or \
-            not np.allclose(rope_freqs, expected, rtol=1e-6, atol=0):
-        which = (f"its {OUR_KEY}* keys describe" if ours else
-                 "of LLaMA 3.1 / 3.2 (low 1, high 4, original context 8192)")
-        raise BridgeError(f"{path}: tensor {ROPE_FREQS!r} is not the llama3 rope scaling "
-                          f"{which}; its rope scaling cannot be recovered")
-    return scaling

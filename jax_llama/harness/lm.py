@@ -143,12 +143,12 @@ class JaxLlamaLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                    **kwargs) -> list[int]:
         """string -> ids. add_special_tokens None: BOS first per add_bos_token (absent: when the
-        tokenizer has a BOS), unless the string already begins with the BOS text."""
+        tokenizer adds one), unless the string already begins with the BOS text."""
         tok = self.tokenizer_
         if add_special_tokens is None:
             if tok.bos_id is not None and string.startswith(tok.decode([tok.bos_id])):
                 return tok.encode(string, allow_special=True)
-            add_special_tokens = (tok.bos_id is not None if self.add_bos_token is None
+            add_special_tokens = (tok.add_bos if self.add_bos_token is None
                                   else self.add_bos_token)
         return tok.encode(string, bos=bool(add_special_tokens) and tok.bos_id is not None)
 

@@ -2,7 +2,8 @@
 LLaMA 2 (SentencePiece), Hugging Face tokenizer.json, and raw UTF-8 bytes.
 
     tok = load_tokenizer("ckpt/")                # or a file; the kind comes from the contents
-    ids = tok.encode("Hello world", bos=True)     # [128000, 9906, 1917] with LLaMA 3
+    tok = load_tokenizer("model.gguf")            # its vocabulary, tokenizing as llama.cpp does
+    ids = tok.encode("Hello world", bos=tok.add_bos)  # [128000, 9906, 1917] with LLaMA 3
     tok.decode(ids)                               # "<|begin_of_text|>Hello world"
     tok.save("other_ckpt/")                       # tokenizer.model or tokenizer.json (+ config)
 
@@ -19,7 +20,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .errors import BridgeError
+from ..errors import BridgeError
+from ..gguf_pretokenizers import fim_ids, llama_cpp_stop_ids
 
 EXPECTED = "expected a tiktoken ranks file, a SentencePiece model or a tokenizer.json"
 
@@ -32,8 +34,21 @@ class Tokenizer:
     bos_id: int | None = None
     eos_id: int | None = None
     pad_id: int | None = None
+    unk_id: int | None = None
     special_tokens: dict[str, int]   # name -> id
     stop_ids: tuple[int, ...] = ()   # ids that end a generation
+    add_eos: bool = False            # whether an encoded document / prompt ends with EOS
+    _add_bos: bool | None = None     # set where the file says; else add_bos follows bos_id
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether an encoded document / prompt starts with BOS: what the tokenizer's file says
+        (GGUF's add_bos_token, tokenizer_config.json's), else whenever there is a BOS token."""
+        return self.bos_id is not None if self._add_bos is None else self._add_bos
+
+    @add_bos.setter
+    def add_bos(self, value: bool) -> None:
+        self._add_bos = bool(value)
 
     def encode(self, text: str, bos: bool = False, eos: bool = False,
                allow_special: bool = False) -> list[int]:
@@ -178,6 +193,13 @@ class Llama2Tokenizer(Tokenizer):
     """A SentencePiece model (LLaMA 1/2, llama2.c): bos <s> 1, eos </s> 2, no pad."""
 
     kind = "llama2"
+    # Set where the vocabulary comes from a GGUF file, to tokenize as llama.cpp does: it cuts the
+    # text at these user-defined tokens before SentencePiece runs (which then puts its "\u2581"
+    # before each piece), and drops the ASCII whitespace after a token of `_rstrip` and before
+    # one of `_lstrip` (bridge.tokenizer.gguf). A saved tokenizer.model does not keep them.
+    _user_defined: dict[str, int] = {}
+    _lstrip: frozenset[int] = frozenset()
+    _rstrip: frozenset[int] = frozenset()
 
     def __init__(self, proto: bytes, where: str | Path = "tokenizer.model"):
         import sentencepiece
@@ -191,16 +213,28 @@ class Llama2Tokenizer(Tokenizer):
         self.vocab_size = sp.vocab_size()
         self.bos_id, self.eos_id, self.pad_id = (i if i >= 0 else None
                                                  for i in (sp.bos_id(), sp.eos_id(), sp.pad_id()))
-        ids = (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id())
-        self.special_tokens = {sp.id_to_piece(i): i for i in ids if i >= 0}
-        self.stop_ids = (self.eos_id,) if self.eos_id is not None else ()
+        self.unk_id = sp.unk_id() if sp.unk_id() >= 0 and sp.is_unknown(sp.unk_id()) else None
+        pieces = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+        self.special_tokens = {p: i for p, i in pieces.items()
+                               if sp.is_control(i) or sp.is_unknown(i)}
+        self.stop_ids = llama_cpp_stop_ids(pieces, [self.eos_id])
 
     def _encode(self, text: str, allow_special: bool) -> list[int]:
-        if not allow_special:  # SentencePiece never reads "<s>" in text as the control token
+        # SentencePiece never reads "<s>" in text as the control token
+        tokens = {**self._user_defined, **(self.special_tokens if allow_special else {})}
+        if not tokens:
             return self._sp.encode(text)
+        pieces = _split_on_specials(text, tokens)
         ids: list[int] = []
-        for piece in _split_on_specials(text, self.special_tokens):
-            ids += [piece] if isinstance(piece, int) else self._sp.encode(piece)
+        for i, piece in enumerate(pieces):
+            if isinstance(piece, int):
+                ids.append(piece)
+                continue
+            if i > 0 and pieces[i - 1] in self._rstrip:
+                piece = piece.lstrip(" \t\n\v\f\r")
+            if i + 1 < len(pieces) and pieces[i + 1] in self._lstrip:
+                piece = piece.rstrip(" \t\n\v\f\r")
+            ids += self._sp.encode(piece) if piece else []
         return ids
 
     def _decode(self, ids: list[int]) -> str:
@@ -218,13 +252,14 @@ class Llama2Tokenizer(Tokenizer):
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|bos|>", "<bos>", "<|startoftext|>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|eos|>", "<eos>", "<|endoftext|>")
 _PAD_NAMES = ("<|pad|>", "<pad>")
-_STOP_NAMES = ("<|eot_id|>", "<|eom_id|>")
 
 
 class HFTokenizer(Tokenizer):
-    """A `tokenizers` tokenizer (tokenizer.json). bos/eos/pad come from `config` (the
-    tokenizer_config.json fields bos_token / eos_token / pad_token) or else from well-known
-    special-token names."""
+    """A `tokenizers` tokenizer (tokenizer.json). bos/eos/pad/unk come from `config` (the
+    tokenizer_config.json fields bos_token / eos_token / pad_token / unk_token; null: none) or
+    else from well-known special-token names, add_bos / add_eos from its add_bos_token /
+    add_eos_token where they are booleans; stop_ids by llama.cpp's rule (llama_cpp_stop_ids),
+    so that a GGUF vocabulary and its tokenizer.json stop at the same ids."""
 
     kind = "hf"
 
@@ -237,6 +272,8 @@ class HFTokenizer(Tokenizer):
                                if t.special}
 
         def find(key: str, names: Sequence[str]) -> int | None:
+            if key in self._config and self._config[key] is None:
+                return None  # the config says there is none
             name = self._config.get(key)
             name = name.get("content") if isinstance(name, dict) else name
             for candidate in ([name] if name else []) + list(names):
@@ -247,8 +284,14 @@ class HFTokenizer(Tokenizer):
         self.bos_id = find("bos_token", _BOS_NAMES)
         self.eos_id = find("eos_token", _EOS_NAMES)
         self.pad_id = find("pad_token", _PAD_NAMES)
-        stops = [self.eos_id] + [vocab.get(n) for n in _STOP_NAMES]
-        self.stop_ids = tuple(dict.fromkeys(i for i in stops if i is not None))
+        model_unk = getattr(tok.model, "unk_token", None)
+        self.unk_id = find("unk_token", [model_unk] if model_unk else [])
+        for flag in ("add_bos", "add_eos"):
+            if isinstance(self._config.get(f"{flag}_token"), bool):
+                setattr(self, flag, self._config[f"{flag}_token"])
+        fim = fim_ids(vocab)
+        self.stop_ids = llama_cpp_stop_ids(vocab, [self.eos_id, fim.get("pad"), fim.get("rep"),
+                                                   fim.get("sep")])
 
     def _encode(self, text: str, allow_special: bool) -> list[int]:
         # Not thread-safe: the flag lives on the shared Rust tokenizer.
@@ -259,15 +302,22 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode(ids, skip_special_tokens=False)
 
     def save(self, directory: str | Path) -> list[Path]:
-        """tokenizer.json, and tokenizer_config.json naming the bos/eos/pad tokens (the config
-        this tokenizer was loaded with, when it had one, so a chat template etc. survives)."""
+        """tokenizer.json, and tokenizer_config.json: the config this tokenizer was loaded with
+        (so a chat template etc. survives), with the bos/eos/pad/unk tokens it resolved to (null
+        for none) and add_bos_token / add_eos_token, so that the files load back the same."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(directory / "tokenizer.json"))
-        config = self._config or {key: self._tok.id_to_token(i) for key, i in
-                                  (("bos_token", self.bos_id), ("eos_token", self.eos_id),
-                                   ("pad_token", self.pad_id)) if i is not None}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        config = dict(self._config)
+        for key, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id),
+                       ("pad_token", self.pad_id), ("unk_token", self.unk_id)):
+            name = config.get(key)
+            name = name.get("content") if isinstance(name, dict) else name
+            if i is None or name != self._tok.id_to_token(i):
+                config[key] = None if i is None else self._tok.id_to_token(i)
+        config["add_bos_token"], config["add_eos_token"] = self.add_bos, self.add_eos
+        (directory / "tokenizer_config.json").write_text(
+            json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         return [directory / "tokenizer.json", directory / "tokenizer_config.json"]
 
 
@@ -389,16 +439,30 @@ def _detect(path: Path, data: bytes) -> str:
         raise BridgeError(f"{path}: not a tokenizer file this project reads ({EXPECTED})") from None
 
 
+def _is_gguf(file: Path) -> bool:
+    with open(file, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def detect_tokenizer_kind(path: str | Path) -> str:
     """"llama3", "llama2" or "hf", from the contents of a file (or of a directory's
-    tokenizer.json / tokenizer.model); BridgeError naming the file for anything else."""
+    tokenizer.json / tokenizer.model; for a GGUF file, the kind its vocabulary is rebuilt as);
+    BridgeError naming the file for anything else."""
     file = _tokenizer_file(path)
+    if _is_gguf(file):
+        return load_tokenizer(file).kind
     return _detect(file, file.read_bytes())
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A Tokenizer from a file or a checkpoint directory; the kind is detected from contents."""
+    """A Tokenizer from a file or a checkpoint directory; the kind is detected from contents.
+    A GGUF file (a model, or a vocabulary-only file) gives its tokenizer.ggml.* vocabulary,
+    rebuilt to tokenize as llama.cpp does (bridge.tokenizer.gguf)."""
     file = _tokenizer_file(path)
+    if _is_gguf(file):
+        from .gguf import gguf_file_tokenizer
+
+        return gguf_file_tokenizer(file)
     data = file.read_bytes()
     kind = _detect(file, data)
     if kind == "llama3":
@@ -409,13 +473,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def find_tokenizer(checkpoint: str | Path, tokenizer: str | Path | None = None) -> Tokenizer:
-    """The tokenizer of a checkpoint: the file `tokenizer` when given, else the tokenizer.json /
-    tokenizer.model beside the weights (in the checkpoint directory, or the file's directory)."""
+    """The tokenizer of a checkpoint: the file `tokenizer` when given, else a GGUF file's own
+    vocabulary, else the tokenizer.json / tokenizer.model beside the weights (in the checkpoint
+    directory, or the file's directory)."""
     path = Path(checkpoint)
     if not path.exists():
         raise BridgeError(f"{checkpoint}: no such file or directory")
     if tokenizer:
         return load_tokenizer(tokenizer)
+    if path.is_file() and _is_gguf(path):
+        return load_tokenizer(path)
     directory = path if path.is_dir() else path.parent
     for name in ("tokenizer.json", "tokenizer.model"):
         if (directory / name).is_file():

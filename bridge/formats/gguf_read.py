@@ -1,0 +1,255 @@
+"""Reading a LLaMA GGUF file: its llama.* keys as a LlamaConfig, its tensors as canonical arrays
+(float types as stored, every quantised type that gguf.quants dequantises as float32, one tensor
+at a time), its vocabulary as a tokenizer (bridge.gguf_tokenizer) and its chat template. The
+container is read by bridge.formats.gguf_file; names and key conventions are bridge.formats.gguf's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import weakref
+from collections import Counter
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from ..config import LlamaConfig, RopeScaling
+from ..errors import BridgeError
+from .base import CHAT_TEMPLATE_FILE, Checkpoint, check_specs
+from .gguf import ARCH, OUR_BOS, OUR_EOS, OUR_KEY, ROPE_FREQS, canonical_name, llama3_rope_freqs
+from .gguf_file import GGUFFile, TensorInfo, read_gguf
+
+# Read as stored: GGML float type -> numpy dtype. Every other type is read through
+# gguf.quants.dequantize into float32 when gguf can dequantise it (Q4_0 ... Q8_0, the K-quants,
+# the IQ and TQ types, MXFP4 in gguf 0.19); the rest (Q8_1, Q8_K, integer tensors) are refused.
+STORED_FLOATS = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                 "F64": np.float64}
+# Elements dequantised at a time: the float32 result is the only full-size array, its
+# temporaries stay a few MB whatever the tensor's size.
+_DEQUANT_CHUNK = 1 << 20
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A LLaMA GGUF file: F32 / F16 / BF16 tensors as stored, every type gguf can dequantise
+    (Q4_0 ... Q8_0, K-quants, IQ, TQ) as float32, one tensor at a time. Its vocabulary, where
+    llama.cpp's tokenizer can be rebuilt, and its chat template become tokenizer files in
+    `extra_files`, in a temporary directory that lives as long as this object."""
+
+    format = "gguf"
+
+    def __init__(self, path: str | os.PathLike):
+        import gguf
+
+        self.path = Path(path)
+        self._file = file = read_gguf(self.path)
+        self.files, self._notes = [self.path], []
+        fields = file.fields
+        arch = fields.get("general.architecture")
+        if arch != ARCH:
+            raise BridgeError(f"{self.path}: general.architecture is {arch!r}; only {ARCH!r} "
+                              f"GGUF files are read")
+
+        self._tensors: dict[str, tuple[TensorInfo, object]] = {}
+        specs, rope_freqs, readable = {}, None, {}
+        for t in file.tensors:
+            qtype = gguf.GGMLQuantizationType(t.type_id)
+            if qtype not in readable:
+                readable[qtype] = _readable(qtype)
+            if not readable[qtype]:
+                raise BridgeError(f"{self.path}: tensor {t.name!r} is {qtype.name}, which gguf "
+                                  f"{_gguf_version()} cannot dequantise (readable: float types "
+                                  f"and the types gguf.quants dequantises)")
+            if t.name == ROPE_FREQS:
+                rope_freqs = _as_array(file, t, qtype)
+                continue
+            name = canonical_name(t.name)
+            if name is None:
+                raise BridgeError(f"{self.path}: unexpected tensor {t.name!r} for a LLaMA model")
+            self._tensors[name] = (t, qtype)
+            specs[name] = (t.shape, np.dtype(STORED_FLOATS.get(qtype.name, np.float32)))
+        self.config = _config(self.path, fields, specs, rope_freqs)
+        self.specs = check_specs(self.config, specs, self.path, source="its llama.* keys")
+        counts = Counter(gguf.GGMLQuantizationType(t.type_id).name for t in file.tensors)
+        self.tensor_types = dict(counts.most_common())
+        quantised = sorted(k for k in counts if k not in STORED_FLOATS)
+        self._notes.append(f"GGUF v{file.version}" + (
+            f"; {', '.join(quantised)} dequantised to float32" if quantised else ""))
+        if rope_freqs is not None:
+            self._notes.append("rope_freqs.weight matches the llama3 rope scaling")
+        tokens = fields.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list) and len(tokens) > self.config.vocab_size:
+            raise BridgeError(f"{self.path}: tokenizer.ggml.tokens holds {len(tokens)} tokens, "
+                              f"but the model's embedding has {self.config.vocab_size} rows")
+
+    def tensor(self, name: str) -> np.ndarray:
+        if name not in self._tensors:
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
+        return _as_array(self._file, *self._tensors[name])
+
+    @property
+    def notes(self) -> list[str]:
+        self.extra_files  # the tokenizer's note comes with its files
+        return self._notes
+
+    @functools.cached_property
+    def extra_files(self) -> list[Path]:
+        """The GGUF vocabulary as tokenizer files (and its chat template as chat_template.jinja)
+        in a directory of our own, removed with this object; or none, with a note saying why.
+        Built when first asked for: reading the config or the weights does not need it."""
+        from ..tokenizer.gguf import tokenizer_files
+
+        directory = Path(tempfile.mkdtemp(prefix="llama-bridge-gguf-tokenizer-"))
+        weakref.finalize(self, _remove_tree, directory)
+        files, note = tokenizer_files(self._file.fields, directory, self.path)
+        if note:
+            self._notes.append(note)
+        template = gguf_chat_template(self._file.fields, self.path)
+        if template is not None:  # the chat template travels as transformers saves one
+            files.append(directory / CHAT_TEMPLATE_FILE)
+            files[-1].write_text(template, encoding="utf-8")
+            self._notes.append("chat template: tokenizer.chat_template")
+        return files
+
+
+def gguf_chat_template(fields: dict, where: Path) -> str | None:
+    """A GGUF file's tokenizer.chat_template (Jinja source), or None when it has none."""
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise BridgeError(f"{where}: tokenizer.chat_template is not a string")
+    return template
+
+
+def _remove_tree(directory: Path) -> None:
+    import shutil
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _gguf_version() -> str:
+    from importlib import metadata
+    return metadata.version("gguf")
+
+
+def _readable(qtype) -> bool:
+    """Whether tensors of GGML type `qtype` can be read: a float type, or one that gguf.quants
+    dequantises (asked of gguf itself, on one block of zeros)."""
+    import gguf
+
+    if qtype.name in STORED_FLOATS:
+        return True
+    if qtype not in gguf.GGML_QUANT_SIZES:
+        return False
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((1, size), np.uint8), qtype)
+    except (NotImplementedError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _as_array(file: GGUFFile, t: TensorInfo, qtype) -> np.ndarray:
+    """A fresh array in canonical (numpy) layout: float types as stored, every quantised type
+    dequantised by gguf.quants into float32, a few rows at a time."""
+    import gguf
+
+    raw = file.raw(t)
+    if qtype.name in STORED_FLOATS:
+        return np.array(raw.view(STORED_FLOATS[qtype.name]).reshape(t.shape))
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    row = t.shape[-1] if t.shape else 1
+    rows = raw.reshape(-1, row // block * size)  # (rows, bytes per row) of whole blocks
+    out = np.empty((rows.shape[0], row), np.float32)
+    step = max(1, _DEQUANT_CHUNK // row)
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = gguf.quants.dequantize(rows[start:start + step], qtype)
+    return out.reshape(t.shape)
+
+
+def _f32_value(value: float) -> float:
+    """A float32 key as the shortest decimal that rounds to it (1e-05, not 9.99999974738e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _config(path: Path, fields: dict, specs: dict, rope_freqs: np.ndarray | None) -> LlamaConfig:
+    def key(name: str, default=None):
+        value = fields.get(f"{ARCH}.{name}", default)
+        if value is None:
+            raise BridgeError(f"{path}: key {ARCH}.{name} is missing")
+        return value
+
+    if fields.get(f"{ARCH}.expert_count", 0):
+        raise BridgeError(f"{path}: {ARCH}.expert_count is {fields[f'{ARCH}.expert_count']}: a "
+                          f"mixture-of-experts model, which LlamaConfig does not describe")
+    scaling_type = fields.get(f"{ARCH}.rope.scaling.type", "none")
+    if scaling_type != "none" or fields.get(f"{ARCH}.rope.scaling.factor", 0.0) not in (0.0, 1.0):
+        raise BridgeError(f"{path}: {ARCH}.rope.scaling.type {scaling_type!r} (factor "
+                          f"{fields.get(f'{ARCH}.rope.scaling.factor')}) is not supported; only "
+                          f"unscaled RoPE and LLaMA 3's rope_freqs are read")
+    n_heads = key("attention.head_count")
+    dim = key("embedding_length")
+    head_dim = key("attention.key_length", key("rope.dimension_count", dim // max(n_heads, 1)))
+    for name in ("attention.value_length", "rope.dimension_count"):
+        if fields.get(f"{ARCH}.{name}", head_dim) != head_dim:
+            raise BridgeError(f"{path}: {ARCH}.{name} is {fields[f'{ARCH}.{name}']}, but the head "
+                              f"dim is {head_dim}; partial RoPE and unequal k/v heads are not "
+                              f"supported")
+    embedding = specs.get("tok_embeddings.weight")
+    vocab = fields.get(f"{ARCH}.vocab_size") or (embedding[0][0] if embedding else None)
+    theta = _f32_value(key("rope.freq_base", 10000.0))
+    try:
+        config = LlamaConfig(
+            dim=dim, n_layers=key("block_count"), n_heads=n_heads,
+            n_kv_heads=key("attention.head_count_kv", n_heads), ffn_dim=key("feed_forward_length"),
+            vocab_size=vocab if vocab is not None else key("vocab_size"),
+            max_seq_len=key("context_length"),
+            norm_eps=_f32_value(key("attention.layer_norm_rms_epsilon")), rope_theta=theta,
+            rope_scaling=_rope_scaling(path, fields, theta, head_dim, rope_freqs),
+            tie_embeddings="output.weight" not in specs, head_dim=head_dim,
+            **_token_ids(fields))
+    except BridgeError as e:
+        raise BridgeError(f"{path}: {e}") from None
+    except TypeError as e:  # a key of the wrong type (a string where a number belongs)
+        raise BridgeError(f"{path}: a {ARCH}.* key has the wrong type ({e})") from None
+    if config.head_dim == config.dim // config.n_heads:
+        config = config.replace(head_dim=None)
+    return config
+
+
+def _token_ids(fields: dict) -> dict:
+    """bos_id and eos_ids: ours where we wrote them, else the tokenizer's BOS and EOS."""
+    if OUR_BOS in fields or OUR_EOS in fields:
+        return {"bos_id": fields.get(OUR_BOS), "eos_ids": tuple(fields.get(OUR_EOS, ()))}
+    bos, eos = (fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
+    return {"bos_id": bos, "eos_ids": () if eos is None else (eos,)}
+
+
+def _rope_scaling(path: Path, fields: dict, theta: float, head_dim: int,
+                  rope_freqs: np.ndarray | None) -> RopeScaling | None:
+    """RopeScaling from our keys; else, for a file llama.cpp made (rope_freqs.weight only), the
+    LLaMA 3.1 / 3.2 parameters (low 1, high 4, original context 8192, factor = the largest
+    divisor) when they reproduce rope_freqs; refused otherwise. rope_freqs, when present, must
+    match the scaling within float32 rounding, since llama.cpp runs on it."""
+    ours = {k[len(OUR_KEY):]: v for k, v in fields.items() if k.startswith(OUR_KEY)}
+    if ours:
+        try:
+            scaling = RopeScaling.from_dict(ours)
+        except BridgeError as e:
+            raise BridgeError(f"{path}: {OUR_KEY}*: {e}") from None
+    elif rope_freqs is None or np.all(rope_freqs == 1):
+        return None
+    else:
+        scaling = RopeScaling(factor=float(rope_freqs.max()), low_freq_factor=1.0,
+                              high_freq_factor=4.0, original_max_position_embeddings=8192)
+    if rope_freqs is None:
+        return scaling
+    expected = llama3_rope_freqs(head_dim, theta, scaling)
+    # rtol: a few float32 ulps (the formula runs in float32; pow may round differently by a ulp)
+    if rope_freqs.shape != expected.shape or \
+            not np.allclose(rope_freqs, expected, rtol=1e-6, atol=0):
+        which = (f"its {OUR_KEY}* keys describe" if ours else
+                 "of LLaMA 3.1 / 3.2 (low 1, high 4, original context 8192)")
+        raise BridgeError(f"{path}: tensor {ROPE_FREQS!r} is not the llama3 rope scaling "
+                          f"{which}; its rope scaling cannot be recovered")
+    return scaling

@@ -1,0 +1,141 @@
+"""Every command takes a .gguf path as it takes any checkpoint, with the file's own tokenizer, chat
+template, stop tokens and BOS rule: inspect, parity, both generate commands, eval, zero-shot,
+finetune / sft / train --init.
+
+The model is small and random (dim 64, two layers) so that each command costs seconds; its
+vocabulary, chat template and GGUF keys are SmolLM2-135M-Instruct's (the `smollm2` fixture: BPE
+pre-tokenizer `smollm`, ChatML, `add_bos_token` false), written by our GGUF writer - so the tests
+also check that a real vocabulary survives GGUF -> native -> GGUF key for key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import jax_llama
+from bridge.chat import TEMPLATE_FILE, find_template
+from bridge.convert import convert
+from bridge.prompts import encode_prompts
+from bridge.tokenizer import find_tokenizer, load_tokenizer
+from conftest import small_config
+from llama_twins import bridge_cli, jax_cli, torch_cli
+
+VOCAB_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
+              "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",
+              "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token",
+              "tokenizer.chat_template")
+
+
+def keys(path: Path) -> dict:
+    reader = gguf.GGUFReader(path)
+    return {k: reader.fields[k].contents() for k in VOCAB_KEYS if k in reader.fields}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2) -> Path:
+    """tiny.gguf: random weights, SmolLM2's vocabulary and template (F32 tensors)."""
+    root = tmp_path_factory.mktemp("gguf-commands")
+    config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=49152,
+                          max_seq_len=256, bos_id=1, eos_ids=(2,))
+    jax_llama.save(root / "native", config, jax_llama.init(config, seed=0)[1])
+    tokenizer = load_tokenizer(smollm2)
+    tokenizer.save(root / "native")
+    find_template(smollm2, tokenizer).save(root / "native")
+    return convert(root / "native", root / "tiny.gguf", "gguf", progress=False)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("gguf-commands-data")
+    words = ["good", "bad", "fine", "awful", "great", "dull"]
+    rng = np.random.default_rng(0)
+    lines = [f"{i % 2} ||| {' '.join(rng.choice(words, 5))}" for i in range(24)]
+    (root / "train.txt").write_text("\n".join(lines) + "\n")
+    (root / "dev.txt").write_text("\n".join(lines[:8]) + "\n")
+    (root / "labels.json").write_text('["negative", "positive"]')
+    (root / "text.txt").write_text("the film was good and the cast was fine\n" * 20)
+    chats = [{"messages": [{"role": "user", "content": f"Say {w}."},
+                           {"role": "assistant", "content": w}]} for w in words * 4]
+    (root / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    return root
+
+
+def test_a_real_vocabulary_survives_gguf_native_gguf(tiny, smollm2):
+    assert keys(tiny) == keys(smollm2)
+
+
+def test_inspect_names_the_stored_types_and_the_rebuilt_tokenizer(tiny, capsys):
+    assert bridge_cli.main(["inspect", str(tiny), "--no-scan"]) == 0
+    out = capsys.readouterr().out
+    assert "stored      F32 x" in out and "chat template" in out
+    assert "not rebuilt" not in out
+
+
+def test_prompts_follow_the_files_bos_rule(tiny):
+    tokenizer = find_tokenizer(tiny)
+    (plain,) = encode_prompts(tokenizer, ["the film"], 256)
+    assert plain == tokenizer.encode("the film") and plain[0] != tokenizer.bos_id
+    (chat,) = encode_prompts(tokenizer, ["hi"], 256, chat=find_template(tiny, tokenizer))
+    assert tokenizer.decode(chat).startswith("<|im_start|>system\n")
+
+
+def test_generate_in_both_twins(tiny, capsys):
+    argv = ["generate", str(tiny), "--chat", "--prompt", "hi", "--max-new-tokens", "4"]
+    assert jax_cli.main(argv) == 0
+    jax_text = capsys.readouterr().out
+    assert torch_cli.main(argv + ["--device", "cpu"]) == 0
+    assert capsys.readouterr().out == jax_text
+
+
+def test_eval_scores_without_a_bos(tiny, data, capsys):
+    assert jax_cli.main(["eval", str(tiny), "--data", str(data / "text.txt"), "--seq-len", "64",
+                         "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bos"] is False and report["tokens"] > 0
+
+
+def test_zero_shot(tiny, data, capsys):
+    assert jax_cli.main(["zero-shot", str(tiny), "--data", str(data / "dev.txt"), "--labels",
+                         str(data / "labels.json"), "--out", str(data / "zs.txt")]) == 0
+    assert "zero-shot accuracy" in capsys.readouterr().out
+
+
+def test_finetune_from_a_gguf_keeps_its_tokenizer(tiny, data, tmp_path):
+    out = tmp_path / "ft"
+    assert jax_cli.main(["finetune", "--init", str(tiny), "--train", str(data / "train.txt"),
+                         "--dev", str(data / "dev.txt"), "--labels", str(data / "labels.json"),
+                         "--out", str(out), "--epochs", "1", "--batch-size", "8",
+                         "--max-len", "32"]) == 0
+    saved = load_tokenizer(out / "best")
+    assert not saved.add_bos and saved.encode("good film") == find_tokenizer(tiny).encode("good film")
+
+
+def test_sft_from_a_gguf_uses_its_chat_template(tiny, data, tmp_path, capsys):
+    assert jax_cli.main(["sft", "--init", str(tiny), "--data", str(data / "chats.jsonl"),
+                         "--show-mask", "1", "--out", str(tmp_path / "none")]) == 0
+    shown = capsys.readouterr().out
+    # ChatML has no generation tags: the reply's span is what its turn adds, newline included
+    assert "<|im_start|>assistant\n«good<|im_end|>\n»" in shown
+    out = tmp_path / "sft"
+    assert jax_cli.main(["sft", "--init", str(tiny), "--data", str(data / "chats.jsonl"),
+                         "--steps", "2", "--batch-size", "2", "--seq-len", "64",
+                         "--out", str(out)]) == 0
+    assert (out / "model" / TEMPLATE_FILE).read_text() == find_template(tiny, None).source
+
+
+def test_train_from_a_gguf_frames_documents_without_bos(tiny, data, tmp_path):
+    out = tmp_path / "train"
+    assert jax_cli.main(["train", "--init", str(tiny), "--data", str(data / "text.txt"),
+                         "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                         "--sample-tokens", "0", "--out", str(out)]) == 0
+    assert not load_tokenizer(out / "model").add_bos
+
+
+def test_parity(tiny, capsys):
+    assert bridge_cli.main(["parity", str(tiny), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["path"] == str(tiny)
