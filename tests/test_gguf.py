@@ -18,10 +18,11 @@ from bridge.errors import BridgeError
 from bridge.formats import detect_format, open_checkpoint
 from bridge.formats import gguf_read as gguf_module
 from bridge.formats.gguf import NAMES, OUR_KEY, llama3_rope_freqs
+from bridge.formats.gguf_file import read_gguf
 from bridge.rope import rope_inv_freq
 from bridge.tensors import canonical_shapes
 from bridge.tokenizer import _byte_level_chars, load_tokenizer
-from conftest import SCALING, SHARED, jax_logits, random_tokens, small_config
+from conftest import SCALING, SHARED, jax_logits, random_tokens, small_config, smollm2_path
 from llama_twins import bridge_cli as cli
 
 Q = gguf.GGMLQuantizationType
@@ -266,6 +267,25 @@ def rewrite(src: Path, dst: Path, drop: str = "\0", tensors=None, arch=None, add
 
 # -- tokenizers ----------------------------------------------------------------------------------
 
+def test_our_container_reader_reads_what_gguf_reads(tmp_path, llama2):
+    """bridge.formats.gguf_file against gguf.GGUFReader: every key's value, every tensor's name,
+    type, shape and bytes - on a file of ours with the real LLaMA 2 vocabulary and on SmolLM2
+    (llama.cpp's converter wrote it; where it is installed)."""
+    ours = tokenizer_model(tmp_path, SHARED / "tokenizers/llama2/tokenizer.model", 32000)
+    for path in [ours] + [p for p in [smollm2_path()] if p is not None]:
+        theirs, mine = gguf.GGUFReader(path), read_gguf(path)
+        assert mine.version == theirs.fields["GGUF.version"].contents()
+        assert mine.fields == fields(theirs)
+        assert [(t.name, t.type_id, t.shape, t.n_bytes) for t in mine.tensors] == \
+            [(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape.tolist())),
+              int(t.n_bytes)) for t in theirs.tensors]
+        for t, u in zip(mine.tensors, theirs.tensors):
+            assert t.start == u.data_offset
+        t = mine.tensors[len(mine.tensors) // 2]
+        np.testing.assert_array_equal(mine.raw(t), np.asarray(theirs.tensors[
+            len(mine.tensors) // 2].data).view(np.uint8).reshape(-1))
+
+
 def tokenizer_model(tmp_path, tokenizer_file, vocab_size):
     config = CFG.replace(vocab_size=vocab_size, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=32,
                          n_layers=1, tie_embeddings=True)
@@ -276,9 +296,10 @@ def tokenizer_model(tmp_path, tokenizer_file, vocab_size):
 
 def test_llama3_tokenizer_keys_and_round_trip(tmp_path, llama3):
     gg = tokenizer_model(tmp_path, SHARED / "tokenizers/llama3/tokenizer.model", 128256)
-    # One open: gguf's reader takes about 25 s on a vocabulary of 128k tokens and 280k merges
     ckpt = open_checkpoint(gg)  # its tokenizer files live as long as it does
-    f = fields(ckpt.path)
+    # our container reader (gguf's, the independent one, takes ~10 s on 128k tokens and 280k
+    # merges; test_our_container_reader_reads_what_gguf_reads holds the two equal)
+    f = read_gguf(gg).fields
     assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "llama-bpe"
     tokens = f["tokenizer.ggml.tokens"]
     to_byte = {c: b for b, c in enumerate(_byte_level_chars())}
