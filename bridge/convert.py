@@ -126,6 +126,9 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
         raise BridgeError(f"{dst}: already exists", hint=("force", True, "use {} to replace it"))
     transform = None if prepare is None else prepare(ckpt)
     extra_files = list(ckpt.extra_files)
+    if tokenizer is None:
+        for warning in ckpt.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
     if tokenizer is not None:
         if not Path(tokenizer).is_file():
             raise BridgeError(f"{tokenizer}: no such file", field="tokenizer")

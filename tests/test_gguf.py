@@ -21,7 +21,7 @@ from bridge.formats.gguf import NAMES, OUR_KEY, llama3_rope_freqs
 from bridge.formats.gguf_file import read_gguf
 from bridge.rope import rope_inv_freq
 from bridge.tensors import canonical_shapes
-from bridge.tokenizer import _byte_level_chars, load_tokenizer
+from bridge.tokenizer import ByteTokenizer, _byte_level_chars, load_tokenizer
 from conftest import SCALING, SHARED, jax_logits, random_tokens, small_config, smollm2_path
 from llama_twins import bridge_cli as cli
 
@@ -465,6 +465,32 @@ def test_a_vocabulary_larger_than_the_embedding_is_refused(tmp_path, capsys):
     err = refused(capsys, tmp_path, ["convert", big, tmp_path / "out"], "big.gguf",
                   "tokenizer.ggml.tokens holds 98 tokens", "97 rows")
     assert "Traceback" not in err
+
+
+def test_a_vocabulary_we_cannot_rebuild_converts_the_weights_and_says_so(tmp_path, capsys):
+    gg = convert(save(tmp_path / "src", CFG), tmp_path / "m.gguf", "gguf", progress=False)
+
+    def vocab(w):
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("kimi-k2")  # llama.cpp splits it in code, no table row holds it
+        w.add_token_list([bytes([b]).decode("latin-1") for b in range(97)])
+
+    odd = rewrite(gg, tmp_path / "odd.gguf", add=vocab)
+    capsys.readouterr()
+    code, out, err = run_cli(["convert", odd, tmp_path / "out", "--quiet"], capsys)
+    assert code == 0, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("warning: ") and "odd.gguf: tokenizer not rebuilt" in line
+    assert "'kimi-k2'" in line and "--tokenizer FILE" in line
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json",
+                                                                    "model.safetensors"]
+    # with --tokenizer it travels, and nothing is said
+    tok = save(tmp_path / "bytes", CFG)
+    ByteTokenizer().save(tok)
+    code, out, err = run_cli(["convert", odd, tmp_path / "out2", "--quiet", "--tokenizer",
+                              tok / "tokenizer.json"], capsys)
+    assert code == 0 and err == "", err
+    assert (tmp_path / "out2" / "tokenizer.json").is_file()
 
 
 def test_unknown_tensor_and_scaling_type_are_refused(tmp_path):

@@ -133,3 +133,22 @@ def test_greedy_chat_equals_transformers(tokenizer, prompts, hf, jax_model, torc
                       eos_token_id=list(stops), pad_token_id=2)
     assert out[0, len(prompts[0]):].tolist() == got_jax[0]
     assert tokenizer.decode(got_jax[0]) == "The capital of France is Paris.<|im_end|>"
+
+
+@pytest.mark.slow
+def test_handed_back_to_transformers(smollm2, tokenizer, prompts, tmp_path):
+    """convert --to hf: transformers loads the export, tokenizes as the GGUF's tokenizer does (no
+    BOS, its chat template), stops where llama.cpp stops and answers the first question alike."""
+    from bridge.convert import convert
+
+    out = convert(smollm2, tmp_path / "hf", "hf", progress=False)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    for text in QUESTIONS + ["give it   100", "def f(x):\n    return x**2", "Привет, 你好"]:
+        assert tok(text)["input_ids"] == tokenizer.encode(text), text
+    chat = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}],
+                                   add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert chat == prompts[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert set(model.generation_config.eos_token_id) == set(tokenizer.stop_ids)
+    answer = model.generate(torch.as_tensor([chat]), max_new_tokens=12, do_sample=False)
+    assert tok.decode(answer[0, len(chat):]) == "The capital of France is Paris.<|im_end|>"

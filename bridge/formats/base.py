@@ -50,6 +50,9 @@ class Checkpoint:
     # int8 weight-only quantisation (bridge.quantize): the projections are int8 in `specs`, each
     # with its float32 `<name>_scale`; None for a float checkpoint (every format but native)
     quantization: Quantization | None = None
+    # What a conversion must say about the source before it starts (a GGUF vocabulary that could
+    # not be rebuilt, so that no tokenizer travels): read after `extra_files`
+    warnings: tuple[str, ...] = ()
     # The tensor types as the file names them, with counts, most common first (GGUF: {"Q4_1":
     # 210, "F32": 61, "Q8_0": 1}); None where the stored dtypes say it all
     tensor_types: dict[str, int] | None = None

@@ -106,6 +106,8 @@ class GGUFCheckpoint(Checkpoint):
         files, note = tokenizer_files(self._file.fields, directory, self.path)
         if note:
             self._notes.append(note)
+        if note and not files and "tokenizer.ggml.model" in self._file.fields:
+            self.warnings = (f"{self.path}: {note}",)  # a vocabulary is there, not for us
         template = gguf_chat_template(self._file.fields, self.path)
         if template is not None:  # the chat template travels as transformers saves one
             files.append(directory / CHAT_TEMPLATE_FILE)
