@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import BridgeError
 from ..gguf_pretokenizers import EOG_NAMES, fim_ids, llama_cpp_stop_ids
-from . import LLAMA3_SPECIALS, Tokenizer, _byte_level_chars
+from .kinds import LLAMA3_SPECIALS, Tokenizer, _byte_level_chars
 
 # llama.cpp's token types (gguf.TokenType), the same numbers as SentencePiece's piece types.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -213,7 +213,7 @@ class _Vocab:
     # -- the three rebuilds
 
     def tiktoken(self) -> Tokenizer:
-        from . import Llama3Tokenizer
+        from .kinds import Llama3Tokenizer
 
         to_byte = {c: b for b, c in enumerate(_byte_level_chars())}
         n = len(self.tokens) - len(LLAMA3_SPECIALS)
@@ -227,7 +227,7 @@ class _Vocab:
         (Llama2Tokenizer._user_defined), which a saved tokenizer.model does not keep."""
         from sentencepiece import sentencepiece_model_pb2 as pb
 
-        from . import Llama2Tokenizer
+        from .kinds import Llama2Tokenizer
 
         scores = self._list("tokenizer.ggml.scores", (int, float), [0.0] * len(self.tokens))
         if len(scores) < len(self.tokens):
@@ -269,7 +269,7 @@ class _Vocab:
         from tokenizers import Tokenizer as RustTokenizer
 
         from ..gguf_pretokenizers import split_patterns
-        from . import HFTokenizer
+        from .kinds import HFTokenizer
 
         merges = self._merges()
         tok = RustTokenizer(models.BPE(self.vocab, merges, ignore_merges=pre.ignore_merges,
