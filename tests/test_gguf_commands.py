@@ -76,9 +76,24 @@ def test_inspect_names_the_stored_types_and_the_rebuilt_tokenizer(tiny, capsys):
 
 
 def test_prompts_follow_the_files_bos_rule(tiny):
+    """No BOS where the tokenizer adds none, in each place that encodes text: generate's
+    prompts, a finetune classifier's rows, zero-shot's prompts, eval's documents."""
+    from bridge.classification import encode_texts
+    from bridge.evaluation import Text, tokenize
+    from jax_llama.classify import zero_shot_rows
+
     tokenizer = find_tokenizer(tiny)
-    (plain,) = encode_prompts(tokenizer, ["the film"], 256)
-    assert plain == tokenizer.encode("the film") and plain[0] != tokenizer.bos_id
+    ids = tokenizer.encode("the film")
+    assert ids[0] != tokenizer.bos_id
+    assert encode_prompts(tokenizer, ["the film"], 256) == [ids]
+    assert encode_texts(tokenizer, ["the film"], 64)[0] == [ids + [tokenizer.eos_id]]
+    assert zero_shot_rows(tokenizer, ["the film"], ["good"], "{text}", 64)[0] == [ids]
+    (doc,) = tokenize([Text("t.txt", "t.txt", "the film")], tokenizer)
+    assert doc.ids.tolist() == ids
+    tokenizer.add_bos = True  # the same tokenizer told to add one: each place does
+    assert encode_prompts(tokenizer, ["the film"], 256) == [[tokenizer.bos_id] + ids]
+    assert zero_shot_rows(tokenizer, ["the film"], ["good"], "{text}", 64)[0] == \
+        [[tokenizer.bos_id] + ids]
     (chat,) = encode_prompts(tokenizer, ["hi"], 256, chat=find_template(tiny, tokenizer))
     assert tokenizer.decode(chat).startswith("<|im_start|>system\n")
 
