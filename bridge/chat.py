@@ -31,6 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from .atomic import write_text
 from .errors import BridgeError
 from .formats.base import CHAT_TEMPLATE_FILE
+from .formats.gguf_file import is_gguf
 
 TEMPLATE_FILE = CHAT_TEMPLATE_FILE  # the file name transformers saves a template under
 ROLES = ("system", "user", "assistant")
@@ -240,8 +241,7 @@ def find_template(checkpoint: str | Path | None, tokenizer, choice: str | None =
             raise BridgeError(f"{choice}: neither a built-in template ({', '.join(BUILTIN)}) nor "
                               f"a file", field="chat_template")
         return _read_template(Path(choice))
-    if checkpoint is not None and Path(checkpoint).suffix == ".gguf" and \
-            Path(checkpoint).is_file():
+    if checkpoint is not None and is_gguf(checkpoint):
         found = _gguf_template(Path(checkpoint))
         if found is not None:
             return found

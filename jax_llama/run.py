@@ -36,6 +36,7 @@ from bridge.atomic import write_text
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
+from bridge.formats.gguf_file import is_gguf
 from bridge.lora import LoraConfig
 from bridge.merge import merge_lora as merge_checkpoint
 from bridge.tokenizer import load_tokenizer, train_tokenizer
@@ -114,7 +115,7 @@ def _tokenizer(spec: RunSpec, texts: Callable[[], Iterable[str]], what: str):
         return load_tokenizer(spec.out / "tokenizer")
     if spec.tokenizer:
         return load_tokenizer(spec.tokenizer)
-    if spec.init and (Path(spec.init).suffix == ".gguf" or Path(spec.init).is_dir() and any(
+    if spec.init and (is_gguf(spec.init) or Path(spec.init).is_dir() and any(
             (Path(spec.init) / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))):
         return load_tokenizer(spec.init)  # a GGUF's own vocabulary, or the directory's files
     _say(f"training a {spec.vocab_size}-token byte-level BPE on {what}")

@@ -57,6 +57,16 @@ class GGUFFile:
         return np.memmap(self.path, np.uint8, mode="r", offset=t.start, shape=(t.n_bytes,))
 
 
+def is_gguf(path: str | Path) -> bool:
+    """True for a file that starts with GGUF's magic (whatever its name); False for anything
+    else, a directory or a missing path included."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
 def read_gguf(path: str | Path) -> GGUFFile:
     """Read a GGUF file's metadata and tensor entries; BridgeError naming the file for one that is
     not a little-endian GGUF v2 / v3, is truncated or corrupt."""

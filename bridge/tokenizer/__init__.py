@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import BridgeError
+from ..formats.gguf_file import is_gguf
 from .kinds import (EXPECTED, LLAMA3_PATTERN, LLAMA3_SPECIALS, ByteTokenizer, HFTokenizer,
                     Llama2Tokenizer, Llama3Tokenizer, Tokenizer, _byte_level_chars, _hf_from_file,
                     _split_long_runs, _split_on_specials)
@@ -68,17 +69,12 @@ def _detect(path: Path, data: bytes) -> str:
         raise BridgeError(f"{path}: not a tokenizer file this project reads ({EXPECTED})") from None
 
 
-def _is_gguf(file: Path) -> bool:
-    with open(file, "rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def detect_tokenizer_kind(path: str | Path) -> str:
     """"llama3", "llama2" or "hf", from the contents of a file (or of a directory's
     tokenizer.json / tokenizer.model; for a GGUF file, the kind its vocabulary is rebuilt as);
     BridgeError naming the file for anything else."""
     file = _tokenizer_file(path)
-    if _is_gguf(file):
+    if is_gguf(file):
         return load_tokenizer(file).kind
     return _detect(file, file.read_bytes())
 
@@ -88,7 +84,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     A GGUF file (a model, or a vocabulary-only file) gives its tokenizer.ggml.* vocabulary,
     rebuilt to tokenize as llama.cpp does (bridge.tokenizer.gguf)."""
     file = _tokenizer_file(path)
-    if _is_gguf(file):
+    if is_gguf(file):
         from .gguf import gguf_file_tokenizer
 
         return gguf_file_tokenizer(file)
@@ -110,7 +106,7 @@ def find_tokenizer(checkpoint: str | Path, tokenizer: str | Path | None = None) 
         raise BridgeError(f"{checkpoint}: no such file or directory")
     if tokenizer:
         return load_tokenizer(tokenizer)
-    if path.is_file() and _is_gguf(path):
+    if path.is_file() and is_gguf(path):
         return load_tokenizer(path)
     directory = path if path.is_dir() else path.parent
     for name in ("tokenizer.json", "tokenizer.model"):
