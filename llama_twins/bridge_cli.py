@@ -213,11 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=16,
                    help="greedy tokens each twin generates (default 16; 0 skips the check)")
     p.add_argument("--reference", help="also compare with an independent implementation: "
-                                       "transformers (skipped, with the reason, if not installed)")
+                                       "transformers, or llama.cpp (the checkpoint exported to "
+                                       "GGUF; its logits and greedy tokens) - skipped, with the "
+                                       "reason, if not installed")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
     p.add_argument("--no-reference-f64", dest="reference_f64", action="store_false",
-                   help="skip the float64 run (64 bytes a parameter) and judge by the fixed "
-                        "tolerances of small models, for models too large for it")
+                   help="skip the float64 run (64 bytes a parameter in all, 48 without) and "
+                        "judge by the fixed tolerances of small models, for models too large "
+                        "for it")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 

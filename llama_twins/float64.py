@@ -4,15 +4,17 @@ It shares no model code with either twin. It is written from the canonical (Meta
 Meta's release writes the model: RoPE as multiplication by complex numbers on adjacent pairs, with
 exact float64 frequencies; GQA by repeating K/V heads; an explicit causal and padding mask. Its
 gradients come from jax.grad, its AdamW steps from optax called here (clipping by global norm,
-then adamw decaying the 2-D weights), not from jax_llama.train. Everything runs with 64-bit types
+then adamw decaying the 2-D weights, one tensor at a time), not from jax_llama.train. Everything runs with 64-bit types
 enabled for the duration of the call only (`jax.enable_x64`), so the caller's JAX stays 32-bit.
 
-Memory: the weights, two AdamW moments and the gradients in float64, 32 bytes per parameter, and
-the (B, N, S, S) scores of one block: the report's default 2 x 16 batch is nothing next to that.
+Memory: the weights, two AdamW moments, the gradients and the first step's gradients in float64,
+40 bytes per parameter, and the (B, N, S, S) scores of one block: the report's default 2 x 16
+batch is nothing next to that.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -57,10 +59,11 @@ def truth(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarra
     """The float64 run of `tensors` (canonical names and layout, any float dtype) on `tokens`
     (B, S) with `mask` (B, S; 0 marks left padding) for the forward figures, then one loss and
     gradient on the unmasked batch and `adamw.steps` optimizer steps on it, as the report's
-    training figures do."""
+    training figures do. The optimizer steps one tensor at a time (AdamW is elementwise once the
+    gradients are clipped), so that memory holds the weights, the gradients and two moments
+    (32 bytes a parameter) and the first gradients (8), never a second copy of the model."""
     import jax
     import jax.numpy as jnp
-    import optax
 
     with jax.enable_x64(True):
         weights = {name: jnp.asarray(np.asarray(t, np.float64)) for name, t in tensors.items()}
@@ -68,55 +71,82 @@ def truth(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarra
                                              config.rope_scaling, dtype=np.float64))
         hidden, logits = jax.jit(lambda w, t, m: forward(w, config, inv_freq, t, m))(
             weights, jnp.asarray(tokens), jnp.asarray(mask))
+        hidden, logits = [np.asarray(h) for h in hidden], np.asarray(logits)
 
         inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
         grad_fn = jax.jit(jax.value_and_grad(
             lambda w: loss(w, config, inv_freq, inputs, targets)))
-        optimizer = _optimizer(adamw)
-        update, state, trained = jax.jit(optimizer.update), optimizer.init(weights), weights
+        optimizer = _TensorAdamW(adamw)
+        state = {name: optimizer.init(w) for name, w in weights.items()}
         for i in range(adamw.steps):
-            value, grads = grad_fn(trained)
+            value, grads = grad_fn(weights)
             if i == 0:
-                first_loss, first_grads = float(value), {k: np.asarray(g) for k, g in grads.items()}
-            updates, state = update(grads, state, trained)
-            trained = optax.apply_updates(trained, updates)
-        return Truth(hidden=[np.asarray(h) for h in hidden], logits=np.asarray(logits),
-                     loss=first_loss, grads=first_grads,
-                     trained={k: np.asarray(t) for k, t in trained.items()})
+                first_loss, first_grads = float(value), {k: np.array(g) for k, g in grads.items()}
+            scale = _clip_scale(_global_norm(grads.values()), adamw.grad_clip)
+            for name in list(grads):
+                weights[name], state[name] = optimizer.step(weights[name], state[name],
+                                                            grads.pop(name), scale)
+        return Truth(hidden=hidden, logits=logits, loss=first_loss, grads=first_grads,
+                     trained={k: np.asarray(t) for k, t in weights.items()})
 
 
-def adamw_steps(tensors: dict[str, np.ndarray], grads: Callable[[int], dict[str, np.ndarray]],
-                adamw: AdamW) -> dict[str, np.ndarray]:
-    """The weights after `adamw.steps` float64 steps of the recipe from `tensors` (canonical
-    names), step k taking the gradients grads(k) (canonical names) instead of the model's own:
-    the optimizer alone, for the report's figure that feeds both twins the same gradients."""
+def adamw_steps(start: np.ndarray, grads: Callable[[int], np.ndarray], norms: list[float],
+                adamw: AdamW) -> np.ndarray:
+    """One tensor after `adamw.steps` float64 steps of the recipe from `start`, step k taking the
+    gradient grads(k) (this tensor's part of gradients whose global norm is norms[k]) instead of
+    the model's own: the optimizer alone, for the report's figure that feeds both twins the same
+    gradients. Clipping by global norm is a scale per step, so the tensors run one by one."""
     import jax
     import jax.numpy as jnp
-    import optax
 
     with jax.enable_x64(True):
-        trained = {name: jnp.asarray(np.asarray(t, np.float64)) for name, t in tensors.items()}
-        optimizer = _optimizer(adamw)
-        update, state = jax.jit(optimizer.update), optimizer.init(trained)
+        optimizer = _TensorAdamW(adamw)
+        weight = jnp.asarray(np.asarray(start, np.float64))
+        state = optimizer.init(weight)
         for k in range(adamw.steps):
-            g = {name: jnp.asarray(np.asarray(t, np.float64)) for name, t in grads(k).items()}
-            updates, state = update(g, state, trained)
-            trained = optax.apply_updates(trained, updates)
-        return {name: np.asarray(t) for name, t in trained.items()}
+            weight, state = optimizer.step(weight, state,
+                                           jnp.asarray(np.asarray(grads(k), np.float64)),
+                                           _clip_scale(norms[k], adamw.grad_clip))
+        return np.asarray(weight)
 
 
-def _optimizer(adamw: AdamW):
-    """The recipe as optax: warmup-cosine schedule, clipping by global norm, AdamW decaying the
-    2-D tensors (canonical names, so the embedding and the linear weights)."""
-    import optax
+class _TensorAdamW:
+    """The recipe as optax for one tensor at a time: the warmup-cosine schedule and optax.adamw,
+    decaying the 2-D tensors (the embedding and the linear weights) and not the norm gains;
+    step(weight, state, grad, scale) applies one step to grad * scale (the global clipping)."""
 
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, adamw.lr, adamw.warmup_steps, adamw.steps, end_value=adamw.lr * adamw.end_lr_ratio)
-    return optax.chain(
-        optax.clip_by_global_norm(adamw.grad_clip),
-        optax.adamw(schedule, b1=adamw.b1, b2=adamw.b2, eps=adamw.eps,
-                    weight_decay=adamw.weight_decay,
-                    mask=lambda w: {name: t.ndim == 2 for name, t in w.items()}))
+    def __init__(self, adamw: AdamW):
+        import jax
+        import optax
+
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, adamw.lr, adamw.warmup_steps, adamw.steps,
+            end_value=adamw.lr * adamw.end_lr_ratio)
+        self._optimizers = {decay: optax.adamw(schedule, b1=adamw.b1, b2=adamw.b2, eps=adamw.eps,
+                                               weight_decay=adamw.weight_decay if decay else 0.0)
+                            for decay in (False, True)}
+
+        def step(decay, weight, state, grad, scale):
+            updates, state = self._optimizers[decay].update(grad * scale, state, weight)
+            return optax.apply_updates(weight, updates), state
+        # the weight and its moments are consumed: their buffers hold the new ones
+        self._step = jax.jit(step, static_argnums=0, donate_argnums=(1, 2))
+
+    def init(self, weight):
+        return self._optimizers[weight.ndim == 2].init(weight)
+
+    def step(self, weight, state, grad, scale: float):
+        return self._step(weight.ndim == 2, weight, state, grad, scale)
+
+
+def _global_norm(tensors) -> float:
+    """sqrt of the sum of squares of every entry, float64 (optax.global_norm)."""
+    return math.sqrt(sum(float(np.sum(np.square(np.asarray(t, np.float64)))) for t in tensors))
+
+
+def _clip_scale(norm: float, threshold: float) -> float:
+    """The factor optax.clip_by_global_norm multiplies every gradient by."""
+    return 1.0 if norm < threshold else threshold / norm
 
 
 def rms_norm(x: np.ndarray, eps: float) -> np.ndarray:

@@ -38,7 +38,14 @@ from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
 from bridge.sampling import Sampler
 
-REFERENCES = ("transformers",)
+REFERENCES = ("transformers", "llama.cpp")
+# llama.cpp's logits (--reference llama.cpp) against the float64 answer (JAX's without it),
+# relative to their scale, per report dtype. It is not float32 inside: its KV cache is F16 (11
+# bits of mantissa) and a BF16 file's products take BF16 activations. Measured on SmolLM2-135M
+# (30 layers, logits up to ~36): F32 1.2e-3, BF16 0.12 against JAX's bfloat16 run; the
+# bounds sit ~8x and ~2x above, far below a wrong RoPE or q/k row order (O(1)). See
+# results/parity_memory.md.
+LLAMA_CPP_LOGITS = {"float32": 1e-2, "bfloat16": 0.25}
 ADAMW_STEPS = 10
 # The training figures run the project's own recipe (jax_llama.train.TrainConfig defaults: lr
 # 3e-3, b1 0.9, b2 0.95, weight decay 0.1 on 2-D weights, clipping at 1.0, warmup then cosine)
@@ -192,7 +199,11 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     figure failed, or None}, "reference": None or {"name", "status": "ok" or "skipped",
     "reason"}, "notes": [str], "passed": bool}.
     Bad arguments or a checkpoint the twins do not support raise BridgeError naming the field."""
-    say = progress or (lambda message: None)
+    heard = progress or (lambda message: None)
+
+    def say(message: str) -> None:  # each stage starts with what the last one freed given back
+        _large_buffers_returned()
+        heard(message)
     if dtype not in TOLERANCES:
         raise BridgeError(f"expected one of {', '.join(TOLERANCES)}, got {dtype!r}", field="dtype")
     if reference is not None and reference not in REFERENCES:
@@ -211,17 +222,12 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     if seq_len > config.max_seq_len:
         raise BridgeError(f"{seq_len} exceeds the checkpoint's max_seq_len {config.max_seq_len}",
                           field="seq_len")
-    if reference_f64:
-        _check_float64_fits(ckpt)
+    _check_memory(ckpt, reference_f64, say)
     import jax_llama
     import torch_llama
     from jax_llama.train import TrainConfig
 
     notes = []
-    say(f"loading {path} into both twins ({dtype})")
-    model, params = jax_model if jax_model is not None else jax_llama.load(path, dtype=dtype)
-    tmodel = torch_model if torch_model is not None else torch_llama.load(path, device="cpu",
-                                                                          dtype=dtype)
     tokens, mask = _random_batch(config, batch, seq_len, seed)
     real = mask.astype(bool)
     tc = TrainConfig(steps=ADAMW_STEPS, batch_size=batch, seq_len=seq_len - 1, eps=ADAMW_EPS)
@@ -237,6 +243,11 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     else:
         notes.append("judged by fixed tolerances (no float64 reference): these were measured on "
                      "small models and may fail a correct port of a large or trained one")
+    # loaded after the float64 run, whose peak is the report's largest
+    say(f"loading {path} into both twins ({dtype})")
+    model, params = jax_model if jax_model is not None else jax_llama.load(path, dtype=dtype)
+    tmodel = torch_model if torch_model is not None else torch_llama.load(path, device="cpu",
+                                                                          dtype=dtype)
 
     say("RoPE over the context, and the forward pass: the hidden state after every block, "
         "and the logits")
@@ -291,6 +302,21 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
             first_divergence["transformers vs JAX"] = _forward_checks(
                 checks, "transformers", jax_out, _transformers_forward(path, dtype, tokens, mask),
                 truth_out, real, dtype)
+    elif reference == "llama.cpp":
+        from . import llama_cpp_reference
+
+        ref = {"name": "llama.cpp", "status": "ok", "reason": None}
+        missing = llama_cpp_reference.unavailable()
+        if missing is None:
+            say("the checkpoint exported to GGUF and run by llama.cpp: logits and greedy tokens")
+            try:
+                checks += _llama_cpp_checks(path, dtype, model, params, tokens, real, n_new,
+                                            jax_out[1], truth)
+            except BridgeError as e:
+                missing = e.message
+        if missing is not None:
+            ref.update(status="skipped", reason=missing)
+            notes.append(f"reference llama.cpp: skipped ({missing})")
     culprit = {}
     for compared in first_divergence:
         failed = [c for c in checks if c["compared"] == compared and not c["ok"]]
@@ -448,56 +474,56 @@ def _optimizer_check(model, tmodel, tc, held: dict[str, np.ndarray], grads0: dic
 
     names = list(held)
     start = {n: held[n].astype(np.float32) for n in names}
-    norm = math.sqrt(sum(float(np.sum(np.square(np.asarray(grads0[n], np.float64))))
-                         for n in names))
+    norm = _global_norm(grads0.__getitem__, names)
     factor = (tc.grad_clip or 1.0) / norm if norm > 0 else 0.0
 
-    def step_grads(k: int) -> dict[str, np.ndarray]:  # made when needed: one step's at a time
-        return {n: (np.asarray(grads0[n], np.float64) * ((k + 2) * factor)).astype(np.float32)
-                for n in names}
+    def step_grad(name: str, k: int) -> np.ndarray:  # made when needed: one tensor's at a time
+        return (np.asarray(grads0[name], np.float64) * ((k + 2) * factor)).astype(np.float32)
 
     optimizer = make_optimizer(tc)
+
+    def step(grads, state, trained):
+        updates, state = optimizer.update(grads, state, trained)
+        return optax.apply_updates(trained, updates), state
+    step = jax.jit(step, donate_argnums=(0, 1, 2))
     trained = params_from_tensors(start.__getitem__, model.config, dtype="float32")
-    update, state = jax.jit(optimizer.update), optimizer.init(trained)
+    state = optimizer.init(trained)
     for k in range(tc.steps):
-        updates, state = update(params_from_tensors(step_grads(k).__getitem__, model.config,
-                                                    dtype="float32"), state, trained)
-        trained = optax.apply_updates(trained, updates)
-    fetch = tensor_specs(trained, model.config)[1]
-    jax_trained = {n: np.asarray(fetch(n)) for n in names}
-    del trained, state, updates
+        trained, state = step(params_from_tensors(lambda n, k=k: step_grad(n, k), model.config,
+                                                  dtype="float32"), state, trained)
+    del state
+    jax_trained = tensor_specs(jax.tree.map(np.asarray, trained), model.config)[1]
 
     twin = copy.deepcopy(tmodel).float()  # float32 master weights; the caller's model stays
     twin.load_state_dict({n: torch.from_numpy(start[n]) for n in names})
+    del start
     weights = dict(twin.named_parameters())
     opt = _torch_optimizer(list(weights.values()), tc)
     for k in range(tc.steps):
-        g = step_grads(k)
         for n, p in weights.items():
-            p.grad = torch.from_numpy(g[n])
+            p.grad = torch.from_numpy(step_grad(n, k))
         torch_llama.clip_by_global_norm(list(weights.values()), tc.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    torch_trained = twin.state_dict()
     del opt, weights
+    torch_trained = twin.state_dict()
 
     truth = None
     if reference_f64:
         from .float64 import adamw_steps
-        truth = adamw_steps(start, step_grads, _float64_recipe(tc))
-    # max abs / lr over every tensor, taken tensor by tensor (no whole-model copy)
-    difference, errors = 0.0, {"JAX": 0.0, "torch": 0.0} if truth is not None else None
-    for n in names:
-        ours, theirs = _f64(jax_trained[n]), _f64(torch_trained[n])
-        difference = max(difference, float(np.abs(ours - theirs).max()) / tc.lr)
-        if truth is not None:
-            exact_n = np.asarray(truth[n], np.float64)
-            errors["JAX"] = max(errors["JAX"], float(np.abs(ours - exact_n).max()) / tc.lr)
-            errors["torch"] = max(errors["torch"], float(np.abs(theirs - exact_n).max()) / tc.lr)
-    return _row(f"AdamW on shared gradients, {tc.steps} steps", "torch vs JAX", difference,
-                errors, "float32", "adamw",
-                "max abs / lr; float32 master weights in every dtype, the same gradients in both",
-                max_abs=difference * tc.lr, scale=tc.lr)
+        recipe = _float64_recipe(tc)
+        # the global norm of step k's gradients is (k + 2) x the clipping threshold, so the
+        # float64 optimizer runs one tensor at a time
+        norms = [(k + 2) * factor * norm for k in range(tc.steps)]
+
+        def truth(n):
+            return adamw_steps(held[n], lambda k: step_grad(n, k), norms, recipe)
+    row = _compare_tensors(f"AdamW on shared gradients, {tc.steps} steps", "torch vs JAX", names,
+                           {"JAX": jax_trained, "torch": torch_trained.get}, truth, "float32",
+                           "adamw", scale=tc.lr,
+                           detail="max abs / lr; float32 master weights in every dtype, the same "
+                                  "gradients in both")
+    return row
 
 
 def _torch_optimizer(weights, tc):
@@ -520,23 +546,64 @@ def _float64_recipe(tc):
                  weight_decay=tc.weight_decay, grad_clip=tc.grad_clip)
 
 
-# The float64 run: weights, gradients, two AdamW moments and an update, 40 bytes; its gradients
-# are kept (8) for the optimizer figure, which then runs float32 optimizers (4 for its starting
-# weights, 4 for each twin's result) beside a second float64 optimizer run (40), while the
-# checkpoint as the twins hold it stays read (up to 4): 60, rounded up.
+# What the report holds at its peak, per parameter, measured as peak RSS on SmolLM2-135M
+# (134.5M parameters; scripts/parity_memory.py, results/parity_memory.md): with the float64 run,
+# its first gradients and weights after the AdamW steps (16 bytes) and the checkpoint as the twins
+# hold it (4) stay while each twin trains in turn (its weights, gradients, two moments and a copy
+# of the start, 20 in float32), next to both twins (8); the float64 run itself peaks lower (40).
+# Without it, the twins' training alone. Plus what the runtimes (JAX, torch, XLA's compiled
+# programs) take whatever the model: RUNTIME_BYTES.
 FLOAT64_BYTES_PER_PARAMETER = 64
+BYTES_PER_PARAMETER = 48
+RUNTIME_BYTES = 1 << 30
 
 
-def _check_float64_fits(ckpt) -> None:
-    """Refuse, before it starts, a float64 run that would not fit in the memory available."""
+def parity_memory(path, reference_f64: bool = True) -> int:
+    """The peak memory, in bytes, the report on the checkpoint at `path` needs (an estimate from
+    its parameter count: RUNTIME_BYTES plus (FLOAT64_)BYTES_PER_PARAMETER each)."""
+    return _memory_needed(open_checkpoint(path), reference_f64)[0]
+
+
+def _memory_needed(ckpt, reference_f64: bool) -> tuple[int, int, int]:
+    """(bytes, parameters, bytes per parameter) of the report on `ckpt`."""
     parameters = sum(math.prod(shape) for shape, _ in ckpt.specs.values())
-    need, have = parameters * FLOAT64_BYTES_PER_PARAMETER, _available_memory()
+    per = FLOAT64_BYTES_PER_PARAMETER if reference_f64 else BYTES_PER_PARAMETER
+    return RUNTIME_BYTES + parameters * per, parameters, per
+
+
+def _check_memory(ckpt, reference_f64: bool, say) -> None:
+    """Say what the report needs, and refuse, before anything is loaded, a report that would not
+    fit in the memory available."""
+    need, parameters, per = _memory_needed(ckpt, reference_f64)
+    have = _available_memory()
+    what = (f"about {need / 2**30:.1f} GiB ({parameters:,} parameters x {per} bytes"
+            f"{' with the float64 reference' if reference_f64 else ''}, and "
+            f"{RUNTIME_BYTES / 2**30:.0f} GiB for the runtimes)")
     if have is not None and need > have:
         raise BridgeError(
-            f"{ckpt.path}: the float64 reference needs about {need / 2**30:.1f} GiB "
-            f"({parameters:,} parameters x {FLOAT64_BYTES_PER_PARAMETER} bytes) and "
-            f"{have / 2**30:.1f} GiB are available",
-            hint=("reference_f64", False, "use {} to judge by fixed tolerances instead"))
+            f"{ckpt.path}: the parity report needs {what} and {have / 2**30:.1f} GiB are "
+            f"available", hint=(("reference_f64", False,
+                                 "use {} to judge by fixed tolerances and need less")
+                                if reference_f64 else None))
+    say(f"the report needs {what}"
+        + (f"; {have / 2**30:.1f} GiB are available" if have is not None else ""))
+
+
+def _large_buffers_returned() -> None:
+    """Have glibc's malloc give a freed buffer of 1 MiB or more back to the system at once (and
+    what it already holds free, now): by default it keeps what it served from its heap for
+    reuse, and the report's stages free and allocate whole models of different dtypes, which it
+    would otherwise hold side by side (11.8 GB of peak RSS on SmolLM2 instead of 9.5). A no-op
+    where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _available_memory() -> int | None:
@@ -801,7 +868,9 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
     step of mean next-token cross-entropy on the batch (the same ids, no padding:
     jax_llama.train.loss_fn takes no attention mask), then the parameters after
     tc.steps steps on that batch of jax_llama.train's optimizer and of torch_llama.AdamW with the
-    same hyperparameters and schedule; each against the float64 run of the same (`truth`)."""
+    same hyperparameters and schedule; each against the float64 run of the same (`truth`).
+    Memory: one twin trains at a time, and only its first gradients and its last parameters
+    outlive its run; the figures are reduced tensor by tensor."""
     import jax
     import optax
     import torch
@@ -813,13 +882,23 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
              "mask": np.ones(tokens[:, 1:].shape, np.int32)}
     grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, model, b)))
     optimizer = make_optimizer(tc)
-    update, opt_state, trained = jax.jit(optimizer.update), optimizer.init(params), params
+
+    def step(grads, opt_state, trained):
+        updates, opt_state = optimizer.update(grads, opt_state, trained)
+        return optax.apply_updates(trained, updates), opt_state
+    # the step's inputs are consumed (params, the caller's, is copied first)
+    step = jax.jit(step, donate_argnums=(0, 1, 2))
+    trained = jax.tree.map(lambda x: x.copy(), params)
+    opt_state = optimizer.init(trained)
     for i in range(tc.steps):
         loss, grads = grad_fn(trained, batch)
         if i == 0:
-            jax_loss, jax_grads = float(loss), tensor_specs(grads, model.config)[1]
-        updates, opt_state = update(grads, opt_state, trained)
-        trained = optax.apply_updates(trained, updates)
+            jax_loss = float(loss)
+            jax_grads = jax.tree.map(np.array, grads)
+        trained, opt_state = step(grads, opt_state, trained)
+    del opt_state
+    jax_grads = tensor_specs(jax_grads, model.config)[1]
+    jax_trained = tensor_specs(jax.tree.map(np.asarray, trained), model.config)[1]
 
     twin = copy.deepcopy(tmodel).train()  # the caller's model stays as it was
     weights = list(twin.parameters())
@@ -831,32 +910,122 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
         loss.backward()
         if i == 0:
             torch_loss = float(loss.detach())
-            torch_grads = {name: _f64(p.grad) for name, p in twin.named_parameters()}
+            torch_grads = {name: p.grad.detach().clone() for name, p in twin.named_parameters()}
         torch_llama.clip_by_global_norm(weights, tc.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+    del opt, weights
+    torch_trained = twin.state_dict()
 
     names = list(torch_grads)
-    flat = lambda get: np.concatenate([_f64(get(n)).ravel() for n in names])  # noqa: E731
-    g_jax, g_torch = flat(jax_grads), flat(torch_grads.__getitem__)
-    norms = {"JAX": np.linalg.norm(g_jax), "torch": np.linalg.norm(g_torch)}
-    p_jax, p_torch = flat(tensor_specs(trained, model.config)[1]), flat(twin.state_dict().get)
-    t_loss = t_grads = t_norm = t_trained = None
-    if truth is not None:
-        t_grads = flat(truth.grads.__getitem__)
-        t_loss, t_norm, t_trained = truth.loss, np.linalg.norm(t_grads), flat(truth.trained.get)
-    compared = "torch vs JAX"
+    compared, exact = "torch vs JAX", truth is not None
+    t_loss = truth.loss if exact else None
+    norms = {"JAX": _global_norm(jax_grads, names), "torch": _global_norm(torch_grads.get, names)}
+    t_norm = _global_norm(truth.grads.get, names) if exact else None
+    grads = _compare_tensors("gradients", compared, names, {"JAX": jax_grads,
+                                                             "torch": torch_grads.get},
+                             truth.grads.get if exact else None, dtype, "grad")
+    grads["detail"] = f"relative to the largest; max abs {grads['max_abs']:.2e}"
     return [
         _compare("loss, one step", compared, {"JAX": jax_loss, "torch": torch_loss}, t_loss, dtype,
                  "loss", detail=f"relative; loss {jax_loss:.6f}"),
         _compare("gradient norm", compared, norms, t_norm, dtype, "grad_norm",
                  detail=f"relative; norm {norms['JAX']:.4g}"),
-        _compare("gradients", compared, {"JAX": g_jax, "torch": g_torch}, t_grads, dtype, "grad",
-                 detail=f"relative to the largest; max abs {float(np.abs(g_jax - g_torch).max()):.2e}"),
-        _compare(f"parameters after {tc.steps} AdamW steps", compared,
-                 {"JAX": p_jax, "torch": p_torch}, t_trained, dtype, "adamw", scale=tc.lr,
-                 detail=f"max abs / lr; lr {tc.lr:g}, eps {tc.eps:g}"),
-    ], {name: jax_grads(name) for name in names}
+        grads,
+        _compare_tensors(f"parameters after {tc.steps} AdamW steps", compared, names,
+                         {"JAX": jax_trained, "torch": torch_trained.get},
+                         truth.trained.get if exact else None, dtype, "adamw", scale=tc.lr,
+                         detail=f"max abs / lr; lr {tc.lr:g}, eps {tc.eps:g}"),
+    ], {name: np.asarray(jax_grads(name)) for name in names}
+
+
+def _global_norm(get: Callable[[str], object], names: Sequence[str]) -> float:
+    """sqrt of the sum of squares of the tensors get(name), in float64, one tensor at a time."""
+    return math.sqrt(sum(float(np.sum(np.square(_f64(get(n))))) for n in names))
+
+
+def _compare_tensors(figure: str, compared: str, names: Sequence[str],
+                     values: dict[str, Callable[[str], object]], truth: Callable | None,
+                     dtype: str, kind: str, scale: float | None = None,
+                     detail: str | None = None) -> dict:
+    """_compare over a whole model without a copy of it: values {"JAX": get_a, other: get_b} and
+    truth (None, or get_t) fetch the tensor of a name; the maxima are taken one tensor at a
+    time, each in float64."""
+    (name_a, get_a), (name_b, get_b) = values.items()
+    top = difference = 0.0
+    off, largest = {name_a: 0.0, name_b: 0.0}, None
+    for n in names:
+        a, b = _f64(get_a(n)), _f64(get_b(n))
+        here = float(np.abs(a - b).max())
+        if here > difference:
+            difference, largest = here, n
+        if truth is None:
+            top = max(top, float(np.abs(a).max()))
+            continue
+        t = np.asarray(truth(n), np.float64)
+        top = max(top, float(np.abs(t).max()))
+        off = {name_a: max(off[name_a], float(np.abs(a - t).max())),
+               name_b: max(off[name_b], float(np.abs(b - t).max()))}
+    scale = top if scale is None else scale
+
+    def relative(x):
+        return x / scale if scale > 0 else (0.0 if x == 0 else float("inf"))
+    errors = None if truth is None else {k: relative(v) for k, v in off.items()}
+    detail = f"max abs {difference:.2e}" if detail is None else detail
+    return _row(figure, compared, relative(difference), errors, dtype, kind,
+                detail + (f"; largest in {largest}" if largest else ""), max_abs=difference,
+                scale=scale)
+
+
+def _llama_cpp_checks(path, dtype: str, model, params, tokens, real, n_new: int, jax_logits,
+                      truth) -> list[dict]:
+    """llama.cpp (llama_twins.llama_cpp_reference) on each row's real tokens: its logits against
+    the float64 answer (or JAX's) within LLAMA_CPP_LOGITS[dtype], and its greedy continuation
+    against JAX's, a first difference passing only at a near-tie of JAX's own logits."""
+    from . import llama_cpp_reference
+
+    prompts = [row[keep].tolist() for row, keep in zip(tokens, real)]
+    theirs, greedy = llama_cpp_reference.run(path, dtype, prompts, n_new)
+    ours = jax_logits[real]
+    exact = truth.logits[real] if truth is not None else ours
+    theirs = np.concatenate(theirs).astype(np.float64)
+    scale = float(np.abs(exact).max())
+    bound = LLAMA_CPP_LOGITS[dtype]
+    off = float(np.abs(theirs - exact).max()) / scale
+    errors = None if truth is None else {"JAX": float(np.abs(ours - exact).max()) / scale,
+                                         "llama.cpp": off}
+    against = "float64" if truth is not None else "JAX"
+    logits = dict(_check("logits", "llama.cpp vs JAX", float(np.abs(theirs - ours).max()) / scale,
+                         bound, off <= bound,
+                         detail=f"llama.cpp's own bound ({dtype_name(dtype)} GGUF, F16 KV "
+                                f"cache), on its error against {against}: {off:.2e}",
+                         culprit=None if off <= bound else
+                         "llama.cpp" if truth is not None else "llama.cpp or JAX"),
+                  kind="llama.cpp", errors=errors, margin=bound / off if off > 0 else None)
+    rows = [logits]
+    if n_new > 0:
+        import jax_llama  # noqa: F401  (the JAX twin's greedy run, as in the twins' check)
+        from jax_llama.generate import generate as jax_generate
+
+        mine = jax_generate(model, params, prompts, n_new, Sampler(), ()).tokens
+        allowed, notes, ok, firsts = NEAR_TIE * bound * scale, [], True, []
+        for i, (prompt, a, b) in enumerate(zip(prompts, mine, greedy)):
+            k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if k is None:
+                continue
+            firsts.append(k)
+            prefix = np.asarray([prompt + list(a[:k])], np.int32)
+            last = _f64(model.apply({"params": params}, prefix))[0, -1, [a[k], b[k]]]
+            gap = abs(last[0] - last[1])
+            ok = ok and gap <= allowed
+            notes.append(f"row {i} at token {k}: JAX {a[k]} vs llama.cpp {b[k]}, JAX's logit gap "
+                         f"{gap:.2e}")
+        detail = ("; ".join(notes) + f" (a near-tie if the gap <= {allowed:.1e})" if notes
+                  else f"all {len(prompts)} rows agree on {n_new} tokens")
+        rows.append(_check("greedy tokens, first difference", "llama.cpp vs JAX",
+                           min(firsts) if firsts else None, "near-tie", ok=ok, detail=detail,
+                           culprit=None if ok else "llama.cpp"))
+    return rows
 
 
 # -- output ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from llama_twins import bridge_cli
 from llama_twins import parity
 from bridge.convert import convert
 from bridge.errors import BridgeError
+from bridge.formats import open_checkpoint
 from bridge.formats.hf import config_to_hf
 from conftest import save_random_checkpoint, small_config
 
@@ -203,15 +204,57 @@ def test_an_int8_checkpoint_is_refused_in_one_line(checkpoint, tmp_path, capsys)
     assert err.count("\n") == 1
 
 
-def test_a_float64_run_that_does_not_fit_is_refused_before_it_starts(checkpoint, monkeypatch,
-                                                                    capsys):
-    """A model whose float64 copy exceeds the memory available: one line naming the checkpoint
-    and the way out, exit 2, nothing run."""
+def test_a_report_that_does_not_fit_is_refused_before_it_starts(checkpoint, monkeypatch,
+                                                                capsys):
+    """A model whose report exceeds the memory available: one line with the figure, naming the
+    checkpoint and the way out, exit 2, nothing loaded; without the float64 run the figure is
+    smaller and there is no way out to offer."""
     monkeypatch.setattr(parity, "_available_memory", lambda: 1 << 20)  # 1 MiB
     assert bridge_cli.main(["parity", str(checkpoint)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {checkpoint}: the float64 reference needs about ")
+    assert err.startswith(f"error: {checkpoint}: the parity report needs about ")
+    assert " x 64 bytes with the float64 reference, and 1 GiB for the runtimes)" in err
     assert err.rstrip().endswith("GiB are available (use --no-reference-f64 to judge by fixed "
-                                 "tolerances instead)") and err.count("\n") == 1
+                                 "tolerances and need less)") and err.count("\n") == 1
     with pytest.raises(BridgeError, match=r"use reference_f64=False to judge by fixed"):
         parity.parity_report(checkpoint)
+    assert bridge_cli.main(["parity", str(checkpoint), "--no-reference-f64"]) == 2
+    err = capsys.readouterr().err
+    assert " x 48 bytes, and 1 GiB" in err and "(use" not in err and err.count("\n") == 1
+
+
+def test_the_memory_needed_is_stated_first(checkpoint, capsys):
+    """The first line of a report's progress is the memory it needs, from the parameter count,
+    next to what is available."""
+    heard = []
+    report = parity.parity_report(checkpoint, new_tokens=0, progress=heard.append)
+    parameters = sum(int(np.prod(s)) for s, _ in open_checkpoint(checkpoint).specs.values())
+    need = parity.parity_memory(checkpoint)
+    assert need == parity.RUNTIME_BYTES + 64 * parameters
+    assert heard[0].startswith(f"the report needs about {need / 2**30:.1f} GiB "
+                               f"({parameters:,} parameters x 64 bytes")
+    assert "GiB are available" in heard[0] and report["passed"]
+
+
+def test_llama_cpp_reference_is_skipped_with_the_reason(checkpoint, monkeypatch):
+    """--reference llama.cpp without llama-cpp-python, or on a checkpoint without a tokenizer
+    (llama.cpp loads no model without one): the twins' figures stand, the reference is marked
+    skipped with the reason, in the report and its notes."""
+    from llama_twins import llama_cpp_reference
+
+    monkeypatch.setattr(llama_cpp_reference, "unavailable",
+                        lambda: "llama-cpp-python is not importable: No module named 'llama_cpp'")
+    report = parity.parity_report(checkpoint, new_tokens=0, reference="llama.cpp",
+                                  reference_f64=False)
+    assert report["reference"] == {"name": "llama.cpp", "status": "skipped",
+                                   "reason": "llama-cpp-python is not importable: No module "
+                                             "named 'llama_cpp'"}
+    assert report["passed"] and not any(c["compared"] == "llama.cpp vs JAX"
+                                        for c in report["checks"])
+    monkeypatch.setattr(llama_cpp_reference, "unavailable", lambda: None)
+    report = parity.parity_report(checkpoint, new_tokens=0, reference="llama.cpp",
+                                  reference_f64=False)
+    assert report["reference"]["status"] == "skipped"
+    assert report["reference"]["reason"] == (f"{checkpoint}: no tokenizer beside the weights, "
+                                             f"and llama.cpp loads no model without one")
+    assert "reference llama.cpp: skipped" in " ".join(report["notes"])
