@@ -27,6 +27,34 @@ HEAD_TENSORS = ("classifier.weight", "classifier.bias")
 _INTEGER = re.compile(r"[+-]?\d+")
 # Zero-shot prompting: the text, then the words a label word should continue.
 DEFAULT_TEMPLATE = "{text} Overall, it was"
+# ... and through a chat template: the user's turn asks, the assistant's turn begins with the
+# label word ({labels}: the label words, "a, b or c").
+DEFAULT_CHAT_QUESTION = ("{text}\n\nHow is the sentiment of this review: {labels}? Answer with "
+                         "one word.")
+
+
+# What `jax-llama finetune` does by default. From scratch: a small backbone learns the task and
+# the language at once, at a high learning rate. From a pretrained backbone (--init): a lower
+# rate keeps what it knows, fewer epochs suffice, and only the top blocks train - the lower ones
+# hold general features (and their backward pass, most of a step's cost, is skipped). See the
+# README's "Fine-tuning a pretrained model" for the runs behind these values.
+# train_layers "third": the top third of the backbone's blocks (10 of SmolLM2's 30).
+FROM_SCRATCH = {"epochs": 5, "batch_size": 32, "lr": 1e-3, "dropout": 0.3, "train_layers": None}
+PRETRAINED = {"epochs": 3, "batch_size": 16, "lr": 1e-4, "dropout": 0.1, "train_layers": "third"}
+PRETRAINED_LORA = {**PRETRAINED, "lr": 1e-3}
+
+
+def resolve_train_layers(value: int | str | None, n_layers: int) -> int | None:
+    """A recipe's train_layers for a backbone of n_layers blocks: None (all) for 'all' or None,
+    the top third (at least one) for 'third', else the count itself."""
+    if value in (None, "all"):
+        return None
+    if value == "third":
+        return max(1, round(n_layers / 3))
+    if value > n_layers:
+        raise BridgeError(f"{value} exceeds the backbone's {n_layers} blocks",
+                          field="train_layers")
+    return value
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ similar length, so there are few compilations and little padding. The backbone c
 checkpoint the bridge reads, or is initialised at random with a BPE trained on the training texts.
 
 Zero-shot scores each label word as a continuation of a prompt: the summed log-probability of all
-of the word's tokens, every (text, label) pair a row of one padded batch.
+of the word's tokens. Each text is one row, run once; a label of several tokens adds a row per
+text for its later tokens (see continuation_logprobs).
 
 The classifier directory (bridge.classification) is a native checkpoint plus the head, so the
 torch twin loads it too (torch_llama.load_classifier).
@@ -29,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from bridge.classification import (DEFAULT_TEMPLATE, Dataset, accuracy, encode_texts, read_head,
+from bridge.chat import ChatTemplate
+from bridge.classification import (DEFAULT_TEMPLATE, FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA,
+                                   Dataset, accuracy, encode_texts, read_head,
                                    truncate_left, write_head, write_predictions)
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
@@ -171,12 +174,20 @@ class FinetuneConfig:
     dropout: float = 0.3          # on the pooled hidden state, before the head
     max_len: int = 512            # tokens per text, BOS included; longer texts lose their start
     seed: int = 0
+    # the top blocks that train (with the final norm and the head; LoRA: the adapters in them);
+    # None: every block and the embedding table. The blocks below get no gradient, so their
+    # backward pass is never computed.
+    train_layers: int | None = None
 
     def __post_init__(self):
         for name in ("epochs", "batch_size", "grad_accum", "max_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise BridgeError(f"must be a positive integer (got {value!r})", field=name)
+        if self.train_layers is not None and (not isinstance(self.train_layers, int)
+                                              or self.train_layers < 1):
+            raise BridgeError(f"must be a positive integer (got {self.train_layers!r})",
+                              field="train_layers")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise BridgeError(f"must be positive (got {self.lr})", field="lr")
         if not 0 <= self.warmup < 1:
@@ -191,6 +202,48 @@ class FinetuneConfig:
                            lr=self.lr, warmup_steps=int(self.warmup * updates), b2=0.98,
                            weight_decay=self.weight_decay, grad_clip=self.grad_clip,
                            grad_accum=self.grad_accum, seed=self.seed)
+
+
+def recipe(pretrained: bool, lora: bool, **given) -> dict:
+    """The defaults for a run (FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA) with `given` (the
+    settings passed, None for those not) over them."""
+    base = FROM_SCRATCH if not pretrained else PRETRAINED_LORA if lora else PRETRAINED
+    return {**base, **{k: v for k, v in given.items() if v is not None}}
+
+
+def trainable_layers(model: LlamaClassifier, train_layers: int | None):
+    """The `trainable` labelling (params -> True/False tree, see jax_llama.train.make_optimizer)
+    of a run: LoRA's (jax_llama.lora.trainable_for) when the model has adapters, every leaf
+    otherwise; with train_layers, only within the top `train_layers` blocks, the final norm and
+    the head. None when everything trains."""
+    lora = model.lora
+    if train_layers is None:
+        return None if lora is None else trainable_for(lora)
+    n = model.config.n_layers
+    if train_layers > n:
+        raise BridgeError(f"{train_layers} exceeds the backbone's {n} blocks", field="train_layers")
+    if model.scan_layers:
+        raise BridgeError("needs one parameter set per block (not scan_layers)",
+                          field="train_layers")
+    base = None if lora is None else trainable_for(lora)
+    low = n - train_layers
+
+    def top(path) -> bool:
+        if path[0] == "classifier":
+            return True
+        block = next((k for k in path if k.startswith("layers_")), None)
+        if block is None:  # the final norm trains, the embedding table not
+            return "norm" in path
+        return int(block.split("_")[1]) >= low
+
+    def label(params):
+        from flax import traverse_util
+
+        inside = traverse_util.path_aware_map(lambda path, _: top(path), params)
+        if base is None:
+            return inside
+        return jax.tree.map(lambda a, b: a and b, inside, base(params))
+    return label
 
 
 def classifier_loss(model: LlamaClassifier) -> Loss:
@@ -238,8 +291,9 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
                  f"from the left")
     per_epoch = math.ceil(len(train_rows) / fc.batch_size)
     tc = fc.train_config(per_epoch * fc.epochs)
-    # LoRA: the adapters and the head only (and the embedding table, when it trains)
-    labels = None if clf.model.lora is None else trainable_for(clf.model.lora)
+    # LoRA: the adapters and the head only (and the embedding table, when it trains); with
+    # train_layers, of the top blocks only
+    labels = trainable_layers(clf.model, fc.train_layers)
     optimizer = make_optimizer(tc, labels)
     state = init_state(clf.params, optimizer)
     step = jit_train_step(classifier_loss(clf.model), optimizer, tc, state, trainable=labels)
@@ -299,19 +353,27 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
 
 # ----------------------------------------------------------------------------- zero-shot
 
-def fill_template(template: str, text: str) -> str:
+def fill_template(template: str, text: str, labels: list[str] | None = None) -> str:
+    """The template with {text} replaced by the text and {labels}, if there, by the label words
+    ("a, b or c")."""
     if "{text}" not in template:
         raise BridgeError(f"must contain {{text}} (got {template!r})", field="template")
+    if labels is not None and "{labels}" in template:
+        words = ", ".join(labels[:-1]) + " or " + labels[-1] if len(labels) > 1 else labels[0]
+        template = template.replace("{labels}", words)
     return template.replace("{text}", text)
 
 
 def zero_shot_rows(tokenizer: Tokenizer, texts: list[str], labels: list[str], template: str,
-                   max_len: int) -> tuple[list[list[int]], list[list[int]], int]:
-    """(prompt ids per text, continuation ids per label, prompts cut from the left). A label is
-    continued after a space unless the prompt already ends in whitespace. Prompt and label are
-    tokenized apart, so a BPE merge across their boundary is never taken: the label's tokens are
-    the same after every prompt."""
-    space = "" if template.endswith((" ", "\n", "\t")) else " "
+                   max_len: int, chat: ChatTemplate | None = None
+                   ) -> tuple[list[list[int]], list[list[int]], int]:
+    """(prompt ids per text, continuation ids per label, prompts cut). A label is continued
+    after a space unless the prompt already ends in whitespace. Prompt and label are tokenized
+    apart, so a BPE merge across their boundary is never taken: the label's tokens are the same
+    after every prompt. With `chat`, the filled template is the user's turn, rendered up to the
+    assistant's reply, which the label word begins (no space); a prompt too long loses the start
+    of its text. Otherwise a prompt too long is cut from the left (keeping BOS)."""
+    space = "" if chat is not None or template.endswith((" ", "\n", "\t")) else " "
     continuations = [tokenizer.encode(space + label) for label in labels]
     if min(map(len, continuations)) == 0:
         raise BridgeError("labels: a label word encodes to no tokens")
@@ -322,59 +384,118 @@ def zero_shot_rows(tokenizer: Tokenizer, texts: list[str], labels: list[str], te
     bos = tokenizer.add_bos
     prompts, cut = [], 0
     for text in texts:
-        ids, was_cut = truncate_left(tokenizer.encode(fill_template(template, text), bos=bos), room,
-                                     tokenizer.bos_id if bos else None)
+        if chat is None:
+            ids, was_cut = truncate_left(tokenizer.encode(fill_template(template, text, labels),
+                                                          bos=bos), room,
+                                         tokenizer.bos_id if bos else None)
+        else:
+            ids, was_cut = _chat_prompt(chat, tokenizer, template, text, labels, room)
         prompts.append(ids)
         cut += was_cut
     return prompts, continuations, cut
 
 
+def _chat_prompt(chat: ChatTemplate, tokenizer: Tokenizer, template: str, text: str,
+                 labels: list[str], room: int) -> tuple[list[int], bool]:
+    """(ids, cut): the user turn fill_template(template, text, labels) rendered up to the
+    assistant's reply, the text losing tokens from its start until the prompt fits in `room`."""
+    def render(body: str) -> list[int]:
+        return chat.encode([{"role": "user", "content": fill_template(template, body, labels)}],
+                           tokenizer, add_generation_prompt=True)
+    ids = render(text)
+    if len(ids) <= room:
+        return ids, False
+    words = tokenizer.encode(text)
+    keep = len(words) - (len(ids) - room)
+    while keep > 0:
+        ids = render(tokenizer.decode(words[len(words) - keep:]))
+        if len(ids) <= room:
+            return ids, True
+        keep -= max(1, len(ids) - room)
+    raise BridgeError(f"{room} tokens leave no room for the chat template's own tokens",
+                      field="max_len")
+
+
 def continuation_logprobs(model, params, prompts: list[list[int]], continuations: list[list[int]],
                           batch_size: int = 64, progress: bool = False) -> np.ndarray:
-    """(N, C): log p(continuation c | prompt n), summed over all of c's tokens. Every (n, c) pair
-    is a row prompt + continuation; rows of similar length share a padded batch, and a mask
-    picks the continuation's positions."""
-    pairs = [(n, c) for n in range(len(prompts)) for c in range(len(continuations))]
-    lengths = np.array([len(prompts[n]) + len(continuations[c]) for n, c in pairs])
-    cap = int(lengths.max())
-    scores = np.zeros((len(prompts), len(continuations)), np.float64)
-    batches = length_batches(lengths, batch_size, None)
-    for idx in tqdm(batches, desc="zero-shot", unit="batch", disable=None if progress else True,
-                    leave=False):
-        S = bucket(int(lengths[idx].max()), max(cap, 16))
-        tokens, mask = pad_rows([prompts[pairs[i][0]] + continuations[pairs[i][1]] for i in idx],
-                                S, batch_size=batch_size)
-        target = np.zeros_like(mask)  # True where the token is a continuation token
-        for row, i in enumerate(idx):
-            n, c = pairs[i]
-            target[row, len(prompts[n]):len(prompts[n]) + len(continuations[c])] = True
-        row_scores = np.asarray(_continuation_scores(params, tokens, mask, target, model=model))
-        for row, i in enumerate(idx):
-            scores[pairs[i]] = row_scores[row]
+    """(N, C): log p(continuation c | prompt n), summed over all of c's tokens.
+
+    Each prompt is one row, run once: every continuation's first token is scored at the prompt's
+    last position. A continuation of several tokens adds a row prompt + its tokens but the last,
+    scored where those tokens are predicted. Rows of similar length share a padded batch, and
+    only the scored positions go through the vocabulary projection: with single-token label
+    words (the usual case) zero-shot costs one forward pass of each text, whatever the labels."""
+    N, C = len(prompts), len(continuations)
+    scores = np.zeros((N, C), np.float64)
+    firsts = [c[0] for c in continuations]
+    rows = [(prompts[n], [len(prompts[n]) - 1], [firsts]) for n in range(N)]
+    keys = [(n, None) for n in range(N)]
+    scores[:] = _score_rows(model, params, rows, batch_size, progress)[:, 0, :]
+    longer = [c for c in range(C) if len(continuations[c]) > 1]
+    if longer:
+        rows, keys = [], []
+        for n in range(N):
+            for c in longer:
+                p, cont = prompts[n], continuations[c]
+                rows.append((p + cont[:-1], list(range(len(p), len(p) + len(cont) - 1)),
+                             [[t] for t in cont[1:]]))
+                keys.append((n, c))
+        rest = _score_rows(model, params, rows, batch_size, progress)[..., 0]  # (rows, P)
+        for (n, c), row_scores, (_, where, _) in zip(keys, rest, rows):
+            scores[n, c] += float(np.sum(row_scores[:len(where)]))
     return scores
 
 
+def _score_rows(model, params, rows: list[tuple[list[int], list[int], list[list[int]]]],
+                batch_size: int, progress: bool) -> np.ndarray:
+    """rows: (ids, positions, targets per position (K each)). (len(rows), P, K) float64: the
+    log-probability of each target at each position (P the most positions of a row; the rest
+    of a shorter row is filler)."""
+    P = max(len(where) for _, where, _ in rows)
+    K = len(rows[0][2][0])
+    lengths = np.array([len(ids) for ids, _, _ in rows])
+    cap = max(int(lengths.max()), 16)
+    out = np.zeros((len(rows), P, K), np.float64)
+    batches = length_batches(lengths, batch_size, None)
+    for idx in tqdm(batches, desc="zero-shot", unit="batch", disable=None if progress else True,
+                    leave=False):
+        S = bucket(int(lengths[idx].max()), cap)
+        tokens, mask = pad_rows([rows[i][0] for i in idx], S, batch_size=batch_size)
+        where = np.zeros((batch_size, P), np.int32)
+        targets = np.zeros((batch_size, P, K), np.int32)
+        for row, i in enumerate(idx):
+            _, positions, wanted = rows[i]
+            where[row, :len(positions)], targets[row, :len(positions)] = positions, wanted
+        got = np.asarray(_target_logprobs(params, tokens, mask, where, targets, model=model))
+        out[idx] = got[:len(idx)]
+    return out
+
+
 @functools.partial(jax.jit, static_argnames="model")
-def _continuation_scores(params, tokens_BS, mask_BS, target_BS, *, model):
-    """(B,) summed log-probability of each row's tokens where target_BS is True."""
-    logits = model.apply({"params": params}, tokens_BS, attention_mask=mask_BS)
-    logp_BSV = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    token_logp_BS = jnp.take_along_axis(logp_BSV, tokens_BS[:, 1:, None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(target_BS[:, 1:], token_logp_BS, 0.0), axis=-1)
+def _target_logprobs(params, tokens_BS, mask_BS, where_BP, targets_BPK, *, model):
+    """(B, P, K) log-probability of each target token at each of the positions where_BP."""
+    logits_BPV = model.apply({"params": params}, tokens_BS, attention_mask=mask_BS,
+                             head_at=where_BP, method="run").logits
+    logp_BPV = jax.nn.log_softmax(logits_BPV.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp_BPV, targets_BPK, axis=-1)
 
 
 def zero_shot(model, params, tokenizer: Tokenizer, texts: list[str], labels: list[str],
               template: str = DEFAULT_TEMPLATE, max_len: int | None = None,
-              batch_size: int = 64, progress: bool = False, calibrate: bool = False):
+              batch_size: int = 64, progress: bool = False, calibrate: bool = False,
+              chat: ChatTemplate | None = None):
     """(predicted label indices (N,), scores (N, C), prompts truncated).
+
+    chat: ask through this chat template (see zero_shot_rows); the label word begins the reply.
 
     calibrate: subtract each label's score after the template around an empty text, the
     model's prior for the label word in that place (contextual calibration, Zhao et al. 2021);
     without it a small model tends to answer its most frequent label word for every text."""
     max_len = min(max_len or model.config.max_seq_len, model.config.max_seq_len)
-    prompts, continuations, cut = zero_shot_rows(tokenizer, texts, labels, template, max_len)
+    prompts, continuations, cut = zero_shot_rows(tokenizer, texts, labels, template, max_len,
+                                                 chat)
     scores = continuation_logprobs(model, params, prompts, continuations, batch_size, progress)
     if calibrate:
-        empty, _, _ = zero_shot_rows(tokenizer, [""], labels, template, max_len)
+        empty, _, _ = zero_shot_rows(tokenizer, [""], labels, template, max_len, chat)
         scores = scores - continuation_logprobs(model, params, empty, continuations, batch_size)
     return scores.argmax(-1), scores, cut

@@ -363,7 +363,7 @@ class Llama(nn.Module):
 
     @nn.compact
     def run(self, tokens_BS, positions=None, attention_mask=None, segment_ids=None,
-            cache: KVCache | None = None, lm_head: bool = True) -> LlamaOutput:
+            cache: KVCache | None = None, lm_head: bool = True, head_at=None) -> LlamaOutput:
         """tokens (B, S) int -> LlamaOutput(logits (B, S, V) float32, final hidden states
         (B, S, D), the advanced cache when one is given).
 
@@ -375,7 +375,8 @@ class Llama(nn.Module):
         cache: a KVCache; the S tokens then go into its slots [index, index + S), take the
         positions that follow each row's previous tokens, and attend to every earlier valid slot.
         lm_head=False skips the vocabulary projection (logits None): what a classification head
-        reads is the hidden states.
+        reads is the hidden states. head_at (B, P) int: project only these positions of each row,
+        logits (B, P, V) (what scoring a few tokens of long rows needs).
         """
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         check_inputs(tokens_BS, c.vocab_size, positions, attention_mask, segment_ids)
@@ -423,12 +424,15 @@ class Llama(nn.Module):
         if not lm_head:
             return LlamaOutput(logits=None, hidden=h_BSD, cache=cache)
 
-        h_MD = h_BSD.reshape(B * S, c.dim)
+        h_BPD = h_BSD if head_at is None else jnp.take_along_axis(
+            h_BSD, jnp.asarray(head_at)[..., None], axis=1)
+        P = h_BPD.shape[1]
+        h_MD = h_BPD.reshape(B * P, c.dim)
         if c.tie_embeddings:
             logits_MV = embed.attend(h_MD)
         else:
             logits_MV = _dense(self, c.vocab_size, "output")(h_MD)
-        logits_BSV = logits_MV.reshape(B, S, c.vocab_size).astype(jnp.float32)
+        logits_BSV = logits_MV.reshape(B, P, c.vocab_size).astype(jnp.float32)
         return LlamaOutput(logits=logits_BSV, hidden=h_BSD, cache=cache)
 
 

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from bridge.classification import DEFAULT_TEMPLATE
+from bridge.classification import (DEFAULT_CHAT_QUESTION, DEFAULT_TEMPLATE, FROM_SCRATCH,
+                                   PRETRAINED, PRETRAINED_LORA)
 from bridge.config import LlamaConfig, preset
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
@@ -255,16 +256,20 @@ def _report_predictions(args, dataset, predictions, what: str) -> float | None:
 def cmd_finetune(args) -> int:
     import jax
 
-    from bridge.classification import read_labels
+    from bridge.classification import read_labels, resolve_train_layers
     from bridge.tokenizer import find_tokenizer, load_tokenizer, train_tokenizer
     from jax_llama.checkpoint import load
-    from jax_llama.classify import FinetuneConfig, finetune, new_classifier
+    from jax_llama.classify import FinetuneConfig, finetune, new_classifier, recipe
     from jax_llama.train import TrainingDiverged
 
-    fc = FinetuneConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                        grad_accum=args.grad_accum, dropout=args.dropout, max_len=args.max_len,
-                        seed=args.seed)
+    # the recipe: from scratch, or a pretrained backbone's (jax_llama.classify), flags over it
+    chosen = recipe(bool(args.init), args.lora_rank is not None, epochs=args.epochs,
+                    batch_size=args.batch_size, lr=args.lr, dropout=args.dropout,
+                    train_layers=_train_layers(args.train_layers))
+    train_layers = chosen.pop("train_layers")  # resolved once the backbone's depth is known
+    fc = FinetuneConfig(**chosen, warmup=args.warmup, weight_decay=args.weight_decay,
+                        grad_clip=args.grad_clip, grad_accum=args.grad_accum,
+                        max_len=args.max_len, seed=args.seed)
     tracking = _tracking(args)
     tracking.check()  # before anything is read or trained
     out = Path(args.out)
@@ -297,6 +302,7 @@ def cmd_finetune(args) -> int:
             eos_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,),
             max_seq_len=max(base.max_seq_len, fc.max_len))
     max_len = min(fc.max_len, config.max_seq_len)
+    fc = dataclasses.replace(fc, train_layers=resolve_train_layers(train_layers, config.n_layers))
     lora = _lora_config(args)
     clf = new_classifier(config, labels, tokenizer, max_len, fc.dropout, fc.seed, lm_params,
                          attention=args.attention, lora=lora)
@@ -307,8 +313,11 @@ def cmd_finetune(args) -> int:
         what = (f"LoRA rank {lora.rank} on {', '.join(lora.targets)}"
                 f"{', the embedding table' if lora.train_embeddings else ''} and the head: "
                 f"{count(clf.params, trainable_for(lora)(clf.params)):,} of {n_params:,} parameters")
+    if fc.train_layers is not None:
+        what += f", the top {fc.train_layers} of {config.n_layers} blocks training"
     print(f"fine-tuning {what} ({'from ' + args.init if args.init else 'from scratch'}) "
-          f"on {len(train.examples)} examples, {len(dev.examples)} dev, {len(labels)} labels",
+          f"on {len(train.examples)} examples, {len(dev.examples)} dev, {len(labels)} labels; "
+          f"{fc.epochs} epochs, batch {fc.batch_size}, lr {fc.lr:g}, dropout {fc.dropout:g}",
           file=sys.stderr)
     started, cpu = time.time(), time.process_time()
     try:
@@ -345,17 +354,22 @@ def cmd_zero_shot(args) -> int:
     from bridge.classification import read_labels
     from bridge.tokenizer import find_tokenizer
     from jax_llama.checkpoint import load
+    from bridge.chat import find_template
     from jax_llama.classify import fill_template, zero_shot
 
+    if args.template is None:
+        args.template = DEFAULT_TEMPLATE if args.chat is None else DEFAULT_CHAT_QUESTION
     fill_template(args.template, "")  # refuse a template without {text} before loading
     tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
+    chat = (None if args.chat is None else
+            find_template(args.checkpoint, tokenizer, None if args.chat == "own" else args.chat))
     args.label_words = labels = read_labels(args.labels)
     dataset = _read_task(args, args.data, require_labels=False)
     model, params = load(args.checkpoint, dtype="float32", attention=args.attention)
     started = time.time()
     predictions, scores, cut = zero_shot(model, params, tokenizer, dataset.texts, labels,
                                          args.template, args.max_len, args.batch_size, progress=True,
-                                         calibrate=args.calibrate)
+                                         calibrate=args.calibrate, chat=chat)
     _cut_note(args.data, cut, len(dataset.examples), args.max_len or model.config.max_seq_len)
     counts = np.bincount(predictions, minlength=len(labels))
     print("predicted: " + ", ".join(f"{w} {c}" for w, c in zip(labels, counts)) +
@@ -406,6 +420,20 @@ def cmd_bench(args) -> int:
     from .bench import suite
 
     return suite.run_command(args)
+
+
+def _train_layers(text: str | None) -> int | str | None:
+    """--train-layers: a positive count of blocks, or 'all' (None: not given)."""
+    if text is None or text == "all":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise BridgeError(f"expected a positive number of blocks or 'all', got {text!r}",
+                          field="train_layers")
+    return value
 
 
 def _lora_config(args, saved: dict | None = None):
@@ -569,14 +597,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help="from scratch: the backbone's config (default tiny)")
     p.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained from scratch")
     p.add_argument("--out", required=True, help="run directory: best/, metrics.jsonl, dev_predictions.txt")
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--epochs", type=int,
+                   help=f"default {FROM_SCRATCH['epochs']}, from --init {PRETRAINED['epochs']}")
+    p.add_argument("--lr", type=float,
+                   help=f"peak learning rate (default {FROM_SCRATCH['lr']:g}; from --init "
+                        f"{PRETRAINED['lr']:g}, with LoRA {PRETRAINED_LORA['lr']:g})")
+    p.add_argument("--batch-size", type=int,
+                   help=f"default {FROM_SCRATCH['batch_size']}, from --init "
+                        f"{PRETRAINED['batch_size']}")
+    p.add_argument("--train-layers", metavar="N|all",
+                   help=f"train the top N blocks (with the final norm and the head; the rest, "
+                        f"and the embedding table, stay frozen) or all (default all; from --init "
+                        f"the top third)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of updates warming up")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--dropout", type=float, default=0.3, help="before the head (default 0.3)")
+    p.add_argument("--dropout", type=float,
+                   help=f"before the head (default {FROM_SCRATCH['dropout']}, from --init "
+                        f"{PRETRAINED['dropout']})")
     p.add_argument("--max-len", type=int, default=512, help="tokens per text; longer texts lose "
                                                             "their beginning (default 512)")
     p.add_argument("--seed", type=int, default=0)
@@ -591,8 +630,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "template around the text")
     p.add_argument("checkpoint", help="a language model, any format the bridge reads")
     p.add_argument("--data", required=True, help="LABEL ||| TEXT lines (or TEXT lines)")
-    p.add_argument("--template", default=DEFAULT_TEMPLATE,
-                   help=f"prompt around the text, with {{text}} (default {DEFAULT_TEMPLATE!r})")
+    p.add_argument("--template",
+                   help=f"prompt around the text, with {{text}} and optionally {{labels}} (the "
+                        f"label words, 'a, b or c'); default {DEFAULT_TEMPLATE!r}, with --chat "
+                        f"{DEFAULT_CHAT_QUESTION!r}")
+    p.add_argument("--chat", nargs="?", const="own", metavar="TEMPLATE",
+                   help="ask through a chat template: the filled template is the user's turn and "
+                        "the label word begins the reply; the checkpoint's own template, or "
+                        "llama3 / llama2 / a jinja file")
     p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
     p.add_argument("--max-len", type=int, help="tokens per row; prompts lose their beginning")
     p.add_argument("--calibrate", action="store_true",

@@ -16,8 +16,8 @@ import jax_llama
 import torch_llama
 from bridge.classification import read_examples, read_labels, strip_labels, truncate_left
 from bridge.inputs import pad_rows
-from bridge.tokenizer import ByteTokenizer
-from conftest import SHARED, small_config
+from bridge.tokenizer import ByteTokenizer, train_tokenizer
+from conftest import SHARED, save_random_checkpoint, small_config
 from jax_llama import classify
 from llama_twins import jax_cli
 from jax_llama import data
@@ -611,3 +611,104 @@ def test_diverging_finetune_names_the_epoch_and_exits_1(task, tmp_path, capsys):
 def _write(path, text: str):
     path.write_text(text)
     return path
+
+
+def test_single_token_labels_are_scored_from_one_row_per_text(trained_lm):
+    """Labels of one token each: every text is one row, and each label's score is its token's
+    log-probability after the prompt, as one unpadded forward pass gives it."""
+    model, params, tok = trained_lm
+    labels = ["x", "e", "q"]  # a template ending in a space: one byte token each
+    prompts, continuations, _ = classify.zero_shot_rows(tok, ZS_TEXTS, labels, TEMPLATE + " ", 64)
+    assert [len(c) for c in continuations] == [1, 1, 1]
+    scores = classify.continuation_logprobs(model, params, prompts, continuations, batch_size=4)
+    for n, prompt in enumerate(prompts):
+        for c, continuation in enumerate(continuations):
+            # float32 rounding of one log-probability in a padded batch: 1e-5 of ~10 nats
+            np.testing.assert_allclose(scores[n, c],
+                                       manual_token_logprobs(model, params, prompt,
+                                                             continuation)[0], rtol=0, atol=1e-4)
+    assert (scores[:, 1] > scores[:, 0] + 1).all()  # 'e' (of "excellent") is the trained one
+
+
+def test_head_at_projects_only_the_positions_asked(trained_lm):
+    """Llama.run(head_at=...) gives the logits of those positions of each row, the same as the
+    full projection's."""
+    model, params, tok = trained_lm
+    tokens = np.array([tok.encode(TEMPLATE.format(text=t), bos=True)[:12] for t in ZS_TEXTS[:2]],
+                      np.int32)
+    full = np.asarray(model.apply({"params": params}, tokens))
+    where = np.array([[0, 5, 11], [3, 3, 7]], np.int32)
+    some = np.asarray(model.apply({"params": params}, tokens, head_at=where, method="run").logits)
+    assert some.shape == (2, 3, full.shape[-1])
+    np.testing.assert_allclose(some, np.take_along_axis(full, where[..., None], axis=1),
+                               rtol=0, atol=1e-5)  # the same float32 math, another batch shape
+
+
+def test_zero_shot_through_a_chat_template(trained_lm):
+    """--chat: the filled question ({labels} as 'a, b or c') is the user's turn rendered up to
+    the reply, the label words follow without a space; a text too long loses its start."""
+    from bridge.chat import find_template
+
+    _, _, tok = trained_lm
+    chat = find_template(None, tok, "llama2")
+    question = "{text}\nIs it {labels}?"
+    prompts, continuations, cut = classify.zero_shot_rows(tok, ZS_TEXTS[:2], ["bad", "ok", "good"],
+                                                          question, 200, chat)
+    assert cut == 0 and continuations == [tok.encode(w) for w in ("bad", "ok", "good")]
+    filled = f"{ZS_TEXTS[0]}\nIs it bad, ok or good?"
+    assert prompts[0] == chat.encode([{"role": "user", "content": filled}], tok,
+                                     add_generation_prompt=True)
+    long_text = "word " * 100
+    prompts, _, cut = classify.zero_shot_rows(tok, [long_text], ["bad", "good"], question, 120,
+                                              chat)
+    assert cut == 1 and len(prompts[0]) <= 120 - 4
+    assert tok.decode(prompts[0]).rstrip().endswith("Is it bad or good? [/INST]")
+
+
+def test_a_pretrained_backbone_gets_its_own_recipe_and_trains_its_top_blocks(task, capsys):
+    """finetune --init: the PRETRAINED recipe (lr, epochs, batch, dropout; the top third of the
+    blocks), flags over it; the blocks below and the embedding table come out unchanged, the top
+    block, the final norm and the head do not. From scratch keeps FROM_SCRATCH."""
+    from bridge.classification import FROM_SCRATCH, PRETRAINED
+    from jax_llama.classify import recipe
+
+    (task / "train.txt").write_text(synthetic_lines(40, seed=0))
+    config = small_config(n_layers=3, vocab_size=300)
+    save_random_checkpoint(task / "lm", config)
+    tok = train_tokenizer(read_examples(task / "train.txt", 2).texts, 300)
+    tok.save(task / "lm")
+    assert jax_cli.main(finetune_argv(task, "--init", str(task / "lm"), "--epochs", "1",
+                                      "--max-len", "32")) == 0
+    err = capsys.readouterr().err
+    assert (f"the top 1 of 3 blocks training (from {task / 'lm'}) on 40 examples, 1 dev, 2 labels; "
+            f"1 epochs, batch {PRETRAINED['batch_size']}, lr {PRETRAINED['lr']:g}, dropout "
+            f"{PRETRAINED['dropout']:g}") in err
+    before = jax_llama.load(task / "lm")[1]
+    after = jax_llama.load(task / "out" / "best")[1]
+    for block in ("layers_0", "layers_1"):
+        for got, want in zip(jax.tree.leaves(after[block]), jax.tree.leaves(before[block])):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(after["tok_embeddings"]["embedding"]),
+                                  np.asarray(before["tok_embeddings"]["embedding"]))
+    top = lambda p: (p["layers_2"]["feed_forward"]["w2"]["kernel"], p["norm"]["weight"])  # noqa: E731
+    for got, want in zip(top(after), top(before)):
+        assert not np.array_equal(np.asarray(got), np.asarray(want))
+    assert recipe(False, False) == FROM_SCRATCH
+    assert recipe(True, False, lr=3e-5)["lr"] == 3e-5
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "error: --train-layers: expected a positive number of blocks or 'all', got '0'"),
+    ("some", "error: --train-layers: expected a positive number of blocks or 'all', got 'some'"),
+])
+def test_finetune_refuses_a_bad_train_layers(task, capsys, value, message):
+    assert jax_cli.main(finetune_argv(task, "--train-layers", value)) == 2
+    assert one_error_line(capsys) == message
+
+
+def test_train_layers_beyond_the_backbone_is_refused(task, capsys):
+    save_random_checkpoint(task / "lm", small_config(vocab_size=300))
+    tok = train_tokenizer(read_examples(task / "train.txt", 2).texts, 300)
+    tok.save(task / "lm")
+    assert jax_cli.main(finetune_argv(task, "--init", str(task / "lm"), "--train-layers", "5")) == 2
+    assert one_error_line(capsys) == "error: --train-layers: 5 exceeds the backbone's 2 blocks"
