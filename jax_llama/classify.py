@@ -331,11 +331,12 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
             predictions = predict_ids(clf, dev_rows).argmax(-1)
             record = {"epoch": epoch, "train_loss": train_loss,
                       "dev_accuracy": accuracy(predictions, dev.labels),
-                      "seconds": time.time() - started}
+                      "seconds": time.time() - started,
+                      "tokens_per_s": n_tokens / seconds}
             history.append(record)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-            tracker.log(epoch * per_epoch, {**record, "tokens_per_s": n_tokens / seconds})
+            tracker.log(epoch * per_epoch, record)
             if record["dev_accuracy"] > best["dev_accuracy"]:
                 best = record
                 clf.save(out / "best", {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],

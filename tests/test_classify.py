@@ -354,6 +354,15 @@ def test_zero_shot_cli(trained_lm, tmp_path, capsys):
     assert "zero-shot accuracy 1.0000 (6/6)" in captured.out
     assert "predicted: awful 0, excellent 6" in captured.err
     assert (tmp_path / "pred.txt").read_text() == "1\n" * 6
+    # --chat: the same texts asked through the llama2 template (a short question: this LM's
+    # context is 64 bytes); the predictions are the API's on the same rows
+    from bridge.chat import find_template
+    assert jax_cli.main(["zero-shot", str(tmp_path / "lm"), "--data", str(tmp_path / "data.txt"),
+                         "--labels", str(tmp_path / "labels.json"), "--chat", "llama2",
+                         "--template", "{text}?", "--out", str(tmp_path / "chat.txt")]) == 0
+    want, _, _ = classify.zero_shot(model, params, tok, ZS_TEXTS, ["awful", "excellent"],
+                                    "{text}?", chat=find_template(None, tok, "llama2"))
+    assert (tmp_path / "chat.txt").read_text() == "".join(f"{p}\n" for p in want)
 
 
 # -- bad input through the command line -------------------------------------------------------------

@@ -165,7 +165,7 @@ def test_finetune_logs_steps_and_each_epochs_accuracy(tmp_path, capsys):
                          "--batch-size", "8", "--max-len", "32", "--log-to", "tensorboard"]) == 0
     history = metrics(out)  # one line an epoch, as ever
     assert [r["epoch"] for r in history] == [1, 2] and set(history[0]) == {
-        "epoch", "train_loss", "dev_accuracy", "seconds"}
+        "epoch", "train_loss", "dev_accuracy", "seconds", "tokens_per_s"}
     scalars, texts, _ = tensorboard_events(out / "tensorboard")
     per_epoch = 5  # 40 examples in batches of 8; the steps are batches trained
     assert sorted(scalars["train/loss"]) == list(range(1, 2 * per_epoch + 1))
