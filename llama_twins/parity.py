@@ -199,10 +199,17 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     figure failed, or None}, "reference": None or {"name", "status": "ok" or "skipped",
     "reason"}, "notes": [str], "passed": bool}.
     Bad arguments or a checkpoint the twins do not support raise BridgeError naming the field."""
+    with _freed_memory_returned():
+        return _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_model,
+                       jax_model, reference_f64, progress)
+
+
+def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_model, jax_model,
+            reference_f64, progress) -> dict:
     heard = progress or (lambda message: None)
 
     def say(message: str) -> None:  # each stage starts with what the last one freed given back
-        _large_buffers_returned()
+        _give_back()
         heard(message)
     if dtype not in TOLERANCES:
         raise BridgeError(f"expected one of {', '.join(TOLERANCES)}, got {dtype!r}", field="dtype")
@@ -589,21 +596,45 @@ def _check_memory(ckpt, reference_f64: bool, say) -> None:
         + (f"; {have / 2**30:.1f} GiB are available" if have is not None else ""))
 
 
-def _large_buffers_returned() -> None:
-    """Have glibc's malloc give a freed buffer of 1 MiB or more back to the system at once (and
-    what it already holds free, now): by default it keeps what it served from its heap for
-    reuse, and the report's stages free and allocate whole models of different dtypes, which it
-    would otherwise hold side by side (11.8 GB of peak RSS on SmolLM2 instead of 9.5). A no-op
-    where the C library is not glibc."""
+@contextlib.contextmanager
+def _freed_memory_returned():
+    """Within the `with`, glibc's malloc gives a freed buffer of 1 MiB or more back to the
+    system at once (M_MMAP_THRESHOLD), and each stage of the report starts by giving back what
+    it holds free (_give_back): by default it keeps what it served from its heap for reuse, and
+    the report's stages free and allocate whole models in different dtypes, which it would
+    otherwise hold side by side (11.8 GB of peak RSS on SmolLM2 instead of 9.4). Afterwards the
+    threshold is 32 MiB, the most glibc's own adjustment reaches. A no-op where the C library is
+    not glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+
+
+_M_MMAP_THRESHOLD = -3
+
+
+def _glibc():
     import ctypes
     import ctypes.util
 
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        libc.malloc_trim(0)
+        libc.mallopt, libc.malloc_trim  # noqa: B018  (glibc has both)
     except (OSError, AttributeError):
-        pass
+        return None
+    return libc
+
+
+def _give_back() -> None:
+    """malloc_trim(0): what glibc's heap holds free goes back to the system."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _available_memory() -> int | None:

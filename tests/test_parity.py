@@ -176,8 +176,8 @@ def test_without_the_float64_run_fixed_tolerances_judge_and_say_so(checkpoint, c
     (["--seq-len", "65"], "error: --seq-len: 65 exceeds the checkpoint's max_seq_len 64"),
     (["--seq-len", "1"], "error: --seq-len: must be at least 2 (got 1)"),
     (["--new-tokens", "-1"], "error: --new-tokens: must be at least 0 (got -1)"),
-    (["--reference", "llama.cpp"],
-     "error: --reference: expected one of transformers, got 'llama.cpp'"),
+    (["--reference", "pytorch"],
+     "error: --reference: expected one of transformers, llama.cpp, got 'pytorch'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(checkpoint, args, message, capsys):
     assert bridge_cli.main(["parity", str(checkpoint)] + args) == 2
