@@ -1055,7 +1055,8 @@ def _llama_cpp_checks(path, dtype: str, model, params, tokens, real, n_new: int,
                   else f"all {len(prompts)} rows agree on {n_new} tokens")
         rows.append(_check("greedy tokens, first difference", "llama.cpp vs JAX",
                            min(firsts) if firsts else None, "near-tie", ok=ok, detail=detail,
-                           culprit=None if ok else "llama.cpp"))
+                           culprit=None if ok else
+                           "llama.cpp" if truth is not None else "llama.cpp or JAX"))
     return rows
 
 
