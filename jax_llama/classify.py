@@ -7,8 +7,8 @@ similar length, so there are few compilations and little padding. The backbone c
 checkpoint the bridge reads, or is initialised at random with a BPE trained on the training texts.
 
 Zero-shot scores each label word as a continuation of a prompt: the summed log-probability of all
-of the word's tokens. Each text is one row, run once; a label of several tokens adds a row per
-text for its later tokens (see continuation_logprobs).
+of the word's tokens. Each text is run once, into a KV cache that the later tokens of the longer
+label words read (see continuation_logprobs).
 
 The classifier directory (bridge.classification) is a native checkpoint plus the head, so the
 torch twin loads it too (torch_llama.load_classifier).
@@ -45,7 +45,7 @@ from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .data import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
-from .model import LlamaClassifier, init
+from .model import KVCache, LlamaClassifier, init
 from .tracking import Tracker, TrackingSpec
 from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 
@@ -421,64 +421,57 @@ def continuation_logprobs(model, params, prompts: list[list[int]], continuations
                           batch_size: int = 64, progress: bool = False) -> np.ndarray:
     """(N, C): log p(continuation c | prompt n), summed over all of c's tokens.
 
-    Each prompt is one row, run once: every continuation's first token is scored at the prompt's
-    last position. A continuation of several tokens adds a row prompt + its tokens but the last,
-    scored where those tokens are predicted. Rows of similar length share a padded batch, and
-    only the scored positions go through the vocabulary projection: with single-token label
-    words (the usual case) zero-shot costs one forward pass of each text, whatever the labels."""
-    N, C = len(prompts), len(continuations)
-    scores = np.zeros((N, C), np.float64)
-    firsts = [c[0] for c in continuations]
-    rows = [(prompts[n], [len(prompts[n]) - 1], [firsts]) for n in range(N)]
-    keys = [(n, None) for n in range(N)]
-    scores[:] = _score_rows(model, params, rows, batch_size, progress)[:, 0, :]
-    longer = [c for c in range(C) if len(continuations[c]) > 1]
-    if longer:
-        rows, keys = [], []
-        for n in range(N):
-            for c in longer:
-                p, cont = prompts[n], continuations[c]
-                rows.append((p + cont[:-1], list(range(len(p), len(p) + len(cont) - 1)),
-                             [[t] for t in cont[1:]]))
-                keys.append((n, c))
-        rest = _score_rows(model, params, rows, batch_size, progress)[..., 0]  # (rows, P)
-        for (n, c), row_scores, (_, where, _) in zip(keys, rest, rows):
-            scores[n, c] += float(np.sum(row_scores[:len(where)]))
+    Each prompt is run once, left-padded in a batch of similar lengths, into a KV cache: every
+    continuation's first token is scored at the prompt's last position (the only one that goes
+    through the vocabulary projection), and the later tokens of the continuations longer than
+    one token run on that cache, one continuation after another, never the prompt again. With
+    single-token label words zero-shot costs one forward pass of each text, whatever the labels."""
+    lengths = np.array([len(p) for p in prompts])
+    cap = max(int(lengths.max()), 16)
+    conts = tuple(tuple(int(t) for t in c) for c in continuations)
+    scores = np.zeros((len(prompts), len(continuations)), np.float64)
+    for idx in tqdm(length_batches(lengths, batch_size, None), desc="zero-shot", unit="batch",
+                    disable=None if progress else True, leave=False):
+        S = bucket(int(lengths[idx].max()), cap)
+        tokens, mask = pad_rows([prompts[i] for i in idx], S, side="left", batch_size=batch_size)
+        got = np.asarray(_label_logprobs(params, tokens, mask, model=model, continuations=conts))
+        scores[idx] = got[:len(idx)]
     return scores
 
 
-def _score_rows(model, params, rows: list[tuple[list[int], list[int], list[list[int]]]],
-                batch_size: int, progress: bool) -> np.ndarray:
-    """rows: (ids, positions, targets per position (K each)). (len(rows), P, K) float64: the
-    log-probability of each target at each position (P the most positions of a row; the rest
-    of a shorter row is filler)."""
-    P = max(len(where) for _, where, _ in rows)
-    K = len(rows[0][2][0])
-    lengths = np.array([len(ids) for ids, _, _ in rows])
-    cap = max(int(lengths.max()), 16)
-    out = np.zeros((len(rows), P, K), np.float64)
-    batches = length_batches(lengths, batch_size, None)
-    for idx in tqdm(batches, desc="zero-shot", unit="batch", disable=None if progress else True,
-                    leave=False):
-        S = bucket(int(lengths[idx].max()), cap)
-        tokens, mask = pad_rows([rows[i][0] for i in idx], S, batch_size=batch_size)
-        where = np.zeros((batch_size, P), np.int32)
-        targets = np.zeros((batch_size, P, K), np.int32)
-        for row, i in enumerate(idx):
-            _, positions, wanted = rows[i]
-            where[row, :len(positions)], targets[row, :len(positions)] = positions, wanted
-        got = np.asarray(_target_logprobs(params, tokens, mask, where, targets, model=model))
-        out[idx] = got[:len(idx)]
-    return out
+@functools.partial(jax.jit, static_argnames=("model", "continuations"))
+def _label_logprobs(params, tokens_BS, mask_BS, *, model, continuations):
+    """(B, C) summed log-probability of each continuation after each left-padded prompt."""
+    B, S = tokens_BS.shape
+    firsts_C = jnp.asarray([c[0] for c in continuations])
+    longer = [c for c in continuations if len(c) > 1]
+    L = max((len(c) for c in longer), default=1) - 1  # the later tokens of the longest
+    cache = KVCache.create(model.config, B, S + L, model.dtype) if longer else None
+    out = model.apply({"params": params}, tokens_BS, attention_mask=mask_BS, cache=cache,
+                      head_at=jnp.full((B, 1), S - 1), method="run")
+    scores_BC = jax.nn.log_softmax(out.logits[:, 0], axis=-1)[:, firsts_C]
+    if not longer:
+        return scores_BC
+    # each longer continuation: its tokens but the last as inputs on the prompts' cache, scored
+    # on its tokens but the first; padded to L (padding comes after, so nothing real sees it)
+    inputs_ML = np.zeros((len(longer), L), np.int32)
+    targets_ML = np.zeros((len(longer), L), np.int32)
+    real_ML = np.zeros((len(longer), L), bool)
+    for m, c in enumerate(longer):
+        inputs_ML[m, :len(c) - 1], targets_ML[m, :len(c) - 1] = c[:-1], c[1:]
+        real_ML[m, :len(c) - 1] = True
 
-
-@functools.partial(jax.jit, static_argnames="model")
-def _target_logprobs(params, tokens_BS, mask_BS, where_BP, targets_BPK, *, model):
-    """(B, P, K) log-probability of each target token at each of the positions where_BP."""
-    logits_BPV = model.apply({"params": params}, tokens_BS, attention_mask=mask_BS,
-                             head_at=where_BP, method="run").logits
-    logp_BPV = jax.nn.log_softmax(logits_BPV.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp_BPV, targets_BPK, axis=-1)
+    def rest(args):
+        inputs_L, targets_L, real_L = args
+        logits_BLV = model.apply({"params": params}, jnp.broadcast_to(inputs_L, (B, L)),
+                                 cache=out.cache, method="run").logits
+        logp_BL = jnp.take_along_axis(jax.nn.log_softmax(logits_BLV, axis=-1),
+                                      jnp.broadcast_to(targets_L, (B, L))[..., None], axis=-1)[..., 0]
+        return jnp.sum(jnp.where(real_L, logp_BL, 0.0), axis=-1)
+    rest_MB = jax.lax.map(rest, (jnp.asarray(inputs_ML), jnp.asarray(targets_ML),
+                                 jnp.asarray(real_ML)))
+    where = [i for i, c in enumerate(continuations) if len(c) > 1]
+    return scores_BC.at[:, jnp.asarray(where)].add(rest_MB.T)
 
 
 def zero_shot(model, params, tokenizer: Tokenizer, texts: list[str], labels: list[str],
@@ -487,7 +480,9 @@ def zero_shot(model, params, tokenizer: Tokenizer, texts: list[str], labels: lis
               chat: ChatTemplate | None = None):
     """(predicted label indices (N,), scores (N, C), prompts truncated).
 
-    chat: ask through this chat template (see zero_shot_rows); the label word begins the reply.
+    chat: ask through this chat template (see zero_shot_rows); the label word begins the reply,
+    as given or capitalized (a reply starts a sentence): a label's score is the log of the sum
+    of both spellings' probabilities.
 
     calibrate: subtract each label's score after the template around an empty text, the
     model's prior for the label word in that place (contextual calibration, Zhao et al. 2021);
@@ -495,8 +490,25 @@ def zero_shot(model, params, tokenizer: Tokenizer, texts: list[str], labels: lis
     max_len = min(max_len or model.config.max_seq_len, model.config.max_seq_len)
     prompts, continuations, cut = zero_shot_rows(tokenizer, texts, labels, template, max_len,
                                                  chat)
-    scores = continuation_logprobs(model, params, prompts, continuations, batch_size, progress)
+    owners = list(range(len(labels)))  # the label each continuation spells
+    if chat is not None:
+        for i, word in enumerate(labels):
+            capital = word[:1].upper() + word[1:]
+            if capital != word:
+                continuations.append(tokenizer.encode(capital))
+                owners.append(i)
+        if max(map(len, continuations)) + max(map(len, prompts)) > max_len:
+            raise BridgeError(f"{max_len} tokens leave no room for the capitalized label words",
+                              field="max_len")
+
+    def label_scores(rows: list[list[int]], show: bool) -> np.ndarray:
+        raw = continuation_logprobs(model, params, rows, continuations, batch_size, show)
+        out = np.full((len(rows), len(labels)), -np.inf)
+        for column, i in enumerate(owners):
+            out[:, i] = np.logaddexp(out[:, i], raw[:, column])
+        return out
+    scores = label_scores(prompts, progress)
     if calibrate:
         empty, _, _ = zero_shot_rows(tokenizer, [""], labels, template, max_len, chat)
-        scores = scores - continuation_logprobs(model, params, empty, continuations, batch_size)
+        scores = scores - label_scores(empty, False)
     return scores.argmax(-1), scores, cut

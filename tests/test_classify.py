@@ -721,3 +721,20 @@ def test_train_layers_beyond_the_backbone_is_refused(task, capsys):
     tok.save(task / "lm")
     assert jax_cli.main(finetune_argv(task, "--init", str(task / "lm"), "--train-layers", "5")) == 2
     assert one_error_line(capsys) == "error: --train-layers: 5 exceeds the backbone's 2 blocks"
+
+
+def test_a_chat_reply_may_begin_with_the_word_capitalized(trained_lm):
+    """Through a chat template a label's score is log(p(word) + p(Word)) after the prompt: both
+    spellings, as continuation_logprobs scores each."""
+    from bridge.chat import find_template
+
+    model, params, tok = trained_lm
+    chat = find_template(None, tok, "llama2")
+    labels = ["awful", "excellent"]
+    _, scores, _ = classify.zero_shot(model, params, tok, ZS_TEXTS[:2], labels, "{text}?",
+                                      chat=chat)
+    prompts, _, _ = classify.zero_shot_rows(tok, ZS_TEXTS[:2], labels, "{text}?", 64, chat)
+    spellings = [tok.encode(w) for w in ("awful", "excellent", "Awful", "Excellent")]
+    raw = classify.continuation_logprobs(model, params, prompts, spellings)
+    np.testing.assert_allclose(scores, np.logaddexp(raw[:, :2], raw[:, 2:]), rtol=0, atol=1e-6)
+    assert (np.abs(raw[:, 2:] - raw[:, :2]) > 1e-3).all()  # the capitals do count
