@@ -241,20 +241,26 @@ def find_template(checkpoint: str | Path | None, tokenizer, choice: str | None =
             raise BridgeError(f"{choice}: neither a built-in template ({', '.join(BUILTIN)}) nor "
                               f"a file", field="chat_template")
         return _read_template(Path(choice))
+    found = own_template(checkpoint)
+    if found is not None:
+        return found
+    kind = "llama3" if "<|start_header_id|>" in tokenizer.special_tokens else "llama2"
+    return ChatTemplate(BUILTIN[kind], kind)
+
+
+def own_template(checkpoint: str | Path | None) -> ChatTemplate | None:
+    """The checkpoint's own chat template (a directory's chat_template.jinja, else the
+    chat_template of its tokenizer_config.json; a .gguf file's tokenizer.chat_template), or
+    None when it carries none."""
     if checkpoint is not None and is_gguf(checkpoint):
-        found = _gguf_template(Path(checkpoint))
-        if found is not None:
-            return found
-    elif checkpoint is not None and Path(checkpoint).is_dir():
+        return _gguf_template(Path(checkpoint))
+    if checkpoint is not None and Path(checkpoint).is_dir():
         directory = Path(checkpoint)
         if (directory / TEMPLATE_FILE).is_file():
             return _read_template(directory / TEMPLATE_FILE)
         if (directory / "tokenizer_config.json").is_file():
-            found = _config_template(directory / "tokenizer_config.json")
-            if found is not None:
-                return found
-    kind = "llama3" if "<|start_header_id|>" in tokenizer.special_tokens else "llama2"
-    return ChatTemplate(BUILTIN[kind], kind)
+            return _config_template(directory / "tokenizer_config.json")
+    return None
 
 
 # -- examples: ids and the assistant-only mask -----------------------------------------------------

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from bridge.chat import ChatTemplate
+from bridge.chat import ChatTemplate, own_template
 from bridge.classification import (DEFAULT_TEMPLATE, FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA,
                                    Dataset, accuracy, encode_texts, read_head,
                                    truncate_left, write_head, write_predictions)
@@ -69,6 +69,7 @@ class Classifier:
     tokenizer: Tokenizer
     max_len: int                         # tokens per text, BOS and EOS included
     lm_output: np.ndarray | None = None  # the untied LM head's kernel, carried unchanged
+    chat_template: ChatTemplate | None = None  # the backbone's own, carried unchanged
 
     def save(self, path: str | Path, meta: dict | None = None, overwrite: bool = True) -> Path:
         """The classifier directory: native checkpoint of the backbone + head + tokenizer."""
@@ -89,6 +90,8 @@ class Classifier:
 
         with tempfile.TemporaryDirectory() as tok_dir:
             files = self.tokenizer.save(tok_dir)
+            if self.chat_template is not None:  # so that the backbone chats as it did
+                files = [*files, self.chat_template.save(tok_dir)]
             save_native(path, model.config, lm_params, overwrite=overwrite, extra_files=files,
                         write_extra=write_extra)
         return Path(path)
@@ -130,7 +133,8 @@ def load_classifier(path: str | Path, dtype=None, attention: str = "auto") -> Cl
     model = LlamaClassifier(model_lm.config, len(meta["labels"]), float(meta.get("dropout", 0.0)),
                             dtype=dtype, param_dtype=dtype, attention=attention)
     return Classifier(model, {"llama": backbone, "classifier": head}, list(meta["labels"]),
-                      find_tokenizer(str(path), None), int(meta["max_len"]), output)
+                      find_tokenizer(str(path), None), int(meta["max_len"]), output,
+                      own_template(path))
 
 
 def predict_ids(clf: Classifier, rows: list[list[int]], batch_size: int = 64,

@@ -306,6 +306,9 @@ def cmd_finetune(args) -> int:
     lora = _lora_config(args)
     clf = new_classifier(config, labels, tokenizer, max_len, fc.dropout, fc.seed, lm_params,
                          attention=args.attention, lora=lora)
+    if args.init:
+        from bridge.chat import own_template
+        clf.chat_template = own_template(args.init)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(clf.params))
     what = f"{n_params / 1e6:.1f}M parameters"
     if lora is not None:

@@ -686,6 +686,8 @@ def test_a_pretrained_backbone_gets_its_own_recipe_and_trains_its_top_blocks(tas
     save_random_checkpoint(task / "lm", config)
     tok = train_tokenizer(read_examples(task / "train.txt", 2).texts, 300)
     tok.save(task / "lm")
+    (task / "lm" / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}"
+                                                     "{% endfor %}")
     assert jax_cli.main(finetune_argv(task, "--init", str(task / "lm"), "--epochs", "1",
                                       "--max-len", "32")) == 0
     err = capsys.readouterr().err
@@ -702,6 +704,9 @@ def test_a_pretrained_backbone_gets_its_own_recipe_and_trains_its_top_blocks(tas
     top = lambda p: (p["layers_2"]["feed_forward"]["w2"]["kernel"], p["norm"]["weight"])  # noqa: E731
     for got, want in zip(top(after), top(before)):
         assert not np.array_equal(np.asarray(got), np.asarray(want))
+    # the backbone's own chat template (here one beside the LM) goes with the classifier
+    assert (task / "out" / "best" / "chat_template.jinja").read_text() == \
+        (task / "lm" / "chat_template.jinja").read_text()
     assert recipe(False, False) == FROM_SCRATCH
     assert recipe(True, False, lr=3e-5)["lr"] == 3e-5
 
