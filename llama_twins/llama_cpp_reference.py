@@ -53,7 +53,7 @@ def run(path, dtype: str, prompts: Sequence[Sequence[int]], new_tokens: int
     with tempfile.TemporaryDirectory(prefix="llama-bridge-parity-") as tmp:
         gguf = convert(path, Path(tmp) / "model.gguf", to="gguf", dtype=GGUF_DTYPE[dtype],
                        progress=False)
-        with _plain_cpu_kernels(), _quiet():
+        with plain_cpu_kernels(), _quiet():
             llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(longest, 8),
                                   n_batch=max(longest, 8), logits_all=True, verbose=False,
                                   n_threads=os.cpu_count() or 1)
@@ -74,7 +74,7 @@ def run(path, dtype: str, prompts: Sequence[Sequence[int]], new_tokens: int
 
 
 @contextlib.contextmanager
-def _plain_cpu_kernels():
+def plain_cpu_kernels():
     """Load without llama.cpp's extra buffer types (weight repacking): in llama-cpp-python 0.3.36
     the AMX repack segfaults on Sapphire Rapids CPUs in the first decode; the plain CPU kernels
     compute the same products."""

@@ -233,16 +233,10 @@ def test_k_quants_by_llama_cpp(tmp_path, capsys, monkeypatch, k_source, dtype, f
     # Without llama.cpp's extra buffer types (weight repacking): in llama-cpp-python 0.3.36 the
     # AMX repack of quantised weights segfaults on this machine's CPU in its first decode (the
     # real SmolLM2 Q4_1 file too); its plain CPU kernels run them.
-    low = sys.modules["llama_cpp.llama_cpp"]
-    defaults = low.llama_model_default_params
-
-    def no_repacking():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-    monkeypatch.setattr(low, "llama_model_default_params", no_repacking)
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), vocab_only=False, n_ctx=64,
-                          logits_all=True, verbose=False, n_threads=2)
+    from llama_twins.llama_cpp_reference import plain_cpu_kernels
+    with plain_cpu_kernels():
+        llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), vocab_only=False, n_ctx=64,
+                              logits_all=True, verbose=False, n_threads=2)
     ids = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278, 17366, 11203]
     llm.eval(ids)
     theirs = np.array(llm.scores[:len(ids)])
