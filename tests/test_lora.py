@@ -3,8 +3,10 @@ merged weights, training moves only the adapters (optax's partition: no state fo
 it composes with scan, remat, bfloat16 bases, accumulation, resume and the command line."""
 
 import json
+import re
 import subprocess
 import sys
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ def with_random_b(params, seed=1, scale=0.05):
     """B is zero in a fresh adapter; random B makes the adapter do something."""
     key = jax.random.key(seed)
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: (scale * jax.random.normal(jax.random.fold_in(key, hash(str(path)) % 2**31),
+        lambda path, x: (scale * jax.random.normal(jax.random.fold_in(key, zlib.crc32(str(path).encode()) % 2**31),
                                                    x.shape)).astype(x.dtype)
         if "lora_B" in str(path) else x, params)
 
@@ -357,9 +359,15 @@ def test_cli_generate_with_an_adapter_decodes_as_the_torch_twin(tmp_path):
     plain, adapted = run_cli(*args), run_cli(*args, "--adapter", tmp_path / "adapter")
     assert plain.returncode == 0 and adapted.returncode == 0, adapted.stderr[-2000:]
     assert plain.stdout != adapted.stdout  # the adapter is applied
-    both = run_cli(*args, "--adapter", tmp_path / "adapter", "--compare-torch")
+    # several prompts: a random model may stop at its EOS early on one of them (which token wins a
+    # near-tie differs between CPUs), so agreement is asserted on every row and on enough tokens
+    (tmp_path / "prompts.txt").write_text("hello\nthe cat sat\nabc\nzzz\n")
+    both = run_cli("generate", tmp_path / "base", "--prompt-file", tmp_path / "prompts.txt",
+                   "--max-new-tokens", 12, "--adapter", tmp_path / "adapter", "--compare-torch")
     assert both.returncode == 0, both.stdout + both.stderr[-2000:]
-    assert "JAX and torch agree on all 12 greedy tokens" in both.stdout
+    rows = re.findall(r"prompt (\d): JAX and torch agree on all (\d+) greedy tokens", both.stdout)
+    assert len(rows) == 4, both.stdout
+    assert sum(int(n) for _, n in rows) >= 24, both.stdout
 
 
 def test_a_bfloat16_base_is_not_copied_to_float32_whole_on_cpu():
