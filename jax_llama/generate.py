@@ -117,9 +117,11 @@ def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampler"), donate_argnames=("d",))
-def _decode(params, d: Decoding, until, stop_ids, *, model, sampler) -> Decoding:
-    """One cached forward per new token while d.step < until and some row is not done. The state
-    is donated: XLA updates the cache in place."""
+def _decode(params, d: Decoding, until, stop_ids, *, model, sampler):
+    """One cached forward per new token while d.step < until and some row is not done -> (the
+    state, its last tokens (B,), its done flags (B,)). The state is donated: XLA updates the
+    cache in place. The last tokens and flags come back apart from it, so that a streaming caller
+    can read them while the next call, to which the state is donated, already runs."""
 
     def body(d: Decoding) -> Decoding:
         out = model.apply({"params": params}, d.token_B[:, None], cache=d.cache, method="run")
@@ -127,7 +129,8 @@ def _decode(params, d: Decoding, until, stop_ids, *, model, sampler) -> Decoding
         token_B, logprob_B = _pick(out.logits[:, 0], sub, sampler)
         return _emit(d.replace(cache=out.cache, key=key), token_B, logprob_B, stop_ids)
 
-    return jax.lax.while_loop(lambda d: (d.step < until) & ~jnp.all(d.done_B), body, d)
+    d = jax.lax.while_loop(lambda d: (d.step < until) & ~jnp.all(d.done_B), body, d)
+    return d, d.token_B, d.done_B
 
 
 def compilations() -> int:
@@ -163,18 +166,9 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     static = dict(model=model, sampler=sampler)
     d = _prefill(params, tokens, mask, stops, jax.random.key(seed), cache_len=cache_len, **static)
     if on_token is None:
-        d = _decode(params, d, jnp.int32(max_new_tokens), stops, **static)
+        d = _decode(params, d, jnp.int32(max_new_tokens), stops, **static)[0]
     else:
-        reported = np.zeros(len(prompts), bool)  # done before the token being reported
-        for step in range(max_new_tokens):
-            if step:
-                d = _decode(params, d, jnp.int32(step + 1), stops, **static)
-            token_B, done_B = np.asarray(d.token_B), np.asarray(d.done_B)
-            for row in np.flatnonzero(~reported):
-                on_token(int(row), int(token_B[row]))
-            reported = done_B
-            if reported.all():
-                break
+        d = _stream(params, d, max_new_tokens, stops, static, on_token, len(prompts))
     out_tokens, out_logprobs = np.asarray(d.tokens_BN), np.asarray(d.logprobs_BN)
     result = Generation([], [])
     for row in range(len(prompts)):
@@ -184,3 +178,32 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
         result.tokens.append(ids[:n])
         result.logprobs.append(out_logprobs[row, :n].tolist())
     return result
+
+
+def _stream(params, d: Decoding, max_new_tokens: int, stops, static: dict,
+            on_token: Callable[[int, int], None], rows: int) -> Decoding:
+    """Decode one token per _decode call, calling on_token(row, id) for each row not done before
+    it. Token k is read on the host while the call for token k + 1 already runs (JAX dispatches
+    asynchronously), so the host's per-token work - dispatch, the copy, on_token - overlaps the
+    device's. The first token is read before any call: it is reported at once."""
+    reported = np.zeros(rows, bool)  # done before the token being reported
+
+    def report(token_B, done_B) -> bool:
+        nonlocal reported
+        token_B, done_B = np.asarray(token_B), np.asarray(done_B)
+        for row in np.flatnonzero(~reported):
+            on_token(int(row), int(token_B[row]))
+        reported = done_B
+        return bool(reported.all())
+
+    if report(d.token_B, d.done_B) or max_new_tokens == 1:
+        return d
+    d, token_B, done_B = _decode(params, d, jnp.int32(2), stops, **static)
+    for step in range(2, max_new_tokens + 1):
+        # the next token's call goes first; where this one ends the generation it is a no-op
+        ahead = _decode(params, d, jnp.int32(step + 1), stops, **static) if step < max_new_tokens else None
+        if report(token_B, done_B) or ahead is None:
+            return d if ahead is None else ahead[0]
+        d, token_B, done_B = ahead
+    return d
+

@@ -609,9 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"default {FROM_SCRATCH['batch_size']}, from --init "
                         f"{PRETRAINED['batch_size']}")
     p.add_argument("--train-layers", metavar="N|all",
-                   help=f"train the top N blocks (with the final norm and the head; the rest, "
-                        f"and the embedding table, stay frozen) or all (default all; from --init "
-                        f"the top third)")
+                   help="train the top N blocks (with the final norm and the head; the rest, "
+                        "and the embedding table, stay frozen) or all (default all; from --init "
+                        "the top third)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of updates warming up")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -707,7 +707,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-main = command_main(build_parser)
+_main = command_main(build_parser)
+# Commands that measure compilation themselves (their workers are fresh processes anyway).
+_UNCACHED = ("bench",)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`jax-llama`: every command but bench with JAX's persistent compilation cache on
+    (jax_llama.perf.use_compile_cache: JAX_LLAMA_COMPILE_CACHE=off turns it off)."""
+    words = sys.argv[1:] if argv is None else argv
+    if words and words[0] not in _UNCACHED and not words[0].startswith("-"):
+        from jax_llama.perf import use_compile_cache
+        use_compile_cache()
+    return _main(argv)
 
 
 if __name__ == "__main__":

@@ -248,3 +248,29 @@ def test_lora_section_on_the_tiny_config(monkeypatch, tmp_path):
     assert (tmp_path / "lora_bench.md").read_text() == text
     assert_well_formed(text)
     assert len(tables(text)) == 2 and "target 8 GB: met" in text
+
+
+def test_decode_rows_of_batch_1_only_and_the_ratios_against_llama_cpp():
+    """Rows measured at batch 1 only (llama.cpp, JAX streamed) sit beside rows at 1 and 8; the
+    llama.cpp rows are held to their own files' bytes; each ratio is judged against its target."""
+    from llama_twins.bench.common import Spec
+    from llama_twins.bench.decode import STREAMED, against_llama_cpp, summarize
+
+    both = {"1/1": [0.05], "1/128": [2.05], "8/1": [0.1], "8/128": [5.1]}  # 63.5 tokens/s at 1
+    rows = {"jax-llama": both, "torch_llama": both, "transformers": both, "jax-llama int8": both,
+            STREAMED: {"1/1": [0.05], "1/128": [2.3]},                        # 0.89x the loop
+            "llama.cpp F32": {"1/1": [0.04], "1/128": [1.64]},                # 79.4 tokens/s
+            "llama.cpp Q8_0": {"1/1": [0.02], "1/128": [1.02]}}               # 127 tokens/s
+    result = summarize(rows, Spec(), 40e9, {"llama.cpp F32": 540_000_000, "llama.cpp Q8_0": 1})
+    assert set(result["rows"]["llama.cpp F32"]) == {"1"}
+    assert result["rows"]["llama.cpp F32"]["1"]["bound_tokens_per_s"] == pytest.approx(40e9 / 540e6)
+    lines = against_llama_cpp(result)
+    assert lines[2].startswith("| jax-llama | 63.5 | llama.cpp F32 | 79.4 | 0.80x | 0.8x: met")
+    assert lines[3].startswith("| jax-llama int8 | 63.5 | llama.cpp Q8_0 | 127.0 | 0.50x | "
+                               "0.6x: not met")
+    assert lines[4].startswith(f"| {STREAMED} | 56.4 | jax-llama | 63.5 | 0.89x | 0.9x: not met")
+
+
+def test_gguf_file_type_as_llama_cpp_names_it(smollm2):
+    from llama_twins.bench.decode import gguf_file_type
+    assert gguf_file_type(smollm2) == "Q4_1"

@@ -71,6 +71,7 @@ def test_presets_round_trip_through_json(name):
     ("llama3-8b", 8_030_261_248), ("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320),
     ("llama3.2-1b", 1_235_814_400), ("llama3.2-3b", 3_212_749_824),
     ("llama3.1-405b", 405_853_388_800), ("llama3-70b", 70_553_706_496),
+    ("smollm2-135m", 134_515_008),
 ])
 def test_preset_parameter_counts(name, expected):
     assert count_params(PRESETS[name]) == expected
@@ -82,3 +83,8 @@ def test_llama31_presets_scale_rope():
                             original_max_position_embeddings=8192)
     assert PRESETS["llama3.2-1b"].rope_scaling.factor == 32.0
     assert PRESETS["llama3-8b"].rope_scaling is None
+
+
+def test_the_smollm2_preset_is_the_real_models_config(smollm2):
+    from bridge.formats import open_checkpoint
+    assert open_checkpoint(smollm2).config == PRESETS["smollm2-135m"]

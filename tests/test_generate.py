@@ -87,6 +87,26 @@ def test_one_compilation_for_prompts_within_a_bucket():
     assert [t for r, t in streamed if r == 0] == out.tokens[0]
 
 
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 9])
+def test_streaming_reports_each_rows_tokens_once_up_to_its_stop(tiny, max_new_tokens):
+    """The streaming loop reads token k while the call for token k + 1 runs: every row's tokens
+    still arrive once each, in order, up to and including its stop token, and none after."""
+    _, model, params = tiny
+    prompts = [[1, 2, 3], [7, 8], [5]]
+    free = generate(model, params, prompts, 9).tokens
+    # row 0 stops at its first token that is new after its first one; the others where they meet it
+    k = next(i for i, t in enumerate(free[0]) if i and t not in free[0][:i])
+    stop = free[0][k]
+    out = generate(model, params, prompts, max_new_tokens, stop_ids=[stop])
+    streamed = []
+    again = generate(model, params, prompts, max_new_tokens, stop_ids=[stop],
+                     on_token=lambda row, token: streamed.append((row, token)))
+    assert again.tokens == out.tokens
+    for row, tokens in enumerate(out.tokens):
+        assert [t for r, t in streamed if r == row] == tokens
+    assert len(out.tokens[0]) == min(k + 1, max_new_tokens)
+
+
 def test_sampling_top_k_1_is_greedy_and_seeds_reproduce(tiny):
     _, model, params = tiny
     prompts = [[1, 2, 3], [7, 8]]

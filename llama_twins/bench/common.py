@@ -23,6 +23,7 @@ from typing import Callable
 from bridge.config import LlamaConfig
 
 JAX, TWIN, REFERENCE = "jax-llama", "torch_llama", "transformers"
+LLAMA_CPP = "llama.cpp"  # decode only, on real weights (--weights), where llama-cpp-python imports
 IMPLEMENTATIONS = (JAX, TWIN, REFERENCE)
 
 # The default benchmark model: LLaMA 2-style at 56M parameters (GQA, untied), big enough that
@@ -44,6 +45,10 @@ class Spec:
     new_tokens: int = 128     # decode: tokens generated per row
     decode_batches: tuple[int, ...] = (1, 8)
     quantize: str | None = None  # decode: "int8" runs our twins on int8 weights (per channel)
+    weights: str | None = None     # decode: a native checkpoint of `config` every row loads
+    hf_weights: str | None = None  # decode: the same weights as an HF checkpoint (transformers)
+    gguf: str | None = None        # decode: the GGUF file a llama.cpp worker runs
+    stream: bool = False           # decode: JAX streams each token through the CLI's Streamer
     warmup: int = 2           # untimed runs first: the first compiles (JAX) or warms caches
     repeats: int = 3          # timed runs per worker process
 

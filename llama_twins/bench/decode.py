@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 
 from bridge.dtypes import numpy_dtype
 
-from .common import (JAX, REFERENCE, TWIN, Spec, add_ratios, available, describe, missing_note,
+from .common import (JAX, LLAMA_CPP, REFERENCE, TWIN, Spec, add_ratios, available, describe, missing_note,
                      probe, ratio, run_rounds, say, spawn, timed, torch_device, transformers_model,
                      write_results)
 
@@ -36,10 +37,22 @@ def prompt(spec: Spec) -> list[int]:
 def jax_runner(spec: Spec):
     import jax_llama
     from jax_llama.generate import generate
-    model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype, param_dtype=spec.dtype)
+    if spec.weights:
+        model, params = jax_llama.load(spec.weights, dtype=spec.dtype)
+    else:
+        model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype, param_dtype=spec.dtype)
     if spec.quantize:
         params = jax_llama.quantize(params, method=spec.quantize)
-    return lambda batch, n: generate(model, params, [prompt(spec)] * batch, n), lambda: None
+    if not spec.stream:
+        return lambda batch, n: generate(model, params, [prompt(spec)] * batch, n), lambda: None
+    # what `jax-llama generate` does with one prompt: each token through the CLI's Streamer
+    import io
+
+    from bridge.prompts import Streamer
+    from bridge.tokenizer import find_tokenizer
+    tokenizer = find_tokenizer(spec.weights)
+    return (lambda batch, n: generate(model, params, [prompt(spec)] * batch, n,
+                                      on_token=Streamer(tokenizer, io.StringIO())), lambda: None)
 
 
 def twin_runner(spec: Spec):
@@ -48,18 +61,66 @@ def twin_runner(spec: Spec):
     import torch_llama
 
     device, sync = torch_device()
-    torch.manual_seed(0)
-    model = torch_llama.Llama(spec.config).to(device=device, dtype=getattr(torch, spec.dtype)).eval()
+    if spec.weights:
+        model = torch_llama.load(spec.weights, device=device, dtype=spec.dtype)
+    else:
+        torch.manual_seed(0)
+        model = torch_llama.Llama(spec.config).to(device=device,
+                                                  dtype=getattr(torch, spec.dtype)).eval()
     if spec.quantize:
         torch_llama.quantize(model, method=spec.quantize)
     return lambda batch, n: torch_llama.generate(model, [prompt(spec)] * batch, n), sync
+
+
+def llama_cpp_runner(spec: Spec):
+    """llama-cpp-python on spec.gguf, batch 1: the prompt evaluated, then one token at a time
+    through its KV cache, each the argmax of its logits (as the greedy loop of every other row).
+    All cores; where the CPU has AMX, without llama.cpp's weight repacking (it crashes there:
+    llama_twins.llama_cpp_reference.plain_cpu_kernels)."""
+    import contextlib
+
+    import numpy as np
+
+    import llama_cpp
+    from llama_twins.llama_cpp_reference import _quiet, plain_cpu_kernels
+
+    kernels = plain_cpu_kernels() if has_amx() else contextlib.nullcontext()
+    with kernels, _quiet():
+        llm = llama_cpp.Llama(model_path=spec.gguf, n_ctx=spec.prompt_len + spec.new_tokens,
+                              n_batch=spec.prompt_len + spec.new_tokens, verbose=False,
+                              n_threads=len(os.sched_getaffinity(0)))
+
+    def run(batch, n):
+        assert batch == 1, "llama.cpp rows decode one sequence"
+        llm.reset()
+        llm.eval(prompt(spec))
+        out = []
+        for _ in range(n):
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            if len(out) < n:
+                llm.eval([out[-1]])
+        return out
+    return run, lambda: None
+
+
+def has_amx() -> bool:
+    try:
+        return "amx_tile" in open("/proc/cpuinfo", encoding="utf-8").read()
+    except OSError:
+        return False
 
 
 def transformers_runner(spec: Spec):
     import torch
 
     device, sync = torch_device()
-    model = transformers_model(spec.config).to(device=device, dtype=getattr(torch, spec.dtype)).eval()
+    if spec.hf_weights:
+        import transformers
+        model = transformers.LlamaForCausalLM.from_pretrained(spec.hf_weights, torch_dtype=torch.float32)
+        model = model.to(device=device, dtype=getattr(torch, spec.dtype)).eval()
+    else:
+        model = transformers_model(spec.config).to(device=device,
+                                                   dtype=getattr(torch, spec.dtype)).eval()
     if spec.quantize:  # int8: torchao's weight-only path, as transformers' TorchAoConfig runs it
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
         quantize_(model, Int8WeightOnlyConfig())
@@ -75,7 +136,8 @@ def transformers_runner(spec: Spec):
 
 def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
     """In a worker: {"batch/n": seconds of each run} for n = 1 and new_tokens at each batch."""
-    run, sync = {JAX: jax_runner, TWIN: twin_runner, REFERENCE: transformers_runner}[impl](spec)
+    run, sync = {JAX: jax_runner, TWIN: twin_runner, REFERENCE: transformers_runner,
+                 LLAMA_CPP: llama_cpp_runner}[impl](spec)
     result = {}
     for batch in spec.decode_batches:
         for n in (1, spec.new_tokens):  # the warm-up also compiles JAX's (batch, cache) bucket
@@ -118,31 +180,34 @@ def bytes_per_token(spec: Spec, label: str) -> int:
                                   Quantization(variant.quantize) if variant.quantize else None)
 
 
-def summarize(times: dict[str, dict | None], spec: Spec, bandwidth: float) -> dict:
+def summarize(times: dict[str, dict | None], spec: Spec, bandwidth: float,
+              row_bytes: dict[str, int] | None = None) -> dict:
     """times[impl] = measure()'s lists pooled over rounds (None: not run) -> the JSON entry.
-    Rows named in int8_variants are measured against their own (int8) bandwidth bound."""
+    Rows named in int8_variants are measured against their own (int8) bandwidth bound, rows in
+    row_bytes against those bytes per token."""
+    row_bytes = row_bytes or {}
     weight_bytes = bytes_per_token(spec, JAX)
     bound = bandwidth / weight_bytes
     new, rows = spec.new_tokens, {}
     for impl, t in times.items():
         rows[impl] = None if t is None else {}
-        for batch in spec.decode_batches if t else ():
+        for batch in [b for b in spec.decode_batches if t and f"{b}/1" in t]:  # llama.cpp: 1
             first, full = statistics.median(t[f"{batch}/1"]), statistics.median(t[f"{batch}/{new}"])
             # None where decoding is too fast to tell from the noise of the first token's time
             rate = (new - 1) * batch / (full - first) if full > first else None
             rows[impl][str(batch)] = {"ttft_s": first, "decode_tokens_per_s": rate,
                                       "runs_first_s": t[f"{batch}/1"], "runs_full_s": t[f"{batch}/{new}"]}
     for batch in spec.decode_batches:
-        per_batch = {impl: r and r[str(batch)] for impl, r in rows.items()}
+        per_batch = {impl: r and r.get(str(batch)) for impl, r in rows.items()}
         add_ratios(per_batch, "decode_tokens_per_s")
     int8_bound = {}
     for label, r in rows.items():
         if r and "1" in r:
             rate = r["1"]["decode_tokens_per_s"]
-            row_bound = bandwidth / bytes_per_token(spec, label)
+            row_bound = bandwidth / (row_bytes.get(label) or bytes_per_token(spec, label))
             r["1"]["bound_tokens_per_s"] = row_bound
             r["1"]["of_bandwidth_bound"] = None if rate is None else rate / row_bound
-            if label in int8_variants(spec):
+            if label in int8_variants(spec) and label not in row_bytes:
                 int8_bound[label] = row_bound
     return {"prompt_len": spec.prompt_len, "new_tokens": new, "batches": list(spec.decode_batches),
             "weight_bytes_per_token": weight_bytes, "bound_tokens_per_s": bound,
@@ -176,17 +241,154 @@ def markdown(result: dict, dtype: str) -> list[str]:
     return lines
 
 
+# -- on real weights, with llama.cpp beside ------------------------------------------------------
+
+STREAMED = f"{JAX} streamed"  # the `jax-llama generate` path: one prompt, each token streamed
+# What llama.cpp runs beside: the same weights exported by the bridge as F32 (the float32 rows'
+# bytes) and Q8_0 (int8 with a scale per 32 weights, what the int8 rows compare with).
+LLAMA_CPP_TYPES = ("f32", "q8_0")
+
+
+def real_weights(spec: Spec, source: str, rounds: int, found: dict, work) -> tuple[dict, Spec, dict]:
+    """Decode on the weights of checkpoint `source` (any format the bridge reads): our twins and
+    transformers in float32 and int8 at each batch size, JAX streamed at batch 1, and
+    llama.cpp at batch 1 on the same weights as F32 and Q8_0 GGUF files (and on `source` itself
+    when it is a GGUF of another type) where llama-cpp-python imports. The conversions go into
+    the directory `work`. Returns (times per row, the Spec, weight bytes per token of the
+    llama.cpp rows: their files' sizes)."""
+    from pathlib import Path
+
+    from bridge.convert import convert
+    from bridge.formats import open_checkpoint
+
+    work = Path(work)
+    say(f"converting {source} to native float32, HF and GGUF for the decode rows")
+    native = convert(source, work / "native", to="native", dtype="float32", progress=False)
+    hf = convert(native, work / "hf", to="hf", progress=False)
+    config = open_checkpoint(native).config
+    spec = dataclasses.replace(spec, config=config, weights=str(native), hf_weights=str(hf))
+    times = run_rounds(("decode",), available(found), spec, rounds)
+    per_row = {impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)}
+    for impl in (JAX, TWIN):
+        variant = dataclasses.replace(spec, quantize="int8")
+        per_row[f"{impl} int8"] = run_rounds(("decode",), (impl,), variant, rounds)[impl]["decode"]
+    one = dataclasses.replace(spec, decode_batches=(1,))
+    per_row[STREAMED] = run_rounds(("decode",), (JAX,), dataclasses.replace(one, stream=True),
+                                   rounds)[JAX]["decode"]
+    row_bytes = {}
+    if found.get("llama_cpp"):
+        say(f"warning: no llama.cpp rows: {found['llama_cpp']}")
+        return per_row, spec, row_bytes
+    files = {t.upper(): convert(native, work / f"model-{t}.gguf", to="gguf", dtype=t, progress=False)
+             for t in LLAMA_CPP_TYPES}
+    if str(source).endswith(".gguf"):
+        files.setdefault(gguf_file_type(source), Path(source))
+    for kind, path in files.items():
+        label = f"{LLAMA_CPP} {kind}"
+        variant = dataclasses.replace(one, gguf=str(path))
+        per_row[label] = run_rounds(("decode",), (LLAMA_CPP,), variant, rounds)[LLAMA_CPP]["decode"]
+        row_bytes[label] = Path(path).stat().st_size
+    return per_row, spec, row_bytes
+
+
+def gguf_file_type(path) -> str:
+    """A GGUF file's general.file_type as llama.cpp names it: F32, Q8_0, Q4_1, ..."""
+    import gguf
+    field = gguf.GGUFReader(path).fields["general.file_type"]
+    name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+# (our row, llama.cpp's row, the issue's target ratio): float32 against F32, int8 against Q8_0
+AGAINST_LLAMA_CPP = ((JAX, f"{LLAMA_CPP} F32", 0.8), (f"{JAX} int8", f"{LLAMA_CPP} Q8_0", 0.6),
+                     (STREAMED, JAX, 0.9))
+
+
+def against_llama_cpp(result: dict) -> list[str]:
+    """The batch-1 ratios the real-weight rows are judged by, as markdown."""
+    rows = result["rows"]
+
+    def rate(label):
+        return ((rows.get(label) or {}).get("1") or {}).get("decode_tokens_per_s")
+    lines = ["| batch-1 decode | tokens/s | against | its tokens/s | ratio | target |",
+             "|---|---|---|---|---|---|"]
+    for ours, theirs, target in AGAINST_LLAMA_CPP:
+        a, b = rate(ours), rate(theirs)
+        if a and b:
+            lines.append(f"| {ours} | {a:,.1f} | {theirs} | {b:,.1f} | {a / b:.2f}x | "
+                         f"{target:.1f}x: {'met' if a / b >= target else 'not met'} |")
+    return lines if len(lines) > 2 else []
+
+
+def cold_start(checkpoint: str, runs: int = 2) -> dict:
+    """A cold `jax-llama generate CKPT --chat --max-new-tokens 16` in a fresh process, by
+    stdout's first byte (time to first token, process start included) and its exit: without
+    the persistent compilation cache, with it empty (the run fills it) and with it warm.
+    Medians of `runs` each."""
+    import subprocess
+    import tempfile
+    import time
+
+    command = [sys.executable, "-m", "llama_twins.jax_cli", "generate", checkpoint, "--chat",
+               "--prompt", "What is the capital of France?", "--max-new-tokens", "16"]
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_LLAMA_COMPILE_CACHE")}
+
+    def once(env) -> tuple[float, float]:
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        proc.stdout.read(1)
+        first = time.perf_counter() - start
+        proc.stdout.read()
+        if proc.wait():
+            raise RuntimeError(f"{' '.join(command)} exited with {proc.returncode}")
+        return first, time.perf_counter() - start
+
+    result = {}
+    with tempfile.TemporaryDirectory(prefix="jax-llama-cache-") as tmp:
+        cases = {"no cache": lambda i: {**base, "JAX_LLAMA_COMPILE_CACHE": "off"},
+                 "cache empty": lambda i: {**base, "JAX_LLAMA_COMPILE_CACHE": f"{tmp}/{i}"},
+                 "cache warm": lambda i: {**base, "JAX_LLAMA_COMPILE_CACHE": f"{tmp}/{i}"}}
+        for case, env in cases.items():
+            say(f"cold start: {case}")
+            times = [once(env(i)) for i in range(runs)]
+            result[case] = {"first_token_s": statistics.median(t[0] for t in times),
+                            "total_s": statistics.median(t[1] for t in times),
+                            "runs": times}
+    return result
+
+
+def cold_start_lines(result: dict) -> list[str]:
+    lines = ["| cold `jax-llama generate --chat --max-new-tokens 16` | time to first token | "
+             "exit |", "|---|---|---|"]
+    for case, r in result.items():
+        lines.append(f"| {case} | {r['first_token_s']:.2f} s | {r['total_s']:.2f} s |")
+    saved = result["no cache"]["total_s"] - result["cache warm"]["total_s"]
+    lines += ["", f"Compilation, as the warm cache removes it: {saved:.1f} s of "
+                  f"{result['no cache']['total_s']:.1f} s."]
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=".", help="directory for generate.{md,json} (default .)")
     parser.add_argument("--no-int8", action="store_true", help="skip the int8 rows")
+    parser.add_argument("--weights", metavar="CKPT",
+                        help="decode these weights (any format the bridge reads) instead of the "
+                             "random benchmark model, with JAX streamed and llama.cpp rows: "
+                             "writes DIR/generate_weights.{md,json}")
+    parser.add_argument("--cold-start", action="store_true",
+                        help="with --weights: also time a cold `jax-llama generate` with and "
+                             "without the persistent compilation cache")
     args = parser.parse_args(argv)
     spec, found = Spec(warmup=1, repeats=args.repeats), probe()
     if missing_note(found):
         say(f"warning: {missing_note(found)}")
     bandwidth = spawn("machine", spec)["read_bandwidth"]
+    if args.weights:
+        return main_weights(args, spec, found, bandwidth)
     times = run_rounds(("decode",), available(found), spec, args.rounds)
     per_row = {impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)}
     if not args.no_int8:
@@ -196,6 +398,27 @@ def main(argv=None) -> int:
              f"medians of {args.rounds} rounds x {args.repeats} runs, each implementation in its "
              f"own process", "", *markdown(result, spec.dtype)]
     write_results("generate", lines, {"bandwidth": bandwidth, "decode": result}, args.out)
+    return 0
+
+
+def main_weights(args, spec: Spec, found: dict, bandwidth: float) -> int:
+    import tempfile
+
+    from .common import cpu_model
+    with tempfile.TemporaryDirectory(prefix="jax-llama-bench-") as work:
+        per_row, spec, row_bytes = real_weights(spec, args.weights, args.rounds, found, work)
+        result = summarize(per_row, spec, bandwidth, row_bytes)
+        cold = cold_start(spec.weights) if args.cold_start else None
+    lines = [f"{cpu_model()}; {describe(spec.config)}; the weights of {args.weights}; measured "
+             f"read bandwidth {bandwidth / 1e9:.1f} GB/s; medians of {args.rounds} rounds x "
+             f"{args.repeats} runs, each row in its own process", "",
+             f"Reproduce: `python -m llama_twins.bench.decode --weights {args.weights} --rounds "
+             f"{args.rounds} --repeats {args.repeats}{' --cold-start' if cold else ''}`", "",
+             *markdown(result, spec.dtype), "", *against_llama_cpp(result)]
+    if cold:
+        lines += ["", *cold_start_lines(cold)]
+    write_results("generate_weights", lines, {"bandwidth": bandwidth, "cpu": cpu_model(),
+                                              "decode": result, "cold_start": cold}, args.out)
     return 0
 
 

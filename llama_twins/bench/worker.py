@@ -2,7 +2,7 @@
 
     python -m llama_twins.bench.worker JOB --spec JSON [--benches forward,train,decode] [--depths 4,32]
 
-JOB is an implementation (jax-llama, torch_llama, transformers: it runs each bench's
+JOB is an implementation (jax-llama, torch_llama, transformers, or llama.cpp for decode: it runs each bench's
 measure(impl, spec) in turn, in this one process), `machine` (the CPU, JAX's device and versions,
 and this machine's matmul peak and read bandwidth measured through JAX), `compile` (train-step
 compile times at two depths), `lora` and `lora-full` (llama_twins.bench.lora: the LoRA step's
@@ -19,7 +19,7 @@ import platform
 import sys
 
 from . import decode, forward, long, lora, train
-from .common import IMPLEMENTATIONS, Spec, cpu_model
+from .common import IMPLEMENTATIONS, LLAMA_CPP, Spec, cpu_model
 
 MEASURE = {"forward": forward.measure, "train": train.measure,
            "decode": decode.measure}
@@ -58,13 +58,15 @@ def probe() -> dict:
         info.update(torchao=version("torchao"))
     except PackageNotFoundError:
         info.update(torchao=None)
+    from llama_twins.llama_cpp_reference import unavailable
+    info.update(llama_cpp=unavailable())  # None where llama-cpp-python runs: the decode rows
     return info
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("job", choices=(*IMPLEMENTATIONS, "machine", "compile", "probe", "long",
-                                        *lora.JOBS))
+    parser.add_argument("job", choices=(*IMPLEMENTATIONS, LLAMA_CPP, "machine", "compile", "probe",
+                                        "long", *lora.JOBS))
     parser.add_argument("--spec", required=True, help="a Spec as JSON")
     parser.add_argument("--benches", default="", help="comma-separated: forward, train, decode")
     parser.add_argument("--depths", default="4,32", help="compile: shallow,deep layer counts")
