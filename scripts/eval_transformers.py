@@ -5,10 +5,10 @@ models" does it, on a checkpoint in Hugging Face format (`llama-bridge convert C
     python scripts/eval_transformers.py HF_DIR --data FILE|DIR... --seq-len 128 --stride 64 [--json]
 
 Each document is tokenised with the checkpoint's own tokenizer as transformers loads it
-(AutoTokenizer: BOS first, as the HF export's post-processor adds it); the ids are checked
-against bridge's tokenizer on the same directory, so both sides score the same tokens. One window
-at a time (batch 1), labels -100 on the context tokens, transformers' own loss. Prints the same
-keys as `jax-llama eval --json`.
+(AutoTokenizer: BOS first where the tokenizer adds one, as the HF export's post-processor does);
+the ids are checked against bridge's tokenizer on the same directory, so both sides score the
+same tokens. One window at a time (batch 1), labels -100 on the context tokens, transformers'
+own loss. Prints the same keys as `jax-llama eval --json`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     files: dict[str, list] = {}
     for t in texts:
         ids = hf_tokenizer(t.text, return_tensors="pt").input_ids
-        if ids[0].tolist() != ours.encode(t.text, bos=ours.bos_id is not None):
+        if ids[0].tolist() != ours.encode(t.text, bos=ours.add_bos):
             print(f"error: {t.where}: transformers' tokenizer gives other ids than bridge's",
                   file=sys.stderr)
             return 1
