@@ -201,7 +201,8 @@ def _stream(params, d: Decoding, max_new_tokens: int, stops, static: dict,
     d, token_B, done_B = _decode(params, d, jnp.int32(2), stops, **static)
     for step in range(2, max_new_tokens + 1):
         # the next token's call goes first; where this one ends the generation it is a no-op
-        ahead = _decode(params, d, jnp.int32(step + 1), stops, **static) if step < max_new_tokens else None
+        ahead = (_decode(params, d, jnp.int32(step + 1), stops, **static)
+                 if step < max_new_tokens else None)
         if report(token_B, done_B) or ahead is None:
             return d if ahead is None else ahead[0]
         d, token_B, done_B = ahead

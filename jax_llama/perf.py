@@ -83,7 +83,7 @@ def decode_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 4,
     return int8 + 4 * scales + (matmul_params(config) - int8 + config.dim) * dtype_bytes
 
 
-# -- compilation across processes ------------------------------------------------------------------
+# -- compilation across processes ----------------------------------------------------------------
 
 COMPILE_CACHE_OFF = ("0", "off", "false", "no")
 

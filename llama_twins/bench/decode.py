@@ -13,6 +13,13 @@ torchao's int8 weight-only quantisation (Int8WeightOnlyConfig, what transformers
 TorchAoConfig("int8_weight_only") applies; per output channel too).
 
     python -m llama_twins.bench.decode [--out DIR]    # writes DIR/generate.{md,json} (DIR: .)
+
+With --weights CKPT (a real model, any format the bridge reads) every row decodes those weights
+instead, beside a row of JAX streaming each token through the CLI's Streamer (what `jax-llama
+generate` does with one prompt) and, where llama-cpp-python imports, llama.cpp at batch 1 on the
+same weights as F32 and Q8_0 GGUF files (and on CKPT itself when it is a GGUF of another type);
+--cold-start adds a cold `jax-llama generate` with and without the persistent compilation cache.
+Writes DIR/generate_weights.{md,json}.
 """
 
 from __future__ import annotations
@@ -25,9 +32,9 @@ import sys
 
 from bridge.dtypes import numpy_dtype
 
-from .common import (JAX, LLAMA_CPP, REFERENCE, TWIN, Spec, add_ratios, available, describe, missing_note,
-                     probe, ratio, run_rounds, say, spawn, timed, torch_device, transformers_model,
-                     write_results)
+from .common import (JAX, LLAMA_CPP, REFERENCE, TWIN, Spec, add_ratios, available, describe,
+                     missing_note, probe, ratio, run_rounds, say, spawn, timed, torch_device,
+                     transformers_model, write_results)
 
 
 def prompt(spec: Spec) -> list[int]:
@@ -116,7 +123,7 @@ def transformers_runner(spec: Spec):
     device, sync = torch_device()
     if spec.hf_weights:
         import transformers
-        model = transformers.LlamaForCausalLM.from_pretrained(spec.hf_weights, torch_dtype=torch.float32)
+        model = transformers.LlamaForCausalLM.from_pretrained(spec.hf_weights, dtype=torch.float32)
         model = model.to(device=device, dtype=getattr(torch, spec.dtype)).eval()
     else:
         model = transformers_model(spec.config).to(device=device,
