@@ -262,11 +262,12 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work) -> tup
     llama.cpp at batch 1 on the same weights as F32 and Q8_0 GGUF files (and on `source` itself
     when it is a GGUF of another type) where llama-cpp-python imports. The conversions go into
     the directory `work`. Returns (times per row, the Spec, weight bytes per token of the
-    llama.cpp rows: their files' sizes)."""
+    llama.cpp rows: all their tensors' bytes, what a tied model reads per token)."""
     from pathlib import Path
 
     from bridge.convert import convert
     from bridge.formats import open_checkpoint
+    from bridge.formats.gguf_file import is_gguf, read_gguf
 
     work = Path(work)
     say(f"converting {source} to native float32, HF and GGUF for the decode rows")
@@ -288,21 +289,22 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work) -> tup
         return per_row, spec, row_bytes
     files = {t.upper(): convert(native, work / f"model-{t}.gguf", to="gguf", dtype=t, progress=False)
              for t in LLAMA_CPP_TYPES}
-    if str(source).endswith(".gguf"):
+    if is_gguf(source):
         files.setdefault(gguf_file_type(source), Path(source))
     for kind, path in files.items():
         label = f"{LLAMA_CPP} {kind}"
         variant = dataclasses.replace(one, gguf=str(path))
         per_row[label] = run_rounds(("decode",), (LLAMA_CPP,), variant, rounds)[LLAMA_CPP]["decode"]
-        row_bytes[label] = Path(path).stat().st_size
+        row_bytes[label] = sum(t.n_bytes for t in read_gguf(path).tensors)
     return per_row, spec, row_bytes
 
 
 def gguf_file_type(path) -> str:
     """A GGUF file's general.file_type as llama.cpp names it: F32, Q8_0, Q4_1, ..."""
     import gguf
-    field = gguf.GGUFReader(path).fields["general.file_type"]
-    name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+
+    from bridge.formats.gguf_file import read_gguf
+    name = gguf.LlamaFileType(read_gguf(path).fields["general.file_type"]).name
     return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
