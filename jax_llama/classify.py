@@ -35,9 +35,11 @@ from bridge.classification import (DEFAULT_TEMPLATE, FROM_SCRATCH, PRETRAINED, P
                                    Dataset, accuracy, encode_texts, read_head,
                                    truncate_left, write_head, write_predictions)
 from bridge.config import LlamaConfig
+from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
 from bridge.inputs import length_batches, pad_rows
 from bridge.lora import LoraConfig
+from bridge.resources import available_memory
 from bridge.tokenizer import Tokenizer, find_tokenizer
 
 from .attention import choose
@@ -45,7 +47,7 @@ from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .data import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
-from .model import KVCache, LlamaClassifier, init
+from .model import Blocks, KVCache, LlamaClassifier, init
 from .tracking import Tracker, TrackingSpec
 from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 
@@ -138,16 +140,22 @@ def load_classifier(path: str | Path, dtype=None, attention: str = "auto") -> Cl
 
 
 def predict_ids(clf: Classifier, rows: list[list[int]], batch_size: int = 64,
-                progress: bool = False) -> np.ndarray:
-    """Log-probabilities (N, C) for token rows (each at most clf.max_len long)."""
+                progress: bool = False, frozen: FrozenFeatures | None = None) -> np.ndarray:
+    """Log-probabilities (N, C) for token rows (each at most clf.max_len long); with `frozen`
+    (the rows' hidden states leaving the frozen blocks), only the blocks above run."""
     lengths = np.array([len(r) for r in rows])
     out = np.zeros((len(rows), len(clf.labels)), np.float32)
     batches = length_batches(lengths, batch_size, None)
     for idx in tqdm(batches, desc="predict", unit="batch", disable=None if progress else True,
                     leave=False):
-        tokens, mask = pad_rows([rows[i] for i in idx], bucket(int(lengths[idx].max()), clf.max_len),
-                                batch_size=batch_size)
-        out[idx] = np.asarray(_log_probs(clf.params, tokens, mask, model=clf.model))[:len(idx)]
+        length = bucket(int(lengths[idx].max()), clf.max_len)
+        tokens, mask = pad_rows([rows[i] for i in idx], length, batch_size=batch_size)
+        if frozen is None:
+            logp = _log_probs(clf.params, tokens, mask, model=clf.model)
+        else:
+            logp = _log_probs(clf.params, frozen.batch(idx, length, batch_size), mask,
+                              model=frozen.model)
+        out[idx] = np.asarray(logp)[:len(idx)]
     return out
 
 
@@ -162,6 +170,73 @@ def predict(clf: Classifier, texts: list[str], batch_size: int = 64, progress: b
 def _log_probs(params, tokens_BS, mask_BS, *, model: LlamaClassifier):
     """(B, C) log-probabilities, without dropout; compiled once per (model, batch shape)."""
     return model.apply({"params": params}, tokens_BS, mask_BS)
+
+
+@dataclass
+class FrozenFeatures:
+    """Texts' hidden states leaving the frozen lower blocks of a classifier (each text's length
+    x D, in the model's dtype), and the classifier that runs from them: the same params, only
+    the blocks above (LlamaClassifier.first_layer). The lower blocks and the embedding get no
+    update when only the top blocks train, and the backbone has no dropout, so their output is
+    the same in every epoch: computing it once saves their forward pass at every step."""
+
+    model: LlamaClassifier
+    rows: list[np.ndarray]
+
+    @classmethod
+    def compute(cls, clf: Classifier, rows: list[list[int]], first_layer: int,
+                batch_size: int = 64, desc: str = "frozen blocks") -> FrozenFeatures:
+        m = clf.model
+        lower = Blocks(m.config, 0, first_layer, m.dtype, m.param_dtype, m.attention, m.lora)
+        run = jax.jit(lambda params, tokens, mask: lower.apply({"params": params}, tokens, mask))
+        lengths = np.array([len(r) for r in rows])
+        features: list[np.ndarray | None] = [None] * len(rows)
+        for idx in tqdm(length_batches(lengths, batch_size, None), desc=desc, unit="batch",
+                        file=sys.stderr, leave=False):
+            tokens, mask = pad_rows([rows[i] for i in idx],
+                                    bucket(int(lengths[idx].max()), clf.max_len),
+                                    batch_size=batch_size)
+            x_BSD = np.asarray(run(clf.params["llama"], tokens, mask))
+            for j, i in enumerate(idx):
+                features[i] = x_BSD[j, :lengths[i]].copy()
+        return cls(m.clone(first_layer=first_layer), features)
+
+    @staticmethod
+    def nbytes(clf: Classifier, rows: list[list[int]]) -> int:
+        """What compute() keeps for these rows."""
+        return (sum(map(len, rows)) * clf.model.config.dim
+                * np.dtype(numpy_dtype(clf.model.dtype)).itemsize)
+
+    def batch(self, idx: np.ndarray, length: int, batch_size: int) -> np.ndarray:
+        """(batch_size, length, D): the rows `idx`, right-padded with zeros (as pad_rows pads
+        their tokens; filler rows all zeros)."""
+        first = self.rows[int(idx[0])]
+        x_BSD = np.zeros((batch_size, length, first.shape[1]), first.dtype)
+        for j, i in enumerate(idx):
+            x_BSD[j, :len(self.rows[i])] = self.rows[i]
+        return x_BSD
+
+
+def frozen_features(clf: Classifier, train_rows: list[list[int]], dev_rows: list[list[int]],
+                    train_layers: int | None, enabled: bool = True
+                    ) -> tuple[FrozenFeatures, FrozenFeatures] | None:
+    """(train, dev) FrozenFeatures when the blocks below the top `train_layers` are frozen and
+    their output for both sets fits in a quarter of the memory available; None otherwise (then
+    every step runs the whole backbone)."""
+    n = clf.model.config.n_layers
+    if not enabled or train_layers is None or train_layers >= n or clf.model.scan_layers:
+        return None
+    need = FrozenFeatures.nbytes(clf, train_rows) + FrozenFeatures.nbytes(clf, dev_rows)
+    have = available_memory()
+    if have is not None and need > have // 4:
+        _say(f"the frozen blocks' output would take {need / 1e9:.1f} GB of the "
+             f"{have / 1e9:.1f} GB available: computed at every step instead")
+        return None
+    low = n - train_layers
+    _say(f"the {low} frozen blocks run once for every text ({need / 1e9:.2f} GB kept); each "
+         f"step runs the top {train_layers}")
+    return (FrozenFeatures.compute(clf, train_rows, low, desc="frozen blocks (train)"),
+            FrozenFeatures.compute(clf, dev_rows, low, desc="frozen blocks (dev)"))
 
 
 # ----------------------------------------------------------------------------- fine-tuning
@@ -182,6 +257,9 @@ class FinetuneConfig:
     # None: every block and the embedding table. The blocks below get no gradient, so their
     # backward pass is never computed.
     train_layers: int | None = None
+    # with train_layers: the frozen blocks' output computed once for every text (FrozenFeatures),
+    # when it fits in memory; False: the whole backbone at every step
+    frozen_cache: bool = True
 
     def __post_init__(self):
         for name in ("epochs", "batch_size", "grad_accum", "max_len"):
@@ -251,10 +329,12 @@ def trainable_layers(model: LlamaClassifier, train_layers: int | None):
 
 
 def classifier_loss(model: LlamaClassifier) -> Loss:
-    """Mean NLL of the labels over the rows with weight 1, dropout drawn from the step's key."""
+    """Mean NLL of the labels over the rows with weight 1, dropout drawn from the step's key.
+    The model reads batch["tokens"], or batch["hidden"] when it starts at a first_layer."""
+    inputs = "hidden" if model.first_layer else "tokens"
 
     def loss(params, batch, key):
-        logp_BC = model.apply({"params": params}, batch["tokens"], batch["mask"],
+        logp_BC = model.apply({"params": params}, batch[inputs], batch["mask"],
                               deterministic=False, rngs={"dropout": key})
         nll_B = -jnp.take_along_axis(logp_BC, batch["labels"][:, None], axis=1)[:, 0]
         weights = batch["weights"].astype(jnp.float32)
@@ -263,17 +343,21 @@ def classifier_loss(model: LlamaClassifier) -> Loss:
 
 
 def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConfig, max_len: int,
-                     rng: np.random.Generator) -> Iterator[dict]:
-    """One epoch of padded batches; the last is filled up with weight-0 rows."""
+                     rng: np.random.Generator, frozen: FrozenFeatures | None = None
+                     ) -> Iterator[dict]:
+    """One epoch of padded batches; the last is filled up with weight-0 rows. With `frozen`,
+    the rows' hidden states ("hidden") stand for their tokens."""
     lengths = np.array([len(r) for r in rows])
     for idx in length_batches(lengths, fc.batch_size, rng):
-        tokens, mask = pad_rows([rows[i] for i in idx], bucket(int(lengths[idx].max()), max_len),
-                                batch_size=fc.batch_size)
+        length = bucket(int(lengths[idx].max()), max_len)
+        tokens, mask = pad_rows([rows[i] for i in idx], length, batch_size=fc.batch_size)
         y = np.zeros(fc.batch_size, np.int32)
         y[:len(idx)] = labels[idx]
         weights = np.zeros(fc.batch_size, np.float32)
         weights[:len(idx)] = 1
-        yield {"tokens": tokens, "mask": mask, "labels": y, "weights": weights}
+        inputs = ({"tokens": tokens} if frozen is None
+                  else {"hidden": frozen.batch(idx, length, fc.batch_size)})
+        yield {**inputs, "mask": mask, "labels": y, "weights": weights}
 
 
 def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, out: Path,
@@ -300,7 +384,10 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
     labels = trainable_layers(clf.model, fc.train_layers)
     optimizer = make_optimizer(tc, labels)
     state = init_state(clf.params, optimizer)
-    step = jit_train_step(classifier_loss(clf.model), optimizer, tc, state, trainable=labels)
+    frozen = frozen_features(clf, train_rows, dev_rows, fc.train_layers, fc.frozen_cache)
+    train_frozen, dev_frozen = frozen or (None, None)
+    step = jit_train_step(classifier_loss(clf.model if frozen is None else train_frozen.model),
+                          optimizer, tc, state, trainable=labels)
     rng = np.random.default_rng(fc.seed)
     train_labels = train.labels
     best = {"dev_accuracy": -1.0, "epoch": 0}
@@ -314,7 +401,8 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
     try:
         for epoch in range(1, fc.epochs + 1):
             losses, step_metrics, tick = [], [], time.perf_counter()
-            bar = tqdm(training_batches(train_rows, train_labels, fc, clf.max_len, rng),
+            bar = tqdm(training_batches(train_rows, train_labels, fc, clf.max_len, rng,
+                                        train_frozen),
                        total=per_epoch, desc=f"epoch {epoch}/{fc.epochs}", unit="batch",
                        file=sys.stderr, leave=False)
             for batch in bar:
@@ -332,7 +420,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
                 tracker.log(first + i + 1, metrics)
             if not math.isfinite(train_loss):
                 raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss})")
-            predictions = predict_ids(clf, dev_rows).argmax(-1)
+            predictions = predict_ids(clf, dev_rows, frozen=dev_frozen).argmax(-1)
             record = {"epoch": epoch, "train_loss": train_loss,
                       "dev_accuracy": accuracy(predictions, dev.labels),
                       "seconds": time.time() - started,

@@ -269,7 +269,8 @@ def cmd_finetune(args) -> int:
     train_layers = chosen.pop("train_layers")  # resolved once the backbone's depth is known
     fc = FinetuneConfig(**chosen, warmup=args.warmup, weight_decay=args.weight_decay,
                         grad_clip=args.grad_clip, grad_accum=args.grad_accum,
-                        max_len=args.max_len, seed=args.seed)
+                        max_len=args.max_len, seed=args.seed,
+                        frozen_cache=not args.no_frozen_cache)
     tracking = _tracking(args)
     tracking.check()  # before anything is read or trained
     out = Path(args.out)
@@ -612,6 +613,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train the top N blocks (with the final norm and the head; the rest, "
                         "and the embedding table, stay frozen) or all (default all; from --init "
                         "the top third)")
+    p.add_argument("--no-frozen-cache", action="store_true",
+                   help="with --train-layers: run the frozen blocks at every step (by default "
+                        "their output is computed once for every text, when it fits in a "
+                        "quarter of the memory available)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of updates warming up")
     p.add_argument("--weight-decay", type=float, default=0.1)

@@ -36,6 +36,7 @@ import numpy as np
 from bridge.dtypes import dtype_name, numpy_dtype
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
+from bridge.resources import available_memory as _available_memory
 from bridge.sampling import Sampler
 
 REFERENCES = ("transformers", "llama.cpp")
@@ -635,17 +636,6 @@ def _give_back() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
-
-
-def _available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is no such file)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _import_error(module: str) -> str | None:

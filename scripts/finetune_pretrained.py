@@ -89,29 +89,36 @@ def main(argv=None) -> int:
             history = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
             (run / "summary.json").write_text(json.dumps(
                 {"command": " ".join(["jax-llama", *command[3:]]), "wall_s": round(wall, 1),
-                 "recipe": header, "history": history,
+                 "recipe": header, "history": history, "cpu": cpu_model(),
                  "torch": torch_agreement(run, dev)}, indent=2) + "\n")
         rows[name] = {"task": task, **json.loads((run / "summary.json").read_text())}
         best = max(r["dev_accuracy"] for r in rows[name]["history"])
         print(f"{name}: best dev {best:.4f} in {rows[name]['wall_s']} s", file=sys.stderr)
-    result = {"checkpoint": args.checkpoint, "cpu": cpu_model(), "cores": os.cpu_count(),
-              "targets": TARGETS, "runs": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    earlier = out / "finetune_pretrained.json"
+    if earlier.is_file():  # runs of earlier sessions (machines) stay in the table
+        old = json.loads(earlier.read_text())
+        for name, row in old["runs"].items():
+            row.setdefault("cpu", old["cpu"])
+        rows = {**{k: v for k, v in old["runs"].items() if k not in rows}, **rows}
+        rows = {k: rows[k] for k in RUNS if k in rows}
+    result = {"checkpoint": Path(args.checkpoint).name, "cores": os.cpu_count(),
+              "targets": TARGETS, "runs": rows}
     (out / "finetune_pretrained.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Fine-tuning {Path(args.checkpoint).name} (`finetune --init`, its defaults)", "",
-             (f"{result['cpu']}, {result['cores']} cores; `python scripts/finetune_pretrained.py "
+             (f"{result['cores']} cores (each run's CPU in its row); `python scripts/finetune_pretrained.py "
               f"{Path(args.checkpoint).name}`. Dev: SST-5 dev (1,101), CFIMDB `split --fraction "
               f"0.15 --seed 0` held-out (256). Targets: SST-5 >= 50%, CFIMDB >= 92%, LoRA within "
               f"2 points of full, each run <= 60 minutes."), "",
-             "| run | recipe | dev accuracy per epoch | best | target | wall (min) | tokens/s | "
-             "torch twin agrees |", "|---|---|---|---|---|---|---|---|"]
+             "| run | CPU | recipe | dev accuracy per epoch | best | target | wall (min) | tokens/s | "
+             "torch twin agrees |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         accs = [h["dev_accuracy"] for h in r["history"]]
         speed = [h.get("tokens_per_s") for h in r["history"] if h.get("tokens_per_s")]
         best = max(accs)
         lines.append(
-            f"| {name} | {r['recipe'].split('; ', 1)[-1]} | {', '.join(f'{a:.4f}' for a in accs)} "
+            f"| {name} | {r['cpu']} | {r['recipe'].split('; ', 1)[-1]} | {', '.join(f'{a:.4f}' for a in accs)} "
             f"| {best:.4f} {'meets' if best >= TARGETS[r['task']] else 'below'} | "
             f"{TARGETS[r['task']]:.2f} | {r['wall_s'] / 60:.1f} | "
             f"{sum(speed) / len(speed):.0f} | {r['torch']['same']}/{r['torch']['of']} |"

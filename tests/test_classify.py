@@ -743,3 +743,109 @@ def test_a_chat_reply_may_begin_with_the_word_capitalized(trained_lm):
     raw = classify.continuation_logprobs(model, params, prompts, spellings)
     np.testing.assert_allclose(scores, np.logaddexp(raw[:, :2], raw[:, 2:]), rtol=0, atol=1e-6)
     assert (np.abs(raw[:, 2:] - raw[:, :2]) > 1e-3).all()  # the capitals do count
+
+
+# -- the frozen blocks' output, computed once --------------------------------------------------------
+
+def _byte_rows(texts):
+    return [ByteTokenizer().encode(t, bos=True, eos=True) for t in texts]
+
+
+FROZEN_TEXTS = ["a fine film", "dull", "the plot is thin but the acting is superb", "meh",
+                "great fun for all", "too long by half", "worth it", "x"]
+
+
+def test_frozen_features_give_the_whole_model_s_log_probs():
+    """The top blocks run on FrozenFeatures (the lower blocks' output, computed once and padded
+    again per batch) give the whole model's log-probs; in float32 the two differ only in how
+    XLA fuses the computation around the split (atol 1e-5 on log-probs of order 1). Features
+    of the wrong depth (one block fewer than the top model expects) are far off: the check can
+    fail."""
+    config = small_config(n_layers=3, vocab_size=259)
+    clf = classify.new_classifier(config, LABELS, ByteTokenizer(), 64, dropout=0.1, seed=0)
+    clf.params = decisive_head(clf.params, len(LABELS))
+    rows = _byte_rows(FROZEN_TEXTS)
+    whole = classify.predict_ids(clf, rows, batch_size=4)
+    for first in (1, 2):
+        frozen = classify.FrozenFeatures.compute(clf, rows, first)
+        assert frozen.model.first_layer == first
+        assert [f.shape for f in frozen.rows] == [(len(r), config.dim) for r in rows]
+        got = classify.predict_ids(clf, rows, batch_size=4, frozen=frozen)
+        np.testing.assert_allclose(got, whole, rtol=0, atol=1e-5)
+    wrong = classify.FrozenFeatures(frozen.model,
+                                    classify.FrozenFeatures.compute(clf, rows, 1).rows)
+    assert np.abs(classify.predict_ids(clf, rows, batch_size=4, frozen=wrong) - whole).max() > 1e-2
+
+
+def _frozen_run(tmp_path, frozen_cache: bool, lora=None):
+    train = read_examples_from(tmp_path / "train.txt", synthetic_lines(48, seed=0))
+    dev = read_examples_from(tmp_path / "dev.txt", synthetic_lines(16, seed=1))
+    config = small_config(n_layers=3, vocab_size=259)
+    clf = classify.new_classifier(config, ["negative", "positive"], ByteTokenizer(), 32,
+                                  dropout=0.1, seed=0, lora=lora)
+    fc = classify.FinetuneConfig(epochs=2, batch_size=8, lr=3e-3, train_layers=1,
+                                 frozen_cache=frozen_cache, max_len=32)
+    summary = classify.finetune(clf, train, dev, fc, tmp_path / f"run-{frozen_cache}")
+    return clf, summary
+
+
+def read_examples_from(path, text):
+    path.write_text(text)
+    return read_examples(path, 2)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_finetune_with_the_frozen_cache_trains_as_without(tmp_path, capsys, lora):
+    """With train_layers the frozen blocks run once (FrozenFeatures) instead of at every step:
+    the same batches, the same updates. Two epochs of a 3-block model, full and LoRA: training
+    losses equal within rtol 1e-4 and the trained params within atol 1e-5 (float32 rounding of
+    the differently fused forward, carried through 12 AdamW updates), dev predictions equal, and
+    the frozen blocks bit-for-bit untouched in both."""
+    from bridge.lora import LoraConfig
+
+    config = LoraConfig(rank=4, alpha=8) if lora else None
+    cached, with_cache = _frozen_run(tmp_path, True, config)
+    assert "the 2 frozen blocks run once for every text" in capsys.readouterr().err
+    plain, without = _frozen_run(tmp_path, False, config)
+    assert "frozen blocks run once" not in capsys.readouterr().err
+    np.testing.assert_allclose([h["train_loss"] for h in with_cache["history"]],
+                               [h["train_loss"] for h in without["history"]], rtol=1e-4)
+    assert [h["dev_accuracy"] for h in with_cache["history"]] == \
+        [h["dev_accuracy"] for h in without["history"]]
+    moved = 0.0
+    start = classify.new_classifier(small_config(n_layers=3, vocab_size=259),
+                                    ["negative", "positive"], ByteTokenizer(), 32, dropout=0.1,
+                                    seed=0, lora=config).params
+    for path_a, a in jax.tree_util.tree_leaves_with_path(cached.params):
+        b = _at(plain.params, path_a)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+        s = np.asarray(_at(start, path_a))
+        if any(getattr(k, "key", None) in ("layers_0", "layers_1", "tok_embeddings")
+               for k in path_a):
+            np.testing.assert_array_equal(np.asarray(a), s)
+        else:
+            moved = max(moved, float(np.abs(np.asarray(a) - s).max()))
+    assert moved > 1e-3  # the top block and the head did train
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k.key]
+    return tree
+
+
+def test_the_frozen_cache_steps_aside_when_memory_is_short(monkeypatch, capsys):
+    clf = classify.new_classifier(small_config(n_layers=3, vocab_size=259), LABELS,
+                                  ByteTokenizer(), 64, dropout=0.0, seed=0)
+    rows = _byte_rows(FROZEN_TEXTS)
+    need = 2 * classify.FrozenFeatures.nbytes(clf, rows)
+    assert need == 2 * sum(map(len, rows)) * 48 * 4
+    monkeypatch.setattr(classify, "available_memory", lambda: 4 * need - 4)
+    assert classify.frozen_features(clf, rows, rows, 1) is None
+    assert "computed at every step instead" in capsys.readouterr().err
+    monkeypatch.setattr(classify, "available_memory", lambda: 4 * need)
+    train, dev = classify.frozen_features(clf, rows, rows, 1)
+    assert train.model.first_layer == dev.model.first_layer == 2
+    assert classify.frozen_features(clf, rows, rows, 3) is None     # nothing frozen
+    assert classify.frozen_features(clf, rows, rows, None) is None  # everything trains
+    assert classify.frozen_features(clf, rows, rows, 1, enabled=False) is None
