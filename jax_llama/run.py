@@ -438,6 +438,8 @@ def sft_inputs(spec: RunSpec) -> ChatInputs:
     template_from = spec.out if spec.resume else spec.init
     template = find_template(template_from, tokenizer, None if spec.resume else sft.chat_template)
     max_len = spec.train.seq_len + 1
+    if sft.replay:
+        chats = chats + replay_chats(spec, tokenizer, template)
     examples, skipped = sft_lib.encode_all(chats, template, tokenizer, max_len, sft.skip_invalid)
     eval_examples, eval_skipped = sft_lib.encode_all(eval_chats, template, tokenizer, max_len,
                                                      sft.skip_invalid)
@@ -448,6 +450,48 @@ def sft_inputs(spec: RunSpec) -> ChatInputs:
     return ChatInputs(spec, tokenizer, config, template, examples, eval_examples,
                       [c for c in eval_chats if c[0] in kept], skipped + eval_skipped,
                       {sft_lib.prompt_key(messages) for _, messages in chats})
+
+
+def replay_chats(spec: RunSpec, tokenizer, template) -> list[tuple[str, list[dict]]]:
+    """The --init model's own greedy answers to spec.sft.replay general prompts, as chats
+    (where: replay:N): trained on beside the data, they keep the model answering other requests
+    as it did, where a narrow task alone teaches its style to every reply. The same every time
+    (greedy), so a resumed run trains on the same chats."""
+    from bridge.prompts import stop_ids as tokenizer_stops
+
+    from .generate import generate
+
+    sft = spec.sft
+    if not spec.init:
+        raise BridgeError("needs --init: the answers replayed are the starting model's own",
+                          field="replay")
+    prompts = sft_lib.general_prompts(sft.replay, spec.train.seed)
+    model, params = load_checkpoint(spec.init, dtype="float32", attention=spec.attention)
+    stops = list(tokenizer_stops(tokenizer))
+    ids = [template.encode([{"role": "user", "content": p}], tokenizer, add_generation_prompt=True)
+           for p in prompts]
+    chats, dropped, batch = [], 0, 32
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    answers: dict[int, str | None] = {}
+    for start in tqdm(range(0, len(order), batch), desc=f"replay: {spec.init}'s own answers",
+                      unit="batch", file=sys.stderr, leave=False):
+        rows = order[start:start + batch]
+        out = generate(model, params, [ids[i] for i in rows], sft.replay_tokens,
+                       stop_ids=stops).tokens
+        for i, tokens in zip(rows, out):
+            finished = bool(tokens) and tokens[-1] in stops
+            answers[i] = sft_lib.replay_answer(
+                tokenizer.decode([t for t in tokens if t not in stops]), finished)
+    for i, prompt in enumerate(prompts):
+        if answers[i] is None:
+            dropped += 1
+            continue
+        chats.append((f"replay:{i + 1}", [{"role": "user", "content": prompt},
+                                          {"role": "assistant", "content": answers[i]}]))
+    _say(f"replay: {len(chats)} of the starting model's own answers join the training chats"
+         + (f" ({dropped} left out: cut at {sft.replay_tokens} tokens before any sentence ended)"
+            if dropped else ""))
+    return chats
 
 
 def _exact_match_scalars(scores: dict) -> dict:

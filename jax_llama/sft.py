@@ -29,6 +29,9 @@ class SftSpec:
     skip_invalid: bool = False        # count and skip examples that cannot train, not refuse
     eval_fraction: float = 0.05
     demo_examples: int = 6000         # of the demo task, when there is no data
+    replay: int = 0                   # the --init model's own answers to this many general
+                                      # prompts, trained on beside the data (replay_chats)
+    replay_tokens: int = 128          # at most, per replayed answer
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -79,6 +82,45 @@ def demo_chats(n: int, seed: int) -> list[tuple[str, list[dict]]]:
             messages.insert(0, {"role": "system", "content": "Answer with the answer only."})
         chats.append((f"demo:{i + 1}:{kind}", messages))
     return chats
+
+
+# -- replay: the starting model's own answers ----------------------------------------------------
+
+# General requests, none of them of a demo kind (so the two never compete for one prompt) and
+# none of the questions scripts/sft_pretrained.py asks before and after (so those measure what
+# the replay generalises to, not what it repeats).
+_ASKS = ("Tell me about {}.", "Write two sentences about {}.",
+         "Why do people find {} interesting?", "Give me a fun fact about {}.",
+         "Explain {} to a child.",
+         "What should a beginner know about {}?", "Describe {} in a few words.",
+         "What are the good and bad sides of {}?", "Write a short story that involves {}.",
+         "How would you describe {} to a friend?")
+_TOPICS = ("the moon", "coffee", "volcanoes", "bicycles", "libraries", "honey bees", "thunder",
+           "chess", "baking bread", "trains", "mountains", "the piano", "recycling", "deserts",
+           "penguins", "the internet", "gardening", "dinosaurs", "football", "photography",
+           "clocks", "the human heart", "electricity", "friendship", "maps", "chocolate",
+           "glaciers", "robots", "the printing press", "kites")
+
+
+def general_prompts(n: int, seed: int) -> list[str]:
+    """`n` general requests (templates x topics: up to 300 distinct), in a seeded order."""
+    asks = [a.format(t) for a in _ASKS for t in _TOPICS]
+    if not 0 < n <= len(asks):
+        raise BridgeError(f"must be in [1, {len(asks)}] (got {n})", field="replay")
+    order = np.random.default_rng([seed, 11]).permutation(len(asks))
+    return [asks[i] for i in order[:n]]
+
+
+def replay_answer(text: str, finished: bool) -> str | None:
+    """What of a replayed answer trains: all of it when the model ended it, else up to its last
+    sentence end (a cut answer would teach stopping mid-sentence); None when nothing is left."""
+    text = text.strip()
+    if finished:
+        return text or None
+    end = max(text.rfind(mark) for mark in (". ", ".\n", "! ", "!\n", "? ", "?\n"))
+    if end < 0:
+        return text if text.endswith((".", "!", "?")) else None
+    return text[:end + 1]
 
 
 # -- examples and batches --------------------------------------------------------------------------

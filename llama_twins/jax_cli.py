@@ -84,7 +84,7 @@ def cmd_sft(args) -> int:
     if args.data is None and args.steps is None and not args.resume:
         args.steps = DEMO_STEPS  # the demo task's default: 99% exact match in about 5 minutes
     sft = SftSpec(data=args.data, eval_data=args.eval_data, chat_template=args.chat_template,
-                  skip_invalid=args.skip_invalid,
+                  skip_invalid=args.skip_invalid, replay=args.replay,
                   **({} if args.demo_examples is None else {"demo_examples": args.demo_examples}))
     spec = _run_spec(args, [], False if args.no_pack else None, default_pack=True, sft=sft)
     if args.show_mask is not None:
@@ -581,6 +581,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the first N rendered conversations with the trained tokens marked, "
                         "and exit")
     p.add_argument("--demo-examples", type=int, help="conversations of the demo task (default 6000)")
+    p.add_argument("--replay", type=int, default=0, metavar="N",
+                   help="with --init: train beside the data on the starting model's own greedy "
+                        "answers to N general requests (at most 300), so that it keeps answering "
+                        "other requests as it did (default 0: none)")
     _add_run_arguments(p, "the conversations")
 
     p = add_command(sub, "generate", cmd_generate,

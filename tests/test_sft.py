@@ -214,3 +214,73 @@ def test_truncation_that_leaves_nothing_to_train_is_refused_or_skipped(tmp_path,
     assert f"error: {tmp_path / 'chats.jsonl'}:4: no assistant token is left within the first 128 tokens" in err
     assert not (tmp_path / "run").exists()
     assert jax_cli.main(argv + ["--skip-invalid", "--show-mask", "1"]) == 0
+
+
+# -- replay: the starting model's own answers ----------------------------------------------------
+
+def test_general_prompts_are_seeded_distinct_and_of_no_demo_kind():
+    from jax_llama.sft import general_prompts
+
+    prompts = general_prompts(300, seed=0)
+    assert len(set(prompts)) == 300 and general_prompts(300, seed=0) == prompts
+    assert general_prompts(5, seed=1) != general_prompts(5, seed=0)
+    demo = {m["content"] for _, chat in demo_chats(2000, seed=0) for m in chat}
+    assert not demo & set(prompts)
+    # the questions scripts/sft_pretrained.py asks before and after are not replayed
+    assert not any(w in p.lower() for p in prompts for w in ("france", "colour", "haiku", "sleep"))
+    for bad in (0, 301, -2):
+        with pytest.raises(Exception, match=r"replay: must be in \[1, 300\]"):
+            general_prompts(bad, seed=0)
+
+
+@pytest.mark.parametrize("text, finished, kept", [
+    (" Paris is the capital. It is big", True, "Paris is the capital. It is big"),
+    ("Paris is the capital. It is big", False, "Paris is the capital."),
+    ("One! Two? Three", False, "One! Two?"),
+    ("A whole sentence.", False, "A whole sentence."),
+    ("no end at all", False, None),
+    ("   ", True, None),
+])
+def test_a_replayed_answer_cut_by_the_token_limit_keeps_whole_sentences(text, finished, kept):
+    from jax_llama.sft import replay_answer
+
+    assert replay_answer(text, finished) == kept
+
+
+def test_replay_adds_the_starting_model_s_greedy_answers(sft_run, tmp_path, monkeypatch, capsys):
+    """--replay N: N general prompts, each with the --init model's greedy answer (what
+    jax_llama.generate gives for it alone), join the training chats. The tiny model's answers
+    never end a sentence, so replay_answer is made to keep them whole here."""
+    from bridge.chat import find_template
+    from bridge.prompts import stop_ids
+    from jax_llama import sft as sft_lib
+    from jax_llama.sft import general_prompts
+
+    root, _ = sft_run
+    init = root / "base" / "model"
+    monkeypatch.setattr(sft_lib, "replay_answer", lambda text, finished: text.strip() or None)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS[:2]))
+    argv = ["sft", "--data", str(tmp_path / "chats.jsonl"), "--eval-data",
+            str(tmp_path / "chats.jsonl"), "--init", str(init), "--seq-len", "255",
+            "--out", str(tmp_path / "run")]  # room for a whole answer of 128 tokens
+    assert jax_cli.main([*argv, "--replay", "2", "--show-mask", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "replay: 2 of the starting model's own answers join the training chats" in err
+    tokenizer = load_tokenizer(init)
+    template = find_template(init, tokenizer, None)
+    model, params = jax_llama.load(init)
+    stops = list(stop_ids(tokenizer))
+    for prompt in general_prompts(2, seed=0):
+        assert prompt in out
+        ids = template.encode([{"role": "user", "content": prompt}], tokenizer,
+                              add_generation_prompt=True)
+        tokens = jax_llama.generate(model, params, [ids], 128, stop_ids=stops).tokens[0]
+        answer = tokenizer.decode([t for t in tokens if t not in stops]).strip()
+        assert answer and answer in out
+    assert not (tmp_path / "run").exists()
+
+    assert jax_cli.main(["sft", "--data", str(tmp_path / "chats.jsonl"), "--replay", "2",
+                         "--out", str(tmp_path / "run")]) == 2
+    assert "error: --replay: needs --init: the answers replayed are the starting model's own" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
