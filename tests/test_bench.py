@@ -274,3 +274,23 @@ def test_decode_rows_of_batch_1_only_and_the_ratios_against_llama_cpp():
 def test_gguf_file_type_as_llama_cpp_names_it(smollm2):
     from llama_twins.bench.decode import gguf_file_type
     assert gguf_file_type(smollm2) == "Q4_1"
+
+
+def test_the_lora_step_trains_the_same_adapters_in_every_implementation():
+    """train-lora's three steps (jax_llama.lora, torch_llama.add_lora, peft) train the same
+    number of parameters: rank 16 on all seven projections of every layer, nothing else."""
+    pytest.importorskip("peft")
+    from bridge.config import preset
+    from llama_twins.bench import train
+    from llama_twins.bench.common import IMPLEMENTATIONS, Spec
+
+    config = preset("tiny")
+    spec = Spec(config=config, batch=1, seq_len=16, warmup=0, repeats=1)
+    per_layer = 16 * sum(a + b for a, b in [
+        (config.dim, config.n_heads * config.head_dim), (config.dim, config.n_kv_heads * config.head_dim),
+        (config.dim, config.n_kv_heads * config.head_dim), (config.n_heads * config.head_dim, config.dim),
+        (config.dim, config.ffn_dim), (config.ffn_dim, config.dim), (config.dim, config.ffn_dim)])
+    for impl in IMPLEMENTATIONS:
+        result = train.measure_lora(impl, spec)
+        assert result["trainable"] == [config.n_layers * per_layer], impl
+        assert len(result["step"]) == 1 and result["step"][0] > 0

@@ -29,15 +29,17 @@ from . import convert, decode, forward, long, lora, train
 from .common import (CONFIG, IMPLEMENTATIONS, Spec, WorkerFailed, available, describe,
                      missing_note, probe, run_rounds, say, spawn)
 
-BENCHES = ("forward", "train", "decode", "convert", "compile", "long", "lora")
-# What runs without --only: "long" (the train step up to 16K-token rows, ~an hour on a 2-core CPU)
-# and "lora" (a LoRA step of llama3.2-1b, minutes) run when named.
-DEFAULT_BENCHES = BENCHES[:-2]
-IN_WORKERS = ("forward", "train", "decode")  # one worker process per implementation and round
+BENCHES = ("forward", "train", "decode", "convert", "compile", "train-lora", "long", "lora")
+# What runs without --only: "train-lora" (the LoRA step against peft), "long" (the train step up
+# to 16K-token rows, ~an hour on a 2-core CPU) and "lora" (a LoRA step's memory at llama3.2-1b,
+# minutes) run when named.
+DEFAULT_BENCHES = BENCHES[:-3]
+# one worker process per implementation and round
+IN_WORKERS = ("forward", "train", "train-lora", "decode")
 SUMMARIZE = {"forward": forward.summarize, "train": train.summarize,
-             "decode": decode.summarize}
+             "train-lora": train.summarize_lora, "decode": decode.summarize}
 MARKDOWN = {"forward": forward.markdown, "train": train.markdown,
-            "decode": decode.markdown}
+            "train-lora": train.markdown_lora, "decode": decode.markdown}
 # (full run, --quick): shapes, repetitions, compile depths, conversion model
 DEFAULTS = {"batch": (8, 2), "seq_len": (256, 32), "prompt_len": (16, 8), "new_tokens": (128, 64),
             "warmup": (2, 1), "repeats": (3, 2), "rounds": (2, 1), "depths": ((4, 32), (2, 8)),
@@ -114,7 +116,7 @@ def run(plan: Plan, command: str) -> dict:
     say(f"matmul peak {machine['peak_flops'] / 1e9:.0f} GFLOP/s ({spec.dtype}), read bandwidth "
         f"{machine['read_bandwidth'] / 1e9:.1f} GB/s")
     against = {"forward": machine["peak_flops"], "train": machine["peak_flops"],
-               "decode": machine["read_bandwidth"]}
+               "train-lora": machine["peak_flops"], "decode": machine["read_bandwidth"]}
     results = {}
     in_workers = tuple(b for b in IN_WORKERS if b in plan.benches)
     if in_workers:

@@ -116,6 +116,109 @@ def markdown(result: dict, dtype: str) -> list[str]:
             f"AdamW with gradient clipping", "", *throughput_table(result["rows"], "step")]
 
 
+# -- the LoRA train step ------------------------------------------------------------------------
+
+# rank 16 on all seven projections (alpha 32), as llama_twins.bench.lora; peft's names for them
+LORA_RANK, LORA_ALPHA = 16, 32.0
+PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def jax_lora_step(spec: Spec):
+    import jax
+
+    import jax_llama
+    from bridge.lora import LoraConfig
+    from jax_llama.lora import add_lora, count, trainable
+    from jax_llama.train import init_state, jit_train_step, lm_loss, make_optimizer
+    tc = train_config(spec)
+    model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype)
+    model, params = add_lora(model, params, LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA), seed=0)
+    optimizer = make_optimizer(tc, trainable)
+    holder = {"state": init_state(params, optimizer)}
+    train_step = jit_train_step(lm_loss(model), optimizer, tc, holder["state"],
+                                trainable=trainable)
+    device_batch = jax.device_put(batch(spec))
+
+    def step():
+        holder["state"], metrics = train_step(holder["state"], device_batch)
+        jax.block_until_ready(metrics["loss"])
+    return step, lambda: None, count(params, trainable(params))
+
+
+def torch_lora_step(spec: Spec, impl: str):
+    """The torch twin with torch_llama.add_lora and its AdamW, or transformers'
+    LlamaForCausalLM with peft's get_peft_model and torch.optim.AdamW: the adapters train."""
+    import torch
+
+    tc = train_config(spec)
+    device, sync = torch_device()
+    torch.manual_seed(0)
+    if impl == REFERENCE:
+        import peft
+        model = peft.get_peft_model(transformers_model(spec.config).to(device), peft.LoraConfig(
+            r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=PEFT_TARGETS, lora_dropout=0.0))
+        forward = lambda t: model(input_ids=t, use_cache=False).logits  # noqa: E731
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(tc.b1, tc.b2), eps=tc.eps,
+                                      weight_decay=tc.weight_decay)
+        clip = lambda: torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)  # noqa: E731
+    else:
+        import torch_llama
+        from bridge.lora import LoraConfig
+        model = forward = torch_llama.add_lora(torch_llama.Llama(spec.config).to(device),
+                                               LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA))
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch_llama.AdamW([{"params": params, "weight_decay": tc.weight_decay}],
+                                      lr=tc.lr, betas=(tc.b1, tc.b2), eps=tc.eps)
+        clip = lambda: torch_llama.clip_by_global_norm(params, tc.grad_clip)  # noqa: E731
+    model.train()
+    b = batch(spec)
+    inputs = torch.as_tensor(b["inputs"], dtype=torch.long, device=device)
+    targets = torch.as_tensor(b["targets"], dtype=torch.long, device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.dtype != "float32"):
+            logits = forward(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        clip()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step, sync, sum(p.numel() for p in params)
+
+
+def measure_lora(impl: str, spec: Spec) -> dict[str, list[float]]:
+    """In a worker: seconds per LoRA train step of `impl`, and its trainable parameters (the
+    same in every implementation, or they would not train the same adapters)."""
+    step, sync, trained = jax_lora_step(spec) if impl == JAX else torch_lora_step(spec, impl)
+    return {"step": timed(step, spec.warmup, spec.repeats, sync), "trainable": [trained]}
+
+
+def summarize_lora(times: dict[str, dict | None], spec: Spec, peak: float) -> dict:
+    """As summarize; the FLOPs are a frozen-base step's: train_flops_per_token less the weight
+    gradients (2 N a token; the adapters' few left out)."""
+    from jax_llama.perf import matmul_params, train_flops_per_token
+    n = spec.batch * spec.seq_len
+    flops = (train_flops_per_token(spec.config, spec.seq_len)
+             - 2 * matmul_params(spec.config)) * n
+    return {"batch": spec.batch, "seq_len": spec.seq_len, "tokens": n, "flops": flops,
+            "optimizer": OPTIMIZER, "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA,
+                                             "targets": PEFT_TARGETS},
+            "trainable": {impl: t and int(t["trainable"][0]) for impl, t in times.items()},
+            "rows": throughput_rows({impl: t and t["step"] for impl, t in times.items()}, n, flops,
+                                    peak)}
+
+
+def markdown_lora(result: dict, dtype: str) -> list[str]:
+    return [f"## LoRA train step: batch {result['batch']} x {result['seq_len']} tokens, {dtype}, "
+            f"rank {LORA_RANK} on all seven projections, AdamW on the adapters with clipping "
+            f"(transformers: peft's get_peft_model; the torch twin: torch_llama.add_lora); MFU "
+            f"counts the forward and the backward through the activations", "",
+            *throughput_table(result["rows"], "step"), "",
+            "Trainable parameters: " + ", ".join(f"{impl} {n:,}" for impl, n in
+                                                 result["trainable"].items() if n)]
+
+
 # -- compile time against depth ---------------------------------------------------------------
 
 def compile_seconds(spec: Spec, n_layers: int, scan_layers: bool) -> float:

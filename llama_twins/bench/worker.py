@@ -22,7 +22,7 @@ from . import decode, forward, long, lora, train
 from .common import IMPLEMENTATIONS, LLAMA_CPP, Spec, cpu_model
 
 MEASURE = {"forward": forward.measure, "train": train.measure,
-           "decode": decode.measure}
+           "train-lora": train.measure_lora, "decode": decode.measure}
 
 
 def machine(spec: Spec) -> dict:
@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     parser.add_argument("job", choices=(*IMPLEMENTATIONS, LLAMA_CPP, "machine", "compile", "probe",
                                         "long", *lora.JOBS))
     parser.add_argument("--spec", required=True, help="a Spec as JSON")
-    parser.add_argument("--benches", default="", help="comma-separated: forward, train, decode")
+    parser.add_argument("--benches", default="",
+                        help="comma-separated: forward, train, train-lora, decode")
     parser.add_argument("--depths", default="4,32", help="compile: shallow,deep layer counts")
     parser.add_argument("--variant", help="long: the implementation and attention, e.g. "
                                           "'jax-llama chunked'; lora: how the step is compiled")
