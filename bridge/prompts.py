@@ -71,3 +71,46 @@ class Streamer:
             self.out.write(text[len(self.shown):])
             self.out.flush()
             self.shown = text
+
+
+class TextStream:
+    """A generation's text as its tokens arrive, cut at the first stop string: push(id) returns
+    the text that is now safe to show. Text that could still become a stop string (a suffix that
+    is the start of one) is held back until a later token settles it, so a stop string never
+    appears, not even in part; an incomplete multi-byte character waits for its rest. `stopped`
+    turns True once a stop string has appeared (the text ends before it); finish() returns what
+    was held back when the generation ended without one."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()):
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise BridgeError("stop: each stop must be a non-empty string", field="stop")
+        self.tokenizer, self.stops = tokenizer, tuple(stops)
+        self.ids: list[int] = []
+        self.text = ""       # all decoded so far (up to a stop string, once one appeared)
+        self.shown = 0       # characters of text returned so far
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # the rest of a multi-byte character is still to come
+            return ""
+        cut = min((i for i in (text.find(s, max(0, self.shown - len(s) + 1)) for s in self.stops)
+                   if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = text[:cut], True
+            return self._show(cut)
+        self.text = text
+        held = max((k for s in self.stops for k in range(1, len(s))
+                    if text.endswith(s[:k])), default=0)
+        return self._show(max(len(text) - held, self.shown))
+
+    def finish(self) -> str:
+        """The rest of the text (the end of a generation that met no stop string)."""
+        return "" if self.stopped else self._show(len(self.text))
+
+    def _show(self, upto: int) -> str:
+        new, self.shown = self.text[self.shown:upto], max(upto, self.shown)
+        return new
