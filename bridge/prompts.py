@@ -95,8 +95,6 @@ class TextStream:
             return ""
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # the rest of a multi-byte character is still to come
-            return ""
         cut = min((i for i in (text.find(s, max(0, self.shown - len(s) + 1)) for s in self.stops)
                    if i >= 0), default=-1)
         if cut >= 0:
@@ -105,7 +103,9 @@ class TextStream:
         self.text = text
         held = max((k for s in self.stops for k in range(1, len(s))
                     if text.endswith(s[:k])), default=0)
-        return self._show(max(len(text) - held, self.shown))
+        # a trailing U+FFFD may be a multi-byte character whose rest is still to come
+        safe = min(len(text) - held, len(text.rstrip("\ufffd")))
+        return self._show(max(safe, self.shown))
 
     def finish(self) -> str:
         """The rest of the text (the end of a generation that met no stop string)."""

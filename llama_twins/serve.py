@@ -125,7 +125,7 @@ def sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) -
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if len(stops) > 4 or any(not isinstance(s, str) or not s for s in stops):
         raise ApiError("stop: at most 4 non-empty strings", "stop")
-    n = body.get("n") or 1
+    n = 1 if body.get("n") is None else body["n"]
     if not 1 <= n <= MAX_N:
         raise ApiError(f"n: must be in [1, {MAX_N}] (got {n})", "n")
     options = body.get("stream_options") or {}
