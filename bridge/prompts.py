@@ -5,7 +5,7 @@ twins' generate commands use these; each twin brings its own model and generate(
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .chat import ChatTemplate
 from .errors import BridgeError

@@ -21,8 +21,8 @@ from __future__ import annotations
 import functools
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -127,7 +127,7 @@ def _splice(cache: KVCache, row_cache: KVCache, row, start, *, P: int) -> KVCach
 def _compact(cache: KVCache) -> KVCache:
     """Each row's valid slots moved to the front, in their order; index after the longest."""
     order_BT = jnp.argsort(~cache.valid, axis=1, stable=True)
-    take = lambda x: jnp.take_along_axis(x, order_BT[None, :, None, :, None], axis=3)  # noqa: E731
+    take = lambda x: jnp.take_along_axis(x, order_BT[None, :, None, :, None], axis=3)
     valid = jnp.take_along_axis(cache.valid, order_BT, axis=1)
     return cache.replace(k=take(cache.k), v=take(cache.v), valid=valid,
                          index=jnp.max(valid.sum(axis=1)).astype(jnp.int32))
@@ -137,7 +137,7 @@ def _compact(cache: KVCache) -> KVCache:
 def _grow(cache: KVCache, *, length: int) -> KVCache:
     """The cache with invalid (zero) slots added at the end, up to `length`."""
     more = length - cache.length
-    pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, more), (0, 0)])  # noqa: E731
+    pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, more), (0, 0)])
     return cache.replace(k=pad(cache.k), v=pad(cache.v),
                          valid=jnp.pad(cache.valid, [(0, 0), (0, more)]))
 
@@ -246,8 +246,7 @@ class Engine:
         config = self.model.config
         P = bucket(len(request.prompt), config.max_seq_len - request.max_tokens)
         cache_len = bucket(P + request.max_tokens, config.max_seq_len)
-        if cache_len < P + request.max_tokens:
-            cache_len = P + request.max_tokens
+        cache_len = max(cache_len, P + request.max_tokens)
         tokens, mask = pad_rows([request.prompt], P, side="left")
         row_cache, logits = _prefill_alone(self.params, tokens, mask, model=self.model,
                                            cache_len=cache_len)
@@ -293,7 +292,7 @@ class Engine:
             length = min(bucket(max(P + steps, 256), self.max_len), self.max_len)
             self._cache = KVCache.create(self.model.config, self.max_batch, length,
                                          self.model.dtype)
-        need = lambda: max(int(self._cache.index), P) + steps  # noqa: E731
+        need = lambda: max(int(self._cache.index), P) + steps
         if need() > self._cache.length:
             self._cache = _compact(self._cache)
         if need() > self._cache.length:

@@ -19,8 +19,9 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from bridge.errors import BridgeError
 from bridge.prompts import TextStream
@@ -492,7 +493,7 @@ class Server:
 
     def tokenizer_info(self) -> dict:
         t = self.tokenizer
-        name = lambda i: None if i is None else t.decode([i])  # noqa: E731
+        name = lambda i: None if i is None else t.decode([i])
         return {"eos_token": name(t.eos_id), "bos_token": name(t.bos_id),
                 "pad_token": name(t.pad_id), "model_max_length": self.engine.max_len,
                 "chat_template": getattr(self.template, "source", None)}

@@ -17,18 +17,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import small_config
 
 import jax_llama
 from bridge.chat import find_template
 from bridge.tokenizer import ByteTokenizer, find_tokenizer
-from conftest import small_config
 from jax_llama.generate import generate
 from jax_llama.serving import Engine, Request, prompt_logprobs
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (.[test])")
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (.[serve])")
 httpx = pytest.importorskip("httpx")
-from llama_twins.serve import Server, app  # noqa: E402
+from llama_twins.serve import Server, app
 
 CONFIG = small_config(vocab_size=259, max_seq_len=256)
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -349,3 +349,63 @@ def test_lm_eval_local_completions_gives_the_jax_llama_model_s_loglikelihoods(se
     want = ours.loglikelihood(reqs, disable_tqdm=True)
     np.testing.assert_allclose([g[0] for g in got], [w[0] for w in want], rtol=1e-5)
     assert [bool(g[1]) for g in got] == [bool(w[1]) for w in want]
+
+
+# -- the real model -----------------------------------------------------------------------------
+
+def test_smollm2_chat_through_the_server_is_generate_s_answer(smollm2, tmp_path):
+    """The real SmolLM2 (its GGUF, its own ChatML template): two chat questions asked at once
+    get the greedy answers `generate` gives each alone, and one stop string cuts an answer where
+    it first appears."""
+    questions = ["What is the capital of France?", "Name three primary colours."]
+    with serving(smollm2, max_batch=2) as (url, server):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        want = [alone(server, chat_ids(server, q), 24) for q in questions]
+        assert all(want)
+
+        def ask(q, stop=None):
+            return client.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": q}], max_tokens=24,
+                temperature=0, stop=stop).choices[0].message.content
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(ask, questions)) == want
+        word = want[0].split()[1]
+        assert ask(questions[0], stop=[word]) == want[0][:want[0].index(word)]
+
+
+def test_the_serving_benchmark_runs(checkpoint, tmp_path):
+    from llama_twins.bench import serve as bench
+
+    result = bench.run(str(checkpoint), n_requests=4, max_batch=2, new_tokens=6, rounds=1)
+    assert result["same_answers"] and result["largest_batch"] == 2
+    assert set(result["rows"]) == {"one at a time", "all at once"}
+    assert all(r["tokens"] > 0 for r in result["rows"].values())
+
+
+def test_int8_weights_decode_in_the_engine_as_generate_decodes_them(checkpoint):
+    from jax_llama.quantize import quantize
+
+    model, params = jax_llama.load(checkpoint)
+    q = quantize(params)
+    engine, got, done = Engine(model, q, max_batch=2), [], threading.Event()
+    prompt = ByteTokenizer().encode("int8 weights", bos=True)
+    engine.submit(Request(prompt=prompt, max_tokens=12, on_token=lambda t: got.append(t.id),
+                          on_finish=lambda r: done.set()))
+    assert done.wait(60)
+    engine.close()
+    assert got == generate(model, q, [prompt], 12).tokens[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "/nonexistent"], "error: /nonexistent: no such file or directory"),
+    (["serve", "CKPT", "--port", "0"], "error: --port: must be in 1..65535 (got 0)"),
+    (["serve", "CKPT", "--max-batch", "0"], "error: --max-batch: must be a positive integer"),
+])
+def test_serve_refuses_bad_arguments_in_one_line(checkpoint, capsys, argv, message):
+    from llama_twins import jax_cli
+
+    argv = [str(checkpoint) if a == "CKPT" else a for a in argv]
+    assert jax_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(message), err
