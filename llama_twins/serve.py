@@ -598,3 +598,29 @@ def app(server: Server):
         Route("/tokenize", endpoint(server.tokenize), methods=["POST"]),
         Route("/detokenize", endpoint(server.detokenize), methods=["POST"]),
     ])
+
+
+def serve_in_thread(server: Server, host: str = "127.0.0.1"):
+    """Serve `server` on a free port of `host` from a thread (tests and the benchmark):
+    (base URL, stop())."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(app(server), host=host, port=port, log_level="error"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    while not http.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+
+    def stop():
+        http.should_exit = True
+        thread.join(10)
+        server.engine.close()
+    return f"http://{host}:{port}", stop

@@ -7,7 +7,6 @@ the server still serving; the API key; lm-eval's local-completions model against
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from jax_llama.serving import Engine, Request, prompt_logprobs
 openai = pytest.importorskip("openai", reason="the openai client is not installed (.[test])")
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (.[serve])")
 httpx = pytest.importorskip("httpx")
-from llama_twins.serve import Server, app
+from llama_twins.serve import Server, serve_in_thread
 
 CONFIG = small_config(vocab_size=259, max_seq_len=256)
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -57,21 +56,11 @@ def serving(checkpoint: Path, max_batch: int = 4, api_key: str | None = None):
     engine = Engine(model, params, max_batch=max_batch)
     server = Server(engine, model, params, tokenizer, find_template(str(checkpoint), tokenizer,
                                                                     None), NAME, api_key)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(app(server), host="127.0.0.1", port=port,
-                                         log_level="error"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.02)
+    url, stop = serve_in_thread(server)
     try:
-        yield f"http://127.0.0.1:{port}", server
+        yield url, server
     finally:
-        http.should_exit = True
-        thread.join(10)
-        engine.close()
+        stop()
 
 
 @pytest.fixture(scope="module")

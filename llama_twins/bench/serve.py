@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,35 +34,20 @@ def prompts(n: int) -> list[str]:
 
 def start(checkpoint: str, max_batch: int):
     """(base URL, Server, stop()) for a server on a free loopback port, in a thread."""
-    import uvicorn
-
     import jax_llama
     from bridge.chat import find_template
     from bridge.tokenizer import find_tokenizer
     from jax_llama.serving import Engine
 
-    from ..serve import Server, app
+    from ..serve import Server, serve_in_thread
 
     tokenizer = find_tokenizer(checkpoint)
     model, params = jax_llama.load(checkpoint)
     engine = Engine(model, params, max_batch=max_batch)
     server = Server(engine, model, params, tokenizer, find_template(checkpoint, tokenizer, None),
                     "bench")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(app(server), host="127.0.0.1", port=port,
-                                         log_level="error"))
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.02)
-
-    def stop():
-        http.should_exit = True
-        thread.join(10)
-        engine.close()
-    return f"http://127.0.0.1:{port}/v1", server, stop
+    url, stop = serve_in_thread(server)
+    return url + "/v1", server, stop
 
 
 def one(client, question: str, new_tokens: int) -> dict:

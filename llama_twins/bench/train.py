@@ -80,6 +80,14 @@ def torch_step(spec: Spec, impl: str, attention: str = "sdpa"):
                                                         tc.lr * tc.end_lr_ratio),
             betas=(tc.b1, tc.b2), eps=tc.eps)
         clip = lambda: torch_llama.clip_by_global_norm(params, tc.grad_clip)  # noqa: E731
+    return _torch_step(spec, device, forward, clip, optimizer), sync
+
+
+def _torch_step(spec: Spec, device, forward, clip, optimizer):
+    """One torch train step on the benchmark batch: forward (autocast in bfloat16), cross
+    entropy, backward, clip, the optimizer's step."""
+    import torch
+
     b = batch(spec)
     inputs = torch.as_tensor(b["inputs"], dtype=torch.long, device=device)
     targets = torch.as_tensor(b["targets"], dtype=torch.long, device=device)
@@ -92,7 +100,7 @@ def torch_step(spec: Spec, impl: str, attention: str = "sdpa"):
         clip()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return step, sync
+    return step
 
 
 def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
@@ -172,19 +180,8 @@ def torch_lora_step(spec: Spec, impl: str):
                                       lr=tc.lr, betas=(tc.b1, tc.b2), eps=tc.eps)
         clip = lambda: torch_llama.clip_by_global_norm(params, tc.grad_clip)  # noqa: E731
     model.train()
-    b = batch(spec)
-    inputs = torch.as_tensor(b["inputs"], dtype=torch.long, device=device)
-    targets = torch.as_tensor(b["targets"], dtype=torch.long, device=device)
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec.dtype != "float32"):
-            logits = forward(inputs)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        loss.backward()
-        clip()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step, sync, sum(p.numel() for p in params)
+    return (_torch_step(spec, device, forward, clip, optimizer), sync,
+            sum(p.numel() for p in params))
 
 
 def measure_lora(impl: str, spec: Spec) -> dict[str, list[float]]:
