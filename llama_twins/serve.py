@@ -112,8 +112,7 @@ def sampling(body: dict, max_tokens_default: int | None, logprobs: int | None) -
         max_tokens = max_tokens_default
     if max_tokens is not None and max_tokens < 0:
         raise ApiError(f"max_tokens: must be >= 0 (got {max_tokens})", "max_tokens")
-    temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None
-                        else 1.0)
+    temperature = float(1.0 if body.get("temperature") is None else body["temperature"])
     if not 0 <= temperature <= 2:
         raise ApiError(f"temperature: must be in [0, 2] (got {temperature})", "temperature")
     top_p = float(body.get("top_p") if body.get("top_p") is not None else 1.0)
