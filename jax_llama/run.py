@@ -16,6 +16,8 @@ A run directory holds:
                   adapter_model.safetensors)
   chat_template.jinja   an SFT run's chat template (also in model/, where generate --chat finds it)
   exact_match.json      an SFT run's greedy replies to the held-out chats, before and after
+  preference.json       a DPO run's held-out metrics (loss, rewards, pair accuracy) before and
+                        after, and greedy replies to a few held-out prompts
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from . import data as data_lib
 from .attention import choose as choose_attention
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
+from . import dpo as dpo_lib
 from . import sft as sft_lib
 from .lora import add_lora, count, merge_lora, save_adapter, trainable_for
 from .model import Llama, init
@@ -77,6 +80,7 @@ class RunSpec:
     lora: LoraConfig | None = None     # train LoRA adapters only; the base stays frozen, held in
                                        # the compute dtype (train.dtype)
     sft: sft_lib.SftSpec | None = None  # supervised fine-tuning on chats instead of a corpus
+    dpo: dpo_lib.DpoSpec | None = None  # preference tuning on pairs instead of a corpus
     tracking: TrackingSpec = field(default_factory=TrackingSpec)  # TensorBoard / W&B as well;
                                        # not part of the setup a resume must match
 
@@ -90,6 +94,7 @@ def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
             "tokenizer": spec.tokenizer, "init": spec.init, "strip_labels": spec.strip_labels,
             "pack": spec.pack, "lora": None if spec.lora is None else spec.lora.to_dict(),
             "sft": None if spec.sft is None else spec.sft.to_dict(),
+            "dpo": None if spec.dpo is None else spec.dpo.to_dict(),
             "tracking": spec.tracking.to_dict()}
 
 
@@ -100,7 +105,7 @@ def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
              for part in ("model", "train") for k in sorted(set(saved[part]) | set(now[part]))
              if saved[part].get(k) != now[part].get(k)]
     diffs += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("data", "tokenizer", "init", "lora",
-                                                                "sft")
+                                                                "sft", "dpo")
               if saved.get(k) != now[k]]
     for flag in ("strip_labels", "pack"):
         if saved.get(flag, False) != now[flag]:
@@ -142,8 +147,9 @@ def train(spec: RunSpec) -> dict:
     tc = spec.train
     choose_attention(spec.attention, 1, 1)  # refused before anything is read or written
     spec.tracking.check()
-    if jax.process_count() > 1 and (spec.lora or spec.sft):
-        raise BridgeError(f"{'LoRA' if spec.lora else 'SFT'} runs across several processes are "
+    if jax.process_count() > 1 and (spec.lora or spec.sft or spec.dpo):
+        kind = "LoRA" if spec.lora else "SFT" if spec.sft else "DPO"
+        raise BridgeError(f"{kind} runs across several processes are "
                           f"not supported yet (one process with many devices is)", field="multi_host")
     if spec.resume and not (spec.out / "run.json").is_file():
         raise BridgeError(f"{spec.out} holds no run to resume (no run.json)", field="resume")
@@ -153,6 +159,9 @@ def train(spec: RunSpec) -> dict:
     if spec.sft:  # every conversation is read, rendered and checked before anything is written
         chat = sft_inputs(spec)
         tokenizer, config = chat.tokenizer, chat.config
+    elif spec.dpo:  # every pair likewise
+        prefs = dpo_inputs(spec)
+        tokenizer, config = prefs.tokenizer, prefs.config
     else:
         files = data_lib.corpus_files(spec.data) if spec.data else data_lib.default_corpus()
         tokenizer = _tokenizer(spec, lambda: data_lib.read_documents(files, labeled=spec.strip_labels),
@@ -180,6 +189,10 @@ def train(spec: RunSpec) -> dict:
         if primary:
             chat.template.save(spec.out)
         batches, val_batches, unigram = chat.batches(tc, local_batch, spec.pack)
+    elif spec.dpo:
+        if primary and prefs.template is not None:
+            prefs.template.save(spec.out)
+        batches, unigram = prefs.batches(tc, local_batch), None
     else:
         batches, val_batches, unigram, val_tokens = _corpus_batches(spec, files, tokenizer, config,
                                                                     local_batch)
@@ -205,6 +218,8 @@ def train(spec: RunSpec) -> dict:
              f"{n_train:,} of {n_all:,} parameters")
         desc = f"training LoRA ({n_train / 1e6:.3g}M of {n_all / 1e6:.3g}M params)"
     optimizer = make_optimizer(tc, labels)
+    if spec.dpo:  # the starting weights, before the state (donated at each step) holds them
+        prefs.start_reference(model, params, tc, local_batch)
     state = place_state(init_state(params, optimizer), mesh)
     manager = _checkpoint_manager(spec.out / "checkpoints", tc)
     if spec.resume and manager.latest_step() is not None:
@@ -218,13 +233,29 @@ def train(spec: RunSpec) -> dict:
         if spec.sft and not spec.resume:
             scores["before"] = chat.exact_match(model, params)
             tracker.log(0, _exact_match_scalars(scores["before"]))
-        train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels)
-        eval_step = jit_eval_step(model, state, mesh)
+        if spec.dpo and not spec.resume:
+            scores["before"] = prefs.evaluate(model, params, replies=True)
+            tracker.log(0, _eval_scalars(scores["before"]))
+        if spec.dpo:
+            train_step = jit_train_step(dpo_lib.train_loss(model, spec.dpo), optimizer, tc, state,
+                                        mesh, labels, has_aux=True)
+        else:
+            train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels)
+            eval_step = jit_eval_step(model, state, mesh)
 
         def evaluate(params) -> float:
+            if spec.dpo:
+                result = prefs.evaluate(model, params)
+                last["eval"] = _eval_scalars(result)
+                return result["loss"]
             losses = [eval_step(params, global_batch(val_batches.batch(i), mesh))
                       for i in range(tc.eval_batches)]
             return float(np.mean(jax.device_get(losses)))
+
+        def next_batch(step: int, state):
+            if spec.dpo:
+                return global_batch(prefs.batch(batches, step, state.params), mesh)
+            return global_batch(batches.batch(step), mesh)
 
         peak = measure_matmul_peak(tc.dtype)
         flops_per_token = train_flops_per_token(config, tc.seq_len)
@@ -235,7 +266,7 @@ def train(spec: RunSpec) -> dict:
                 tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar:
             tick = time.perf_counter()
             for step in range(start, tc.steps):
-                state, metrics = train_step(state, global_batch(batches.batch(step), mesh))
+                state, metrics = train_step(state, next_batch(step, state))
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
                     kept = manager.latest_step()
@@ -250,6 +281,7 @@ def train(spec: RunSpec) -> dict:
                 record = {"step": step + 1, **metrics, "tokens_per_s": tokens_per_s}
                 if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
                     record["val_loss"] = last["val_loss"] = evaluate(state.params)
+                    record.update(last.pop("eval", {}))
                     tick = time.perf_counter()  # evaluation time is not training throughput
                 if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
                     manager.save(step + 1, args=_save_args(state))
@@ -277,7 +309,7 @@ def train(spec: RunSpec) -> dict:
                     "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": None,
                     "sample": ""}
         tokenizer.save(spec.out / "model")
-        plot = _plot(spec.out, unigram)
+        plot = _plot(spec.out, unigram, "DPO loss" if spec.dpo else None)
         summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
                    "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot}
         if spec.sft:
@@ -290,6 +322,15 @@ def train(spec: RunSpec) -> dict:
             summary["n_unseen"] = scores["after"]["n_unseen"]
             summary["n_eval"] = scores["after"]["n"]
             summary["sample"] = chat.sample(scores["after"])
+        elif spec.dpo:
+            if prefs.template is not None:
+                prefs.template.save(spec.out / "model")
+            scores["after"] = prefs.evaluate(model, params, replies=True)
+            tracker.log(tc.steps, _eval_scalars(scores["after"]))
+            write_text(spec.out / "preference.json", json.dumps(scores, indent=2) + "\n")
+            summary["preference"] = {when: _eval_scalars(v) for when, v in scores.items()}
+            summary["n_eval"] = len(prefs.eval_pairs)
+            summary["sample"] = prefs.sample(scores)
         else:  # one process decodes: a model sharded over several would need them all
             summary["sample"] = _sample(model, params, tokenizer, val_tokens, tc.seq_len,
                                         spec.sample_tokens if jax.process_count() == 1 else 0,
@@ -452,6 +493,148 @@ def sft_inputs(spec: RunSpec) -> ChatInputs:
                       {sft_lib.prompt_key(messages) for _, messages in chats})
 
 
+# -- preference tuning on pairs -----------------------------------------------------------------
+
+@dataclass
+class PreferenceInputs:
+    """A DPO run's inputs, all checked before the run writes anything: the tokenizer, the model
+    config, the chat template (for conversational pairs) and the encoded pairs; then its
+    reference (start_reference) and the reference log-probs of the held-out pairs."""
+
+    spec: RunSpec
+    tokenizer: object
+    config: LlamaConfig
+    template: object | None          # bridge.chat.ChatTemplate, or None for plain-text pairs
+    pairs: list                      # bridge.preference.Pair
+    eval_pairs: list
+    counts: dict                     # skipped (identical) and cut pairs
+    reference: object = None         # dpo_lib.Reference, once started
+    eval_ref: np.ndarray | None = None
+    train_ref: np.ndarray | None = None   # with precompute_ref
+    _logps: dict = field(default_factory=dict)
+
+    def batches(self, tc: TrainConfig, local_batch: int):
+        from bridge.preference import PairBatches
+
+        tokens = sum(len(p.chosen) + len(p.rejected) for p in self.pairs)
+        _say(f"{len(self.pairs):,} preference pairs ({len(self.eval_pairs):,} held out"
+             + "".join(f", {n:,} {what}" for what, n in (
+                 ("skipped: chosen = rejected", self.counts["identical"]),
+                 (f"cut to {tc.seq_len + 1} tokens", self.counts["cut"])) if n)
+             + f"): {tokens:,} completion tokens")
+        return PairBatches(self.pairs, local_batch, tc.seq_len, tc.seed, self.pad_id)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id or 0
+
+    def start_reference(self, model, params, tc: TrainConfig, local_batch: int) -> None:
+        """The reference policy of the starting weights (see jax_llama.dpo.Reference) and the
+        held-out pairs' reference log-probs; with precompute_ref, every training pair's too,
+        and the reference's copy of the weights is then dropped."""
+        dpo = self.spec.dpo
+        copy = None if model.lora is not None else jax.tree.map(lambda x: x.copy(), params)
+        self.reference = dpo_lib.Reference(model, copy)
+        self.batch_size, self.seq_len = local_batch, tc.seq_len
+
+        def progress(desc):
+            return lambda it, total: tqdm(it, total=total, desc=desc, unit="batch",
+                                          file=sys.stderr, leave=False)
+        self.eval_ref = self.reference.all_logps(params, self.eval_pairs, local_batch, tc.seq_len,
+                                                 self.pad_id, progress("reference (held out)"))
+        if dpo.precompute_ref:
+            self.train_ref = self.reference.all_logps(params, self.pairs, local_batch, tc.seq_len,
+                                                      self.pad_id, progress("reference (train)"))
+            self.reference.params = None
+
+    def batch(self, batches, step: int, params) -> dict:
+        """Training batch `step` with its reference log-probs (2B,): looked up when precomputed,
+        else computed now from the frozen reference."""
+        rows = batches.batch(step)
+        index = rows.pop("index")
+        if self.train_ref is not None:
+            ref = np.concatenate([self.train_ref[index, 0], self.train_ref[index, 1]])
+        else:
+            ref = np.asarray(self.reference.logps(params, rows))
+        return {**rows, "ref_logps": ref.astype(np.float32)}
+
+    def evaluate(self, model, params, replies: bool = False) -> dict:
+        """Held-out loss, rewards and pair accuracy (jax_llama.dpo.evaluate); with replies, the
+        model's greedy answers to the first four held-out prompts as well."""
+        fn = self._logps.get(id(model))
+        if fn is None:
+            fn = self._logps[id(model)] = jax.jit(
+                lambda p, rows: dpo_lib.sequence_logps(model, p, rows))
+        result = dpo_lib.evaluate(model, params, self.eval_pairs, self.eval_ref, self.spec.dpo,
+                                  self.batch_size, self.seq_len, self.pad_id, fn)
+        _say(f"held-out pairs: loss {result['loss']:.4f}, rewards/accuracies "
+             f"{result['rewards/accuracies']:.1%}, the model prefers the chosen completion in "
+             f"{result['preference/accuracy']:.1%}")
+        if replies:
+            from bridge.sampling import Sampler
+
+            from .generate import generate
+
+            shown = self.eval_pairs[:4]
+            new = max(len(p.chosen) for p in shown) + 4
+            room = self.config.max_seq_len - max(len(p.prompt) for p in shown)
+            out = generate(model, params, [p.prompt.tolist() for p in shown],
+                           max(1, min(new, room)), Sampler(), self.tokenizer.stop_ids).tokens
+            stops = set(self.tokenizer.stop_ids)
+            result["replies"] = []
+            for pair, ids in zip(shown, out):
+                ids = ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+                result["replies"].append({
+                    "where": pair.where, "prompt": self.tokenizer.decode(pair.prompt),
+                    "chosen": self.tokenizer.decode(pair.chosen),
+                    "rejected": self.tokenizer.decode(pair.rejected),
+                    "reply": self.tokenizer.decode(ids).strip()})
+        return result
+
+    def sample(self, scores: dict) -> str:
+        before = {r["where"]: r["reply"] for r in scores.get("before", {}).get("replies", [])}
+        return "\n".join(f"{r['where']}: chosen {r['chosen'].strip()!r}, rejected "
+                         f"{r['rejected'].strip()!r}: {before.get(r['where'], '?')!r} -> "
+                         f"{r['reply']!r}" for r in scores["after"]["replies"])
+
+
+def _pair_texts(records) -> list[str]:
+    """Every prompt and completion's text: what a BPE trained for the run reads."""
+    texts = []
+    for _, record in records:
+        for value in record.values():
+            texts += [value] if isinstance(value, str) else [m["content"] for m in value]
+    return texts
+
+
+def dpo_inputs(spec: RunSpec) -> PreferenceInputs:
+    """Read, check and encode a DPO run's pairs (refusing, naming FILE:LINE, what cannot train),
+    with the tokenizer and, for conversational pairs, the chat template."""
+    from bridge.chat import find_template
+    from bridge.preference import encode_pairs, read_pairs
+
+    dpo = spec.dpo
+    seed = spec.train.seed
+    records = read_pairs(dpo.data) if dpo.data else dpo_lib.demo_pairs(dpo.demo_pairs, seed)
+    if dpo.eval_data:
+        eval_records = read_pairs(dpo.eval_data)
+    else:
+        records, eval_records = dpo_lib.split_pairs(records, dpo.eval_fraction, seed)
+    tokenizer = _tokenizer(spec, lambda: _pair_texts(records), f"the {len(records):,} pairs")
+    config = _model_config(spec, tokenizer)
+    template = None
+    if any(not isinstance(r["prompt"], str) for _, r in records + eval_records):
+        template = find_template(spec.out if spec.resume else spec.init, tokenizer,
+                                 None if spec.resume else dpo.chat_template)
+    pairs, counts = encode_pairs(records, tokenizer, template, spec.train.seq_len)
+    eval_pairs, eval_counts = encode_pairs(eval_records, tokenizer, template, spec.train.seq_len)
+    if not pairs or not eval_pairs:
+        raise BridgeError(f"no {'training' if not pairs else 'held-out'} pair is left to train on",
+                          field="data")
+    counts = {k: counts[k] + eval_counts[k] for k in counts}
+    return PreferenceInputs(spec, tokenizer, config, template, pairs, eval_pairs, counts)
+
+
 def replay_chats(spec: RunSpec, tokenizer, template) -> list[tuple[str, list[dict]]]:
     """The --init model's own greedy answers to spec.sft.replay general prompts, as chats
     (where: replay:N): trained on beside the data, they keep the model answering other requests
@@ -494,6 +677,11 @@ def replay_chats(spec: RunSpec, tokenizer, template) -> list[tuple[str, list[dic
     return chats
 
 
+def _eval_scalars(result: dict) -> dict:
+    """A DPO evaluation's figures, without the replies, for the tracker and the metrics."""
+    return {f"eval/{k}": v for k, v in result.items() if k != "replies"}
+
+
 def _exact_match_scalars(scores: dict) -> dict:
     """exact_match()'s figures, without the replies and counts, for the tracker."""
     return {k: scores[k] for k in ("exact_match", "unseen_exact_match")}
@@ -523,7 +711,7 @@ def _restore(manager, state, mesh):
 
 # -- what the user sees at the end -----------------------------------------------------------------
 
-def _plot(out: Path, unigram: float) -> str | None:
+def _plot(out: Path, unigram: float | None, ylabel: str | None = None) -> str | None:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     try:
         import matplotlib
@@ -536,8 +724,9 @@ def _plot(out: Path, unigram: float) -> str | None:
     ax.plot(steps, [r["loss"] for r in records], lw=0.8, alpha=0.6, label="train")
     evals = [r for r in records if "val_loss" in r]
     ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
-    ax.axhline(unigram, ls="--", color="gray", label=f"unigram baseline ({unigram:.2f})")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=out.name)
+    if unigram is not None:
+        ax.axhline(unigram, ls="--", color="gray", label=f"unigram baseline ({unigram:.2f})")
+    ax.set(xlabel="step", ylabel=ylabel or "cross-entropy (nats/token)", title=out.name)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)

@@ -134,31 +134,36 @@ def lm_loss(model) -> Loss:
 
 
 def make_train_step(loss: Loss, optimizer: optax.GradientTransformation, schedule: Callable,
-                    grad_accum: int = 1, seed: int = 0, trainable: Callable | None = None):
+                    grad_accum: int = 1, seed: int = 0, trainable: Callable | None = None,
+                    has_aux: bool = False):
     """The pure step: (state, batch) -> (new state, metrics {loss, grad_norm, lr}). loss gets a
     PRNG key that depends on (seed, step) only, so a resumed run draws the same dropout.
     trainable (as in make_optimizer): grad_norm counts those leaves only; the frozen leaves'
-    gradients are then used nowhere, and XLA does not compute them."""
+    gradients are then used nowhere, and XLA does not compute them. has_aux: loss returns
+    (value, {name: scalar}), and those scalars join the metrics (DPO's rewards)."""
     base_key = jax.random.key(seed)
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
         key = jax.random.fold_in(base_key, state.step)
-        value, grads = jax.value_and_grad(loss)(state.params, batch, key)
+        value, grads = jax.value_and_grad(loss, has_aux=has_aux)(state.params, batch, key)
+        value, aux = value if has_aux else (value, {})
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         if trainable is not None:
             grads = [g for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(trainable(grads))) if t]
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state.step // grad_accum)}
+                   "lr": schedule(state.step // grad_accum), **aux}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
     return train_step
 
 
 def jit_train_step(loss: Loss, optimizer: optax.GradientTransformation, tc: TrainConfig,
-                   state: TrainState, mesh: Mesh | None = None, trainable: Callable | None = None):
+                   state: TrainState, mesh: Mesh | None = None, trainable: Callable | None = None,
+                   has_aux: bool = False):
     """make_train_step for tc's schedule, accumulation and seed, jitted once with the state
     donated; on a mesh, the state sharded by role and the batch split over data x fsdp."""
-    step = make_train_step(loss, optimizer, lr_schedule(tc), tc.grad_accum, tc.seed, trainable)
+    step = make_train_step(loss, optimizer, lr_schedule(tc), tc.grad_accum, tc.seed, trainable,
+                           has_aux)
     options = compiler_options(state.params)
     if mesh is None:
         return jax.jit(step, donate_argnums=0, compiler_options=options)

@@ -34,9 +34,10 @@ TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", f
                  ("checkpoint_every", int), ("keep_checkpoints", int), ("seed", int)]
 
 
-def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: bool, sft=None):
-    """The RunSpec of `train` or `sft` from their shared flags (a resumed run: its own settings
-    unless flags say otherwise, which the resume check then refuses)."""
+def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: bool, sft=None,
+              dpo=None):
+    """The RunSpec of `train`, `sft` or `dpo` from their shared flags (a resumed run: its own
+    settings unless flags say otherwise, which the resume check then refuses)."""
     from jax_llama.run import RunSpec
     from jax_llama.train import TrainConfig
 
@@ -58,6 +59,9 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
     if sft is not None and saved.get("sft"):  # flags not given keep the saved run's values
         given_sft = {k: v for k, v in sft.to_dict().items() if v != getattr(type(sft)(), k)}
         sft = dataclasses.replace(type(sft)(**saved["sft"]), **given_sft)
+    if dpo is not None and saved.get("dpo"):
+        given_dpo = {k: v for k, v in dpo.to_dict().items() if v != getattr(type(dpo)(), k)}
+        dpo = dataclasses.replace(type(dpo)(**saved["dpo"]), **given_dpo)
     return RunSpec(out=out, model=model, train=train_config,
                    data=data if data is not None else saved.get("data", []),
                    tokenizer=args.tokenizer or saved.get("tokenizer"),
@@ -67,7 +71,7 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
                    strip_labels=getattr(args, "strip_labels", False),
                    pack=pack if pack is not None else saved.get("pack", default_pack),
                    attention=args.attention, lora=_lora_config(args, saved.get("lora")), sft=sft,
-                   tracking=_tracking(args, saved.get("tracking")))
+                   dpo=dpo, tracking=_tracking(args, saved.get("tracking")))
 
 
 def cmd_train(args) -> int:
@@ -98,6 +102,29 @@ def cmd_sft(args) -> int:
         for example in chat.examples[:args.show_mask]:
             print(show_mask(example, chat.tokenizer) + "\n")
         return EXIT_OK
+    return _run(args, spec)
+
+
+DPO_DEMO_STEPS = 600
+# DPO's learning rates when none is given: a pretrained model is moved gently (TRL's default for
+# full fine-tuning is 1e-6; LoRA's adapters start at zero and take a larger rate); the demo's
+# small model, trained from scratch, takes a from-scratch rate.
+DPO_LR = {"full": 1e-6, "lora": 5e-5, "scratch": 1e-3}
+
+
+def cmd_dpo(args) -> int:
+    from jax_llama.dpo import DpoSpec
+
+    if not args.resume:
+        if args.data is None and args.steps is None:
+            args.steps = DPO_DEMO_STEPS
+        if args.lr is None:
+            args.lr = DPO_LR["scratch" if not args.init else "lora" if args.lora_rank else "full"]
+    dpo = DpoSpec(data=args.data, eval_data=args.eval_data, chat_template=args.chat_template,
+                  beta=args.beta, loss=args.loss, label_smoothing=args.label_smoothing,
+                  precompute_ref=args.precompute_ref,
+                  **({} if args.demo_pairs is None else {"demo_pairs": args.demo_pairs}))
+    spec = _run_spec(args, [], False, default_pack=False, dpo=dpo)
     return _run(args, spec)
 
 
@@ -165,9 +192,19 @@ def _run(args, spec) -> int:
               f"{scores['after']:.1%} after"
               + (f"; {summary['unseen_exact_match']:.1%} after on the {summary['n_unseen']} "
                  f"whose question is not in the training set" if summary["n_unseen"] else ""))
-    print(f"validation loss {summary['val_loss']:.4f} nats/token (unigram baseline "
-          f"{summary['unigram_loss']:.4f}); train loss {summary['train_loss']:.4f} after "
-          f"{summary['steps']} steps")
+    if "preference" in summary:
+        scores = summary["preference"]
+        for name, key in (("the model prefers the chosen completion", "eval/preference/accuracy"),
+                          ("rewards/accuracies", "eval/rewards/accuracies")):
+            before = f"{scores['before'][key]:.1%} before, " if "before" in scores else ""
+            print(f"held-out pairs ({summary['n_eval']}): {name}: {before}"
+                  f"{scores['after'][key]:.1%} after")
+        print(f"held-out DPO loss {summary['val_loss']:.4f}; train loss "
+              f"{summary['train_loss']:.4f} after {summary['steps']} steps")
+    else:
+        print(f"validation loss {summary['val_loss']:.4f} nats/token (unigram baseline "
+              f"{summary['unigram_loss']:.4f}); train loss {summary['train_loss']:.4f} after "
+              f"{summary['steps']} steps")
     print(f"model: {summary['model']}  (llama-bridge convert {summary['model']} DST --to hf)")
     if "adapter" in summary:
         print(f"adapter: {summary['adapter']}  (PEFT format; jax-llama generate BASE --adapter "
@@ -620,6 +657,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "answers to N general requests (at most 300), so that it keeps answering "
                         "other requests as it did (default 0: none)")
     _add_run_arguments(p, "the conversations")
+
+    p = add_command(sub, "dpo", cmd_dpo,
+                    help="preference tuning (DPO, IPO, hinge) on {prompt, chosen, rejected} pairs "
+                         "against the frozen starting model; with no --data, a demo task scored "
+                         "by held-out pair accuracy before and after")
+    p.add_argument("--data", help="JSON lines: {\"prompt\", \"chosen\", \"rejected\"}, as "
+                                  "strings or as message lists (TRL's formats; default: the demo)")
+    p.add_argument("--eval-data", help="held-out pairs, same format (default: 10%% of --data)")
+    p.add_argument("--chat-template", help="for conversational pairs: llama3, llama2 or a jinja "
+                                           "file (default: --init's own chat template)")
+    p.add_argument("--beta", type=float, default=0.1,
+                   help="how far the policy may move from the reference (default 0.1)")
+    p.add_argument("--loss", default="sigmoid", choices=("sigmoid", "robust", "hinge", "ipo"),
+                   help="sigmoid (DPO), robust, hinge (SLiC) or ipo, as TRL computes them "
+                        "(default sigmoid)")
+    p.add_argument("--label-smoothing", type=float, default=0.0,
+                   help="with sigmoid or robust: the assumed fraction of flipped labels "
+                        "(default 0)")
+    p.add_argument("--precompute-ref", action="store_true",
+                   help="without LoRA: compute the reference log-probs of every pair before "
+                        "training and free the reference's copy of the weights (default: per "
+                        "batch)")
+    p.add_argument("--demo-pairs", type=int, help="pairs of the demo task (default 4000)")
+    _add_run_arguments(p, "the pairs")
 
     p = add_command(sub, "generate", cmd_generate,
                     help="continue prompts with a KV cache (greedy, temperature, top-k, top-p); "
