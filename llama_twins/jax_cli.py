@@ -105,7 +105,7 @@ def cmd_sft(args) -> int:
     return _run(args, spec)
 
 
-DPO_DEMO_STEPS = 600
+DPO_DEMO_STEPS = 1500
 # DPO's learning rates when none is given: a pretrained model is moved gently (TRL's default for
 # full fine-tuning is 1e-6; LoRA's adapters start at zero and take a larger rate); the demo's
 # small model, trained from scratch, takes a from-scratch rate.

@@ -334,3 +334,70 @@ def test_the_demo_learns_the_preference(tmp_path):
     assert all(k in records[0] for k in ("rewards/margins", "logps/chosen", "loss"))
     assert "eval/rewards/accuracies" in records[-1]
     assert (out / "model" / "chat_template.jinja").is_file()
+
+
+# -- the run: resume, the precomputed reference ------------------------------------------------------
+
+PAIRS = [{"prompt": "Name a colour.", "chosen": " green", "rejected": " seven"},
+         {"prompt": "Say hello.", "chosen": " hello", "rejected": " goodbye"},
+         {"prompt": "What is two plus two?", "chosen": " four", "rejected": " five"},
+         {"prompt": "Pick an animal.", "chosen": " a cat", "rejected": " a chair"}] * 6
+
+
+@pytest.fixture(scope="module")
+def dpo_base(tmp_path_factory):
+    """A small base trained for two steps with a BPE of the pairs' text, and the pairs' file."""
+    from llama_twins import jax_cli
+
+    root = tmp_path_factory.mktemp("dpo")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    text = root / "text.txt"
+    text.write_text("\n".join(p["prompt"] + p["chosen"] + p["rejected"] for p in PAIRS) + "\n")
+    assert jax_cli.main(["train", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                         "--data", str(text), "--vocab-size", "300", "--sample-tokens", "0",
+                         "--out", str(root / "base")]) == 0
+    return root
+
+
+def dpo_args(root, out, *extra):
+    return ["dpo", "--data", str(root / "pairs.jsonl"), "--init", str(root / "base" / "model"),
+            "--steps", "6", "--batch-size", "2", "--seq-len", "24", "--lr", "1e-3",
+            "--checkpoint-every", "3", "--eval-every", "3", "--out", str(out), *extra]
+
+
+def losses(out):
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora-rank", "2"]], ids=["full", "lora"])
+def test_interrupted_and_resumed_ends_where_a_straight_run_ends(dpo_base, tmp_path, extra):
+    """The full run's reference (a copy of the starting weights) is rebuilt from --init on
+    resume, the LoRA run's is its own frozen base: either way the resumed run ends bitwise
+    where the straight one does."""
+    from conftest import interrupted_at
+    from llama_twins import jax_cli
+
+    straight, again = tmp_path / "straight", tmp_path / "again"
+    assert jax_cli.main(dpo_args(dpo_base, straight, *extra)) == 0
+    with interrupted_at(4):  # after the checkpoint at step 3
+        jax_cli.main(dpo_args(dpo_base, again, *extra))
+    assert jax_cli.main(["dpo", "--out", str(again), "--resume"]) == 0
+    assert (straight / "model/model.safetensors").read_bytes() == \
+        (again / "model/model.safetensors").read_bytes()
+    assert losses(again)[-3:] == losses(straight)[-3:]
+    for name in ("run.json", "preference.json", "metrics.jsonl", "model/config.json"):
+        assert (straight / name).is_file(), name
+
+
+def test_a_precomputed_reference_trains_as_the_per_batch_one(dpo_base, tmp_path):
+    """--precompute-ref (every pair's reference log-probs before training, the copy dropped)
+    gives the per-batch run's losses. Tolerance: rtol 1e-5 (the reference rows are batched
+    differently, and XLA may sum a row differently in another batch)."""
+    from llama_twins import jax_cli
+
+    a, b = tmp_path / "per-batch", tmp_path / "precomputed"
+    assert jax_cli.main(dpo_args(dpo_base, a)) == 0
+    assert jax_cli.main(dpo_args(dpo_base, b, "--precompute-ref")) == 0
+    np.testing.assert_allclose(losses(b), losses(a), rtol=1e-5, atol=1e-7)
+    assert losses(a)[0] == pytest.approx(np.log(2), rel=1e-5)  # policy = reference at step 1
