@@ -11,14 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import save_random_checkpoint, small_config
 
 from bridge.errors import BridgeError
 from bridge.preference import Pair, encode_pair, encode_pairs, pair_rows, read_pairs
-from conftest import save_random_checkpoint, small_config
 from jax_llama import dpo as dpo_lib
 
-WORDS = ("the a cat dog sat ran on under mat rug red blue big small quickly slowly and then "
-         "it was here there").split()
+WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "rug", "red", "blue", "big", "small", "quickly", "slowly", "and", "then", "it", "was", "here", "there"]
 SPECIALS = ["<pad>", "<s>", "</s>"]
 LOSS_CASES = [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.1)]
 
@@ -39,7 +38,7 @@ def word_tokenizer():
 
 def random_records(n: int, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
-    words = lambda k: " ".join(rng.choice(WORDS, k))  # noqa: E731
+    words = lambda k: " ".join(rng.choice(WORDS, k))
     return [{"prompt": words(int(rng.integers(2, 6))),
              "chosen": " " + words(int(rng.integers(1, 5))),
              "rejected": " " + words(int(rng.integers(1, 6)))} for _ in range(n)]
@@ -376,6 +375,7 @@ def test_interrupted_and_resumed_ends_where_a_straight_run_ends(dpo_base, tmp_pa
     resume, the LoRA run's is its own frozen base: either way the resumed run ends bitwise
     where the straight one does."""
     from conftest import interrupted_at
+
     from llama_twins import jax_cli
 
     straight, again = tmp_path / "straight", tmp_path / "again"
@@ -401,3 +401,19 @@ def test_a_precomputed_reference_trains_as_the_per_batch_one(dpo_base, tmp_path)
     assert jax_cli.main(dpo_args(dpo_base, b, "--precompute-ref")) == 0
     np.testing.assert_allclose(losses(b), losses(a), rtol=1e-5, atol=1e-7)
     assert losses(a)[0] == pytest.approx(np.log(2), rel=1e-5)  # policy = reference at step 1
+
+
+def test_on_a_mesh_of_two_devices_it_trains_as_on_one(dpo_base, tmp_path):
+    """The pairs' rows split over data=2 (two host devices, the run in its own process): the same
+    losses as on one device. Tolerance: rtol 1e-5 (the loss is summed in another order)."""
+    from conftest import with_host_devices
+    from llama_twins import jax_cli
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert jax_cli.main(dpo_args(dpo_base, one)) == 0
+    result = subprocess.run([sys.executable, "-m", "llama_twins.jax_cli",
+                             *dpo_args(dpo_base, two, "--mesh", "data=2")],
+                            capture_output=True, text=True, env=with_host_devices(2), timeout=600,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5, atol=1e-7)

@@ -32,7 +32,7 @@ def sequence_logps(model: Llama, rows: dict) -> torch.Tensor:
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_chosen, n_rejected,
              beta: float, loss: str = "sigmoid", label_smoothing: float = 0.0):
     """(mean loss, metrics) of B pairs: jax_llama.dpo.dpo_loss in torch."""
-    f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=policy_chosen.device)  # noqa: E731
+    f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=policy_chosen.device)
     policy_chosen, policy_rejected = policy_chosen.float(), policy_rejected.float()
     chosen_ratio = policy_chosen - f32(ref_chosen)
     rejected_ratio = policy_rejected - f32(ref_rejected)
