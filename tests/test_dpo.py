@@ -316,6 +316,7 @@ def test_the_command_refuses_bad_pairs_in_one_line_and_writes_nothing(tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.slow  # 40 s; the command end to end is in the default suite through the run tests
 def test_the_demo_learns_the_preference(tmp_path):
     """A short run of the demo task from scratch: the model's own preference for the right
     answer on held-out pairs rises well above a coin flip (the full demo, 600 steps, is in the
