@@ -381,30 +381,36 @@ def _messages(obj, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def read_chats(path: str | Path) -> list[tuple[str, list[dict]]]:
-    """[(where "FILE:LINE", messages)] from a JSON-lines file, one conversation a line: either
-    {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]} ending with an
-    assistant turn, or {"prompt": str, "completion": str} (a user turn and an assistant turn).
-    Blank lines are skipped; anything else is refused in one line naming FILE:LINE."""
+def read_json_lines(path: str | Path, what: str) -> list[tuple[str, object]]:
+    """[(where "FILE:LINE", the line's JSON value)] of a JSON-lines file of `what` (named in the
+    error when it cannot be read); blank lines skipped, malformed JSON refused naming FILE:LINE."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
-        raise BridgeError(f"{path}: cannot read the conversations "
+        raise BridgeError(f"{path}: cannot read the {what} "
                           f"({getattr(e, 'strerror', None) or e})") from None
-    chats = []
+    values = []
     # split("\n"), not splitlines(): U+2028 and friends may stand unescaped inside JSON strings
     for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
         try:
-            obj = json.loads(line)
+            values.append((where, json.loads(line)))
         except ValueError as e:
             raise BridgeError(f"{where}: malformed JSON ({getattr(e, 'msg', e)} at column "
                               f"{getattr(e, 'colno', '?')})") from None
-        chats.append((where, _messages(obj, where)))
-    return chats
+    return values
+
+
+def read_chats(path: str | Path) -> list[tuple[str, list[dict]]]:
+    """[(where "FILE:LINE", messages)] from a JSON-lines file, one conversation a line: either
+    {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]} ending with an
+    assistant turn, or {"prompt": str, "completion": str} (a user turn and an assistant turn).
+    Blank lines are skipped; anything else is refused in one line naming FILE:LINE."""
+    return [(where, _messages(obj, where))
+            for where, obj in read_json_lines(path, "conversations")]
 
 
 # -- showing a mask --------------------------------------------------------------------------------

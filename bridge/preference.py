@@ -18,14 +18,13 @@ right to seq_len + 1 tokens: a padded row needs no attention mask under causal a
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .chat import ROLES, ChatTemplate
+from .chat import ROLES, ChatTemplate, read_json_lines
 from .errors import BridgeError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -82,23 +81,8 @@ def check_record(obj, where: str) -> dict:
 def read_pairs(path: str | Path) -> list[tuple[str, dict]]:
     """[(where "FILE:LINE", record)] from a JSON-lines file; blank lines skipped, anything
     malformed refused in one line naming FILE:LINE."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BridgeError(f"{path}: cannot read the preference pairs "
-                          f"({getattr(e, 'strerror', None) or e})") from None
-    pairs = []
-    for lineno, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise BridgeError(f"{where}: malformed JSON ({getattr(e, 'msg', e)} at column "
-                              f"{getattr(e, 'colno', '?')})") from None
-        pairs.append((where, check_record(obj, where)))
+    pairs = [(where, check_record(obj, where))
+             for where, obj in read_json_lines(path, "preference pairs")]
     if not pairs:
         raise BridgeError(f"{path}: no preference pairs (the file is empty)")
     return pairs

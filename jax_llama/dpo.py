@@ -158,15 +158,26 @@ class Reference:
     def all_logps(self, policy_params, pairs: list[Pair], batch_size: int, seq_len: int,
                   pad_id: int, progress=None) -> np.ndarray:
         """(N, 2): chosen and rejected reference log-probs of every pair, in order."""
-        out = np.zeros((len(pairs), 2), np.float32)
-        batches = in_order(pairs, batch_size, seq_len, pad_id)
-        if progress is not None:
-            batches = progress(batches, -(-len(pairs) // batch_size))
-        for index, rows in batches:
-            values = np.asarray(self.logps(policy_params, _padded(rows, batch_size)))
-            k = len(index)
-            out[index, 0], out[index, 1] = values[:k], values[batch_size:batch_size + k]
-        return out
+        return pair_logps(self.logps, policy_params, pairs, batch_size, seq_len, pad_id,
+                          progress)[0]
+
+
+def pair_logps(logps_fn, params, pairs: list[Pair], batch_size: int, seq_len: int, pad_id: int,
+               progress=None) -> tuple[np.ndarray, np.ndarray]:
+    """(log-probs, completion lengths), each (N, 2) - chosen, rejected - of every pair in order:
+    logps_fn(params, rows) run over batches of batch_size pairs (the last one padded)."""
+    logps = np.zeros((len(pairs), 2), np.float32)
+    n = np.zeros((len(pairs), 2), np.float32)
+    batches = in_order(pairs, batch_size, seq_len, pad_id)
+    if progress is not None:
+        batches = progress(batches, -(-len(pairs) // batch_size))
+    for index, rows in batches:
+        values = np.asarray(logps_fn(params, _padded(
+            {k: rows[k] for k in ("inputs", "targets", "mask")}, batch_size)))
+        k = len(index)
+        logps[index, 0], logps[index, 1] = values[:k], values[batch_size:batch_size + k]
+        n[index, 0], n[index, 1] = rows["n_tokens"][:k], rows["n_tokens"][k:]
+    return logps, n
 
 
 def _padded(rows: dict, batch_size: int) -> dict:
@@ -188,14 +199,7 @@ def evaluate(model, params, pairs: list[Pair], ref: np.ndarray, spec: DpoSpec, b
     `preference/accuracy`: the fraction where the model itself finds the chosen completion more
     likely than the rejected one (about a coin flip for a task it has not learnt)."""
     logps_fn = logps_fn or jax.jit(lambda p, rows: sequence_logps(model, p, rows))
-    policy = np.zeros((len(pairs), 2), np.float32)
-    n = np.zeros((len(pairs), 2), np.float32)
-    for index, rows in in_order(pairs, batch_size, seq_len, pad_id):
-        values = np.asarray(logps_fn(params, _padded({k: rows[k] for k in ("inputs", "targets",
-                                                                           "mask")}, batch_size)))
-        k = len(index)
-        policy[index, 0], policy[index, 1] = values[:k], values[batch_size:batch_size + k]
-        n[index, 0], n[index, 1] = rows["n_tokens"][:k], rows["n_tokens"][k:]
+    policy, n = pair_logps(logps_fn, params, pairs, batch_size, seq_len, pad_id)
     loss, metrics = dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], n[:, 0], n[:, 1],
                              spec.beta, spec.loss, spec.label_smoothing)
     result = {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
@@ -243,12 +247,8 @@ def demo_pairs(n: int, seed: int) -> list[tuple[str, dict]]:
 
 
 def split_pairs(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:
-    """(train, held out): a seeded eval_fraction (at least one) of the records held out."""
-    if len(records) < 2:
-        raise BridgeError(f"{len(records)} pair; at least two are needed to hold one out (or pass "
-                          f"--eval-data)", field="data")
-    n_eval = max(1, int(round(len(records) * eval_fraction)))
-    order = np.random.default_rng([seed, 7]).permutation(len(records))
-    held = set(order[:n_eval].tolist())
-    return ([r for i, r in enumerate(records) if i not in held],
-            [r for i, r in enumerate(records) if i in held])
+    """(train, held out): jax_llama.sft.hold_out's seeded split of the pairs."""
+    from .sft import hold_out
+
+    return hold_out(records, eval_fraction, seed, f"{len(records)} pair; at least two are needed "
+                    f"to hold one out (or pass --eval-data)")

@@ -511,6 +511,8 @@ class PreferenceInputs:
     reference: object = None         # dpo_lib.Reference, once started
     eval_ref: np.ndarray | None = None
     train_ref: np.ndarray | None = None   # with precompute_ref
+    batch_size: int = 0              # pairs a batch, and the rows' length: set with the reference
+    seq_len: int = 0
     _logps: dict = field(default_factory=dict)
 
     def batches(self, tc: TrainConfig, local_batch: int):

@@ -172,14 +172,21 @@ def load_chats(sft: SftSpec, seed: int) -> tuple[list, list]:
     chats = read_chats(sft.data) if sft.data else demo_chats(sft.demo_examples, seed)
     if sft.eval_data:
         return chats, read_chats(sft.eval_data)
-    n_eval = max(1, int(round(len(chats) * sft.eval_fraction)))
-    if len(chats) < 2:
-        raise BridgeError(f"{sft.data}: {len(chats)} conversation; at least two are needed to "
-                          f"hold one out (or pass --eval-data)", field="data")
-    order = np.random.default_rng([seed, 7]).permutation(len(chats))
+    return hold_out(chats, sft.eval_fraction, seed,
+                    f"{sft.data}: {len(chats)} conversation; at least two are needed to hold one "
+                    f"out (or pass --eval-data)")
+
+
+def hold_out(items: list, fraction: float, seed: int, too_few: str) -> tuple[list, list]:
+    """(kept, held out): a seeded `fraction` (at least one) of the items held out; fewer than two
+    items are refused with the message `too_few`."""
+    if len(items) < 2:
+        raise BridgeError(too_few, field="data")
+    n_eval = max(1, int(round(len(items) * fraction)))
+    order = np.random.default_rng([seed, 7]).permutation(len(items))
     held = set(order[:n_eval].tolist())
-    return ([c for i, c in enumerate(chats) if i not in held],
-            [c for i, c in enumerate(chats) if i in held])
+    return ([x for i, x in enumerate(items) if i not in held],
+            [x for i, x in enumerate(items) if i in held])
 
 
 def prompt_key(messages: list[dict]) -> str:

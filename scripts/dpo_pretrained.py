@@ -29,17 +29,10 @@ QUESTIONS = ["Reverse the list: river stone cloud", "Sort alphabetically: window
 
 
 def answers(checkpoint: str, new_tokens: int) -> list[str]:
-    import jax_llama
-    from bridge.chat import find_template
-    from bridge.prompts import encode_prompts, stop_ids
-    from bridge.tokenizer import find_tokenizer
+    """The checkpoint's greedy answers to QUESTIONS (sft_pretrained.answers), stripped."""
+    from sft_pretrained import answers as chat_answers  # scripts/, beside this file
 
-    tokenizer = find_tokenizer(checkpoint)
-    prompts = encode_prompts(tokenizer, QUESTIONS, 8192, chat=find_template(checkpoint, tokenizer))
-    model, params = jax_llama.load(checkpoint)
-    stops = set(stop_ids(tokenizer))
-    out = jax_llama.generate(model, params, prompts, new_tokens, stop_ids=list(stops)).tokens
-    return [tokenizer.decode([t for t in ids if t not in stops]).strip() for ids in out]
+    return [a.strip() for a in chat_answers(checkpoint, new_tokens, QUESTIONS)]
 
 
 def main(argv=None) -> int:

@@ -32,14 +32,15 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
              "What is 7 plus 8?", "Spell the word garden backwards."]
 
 
-def answers(checkpoint: str, new_tokens: int) -> list[str]:
+def answers(checkpoint: str, new_tokens: int, questions: list[str] = QUESTIONS) -> list[str]:
+    """The checkpoint's greedy answers to `questions`, through its own chat template."""
     import jax_llama
     from bridge.chat import find_template
     from bridge.prompts import encode_prompts, stop_ids
     from bridge.tokenizer import find_tokenizer
 
     tokenizer = find_tokenizer(checkpoint)
-    prompts = encode_prompts(tokenizer, QUESTIONS, 8192, chat=find_template(checkpoint, tokenizer))
+    prompts = encode_prompts(tokenizer, questions, 8192, chat=find_template(checkpoint, tokenizer))
     model, params = jax_llama.load(checkpoint)
     stops = set(stop_ids(tokenizer))
     out = jax_llama.generate(model, params, prompts, new_tokens, stop_ids=list(stops)).tokens
