@@ -7,7 +7,9 @@ it lives, so a kill -9 - which runs no cleanup - leaves an unlocked `.DST.partia
 the next write to the same destination removes every such stale one it can lock (live writers'
 temporaries stay locked and untouched). Two writers racing for one destination: the first rename
 wins, the other gets a BridgeError ("already exists") and removes its temporary. A full disk (or
-any OS error writing the temporary) becomes a one-line BridgeError naming the destination.
+any OS error writing the temporary) becomes a one-line BridgeError naming the destination and,
+where the writer says how many bytes it needs (`needed_bytes`), those and the bytes that were
+free; a write that cannot fit is refused by the same line before anything is written.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ _REPLACEABLE_MARKERS = ("config.json", "params.json", "adapter_config.json")
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 # What rename reports when the destination appeared meanwhile (another writer won the race).
 _TAKEN_ERRNOS = {errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR}
+# A file system this close to full refuses writes: some blocks are kept back for its metadata.
+_NEARLY_FULL = 1 << 20
 # mkdtemp / mkstemp create 0700 / 0600; the result should get the usual permissions instead.
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
@@ -110,9 +114,76 @@ def _is_write_error(e: OSError, tmp: Path) -> bool:
                for f in (e.filename, e.filename2))
 
 
-def _write_failed(dst: Path, e: OSError) -> BridgeError:
-    reason = e.strerror or str(e)
-    return BridgeError(f"{dst}: cannot write the output ({reason}); nothing was written")
+def _failure_reason(e: BaseException, tmp: Path) -> str | None:
+    """Why writing the temporary `tmp` failed, as the OS says it, or None when `e` is no write
+    failure (bad input, a bug, a source that cannot be read). Asked before `tmp` is removed, so
+    that a disk it filled is seen full."""
+    if isinstance(e, OSError) and _is_write_error(e, tmp):
+        return e.strerror or str(e)
+    if not isinstance(e, (OSError, RuntimeError)) or getattr(e, "errno", None) is not None:
+        return None
+    # What says no reason: numpy's short writes (an OSError "N requested and M written", no
+    # errno) and torch.save's C++ writer (a RuntimeError). The OS refused for a full disk or a
+    # file-size limit.
+    if _free_space(tmp)[0] < _NEARLY_FULL:
+        return os.strerror(errno.ENOSPC)
+    try:
+        import resource
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if limit == resource.RLIM_INFINITY:
+        return None
+    return f"{os.strerror(errno.EFBIG)}: the file size limit is {limit} bytes"
+
+
+def describe_bytes(n: int) -> str:
+    """A size in decimal units, as `df -H` and the Hugging Face hub write them: 538_183_424 ->
+    '538.2 MB', 900 -> '900 bytes'."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _free_space(path: Path) -> tuple[int, Path]:
+    """The bytes this process may still write on the file system that holds `path` (or would:
+    its nearest existing ancestor), and where that file system is mounted."""
+    path = Path(os.path.abspath(path))
+    while not path.exists():
+        path = path.parent
+    free, device = shutil.disk_usage(path).free, path.stat().st_dev
+    while path.parent != path and path.parent.stat().st_dev == device:
+        path = path.parent
+    return free, path
+
+
+def _write_failed(dst: Path, reason: str | OSError, space: str = "",
+                  what: str = "the output") -> BridgeError:
+    if isinstance(reason, OSError):
+        reason = reason.strerror or str(reason)
+    return BridgeError(f"{dst}: cannot write {what} ({reason}){space}; nothing was written")
+
+
+def _checked_space(dst: Path, needed: int, what: str = "the output") -> str:
+    """check_free_space, returning the words for the space when it fits, for a failure later:
+    ': it needs N MB, F MB were free on MOUNT'. (A failure later reports the bytes free when the
+    write began: a failed writer's open files may hold on to their blocks a while after it has
+    removed them, so the bytes free then say little.)"""
+    free, mount = _free_space(dst.parent)
+    space = f": it needs {describe_bytes(needed)}, {describe_bytes(free)} were free on {mount}"
+    if free < needed:
+        raise _write_failed(dst, os.strerror(errno.ENOSPC), space, what)
+    return space
+
+
+def check_free_space(dst: Path, needed: int, what: str = "the output") -> None:
+    """Refuse, before anything is written, to write `needed` bytes at `dst` when the file system
+    it would go on (that of its nearest existing ancestor) has fewer free: a BridgeError
+    "DST: cannot write WHAT (No space left on device): it needs N MB, F MB were free on MOUNT;
+    nothing was written". `needed` should be a lower bound (the tensors' bytes, say), so that a
+    write that fits is never refused; a disk that fills meanwhile is still caught as it writes."""
+    _checked_space(Path(dst), needed, what)
 
 
 def _prepare(dst: Path) -> None:
@@ -124,12 +195,14 @@ def _prepare(dst: Path) -> None:
 
 
 @contextmanager
-def atomic_directory(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(dst: str | os.PathLike, overwrite: bool = False,
+                     needed_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary directory; on success it becomes `dst`, on failure it is removed.
 
     An existing `dst` is refused unless `overwrite`, and even then only when it is a checkpoint
     directory (holds config.json, params.json or a LoRA adapter's adapter_config.json), never
-    an arbitrary folder or a file.
+    an arbitrary folder or a file. `needed_bytes`: about what the writer will put there, at least
+    (check_free_space); a full disk's error then names it.
     """
     dst = Path(dst)
     if dst.exists() or dst.is_symlink():
@@ -142,7 +215,7 @@ def atomic_directory(dst: str | os.PathLike, overwrite: bool = False) -> Iterato
         os.chmod(tmp, 0o777 & ~_UMASK)
         _rename_into_place(tmp, dst, overwrite)
 
-    with _temporary(dst, directory=True, place=place) as tmp:
+    with _temporary(dst, directory=True, place=place, needed=needed_bytes) as tmp:
         yield tmp
 
 
@@ -172,8 +245,10 @@ def _rename_into_place(tmp: Path, dst: Path, overwrite: bool) -> None:
 
 
 @contextmanager
-def atomic_file(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary file path beside `dst`; on success it is renamed to `dst`."""
+def atomic_file(dst: str | os.PathLike, overwrite: bool = False,
+                needed_bytes: int | None = None) -> Iterator[Path]:
+    """Yield a temporary file path beside `dst`; on success it is renamed to `dst`.
+    `needed_bytes` as for atomic_directory."""
     dst = Path(dst)
     if dst.exists() or dst.is_symlink():
         if not overwrite:
@@ -188,26 +263,27 @@ def atomic_file(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
         else:
             _link_into_place(tmp, dst)
 
-    with _temporary(dst, directory=False, place=place) as tmp:
+    with _temporary(dst, directory=False, place=place, needed=needed_bytes) as tmp:
         yield tmp
 
 
 @contextmanager
-def _temporary(dst: Path, directory: bool, place) -> Iterator[Path]:
+def _temporary(dst: Path, directory: bool, place, needed: int | None) -> Iterator[Path]:
     """The life of a writer's locked `.DST.partial-*` temporary: made (dead writers' leftovers
-    cleaned first), yielded, OS write errors named as the destination's, `place(tmp)` on
-    success, removed on any failure."""
+    cleaned first, then refused if `needed` bytes cannot fit), yielded, `place(tmp)` on success,
+    removed on any failure; a failure to write it is named as the destination's."""
     _prepare(dst)
+    space = "" if needed is None else _checked_space(dst, needed)
     try:
         tmp, fd = _locked_temp(dst, "partial", directory=directory)
     except OSError as e:
-        raise _write_failed(dst, e) from None
+        raise _write_failed(dst, e, space) from None
+    reason = None
     try:
         try:
             yield tmp
-        except OSError as e:
-            if _is_write_error(e, tmp):
-                raise _write_failed(dst, e) from None
+        except BaseException as e:
+            reason = _failure_reason(e, tmp)
             raise
         place(tmp)
     except BaseException:
@@ -215,7 +291,9 @@ def _temporary(dst: Path, directory: bool, place) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
-        raise
+        if reason is None:
+            raise
+        raise _write_failed(dst, reason, space and f"{space} when it began") from None
     finally:
         os.close(fd)
 

@@ -6,7 +6,6 @@ size: readers hand out one tensor at a time, writers lay out headers from shapes
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import sys
@@ -19,6 +18,7 @@ from tqdm import tqdm
 from .dtypes import DTYPE_NAMES, numpy_dtype
 from .errors import BridgeError
 from .formats import FORMATS, Checkpoint, open_checkpoint, write_checkpoint
+from .formats.base import payload_bytes
 from .formats.safetensors_dir import DEFAULT_MAX_SHARD_SIZE
 from .quantize import SCALE_SUFFIX, Quantization, check_quantizable, quantized_specs
 
@@ -163,7 +163,7 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
         array = read(name)
         return array if target is None or array.dtype == target else array.astype(target)
 
-    total = sum(int(np.prod(shape)) * dt.itemsize for shape, dt in specs.values())
+    total = payload_bytes(specs)
     try:
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
                   disable=not progress, desc=f"{ckpt.format} -> {to}") as bar:
@@ -171,27 +171,10 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
                                     max_shard_size=max_shard_size, overwrite=force,
                                     progress=bar.update, extra_files=extra_files, **options)
     except OSError as e:
-        # bridge.atomic already names the destination for errors that carry an errno; what is
-        # left with none is a short write (numpy's tofile reports only "N requested and M
-        # written"). The temporary is gone by now.
+        # bridge.atomic names the destination for what it can explain: an errno, or a write that
+        # failed on a full disk or past a file-size limit. What is left is a short write it cannot
+        # (numpy's tofile reports only "N requested and M written"). The temporary is gone by now.
         if reading or e.errno is not None:
             raise
-        raise BridgeError(f"{dst}: cannot write the output ({_short_write_reason(dst, e)}); "
+        raise BridgeError(f"{dst}: cannot write the output (short write: {e}); "
                           f"nothing was written") from None
-
-
-def _short_write_reason(dst: Path, e: OSError) -> str:
-    """Why a write came up short, as the OS would have said it: a full disk or a size limit."""
-    try:
-        if os.statvfs(dst.parent).f_bavail == 0:
-            return os.strerror(errno.ENOSPC)
-    except OSError:
-        pass
-    try:
-        import resource
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY:
-            return f"{os.strerror(errno.EFBIG)}: the file size limit is {limit} bytes"
-    except (ImportError, OSError, ValueError):
-        pass
-    return f"short write: {e}"

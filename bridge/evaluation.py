@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
+from .data_dirs import files_under
 from .errors import BridgeError
 
 DEFAULT_SEQ_LEN = 1024      # the window when none is given: the checkpoint's context, at most this
@@ -56,15 +57,14 @@ class Text:
 
 def data_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """Files named directly (any name), plus the .txt and .jsonl files under each directory
-    (hidden ones left out), in order, each once."""
+    (hidden ones, and what runs wrote there - run directories, checkpoints: bridge.data_dirs -
+    left out), in order, each once."""
     files: list[Path] = []
     for path in map(Path, paths):
         if path.is_file():
             files.append(path)
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file()
-                           and p.suffix.lower() in DATA_SUFFIXES
-                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            found = files_under(path, DATA_SUFFIXES)
             if not found:
                 raise BridgeError(f"{path}: no {' or '.join(DATA_SUFFIXES)} files in this "
                                   f"directory", field="data")

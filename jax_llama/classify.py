@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from bridge.atomic import write_text
 from bridge.chat import ChatTemplate, own_template
 from bridge.classification import (DEFAULT_TEMPLATE, FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA,
                                    Dataset, accuracy, encode_texts, read_head,
@@ -48,6 +49,7 @@ from .checkpoint import save as save_native
 from .data import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
 from .model import Blocks, KVCache, LlamaClassifier, init
+from .run_state import Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until
 from .tracking import Tracker, TrackingSpec
 from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 
@@ -343,12 +345,13 @@ def classifier_loss(model: LlamaClassifier) -> Loss:
 
 
 def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConfig, max_len: int,
-                     rng: np.random.Generator, frozen: FrozenFeatures | None = None
-                     ) -> Iterator[dict]:
+                     rng: np.random.Generator, frozen: FrozenFeatures | None = None,
+                     skip: int = 0) -> Iterator[dict]:
     """One epoch of padded batches; the last is filled up with weight-0 rows. With `frozen`,
-    the rows' hidden states ("hidden") stand for their tokens."""
+    the rows' hidden states ("hidden") stand for their tokens. skip: leave out the epoch's
+    first batches (those a resumed run has trained on); rng moves on as if they were made."""
     lengths = np.array([len(r) for r in rows])
-    for idx in length_batches(lengths, fc.batch_size, rng):
+    for idx in length_batches(lengths, fc.batch_size, rng)[skip:]:
         length = bucket(int(lengths[idx].max()), max_len)
         tokens, mask = pad_rows([rows[i] for i in idx], length, batch_size=fc.batch_size)
         y = np.zeros(fc.batch_size, np.int32)
@@ -360,15 +363,60 @@ def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConf
         yield {**inputs, "mask": mask, "labels": y, "weights": weights}
 
 
+@dataclass(frozen=True)
+class RunControl:
+    """How a fine-tuning run meets interruptions (jax_llama.run_state, as `train` does): resume
+    from out/checkpoints, checkpoint at the end of each epoch (and when stopped by a signal),
+    and the policy for a step that is not finite."""
+
+    resume: bool = False
+    on_nan: str = "stop"
+    max_skipped: int = 10
+    keep_checkpoints: int = 2
+
+
+def _run_record(clf: Classifier, fc: FinetuneConfig, train: Dataset, dev: Dataset) -> dict:
+    return {"finetune": asdict(fc), "model": clf.model.config.to_dict(), "labels": clf.labels,
+            "max_len": clf.max_len,
+            "lora": None if clf.model.lora is None else clf.model.lora.to_dict(),
+            "train": str(train.path), "dev": str(dev.path)}
+
+
+def _check_resumable(out: Path, record: dict) -> None:
+    saved_path = out / "finetune.json"
+    if not saved_path.is_file():
+        raise BridgeError(f"{out} holds no fine-tuning run to resume (no finetune.json)",
+                          field="resume")
+    saved = json.loads(saved_path.read_text())
+    diffs = []
+    for key, now in record.items():
+        was = saved.get(key)
+        if isinstance(now, dict) and isinstance(was, dict):  # the fields that differ
+            diffs += [f"{key}.{k}: {was.get(k)!r} -> {now.get(k)!r}"
+                      for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+        elif was != now:
+            diffs.append(f"{key}: {was!r} -> {now!r}")
+    if diffs:
+        raise BridgeError(f"{out} was fine-tuned with a different setup ({'; '.join(diffs)})",
+                          field="resume")
+
+
 def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, out: Path,
              on_epoch: Callable[[dict], None] | None = None,
-             tracking: TrackingSpec = TrackingSpec()) -> dict:
+             tracking: TrackingSpec = TrackingSpec(), control: RunControl = RunControl()) -> dict:
     """Fine-tune `clf` in place on `train`; after each epoch measure `dev`, and keep the best
     epoch's classifier at out/best with its dev predictions at out/dev_predictions.txt.
     Per-epoch figures go to out/metrics.jsonl; with `tracking`, each step's loss, grad norm and
     learning rate and each epoch's figures and tokens/s (steps: batches trained) go to
-    TensorBoard / W&B too. Returns a summary."""
+    TensorBoard / W&B too. The state is checkpointed at each epoch's end; a SIGTERM / SIGINT
+    stops after the current step with a checkpoint (RunStopped), and `control.resume` goes on
+    from the newest checkpoint that restores, ending where an uninterrupted run ends. Returns
+    a summary."""
     tracking.check()
+    nonfinite = NonFinite(control.on_nan, control.max_skipped)
+    setup = _run_record(clf, fc, train, dev)
+    if control.resume:
+        _check_resumable(out, setup)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     train_rows, train_cut = encode_texts(clf.tokenizer, train.texts, clf.max_len)
@@ -384,58 +432,104 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
     labels = trainable_layers(clf.model, fc.train_layers)
     optimizer = make_optimizer(tc, labels)
     state = init_state(clf.params, optimizer)
+    checkpoints = Checkpoints(out / "checkpoints", control.keep_checkpoints)
+    best = {"dev_accuracy": -1.0, "epoch": 0}
+    history, done, carried = [], 0, []  # steps trained; the losses of a part-trained epoch
+    if control.resume and (restored := checkpoints.restore_newest(state, None, with_meta=True)):
+        state, meta, done = restored
+        best, history, carried = meta["best"], meta["history"], meta["epoch_losses"]
+        started -= meta["seconds"]
+        _say(f"resumed {out} at step {done} (epoch {done // per_epoch + 1}, batch "
+             f"{done % per_epoch + 1} of {per_epoch})")
+    else:
+        write_text(out / "finetune.json", json.dumps(setup, indent=2) + "\n")
+    keep_metrics_until(out / "metrics.jsonl", len(history), key="epoch")
     frozen = frozen_features(clf, train_rows, dev_rows, fc.train_layers, fc.frozen_cache)
     train_frozen, dev_frozen = frozen or (None, None)
     step = jit_train_step(classifier_loss(clf.model if frozen is None else train_frozen.model),
-                          optimizer, tc, state, trainable=labels)
+                          optimizer, tc, state, trainable=labels, skip_nonfinite=nonfinite.skip)
     rng = np.random.default_rng(fc.seed)
+    lengths = np.array([len(r) for r in train_rows])
+    for _ in range(done // per_epoch):  # the shuffles of the epochs done, to move rng on
+        length_batches(lengths, fc.batch_size, rng)
     train_labels = train.labels
-    best = {"dev_accuracy": -1.0, "epoch": 0}
-    history = []
-    tracker = Tracker.open(tracking, out, {
-        "finetune": asdict(fc), "model": clf.model.config.to_dict(), "labels": clf.labels,
-        "max_len": clf.max_len, "lora": None if clf.model.lora is None else clf.model.lora.to_dict(),
-        "train": str(train.path), "dev": str(dev.path)})
-    metrics_file = (out / "metrics.jsonl").open("w")
+    tracker = Tracker.open(tracking, out, setup, done if control.resume else None)
+    metrics_file = (out / "metrics.jsonl").open("a")
     n_tokens = sum(map(len, train_rows))  # real tokens an epoch, padding left out
+
+    def checkpoint(epoch_losses=()) -> Path:
+        return checkpoints.save(int(state.step), state, {
+            "best": best, "history": history, "seconds": time.time() - started,
+            "epoch_losses": [float(x) for x in jax.device_get(list(epoch_losses))]})
+
+    def check(at: int, metrics) -> None:
+        """The NaN policy on step `at`'s metrics, read back while the next step runs."""
+        why = nonfinite.check(at, {k: float(v) for k, v in jax.device_get(metrics).items()})
+        if why is not None and not nonfinite.skip:  # this state is never saved
+            kept = checkpoints.latest_step()
+            raise TrainingDiverged(f"{why}; stopped. Last good checkpoint: "
+                                   f"{'none' if kept is None else checkpoints.path(kept)}")
+        if why is not None:  # too many skipped: the state itself is good
+            raise TrainingDiverged(f"{why}; stopped. Its checkpoint: {checkpoint()}")
+
     try:
-        for epoch in range(1, fc.epochs + 1):
-            losses, step_metrics, tick = [], [], time.perf_counter()
-            bar = tqdm(training_batches(train_rows, train_labels, fc, clf.max_len, rng,
-                                        train_frozen),
-                       total=per_epoch, desc=f"epoch {epoch}/{fc.epochs}", unit="batch",
-                       file=sys.stderr, leave=False)
-            for batch in bar:
-                state, metrics = step(state, batch)
-                losses.append(metrics["loss"])
-                if tracker.active:  # read back at the epoch's end: no wait on the device here
-                    step_metrics.append(metrics)
-                if len(losses) % 20 == 0:
-                    bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
-            clf.params = state.params
-            train_loss = float(np.mean(jax.device_get(losses)))
-            seconds = time.perf_counter() - tick
-            first = (epoch - 1) * per_epoch
-            for i, metrics in enumerate(jax.device_get(step_metrics)):
-                tracker.log(first + i + 1, metrics)
-            if not math.isfinite(train_loss):
-                raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss})")
-            predictions = predict_ids(clf, dev_rows, frozen=dev_frozen).argmax(-1)
-            record = {"epoch": epoch, "train_loss": train_loss,
-                      "dev_accuracy": accuracy(predictions, dev.labels),
-                      "seconds": time.time() - started,
-                      "tokens_per_s": n_tokens / seconds}
-            history.append(record)
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            tracker.log(epoch * per_epoch, record)
-            if record["dev_accuracy"] > best["dev_accuracy"]:
-                best = record
-                clf.save(out / "best", {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],
-                                        "finetune": asdict(fc)})
-                write_predictions(out / "dev_predictions.txt", predictions)
-            if on_epoch:
-                on_epoch(record)
+        with StopSignals() as signals:
+            for epoch in range(done // per_epoch + 1, fc.epochs + 1):
+                first = (epoch - 1) * per_epoch  # steps before this epoch
+                skip = max(done - first, 0)
+                losses = carried if skip else []
+                step_metrics, tick = [], time.perf_counter()
+                bar = tqdm(training_batches(train_rows, train_labels, fc, clf.max_len, rng,
+                                            train_frozen, skip=skip),
+                           total=per_epoch, initial=skip, desc=f"epoch {epoch}/{fc.epochs}",
+                           unit="batch", file=sys.stderr, leave=False)
+                pending = None
+                for batch in bar:
+                    state, metrics = step(state, batch)
+                    if pending is not None:
+                        check(*pending)
+                    pending = (first + len(losses) + 1, metrics)
+                    losses.append(metrics["loss"])
+                    if tracker.active:  # read back at the epoch's end: no wait here
+                        step_metrics.append(metrics)
+                    if len(losses) % 20 == 0:
+                        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+                    if signals.requested:
+                        break
+                if pending is not None:
+                    check(*pending)
+                for i, metrics in enumerate(jax.device_get(step_metrics)):
+                    tracker.log(first + skip + i + 1, metrics)
+                if signals.requested:
+                    raise RunStopped(int(state.step), per_epoch * fc.epochs, signals.requested,
+                                     checkpoint(losses))
+                clf.params = state.params
+                values = np.asarray(jax.device_get(losses), np.float32)
+                values = values[np.isfinite(values)]  # skipped steps left out
+                train_loss = float(values.mean()) if values.size else float("nan")
+                if not math.isfinite(train_loss):
+                    raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} "
+                                           f"(loss {train_loss})")
+                seconds = time.perf_counter() - tick
+                predictions = predict_ids(clf, dev_rows, frozen=dev_frozen).argmax(-1)
+                record = {"epoch": epoch, "train_loss": train_loss,
+                          "dev_accuracy": accuracy(predictions, dev.labels),
+                          "seconds": time.time() - started,
+                          "tokens_per_s": n_tokens * (len(losses) - skip) / per_epoch / seconds}
+                if nonfinite.skipped:
+                    record["skipped_steps"] = len(nonfinite.skipped)
+                history.append(record)
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                tracker.log(epoch * per_epoch, record)
+                if record["dev_accuracy"] > best["dev_accuracy"]:
+                    best = record
+                    clf.save(out / "best", {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],
+                                            "finetune": asdict(fc)})
+                    write_predictions(out / "dev_predictions.txt", predictions)
+                checkpoint()
+                if on_epoch:
+                    on_epoch(record)
     finally:
         metrics_file.close()
         tracker.close()

@@ -29,6 +29,7 @@ import numpy as np
 
 from bridge.atomic import write_text
 from bridge.classification import strip_labels
+from bridge.data_dirs import check_out_apart, files_under
 from bridge.errors import BridgeError
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".tsv", ".html", ".xml",
@@ -44,16 +45,23 @@ def default_corpus() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
-def corpus_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Files named directly, plus the text files (by suffix) under each directory, sorted."""
+def corpus_files(paths: Iterable[str | os.PathLike], out: str | os.PathLike | None = None,
+                 say=None) -> list[Path]:
+    """Files named directly, plus the text files (by suffix) under each directory, sorted.
+
+    A run's own output is never its input: `out` (the run directory) may not be, or hold, one
+    of the paths (field "out"); inside a directory, `out` and whatever earlier runs wrote there
+    (run directories, checkpoints, token caches: bridge.data_dirs) are left out, in one line
+    to stderr (or `say`)."""
+    paths = list(paths)
+    if out is not None:
+        check_out_apart(out, paths)
     files: list[Path] = []
     for path in map(Path, paths):
         if path.is_file():
             files.append(path)
         elif path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*")
-                                if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
-                                and not any(part.startswith(".") for part in p.relative_to(path).parts)))
+            files.extend(files_under(path, TEXT_SUFFIXES, out, say))
         else:
             raise BridgeError(f"{path}: no such file or directory")
     if not files:

@@ -52,12 +52,13 @@ from . import sft as sft_lib
 from .lora import add_lora, count, merge_lora, save_adapter, trainable_for
 from .model import Llama, init
 from .perf import measure_matmul_peak, train_flops_per_token
-from .sharding import check_batch, global_batch, make_mesh, tree_shardings
+from .run_state import Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until
+from .sharding import check_batch, global_batch, make_mesh
 from .tracking import Tracker, TrackingSpec
 from .train import (TrainConfig, TrainingDiverged, init_state, jit_eval_step, jit_train_step,
                     lm_loss, make_optimizer, place_state)
 
-__all__ = ["RunSpec", "TrainingDiverged", "train"]
+__all__ = ["RunSpec", "RunStopped", "TrainingDiverged", "train"]
 
 
 @dataclass
@@ -83,6 +84,9 @@ class RunSpec:
     dpo: dpo_lib.DpoSpec | None = None  # preference tuning on pairs instead of a corpus
     tracking: TrackingSpec = field(default_factory=TrackingSpec)  # TensorBoard / W&B as well;
                                        # not part of the setup a resume must match
+    on_nan: str = "stop"               # a step whose loss or gradients are not finite: stop
+                                       # the run, or skip its update (jax_llama.run_state)
+    max_skipped: int = 10              # with on_nan="skip": stop once this many were skipped
 
 
 def _say(message: str) -> None:
@@ -147,6 +151,7 @@ def train(spec: RunSpec) -> dict:
     tc = spec.train
     choose_attention(spec.attention, 1, 1)  # refused before anything is read or written
     spec.tracking.check()
+    nonfinite = NonFinite(spec.on_nan, spec.max_skipped)
     if jax.process_count() > 1 and (spec.lora or spec.sft or spec.dpo):
         kind = "LoRA" if spec.lora else "SFT" if spec.sft else "DPO"
         raise BridgeError(f"{kind} runs across several processes are "
@@ -163,7 +168,7 @@ def train(spec: RunSpec) -> dict:
         prefs = dpo_inputs(spec)
         tokenizer, config = prefs.tokenizer, prefs.config
     else:
-        files = data_lib.corpus_files(spec.data) if spec.data else data_lib.default_corpus()
+        files = data_lib.corpus_files(spec.data, out=spec.out) if spec.data else data_lib.default_corpus()
         tokenizer = _tokenizer(spec, lambda: data_lib.read_documents(files, labeled=spec.strip_labels),
                                f"{len(files)} files")
         config = _model_config(spec, tokenizer)
@@ -221,10 +226,14 @@ def train(spec: RunSpec) -> dict:
     if spec.dpo:  # the starting weights, before the state (donated at each step) holds them
         prefs.start_reference(model, params, tc, local_batch)
     state = place_state(init_state(params, optimizer), mesh)
-    manager = _checkpoint_manager(spec.out / "checkpoints", tc)
-    if spec.resume and manager.latest_step() is not None:
-        state = _restore(manager, state, mesh)
-        _say(f"resumed {spec.out} at step {int(state.step)}")
+    checkpoints = Checkpoints(spec.out / "checkpoints", tc.keep_checkpoints)
+    if spec.resume:  # from the newest checkpoint that restores; none written yet: from the start
+        restored = checkpoints.restore_newest(state, mesh)
+        if restored is not None:
+            state = restored[0]
+            _say(f"resumed {spec.out} at step {int(state.step)}")
+        if primary:
+            keep_metrics_until(spec.out / "metrics.jsonl", int(state.step))
     # Only the primary process logs; a resumed run appends from the step it resumed at.
     tracker = Tracker.open(spec.tracking, spec.out, _run_record(spec, config),
                            int(state.step) if spec.resume else None) if primary else Tracker()
@@ -238,9 +247,10 @@ def train(spec: RunSpec) -> dict:
             tracker.log(0, _eval_scalars(scores["before"]))
         if spec.dpo:
             train_step = jit_train_step(dpo_lib.train_loss(model, spec.dpo), optimizer, tc, state,
-                                        mesh, labels, has_aux=True)
+                                        mesh, labels, has_aux=True, skip_nonfinite=nonfinite.skip)
         else:
-            train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels)
+            train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels,
+                                        skip_nonfinite=nonfinite.skip)
             eval_step = jit_eval_step(model, state, mesh)
 
         def evaluate(params) -> float:
@@ -262,29 +272,37 @@ def train(spec: RunSpec) -> dict:
         tokens_per_step = tc.batch_size * tc.seq_len
         last = {"loss": float("nan"), "val_loss": float("nan")}
         start = int(state.step)
+        stopped = None
         with open(spec.out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
-                tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar:
+                tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar, \
+                StopSignals() as signals:
             tick = time.perf_counter()
             for step in range(start, tc.steps):
                 state, metrics = train_step(state, next_batch(step, state))
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
-                    kept = manager.latest_step()
+                why = nonfinite.check(step + 1, metrics)
+                if why is not None and not nonfinite.skip:  # this state is never saved
+                    kept = checkpoints.latest_step()
                     raise TrainingDiverged(
-                        f"step {step + 1}: loss {metrics['loss']}, grad norm "
-                        f"{metrics['grad_norm']}; "
-                        f"stopped. Last good checkpoint: "
-                        f"{'none' if kept is None else spec.out / 'checkpoints' / str(kept)}")
+                        f"{why}; stopped. Last good checkpoint: "
+                        f"{'none' if kept is None else checkpoints.path(kept)}")
                 now = time.perf_counter()
                 tokens_per_s = tokens_per_step / (now - tick)
                 tick = now
                 record = {"step": step + 1, **metrics, "tokens_per_s": tokens_per_s}
+                if nonfinite.skipped and nonfinite.skipped[-1] == step + 1:
+                    record["skipped"] = True
                 if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
                     record["val_loss"] = last["val_loss"] = evaluate(state.params)
                     record.update(last.pop("eval", {}))
                     tick = time.perf_counter()  # evaluation time is not training throughput
-                if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
-                    manager.save(step + 1, args=_save_args(state))
+                if why is not None:  # too many skipped: the state itself is still good
+                    stopped = (step + 1, why, False)
+                elif signals.requested:
+                    stopped = (step + 1, signals.requested, True)
+                if ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps
+                        or stopped is not None):
+                    checkpoints.save(step + 1, state)
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 tracker.log(step + 1, record)
@@ -293,7 +311,13 @@ def train(spec: RunSpec) -> dict:
                                 tok_s=f"{tokens_per_s:,.0f}",
                                 mfu=f"{tokens_per_s * flops_per_token / peak:.1%}")
                 bar.update()
-        manager.wait_until_finished()
+                if stopped is not None:
+                    break
+        if stopped is not None:
+            step, why, asked = stopped
+            if asked:
+                raise RunStopped(step, tc.steps, why, checkpoints.path(step))
+            raise TrainingDiverged(f"{why}; stopped. Its checkpoint: {checkpoints.path(step)}")
 
         params = state.params
         if spec.lora:
@@ -687,28 +711,6 @@ def _eval_scalars(result: dict) -> dict:
 def _exact_match_scalars(scores: dict) -> dict:
     """exact_match()'s figures, without the replies and counts, for the tracker."""
     return {k: scores[k] for k in ("exact_match", "unseen_exact_match")}
-
-
-# -- checkpoints -----------------------------------------------------------------------------------
-
-def _checkpoint_manager(directory: Path, tc: TrainConfig):
-    import orbax.checkpoint as ocp
-    return ocp.CheckpointManager(directory.resolve(), options=ocp.CheckpointManagerOptions(
-        max_to_keep=tc.keep_checkpoints, enable_async_checkpointing=False))
-
-
-def _save_args(state):
-    import orbax.checkpoint as ocp
-    return ocp.args.Composite(state=ocp.args.StandardSave(state))
-
-
-def _restore(manager, state, mesh):
-    import orbax.checkpoint as ocp
-    abstract = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                      state, tree_shardings(state, mesh))
-    restored = manager.restore(manager.latest_step(),
-                               args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-    return restored["state"]
 
 
 # -- what the user sees at the end -----------------------------------------------------------------

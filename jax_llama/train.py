@@ -135,12 +135,14 @@ def lm_loss(model) -> Loss:
 
 def make_train_step(loss: Loss, optimizer: optax.GradientTransformation, schedule: Callable,
                     grad_accum: int = 1, seed: int = 0, trainable: Callable | None = None,
-                    has_aux: bool = False):
+                    has_aux: bool = False, skip_nonfinite: bool = False):
     """The pure step: (state, batch) -> (new state, metrics {loss, grad_norm, lr}). loss gets a
     PRNG key that depends on (seed, step) only, so a resumed run draws the same dropout.
     trainable (as in make_optimizer): grad_norm counts those leaves only; the frozen leaves'
     gradients are then used nowhere, and XLA does not compute them. has_aux: loss returns
-    (value, {name: scalar}), and those scalars join the metrics (DPO's rewards)."""
+    (value, {name: scalar}), and those scalars join the metrics (DPO's rewards).
+    skip_nonfinite: a step whose loss or gradient norm is not finite keeps the params and the
+    optimizer state it was given (only the step count moves on), decided on the device."""
     base_key = jax.random.key(seed)
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
@@ -153,17 +155,21 @@ def make_train_step(loss: Loss, optimizer: optax.GradientTransformation, schedul
             grads = [g for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(trainable(grads))) if t]
         metrics = {"loss": value, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step // grad_accum), **aux}
+        if skip_nonfinite:
+            finite = jnp.isfinite(value) & jnp.isfinite(metrics["grad_norm"])
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
     return train_step
 
 
 def jit_train_step(loss: Loss, optimizer: optax.GradientTransformation, tc: TrainConfig,
                    state: TrainState, mesh: Mesh | None = None, trainable: Callable | None = None,
-                   has_aux: bool = False):
+                   has_aux: bool = False, skip_nonfinite: bool = False):
     """make_train_step for tc's schedule, accumulation and seed, jitted once with the state
     donated; on a mesh, the state sharded by role and the batch split over data x fsdp."""
     step = make_train_step(loss, optimizer, lr_schedule(tc), tc.grad_accum, tc.seed, trainable,
-                           has_aux)
+                           has_aux, skip_nonfinite)
     options = compiler_options(state.params)
     if mesh is None:
         return jax.jit(step, donate_argnums=0, compiler_options=options)

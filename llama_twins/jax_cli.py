@@ -19,6 +19,7 @@ from typing import Callable
 from bridge.classification import (DEFAULT_CHAT_QUESTION, DEFAULT_TEMPLATE, FROM_SCRATCH,
                                    PRETRAINED, PRETRAINED_LORA)
 from bridge.config import LlamaConfig, preset
+from bridge.data_dirs import check_out_apart
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 
@@ -43,6 +44,9 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
 
     out = Path(args.out) if args.out else Path("runs") / time.strftime(
         f"{args.command}-%Y%m%d-%H%M%S")
+    # A run's own output is never its input: refused before a resume reads out/run.json.
+    task = sft or dpo  # their data are files
+    check_out_apart(out, [*(data or []), *((task.data, task.eval_data) if task else ())])
     given = {name: getattr(args, name) for name, _ in TRAIN_OPTIONS if getattr(args, name) is not None}
     saved = {}
     if args.resume:
@@ -71,7 +75,8 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
                    strip_labels=getattr(args, "strip_labels", False),
                    pack=pack if pack is not None else saved.get("pack", default_pack),
                    attention=args.attention, lora=_lora_config(args, saved.get("lora")), sft=sft,
-                   dpo=dpo, tracking=_tracking(args, saved.get("tracking")))
+                   dpo=dpo, tracking=_tracking(args, saved.get("tracking")),
+                   on_nan=args.on_nan, max_skipped=args.max_skipped)
 
 
 def cmd_train(args) -> int:
@@ -173,7 +178,7 @@ def _wait_for_coordinator(address: str, timeout: float) -> None:
 
 def _run(args, spec) -> int:
     """Train (`train`, `sft`) and report where everything went."""
-    from jax_llama.run import train
+    from jax_llama.run import RunStopped, train
     from jax_llama.train import TrainingDiverged
 
     if args.multi_host:
@@ -185,6 +190,10 @@ def _run(args, spec) -> int:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CHECK_FAILED
+    except RunStopped as e:
+        print(f"{e}; resume with: jax-llama {args.command} --out {spec.out} --resume",
+              file=sys.stderr)
+        return EXIT_OK
     if "exact_match" in summary:
         scores = summary["exact_match"]
         before = f"{scores['before']:.1%} before, " if "before" in scores else ""
@@ -330,7 +339,8 @@ def cmd_finetune(args) -> int:
     from bridge.classification import read_labels, resolve_train_layers
     from bridge.tokenizer import find_tokenizer, load_tokenizer, train_tokenizer
     from jax_llama.checkpoint import load
-    from jax_llama.classify import FinetuneConfig, finetune, new_classifier, recipe
+    from jax_llama.classify import FinetuneConfig, RunControl, finetune, new_classifier, recipe
+    from jax_llama.run_state import RunStopped
     from jax_llama.train import TrainingDiverged
 
     # the recipe: from scratch, or a pretrained backbone's (jax_llama.classify), flags over it
@@ -345,8 +355,11 @@ def cmd_finetune(args) -> int:
     tracking = _tracking(args)
     tracking.check()  # before anything is read or trained
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise BridgeError(f"{out} is not empty", field="out")
+    check_out_apart(out, [args.train, args.dev, args.labels])
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        raise BridgeError(f"{out} is not empty", field="out",
+                          hint=("resume", True, "pass {} to continue that run"))
+    control = RunControl(resume=args.resume, on_nan=args.on_nan, max_skipped=args.max_skipped)
     if args.init and args.preset:
         raise BridgeError("not with --init (the backbone's config comes from the checkpoint)",
                           field="preset")
@@ -398,10 +411,13 @@ def cmd_finetune(args) -> int:
     try:
         summary = finetune(clf, train, dev, fc, out, on_epoch=lambda r: print(
             f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, dev accuracy {r['dev_accuracy']:.4f} "
-            f"({r['seconds']:.0f} s)", file=sys.stderr), tracking=tracking)
+            f"({r['seconds']:.0f} s)", file=sys.stderr), tracking=tracking, control=control)
     except TrainingDiverged as e:
         print(f"error: {e}; lower --lr", file=sys.stderr)
         return EXIT_CHECK_FAILED
+    except RunStopped as e:
+        print(f"{e}; resume with the same command and --resume", file=sys.stderr)
+        return EXIT_OK
     best = summary["best"]
     print(f"best dev accuracy {best['dev_accuracy']:.4f} (epoch {best['epoch']} of {fc.epochs}); "
           f"{time.time() - started:.0f} s wall, {time.process_time() - cpu:.0f} s CPU")
@@ -595,9 +611,20 @@ def _add_run_arguments(p, corpus: str) -> None:
     _add_lora_arguments(p)
     _add_tracking_arguments(p)
     _add_attention_argument(p)
+    _add_nonfinite_arguments(p)
     for name, kind in TRAIN_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
                        choices=DTYPE_NAMES if name == "dtype" else None)
+
+
+def _add_nonfinite_arguments(p) -> None:
+    # Checked by the library (jax_llama.run_state.NonFinite), whose errors name these fields.
+    p.add_argument("--on-nan", default="stop",
+                   help="a step whose loss or gradients are not finite: stop (the last good "
+                        "checkpoint kept) or skip (its update dropped, counted) (default stop)")
+    p.add_argument("--max-skipped", type=int, default=10,
+                   help="with --on-nan skip: stop once this many updates were skipped "
+                        "(default 10)")
 
 
 def _add_attention_argument(p) -> None:
@@ -729,6 +756,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", help="from scratch: the backbone's config (default tiny)")
     p.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained from scratch")
     p.add_argument("--out", required=True, help="run directory: best/, metrics.jsonl, dev_predictions.txt")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest checkpoint that restores (the "
+                        "same command otherwise)")
+    _add_nonfinite_arguments(p)
     p.add_argument("--epochs", type=int,
                    help=f"default {FROM_SCRATCH['epochs']}, from --init {PRETRAINED['epochs']}")
     p.add_argument("--lr", type=float,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -155,6 +158,32 @@ def llama2():
 # 19.9 (interpolated between 32/4 = 8 and 32/1 = 32) and 62.8, 199 (divided by the factor).
 SCALING = RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=32)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A factory: small_fs(size_mb=4) mounts a tmpfs of that many MiB (a float: any size to the
+    page) on a fresh directory under tmp_path and returns its path, to meet a full disk on;
+    unmounted at teardown. Skips, saying why, where it cannot mount one (not root on Linux)."""
+    mounts: list[Path] = []
+
+    def mount(size_mb: float = 4) -> Path:
+        if not sys.platform.startswith("linux") or os.geteuid() != 0:
+            pytest.skip("needs root on Linux to mount a small tmpfs")
+        if shutil.which("mount") is None:
+            pytest.skip("needs the mount command to mount a small tmpfs")
+        path = tmp_path / f"small-fs-{len(mounts)}"
+        path.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={round(size_mb * 1024)}k",
+                                 "tmpfs", str(path)], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs: {result.stderr.strip()}")
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:  # lazily: a failed test's open files may still hold it
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
 
 
 def small_config(**changes) -> LlamaConfig:

@@ -435,7 +435,8 @@ def test_finetune_refuses_a_non_empty_out_and_init_with_preset(task, capsys):
     (task / "out").mkdir()
     (task / "out" / "keep.txt").write_text("mine")
     assert jax_cli.main(finetune_argv(task)) == 2
-    assert one_error_line(capsys) == f"error: --out: {task / 'out'} is not empty"
+    assert one_error_line(capsys) == (f"error: --out: {task / 'out'} is not empty (pass --resume "
+                                      f"to continue that run)")
     assert (task / "out" / "keep.txt").read_text() == "mine"
     (task / "out" / "keep.txt").unlink()
     assert jax_cli.main(finetune_argv(task, "--init", str(task / "ckpt"), "--preset", "tiny")) == 2
@@ -613,7 +614,7 @@ def test_diverging_finetune_names_the_epoch_and_exits_1(task, tmp_path, capsys):
         (tmp_path / "nan-lm" / Path(f).name).write_bytes(Path(f).read_bytes())
     assert jax_cli.main(finetune_argv(task, "--init", str(tmp_path / "nan-lm"), "--epochs", "2")) == 1
     err = capsys.readouterr().err
-    assert "error: fine-tuning diverged in epoch 1" in err and "lower --lr" in err
+    assert "error: step 1: loss nan" in err and "lower --lr" in err
     assert not (task / "out" / "best").exists()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -73,7 +73,7 @@ class Checkpoint:
 
     @property
     def nbytes(self) -> int:
-        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.specs.values())
+        return payload_bytes(self.specs)
 
     def stored_dtype(self) -> str:
         """The dtype the tensors are stored in ('float32', 'bfloat16', 'float16'); 'float32' when
@@ -81,6 +81,14 @@ class Checkpoint:
         dtypes = {dtype.name for name, (_, dtype) in self.specs.items()
                   if dtype != np.int8 and not name.endswith(SCALE_SUFFIX)}
         return dtypes.pop() if len(dtypes) == 1 and dtypes <= {"bfloat16", "float16"} else "float32"
+
+
+def payload_bytes(specs: dict[str, Spec], files: Iterable[Path] = ()) -> int:
+    """The bytes of the tensors in `specs` as stored plus the sizes of `files`: the bulk of what
+    a writer puts on disk. Headers and config files (a few kB) are left out, so that a free-space
+    check against it (bridge.atomic.check_free_space) never refuses a write that fits."""
+    return (sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in specs.values())
+            + sum(Path(f).stat().st_size for f in files))
 
 
 def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,

@@ -217,13 +217,16 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
     for name, (shape, _) in ordered.items():
         plan.append((name, gguf_name(name),
                      _tensor_type(gguf, name, shape, qtype, warn, output=name == output)))
+    data_bytes = 0  # what the tensors take in the file (llama.cpp's quantised copy comes on top)
     for name, out_name, t in plan:
         shape = (config.head_dim // 2,) if name is None else ordered[name][0]
         block, size = gguf.GGML_QUANT_SIZES[t]
-        writer.add_tensor_info(out_name, shape, np.dtype(np.float32),
-                               math.prod(shape) // block * size, raw_dtype=t)
+        nbytes = math.prod(shape) // block * size
+        data_bytes += nbytes
+        writer.add_tensor_info(out_name, shape, np.dtype(np.float32), nbytes, raw_dtype=t)
 
-    with atomic_file(path, overwrite=overwrite) as tmp, ExitStack() as stack:
+    with atomic_file(path, overwrite=overwrite, needed_bytes=data_bytes) as tmp, \
+            ExitStack() as stack:
         out = tmp if quantise is None else stack.enter_context(input_beside(tmp))
         try:
             writer.write_header_to_file(Path(out))

@@ -24,7 +24,7 @@ import numpy as np
 from ..atomic import atomic_directory, copy_files
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
-from .base import Checkpoint, Spec, check_specs, find_extra_files
+from .base import Checkpoint, Spec, check_specs, find_extra_files, payload_bytes
 from .native import read_json
 from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, read_tensor, read_tensor_infos,
                               read_tensor_slice, write_safetensors_dir)
@@ -283,7 +283,8 @@ def write_hf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec
         heads = _heads_to_permute(canonical[name], config)
         return array if heads is None else to_half_split(array, heads)
 
-    with atomic_directory(path, overwrite=overwrite) as tmp:
+    with atomic_directory(path, overwrite=overwrite,
+                          needed_bytes=payload_bytes(ordered, extra_files)) as tmp:
         hf_config = config_to_hf(config, dtypes.pop() if len(dtypes) == 1 else "float32")
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         write_safetensors_dir(tmp, hf_specs, hf_fetch, max_shard_size=max_shard_size,

@@ -269,10 +269,12 @@ def write_llama2c(path: str | os.PathLike, config: LlamaConfig, specs: dict[str,
     if version not in ORDERS:
         raise BridgeError(f"version: llama2c writes versions {sorted(ORDERS)}, got {version!r}")
     _refuse_what_run_c_cannot_run(config)
-    header = _header(version, config)
-    with atomic_file(path, overwrite=overwrite) as tmp, open(tmp, "wb") as f:
+    header, table = _header(version, config), layout(version, config)
+    offset, shape = next(reversed(table.values()))  # the last array's: where the file ends
+    size = offset + 4 * math.prod(shape)
+    with atomic_file(path, overwrite=overwrite, needed_bytes=size) as tmp, open(tmp, "wb") as f:
         f.write(header)
-        for name, (_, shape) in layout(version, config).items():
+        for name, (_, shape) in table.items():
             if name in _ROPE_TABLES:
                 _write_rope_table(f, _ROPE_TABLES[name], config)
                 continue

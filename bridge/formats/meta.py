@@ -30,7 +30,8 @@ import numpy as np
 from ..atomic import atomic_directory, copy_files
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
-from .base import Checkpoint, Spec, check_inside, check_specs, find_extra_files
+from .base import (Checkpoint, Spec, check_inside, check_specs, find_extra_files,
+                   payload_bytes)
 from .native import read_json
 from .torch_files import from_numpy, load_weights_only, same_bits, to_numpy
 
@@ -305,7 +306,10 @@ def write_meta(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
             raise BridgeError(f"tensor {name!r}: size {shape[axis]} along axis {axis} does not "
                               f"split into {shards} equal shards")
     ranks: list[dict] = [{} for _ in range(shards)]
-    with atomic_directory(path, overwrite=overwrite) as tmp:
+    extra_files = list(extra_files)
+    tied = {"output.weight": ordered["tok_embeddings.weight"]} if config.tie_embeddings else {}
+    with atomic_directory(path, overwrite=overwrite,
+                          needed_bytes=payload_bytes({**ordered, **tied}, extra_files)) as tmp:
         (tmp / PARAMS_FILE).write_text(json.dumps(params, indent=2) + "\n")
         for name, (shape, dtype) in ordered.items():
             array = fetch(name)

@@ -17,7 +17,8 @@ from ..atomic import atomic_directory, copy_files
 from ..config import LlamaConfig
 from ..errors import BridgeError
 from ..quantize import Quantization
-from .base import Checkpoint, Spec, check_inside, check_specs, find_extra_files
+from .base import (Checkpoint, Spec, check_inside, check_specs, find_extra_files,
+                   payload_bytes)
 from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, read_tensor, read_tensor_infos,
                               read_tensor_slice, write_safetensors_dir)
 
@@ -108,7 +109,9 @@ def write_native(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, 
     fields = config.to_dict()
     if quantization is not None:
         fields["quantization"] = quantization.to_dict()
-    with atomic_directory(path, overwrite=overwrite) as tmp:
+    extra_files = list(extra_files)
+    with atomic_directory(path, overwrite=overwrite,
+                          needed_bytes=payload_bytes(ordered, extra_files)) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(fields, indent=2) + "\n")
         write_safetensors_dir(tmp, ordered, fetch, max_shard_size=max_shard_size, progress=progress)
         copy_files(extra_files, tmp)
