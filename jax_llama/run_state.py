@@ -211,13 +211,17 @@ def keep_metrics_until(path: Path, step: int, key: str = "step") -> None:
 class StopSignals:
     """While active (a context manager): the first SIGTERM or SIGINT asks the loop to stop once
     its current step is done (`requested` names the signal); a second one ends the process at
-    once, as the signal would have. Outside the main thread nothing is installed."""
+    once, as the signal would have. Outside the main thread nothing is installed, nor in a run
+    of several processes: a signal reaches each at its own step, and one process saving while
+    the others train on would hang them all (there, a signal ends the process as before)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested: str | None = None
         self._previous = {}
+        self.enabled = (threading.current_thread() is threading.main_thread()
+                        and jax.process_count() == 1)
 
     def _handle(self, signum, frame) -> None:
         if self.requested is not None:  # the second: at once
@@ -229,7 +233,7 @@ class StopSignals:
              f"(send it again to stop at once)")
 
     def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
+        if self.enabled:
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
