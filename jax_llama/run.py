@@ -52,7 +52,8 @@ from . import sft as sft_lib
 from .lora import add_lora, count, merge_lora, save_adapter, trainable_for
 from .model import Llama, init
 from .perf import measure_matmul_peak, train_flops_per_token
-from .run_state import Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until
+from .run_state import (Checkpoints, NonFinite, RunStopped, StopSignals, all_processes_reach,
+                        keep_metrics_until)
 from .sharding import check_batch, global_batch, make_mesh
 from .tracking import Tracker, TrackingSpec
 from .train import (TrainConfig, TrainingDiverged, init_state, jit_eval_step, jit_train_step,
@@ -180,14 +181,14 @@ def train(spec: RunSpec) -> dict:
     # Several processes share the run directory; process 0 writes it, after every process has
     # checked it and before any reads it back.
     primary = jax.process_index() == 0
-    _all_processes_reach("checked the run directory")
+    all_processes_reach("checked the run directory")
     if primary:
         spec.out.mkdir(parents=True, exist_ok=True)
         if not (spec.out / "tokenizer").is_dir():
             (spec.out / "tokenizer").mkdir()
             tokenizer.save(spec.out / "tokenizer")
         write_text(spec.out / "run.json", json.dumps(_run_record(spec, config), indent=2) + "\n")
-    _all_processes_reach("wrote the run directory")
+    all_processes_reach("wrote the run directory")
 
     local_batch = tc.batch_size // jax.process_count()
     if spec.sft:
@@ -386,13 +387,6 @@ def _check_mesh_splits(config: LlamaConfig, mesh) -> None:
                               f"dimensions (dim {config.dim}, ffn_dim {config.ffn_dim}, "
                               f"vocab_size {config.vocab_size}, heads x head_dim); every "
                               f"parameter would stay whole on every device", field="mesh")
-
-
-def _all_processes_reach(what: str) -> None:
-    """A barrier across the processes of a multi-process run (nothing with one process)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-        multihost_utils.sync_global_devices(what)
 
 
 def _corpus_batches(spec: RunSpec, files: list[Path], tokenizer, config: LlamaConfig,

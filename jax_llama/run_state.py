@@ -49,6 +49,13 @@ class RunStopped(Exception):
         super().__init__(f"stopped at step {step} of {total} on {why}{where}")
 
 
+def all_processes_reach(what: str) -> None:
+    """A barrier across the processes of a multi-process run (nothing with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(what)
+
+
 # -- checkpoints ------------------------------------------------------------------------------------
 
 def _file_digests(directory: Path) -> dict[str, dict]:
@@ -138,8 +145,9 @@ class Checkpoints:
         try:
             self.manager.save(step, args=ocp.args.Composite(**args))
             self.manager.wait_until_finished()
-            files = _file_digests(self.path(step))
-            write_text(self.path(step) / MANIFEST, json.dumps({"step": step, "files": files}))
+            if jax.process_index() == 0:  # the files of every process are written by now
+                files = _file_digests(self.path(step))
+                write_text(self.path(step) / MANIFEST, json.dumps({"step": step, "files": files}))
         except Exception as e:
             if not _is_disk_full(e) and not isinstance(e, BridgeError):
                 raise
@@ -163,8 +171,8 @@ class Checkpoints:
     def restore_newest(self, state, mesh, with_meta: bool = False):
         """The newest checkpoint that verifies and restores, as (state, meta, step), laid out
         as `state` is on `mesh` (None: on the devices `state` is on); None when there is none
-        at all. Those that fail are reported
-        in a line each and set aside; when every one fails, a BridgeError."""
+        at all. Those that fail are reported in a line each and set aside; when every one
+        fails, a BridgeError."""
         import orbax.checkpoint as ocp
 
         shardings = (tree_shardings(state, mesh) if mesh is not None
@@ -185,9 +193,12 @@ class Checkpoints:
                     reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                     problem = f"orbax cannot restore it ({type(e).__name__}: {reason})"
             aside = self.path(step).with_name(f"{step}{ASIDE}{time.strftime('%Y%m%d-%H%M%S')}")
-            os.rename(self.path(step), aside)
+            all_processes_reach(f"judged the checkpoint of step {step}")
+            if jax.process_index() == 0:  # every process judged it alike: one moves it
+                os.rename(self.path(step), aside)
+                _say(f"checkpoint of step {step}: {problem}; set aside as {aside}")
+            all_processes_reach(f"set aside the checkpoint of step {step}")
             self.manager.reload()
-            _say(f"checkpoint of step {step}: {problem}; set aside as {aside}")
         if steps:
             raise BridgeError(f"{self.directory}: none of the {len(steps)} checkpoints restores "
                               f"(each set aside, see above)", field="resume")
