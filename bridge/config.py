@@ -79,6 +79,7 @@ class RopeScaling:
         return _from_fields(cls, d, "LlamaConfig.rope_scaling")
 
 
+# --8<-- [start:config]
 @dataclass(frozen=True)
 class LlamaConfig:
     """Hyperparameters of a LLaMA-family decoder. Defaults are LLaMA 3 8B.
@@ -101,6 +102,7 @@ class LlamaConfig:
     head_dim: int | None = field(default=None)  # None means dim // n_heads
     bos_id: int | None = None      # token ids the checkpoint declares (HF bos/eos_token_id); they
     eos_ids: tuple[int, ...] = ()  # travel with the weights so that conversions keep them
+    # --8<-- [end:config]
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",

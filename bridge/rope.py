@@ -12,6 +12,7 @@ from .config import RopeScaling
 from .errors import BridgeError
 
 
+# --8<-- [start:inv_freq]
 def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: RopeScaling | None = None,
                   dtype=np.float32) -> np.ndarray:
     """Inverse frequencies theta^(-2i/H) for i < H/2, of shape (H/2,) in `dtype`.
@@ -27,6 +28,7 @@ def rope_inv_freq(head_dim: int, theta: float = 10000.0, scaling: RopeScaling | 
     if scaling is not None:
         inv_freq = _llama3_scale(inv_freq, scaling)
     return inv_freq.astype(dtype)
+# --8<-- [end:inv_freq]
 
 
 def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:

@@ -99,6 +99,7 @@ def _emit(d: Decoding, token_B, logprob_B, stop_ids) -> Decoding:
                          jnp.where(d.done_B, 0.0, logprob_B)))
 
 
+# --8<-- [start:decode]
 @functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len"))
 def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache_len) -> Decoding:
     """Write the left-padded prompts into a fresh cache and choose each row's first new token.
@@ -131,6 +132,7 @@ def _decode(params, d: Decoding, until, stop_ids, *, model, sampler):
 
     d = jax.lax.while_loop(lambda d: (d.step < until) & ~jnp.all(d.done_B), body, d)
     return d, d.token_B, d.done_B
+# --8<-- [end:decode]
 
 
 def compilations() -> int:

@@ -34,6 +34,7 @@ from .attention import AttentionMask, attend, choose
 Dtype = Any
 
 
+# --8<-- [start:rmsnorm]
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, with the statistics in float32."""
 
@@ -47,10 +48,12 @@ class RMSNorm(nn.Module):
         x = x_BSD.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
         return x.astype(self.dtype) * weight_D.astype(self.dtype)
+# --8<-- [end:rmsnorm]
 
 
 # -- rotary position embedding: interleaved pairs (2i, 2i+1), as in Meta's release -----------------
 
+# --8<-- [start:rope]
 def rope_cos_sin(positions, inv_freq_h):
     """cos and sin of position * inv_freq, each float32 of shape (B or 1, S, h).
 
@@ -77,6 +80,7 @@ def apply_rope(x_BSNH, positions, theta: float = 10000.0, scaling: RopeScaling |
     """RoPE on x (B, S, N, H) at `positions` (S,) or (B, S); returns x's shape and dtype."""
     inv_freq_h = rope_inv_freq(x_BSNH.shape[-1], theta, scaling)
     return rotate(x_BSNH, *rope_cos_sin(positions, inv_freq_h))
+# --8<-- [end:rope]
 
 
 def default_positions(valid_BS, segments_BS=None):
@@ -97,6 +101,7 @@ def default_positions(valid_BS, segments_BS=None):
 
 # -- the key/value cache for generation ----------------------------------------------------------
 
+# --8<-- [start:kv_cache]
 class KVCache(struct.PyTreeNode):
     """Keys and values of every layer for T slots, preallocated once per generation.
 
@@ -136,6 +141,7 @@ class KVCache(struct.PyTreeNode):
         advanced = self.replace(valid=valid_BT, index=self.index + S,
                                 positions=self.positions + valid_BS.sum(-1).astype(jnp.int32))
         return advanced, mask, positions_BS
+# --8<-- [end:kv_cache]
 
 
 class LlamaOutput(struct.PyTreeNode):
@@ -250,6 +256,7 @@ def _dense(module: nn.Module, features: int, name: str, residual: bool = False) 
                   kernel_init=_init(module.config, residual), lora=lora, name=name)
 
 
+# --8<-- [start:attention]
 class Attention(nn.Module):
     """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V.
     `attention` names the implementation (jax_llama.attention: xla, chunked, cudnn, splash,
@@ -296,8 +303,10 @@ class Attention(nn.Module):
         out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
         return _dense(self, c.dim, "wo", residual=True)(out_MNH).reshape(B, S, D), cache
+# --8<-- [end:attention]
 
 
+# --8<-- [start:feed_forward]
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
 
@@ -313,8 +322,10 @@ class FeedForward(nn.Module):
         gate_MF = nn.silu(_dense(self, c.ffn_dim, "w1")(x_MD))
         up_MF = _dense(self, c.ffn_dim, "w3")(x_MD)
         return _dense(self, c.dim, "w2", residual=True)(gate_MF * up_MF).reshape(x_BSD.shape)
+# --8<-- [end:feed_forward]
 
 
+# --8<-- [start:block]
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then h + ffn(norm(h))."""
 
@@ -338,8 +349,10 @@ class Block(nn.Module):
         out = h + FeedForward(c, **kw, lora=self.lora, name="feed_forward")(
             RMSNorm(c.norm_eps, **kw, name="ffn_norm")(h))
         return (out, cache), None
+# --8<-- [end:block]
 
 
+# --8<-- [start:model]
 class Llama(nn.Module):
     """Token embedding, n_layers blocks, final RMSNorm, LM head (tied to the embedding or not).
 
@@ -405,8 +418,10 @@ class Llama(nn.Module):
         cos_BSh, sin_BSh = rope_cos_sin(positions, rope_inv_freq(c.head_dim, c.rope_theta,
                                                                  c.rope_scaling))
 
+        # --8<-- [start:embedding]
         embed = nn.Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), name="tok_embeddings")
         carry = (embed(tokens_BS), cache)
+        # --8<-- [end:embedding]
         block = nn.remat(Block, prevent_cse=not self.scan_layers) if self.remat else Block
         kw_blocks = dict(kw, attention=self.attention, lora=self.lora)
         if self.scan_layers:
@@ -428,12 +443,15 @@ class Llama(nn.Module):
             h_BSD, jnp.asarray(head_at)[..., None], axis=1)
         P = h_BPD.shape[1]
         h_MD = h_BPD.reshape(B * P, c.dim)
+        # --8<-- [start:lm_head]
         if c.tie_embeddings:
             logits_MV = embed.attend(h_MD)
         else:
             logits_MV = _dense(self, c.vocab_size, "output")(h_MD)
+        # --8<-- [end:lm_head]
         logits_BSV = logits_MV.reshape(B, P, c.vocab_size).astype(jnp.float32)
         return LlamaOutput(logits=logits_BSV, hidden=h_BSD, cache=cache)
+# --8<-- [end:model]
 
 
 def last_real_index(attention_mask_BS) -> jax.Array:
@@ -478,6 +496,7 @@ class Blocks(nn.Module):
         return RMSNorm(c.norm_eps, **kw, name="norm")(x) if self.last == c.n_layers else x
 
 
+# --8<-- [start:classifier]
 class LlamaClassifier(nn.Module):
     """A Llama backbone and a classification head: the final hidden state of each row's last real
     token, dropout, a linear layer to n_classes, log-softmax.
@@ -522,6 +541,7 @@ class LlamaClassifier(nn.Module):
         logits_BC = nn.Dense(self.n_classes, dtype=self.dtype, param_dtype=self.param_dtype,
                              kernel_init=nn.initializers.normal(0.02), name="classifier")(h_BD)
         return jax.nn.log_softmax(logits_BC.astype(jnp.float32), axis=-1)
+# --8<-- [end:classifier]
 
 
 def check_inputs(tokens, vocab_size: int, positions=None, attention_mask=None,

@@ -89,6 +89,7 @@ def decay_mask(params):
         lambda path, _: getattr(path[-1], "key", None) in ("kernel", "embedding"), params)
 
 
+# --8<-- [start:optimizer]
 def make_optimizer(tc: TrainConfig, trainable: Callable | None = None
                    ) -> optax.GradientTransformation:
     """Clip, AdamW with decay_mask, accumulation over grad_accum micro-batches. trainable:
@@ -105,6 +106,7 @@ def make_optimizer(tc: TrainConfig, trainable: Callable | None = None
             {"train": optimizer, "frozen": optax.set_to_zero()},
             lambda params: jax.tree.map(lambda t: "train" if t else "frozen", trainable(params)))
     return optimizer
+# --8<-- [end:optimizer]
 
 
 class TrainState(struct.PyTreeNode):
@@ -117,6 +119,7 @@ def init_state(params, optimizer: optax.GradientTransformation) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
+# --8<-- [start:train_step]
 def loss_fn(params, model, batch, key=None) -> jax.Array:
     """Mean next-token cross-entropy over the tokens whose mask is 1, in float32. A packed batch
     carries segment_ids (each document attends only within itself). key: the dropout rng of a
@@ -161,6 +164,7 @@ def make_train_step(loss: Loss, optimizer: optax.GradientTransformation, schedul
                                              (params, opt_state), (state.params, state.opt_state))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
     return train_step
+# --8<-- [end:train_step]
 
 
 def jit_train_step(loss: Loss, optimizer: optax.GradientTransformation, tc: TrainConfig,

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command(sub, "inspect", cmd_inspect, help="describe a checkpoint: config, tensors, "
                                                       "sizes, and any NaN / Inf values")
-    p.add_argument("path")
+    p.add_argument("path", help="a checkpoint file or directory, any format the bridge reads")
     p.add_argument("--from", dest="format", choices=FORMATS, help="the format (default: detect)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-scan", action="store_true",
@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command(sub, "convert", cmd_convert,
                     help="convert a checkpoint between formats, one tensor at a time")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p.add_argument("src", help="the checkpoint to convert, any format the bridge reads")
+    p.add_argument("dst", help="where to write it (refused if it exists, unless --force)")
     add_output_arguments(p)
     add_quantize_arguments(p, "--to native only: the projections as int8 with float32 scales "
                               "(the rest in --dtype); jax-llama / torch-llama load it as it is")
@@ -190,22 +190,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("base", help="the base checkpoint, in any format the bridge reads")
     p.add_argument("adapter", help="a PEFT LoRA adapter directory (adapter_config.json + "
                                    "adapter_model.safetensors)")
-    p.add_argument("dst")
+    p.add_argument("dst", help="where to write the merged checkpoint (refused if it exists, "
+                               "unless --force)")
     add_output_arguments(p)
 
     p = add_command(sub, "demo", cmd_demo, help="round-trip a fresh model JAX -> native -> torch "
                                                 "-> JAX and print the largest logit difference")
     p.add_argument("--preset", default="tiny", help=f"a config preset (default tiny; the library "
                                                     f"default is {DEFAULT_PRESET})")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=2, help="rows of random tokens (default 2)")
+    p.add_argument("--seq-len", type=int, default=16, help="tokens per row (default 16)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights and tokens (default 0)")
     p.add_argument("--out", help="keep the checkpoints in this directory (default: a temporary one)")
 
     p = add_command(sub, "parity", cmd_parity,
                     help="run a checkpoint through the JAX and torch twins (and transformers) and "
                          "check, layer by layer, that they agree")
-    p.add_argument("path")
+    p.add_argument("path", help="the checkpoint to check, any format the bridge reads")
     # dtype and reference are checked by parity_report, so that a bad value is one line
     p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     p.add_argument("--batch", type=int, default=2, help="rows of random tokens (default 2)")

@@ -69,11 +69,16 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the text to continue ('' starts from BOS)")
     source.add_argument("--prompt-file", help="a batch of prompts, one per line")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens generated per prompt at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens only; 0 = off (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the fewest tokens whose probabilities reach p; 1.0 = off "
+                        "(default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: the checkpoint's)")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt in the chat template as a user turn: the checkpoint's own "

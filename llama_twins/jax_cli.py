@@ -28,11 +28,26 @@ from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_eval_argumen
                        add_generate_arguments, command_main, generation_inputs,
                        report_warnings, requested_quantization, run_eval, run_generation)
 
-# TrainConfig fields settable from the command line (None = default, or the resumed run's value)
-TRAIN_OPTIONS = [("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
-                 ("warmup_steps", int), ("weight_decay", float), ("grad_clip", float),
-                 ("grad_accum", int), ("dtype", str), ("eval_every", int),
-                 ("checkpoint_every", int), ("keep_checkpoints", int), ("seed", int)]
+# TrainConfig fields settable from the command line: (field, type, TrainConfig's default as the
+# help states it, help). The flag itself defaults to None: TrainConfig's default, or on --resume the
+# run's saved value. jax_llama.train is not imported for --help (it imports JAX), so the defaults
+# are written here; tests/test_cli_help.py checks them against TrainConfig's.
+TRAIN_OPTIONS = [
+    ("steps", int, 600, "train_step calls (micro-batches when --grad-accum > 1)"),
+    ("batch_size", int, 16, "rows per step, all processes together"),
+    ("seq_len", int, 128, "tokens per row"),
+    ("lr", float, 3e-3, "peak learning rate (linear warmup, then cosine decay to a tenth of it)"),
+    ("warmup_steps", int, None, "optimizer updates of linear warmup (default: the first 10%% of "
+                                "the updates)"),
+    ("weight_decay", float, 0.1, "AdamW's, on the kernels and the embedding table only"),
+    ("grad_clip", float, 1.0, "clip the global gradient norm to this"),
+    ("grad_accum", int, 1, "micro-batches per optimizer update"),
+    ("dtype", str, "float32", "compute dtype; parameters and optimizer state stay float32"),
+    ("eval_every", int, 100, "steps between held-out evaluations"),
+    ("checkpoint_every", int, 100, "steps between checkpoints"),
+    ("keep_checkpoints", int, 3, "the newest checkpoints kept in --out"),
+    ("seed", int, 0, "seed of the initial weights and the data order"),
+]
 
 
 def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: bool, sft=None,
@@ -47,7 +62,7 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
     # A run's own output is never its input: refused before a resume reads out/run.json.
     task = sft or dpo  # their data are files
     check_out_apart(out, [*(data or []), *((task.data, task.eval_data) if task else ())])
-    given = {name: getattr(args, name) for name, _ in TRAIN_OPTIONS if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name, *_ in TRAIN_OPTIONS if getattr(args, name) is not None}
     saved = {}
     if args.resume:
         if not (out / "run.json").is_file():
@@ -586,16 +601,20 @@ def _add_lora_arguments(p) -> None:
                         "modules_to_save=['embed_tokens']; a tied LM head trains with it)")
 
 
-def _add_run_arguments(p, corpus: str) -> None:
-    """The options `train` and `sft` share: the model, the run directory, the mesh, LoRA,
-    attention and the TrainConfig fields."""
+def _add_run_arguments(p, corpus: str, defaults: dict[str, str] | None = None) -> None:
+    """The options `train`, `sft` and `dpo` share: the model, the run directory, the mesh, LoRA,
+    attention and the TrainConfig fields (defaults: field -> where this command's default differs
+    from TrainConfig's, as the help says it, with {} for TrainConfig's)."""
+    defaults = defaults or {}
     p.add_argument("--preset", default="tiny", help="model config (default tiny)")
     p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: --init's, or a "
                                        f"byte-level BPE trained on {corpus})")
     p.add_argument("--vocab-size", type=int, default=4096, help="of that BPE (default 4096)")
     p.add_argument("--init", help="start from the weights of any checkpoint the bridge reads")
     p.add_argument("--out", help="run directory (default runs/COMMAND-<time>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out exactly, with its saved settings (the options "
+                        "below keep the run's values; one given that differs is refused)")
     p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=4,tensor=1 (default: all on data)")
     p.add_argument("--scan-layers", action="store_true", help="nn.scan over blocks (faster compiles)")
     p.add_argument("--remat", action="store_true", help="recompute activations in the backward pass")
@@ -612,9 +631,13 @@ def _add_run_arguments(p, corpus: str) -> None:
     _add_tracking_arguments(p)
     _add_attention_argument(p)
     _add_nonfinite_arguments(p)
-    for name, kind in TRAIN_OPTIONS:
+    for name, kind, default, text in TRAIN_OPTIONS:
+        shown = f"{default:g}" if kind is float and default is not None else str(default)
+        if name in defaults or default is not None:
+            text += f" (default {defaults.get(name, '{}').format(shown)})"
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
-                       choices=DTYPE_NAMES if name == "dtype" else None)
+                       choices=DTYPE_NAMES if name == "dtype" else None,
+                       help=text)
 
 
 def _add_nonfinite_arguments(p) -> None:
@@ -653,7 +676,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "--data, on the Python standard library's sources")
     p.add_argument("--data", nargs="+", help="text files or directories (default: the embedded corpus)")
     _add_run_arguments(p, "the corpus")
-    p.add_argument("--sample-tokens", type=int, default=64, help="length of the sample printed at the end")
+    p.add_argument("--sample-tokens", type=int, default=64,
+                   help="length of the sample printed at the end (default 64)")
     p.add_argument("--strip-labels", action="store_true",
                    help="the data files are LABEL ||| TEXT lines (the classification format): "
                         "train on the texts only, e.g. continued pretraining on a task's text")
@@ -683,7 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --init: train beside the data on the starting model's own greedy "
                         "answers to N general requests (at most 300), so that it keeps answering "
                         "other requests as it did (default 0: none)")
-    _add_run_arguments(p, "the conversations")
+    _add_run_arguments(p, "the conversations",
+                       {"steps": "{}; " f"{DEMO_STEPS} for the demo task, without --data"})
 
     p = add_command(sub, "dpo", cmd_dpo,
                     help="preference tuning (DPO, IPO, hinge) on {prompt, chosen, rejected} pairs "
@@ -707,7 +732,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "training and free the reference's copy of the weights (default: per "
                         "batch)")
     p.add_argument("--demo-pairs", type=int, help="pairs of the demo task (default 4000)")
-    _add_run_arguments(p, "the pairs")
+    _add_run_arguments(p, "the pairs", {
+        "steps": "{}; " f"{DPO_DEMO_STEPS} for the demo task, without --data",
+        "lr": f"{DPO_LR['scratch']:g} from scratch, {DPO_LR['full']:g} from --init, "
+              f"{DPO_LR['lora']:g} with --lora-rank"})
 
     p = add_command(sub, "generate", cmd_generate,
                     help="continue prompts with a KV cache (greedy, temperature, top-k, top-p); "
@@ -754,7 +782,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", help="backbone: any checkpoint the bridge reads (default: from scratch)")
     p.add_argument("--tokenizer", help="tokenizer file (default: --init's, or a BPE trained on --train)")
     p.add_argument("--preset", help="from scratch: the backbone's config (default tiny)")
-    p.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained from scratch")
+    p.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained from scratch "
+                                                                          "(default 8192)")
     p.add_argument("--out", required=True, help="run directory: best/, metrics.jsonl, dev_predictions.txt")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest checkpoint that restores (the "
@@ -776,16 +805,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --train-layers: run the frozen blocks at every step (by default "
                         "their output is computed once for every text, when it fits in a "
                         "quarter of the memory available)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per update")
-    p.add_argument("--warmup", type=float, default=0.1, help="fraction of updates warming up")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per update (default 1)")
+    p.add_argument("--warmup", type=float, default=0.1,
+                   help="fraction of updates warming up (default 0.1)")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW's weight decay (default 0.1)")
+    p.add_argument("--grad-clip", type=float, default=1.0,
+                   help="clip the global gradient norm to this (default 1.0)")
     p.add_argument("--dropout", type=float,
                    help=f"before the head (default {FROM_SCRATCH['dropout']}, from --init "
                         f"{PRETRAINED['dropout']})")
     p.add_argument("--max-len", type=int, default=512, help="tokens per text; longer texts lose "
                                                             "their beginning (default 512)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the head's initial weights, the data order and dropout "
+                        "(default 0)")
     _add_lora_arguments(p)
     _add_tracking_arguments(p)
     p.add_argument("--skip-malformed", action="store_true",
@@ -831,9 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command(sub, "split", cmd_split,
                     help="hold out a random fraction of a data file's lines")
-    p.add_argument("file")
+    p.add_argument("file", help="a data file, one example a line")
     p.add_argument("--fraction", type=float, default=0.15, help="held out (default 0.15)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")
     p.add_argument("--out", required=True, help="directory for train.txt and heldout.txt")
     p.add_argument("--force", action="store_true", help="replace existing files")
 

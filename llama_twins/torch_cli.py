@@ -57,13 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "text streams as it is produced")
     add_generate_arguments(p)
     p.add_argument("--device", default="auto",
-                   help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps...")
+                   help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps... (default auto)")
     p = add_command(sub, "eval", cmd_eval,
                     help="sliding-window perplexity, NLL per token and bits per byte of text "
                          "files, per file and overall")
     add_eval_arguments(p)
     p.add_argument("--device", default="auto",
-                   help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps...")
+                   help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps... (default auto)")
     return parser
 
 

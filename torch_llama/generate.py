@@ -57,6 +57,7 @@ def sample(logits: torch.Tensor, sampler: Sampler,
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+# --8<-- [start:decode]
 def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampler: Sampler = Sampler(), stop_ids: Sequence[int] = (), seed: int = 0,
              on_token: Callable[[int, int], None] | None = None, pad_id: int = 0) -> Generation:
@@ -100,3 +101,4 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
             # Finished rows keep decoding (their outputs are dropped): the batch keeps its shape.
             out = model.run(next_B[:, None], cache=cache)
     return Generation(tokens, logprobs)
+# --8<-- [end:decode]

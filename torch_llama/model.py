@@ -31,6 +31,7 @@ from bridge.quantize import Quantization, quantize_weight
 from bridge.rope import rope_inv_freq
 
 
+# --8<-- [start:rmsnorm]
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, with the statistics in float32."""
 
@@ -43,10 +44,12 @@ class RMSNorm(nn.Module):
         x = x_BSD.float()
         x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return x.to(x_BSD.dtype) * self.weight.to(x_BSD.dtype)
+# --8<-- [end:rmsnorm]
 
 
 # -- rotary position embedding: interleaved pairs (2i, 2i+1), as in Meta's release -----------------
 
+# --8<-- [start:rope]
 def rope_cos_sin(positions, inv_freq_h):
     """cos and sin of position * inv_freq, each float32 of shape (B or 1, S, h).
 
@@ -75,6 +78,7 @@ def apply_rope(x_BSNH: torch.Tensor, positions, theta: float = 10000.0,
     """RoPE on x (B, S, N, H) at `positions` (S,) or (B, S); returns x's shape and dtype."""
     inv_freq_h = rope_inv_freq(x_BSNH.shape[-1], theta, scaling)
     return rotate(x_BSNH, *rope_cos_sin(torch.as_tensor(positions, device=x_BSNH.device), inv_freq_h))
+# --8<-- [end:rope]
 
 
 def default_positions(valid_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,6 +140,7 @@ class AttentionMask:
 # -- the key/value cache for generation ----------------------------------------------------------
 
 @dataclass
+# --8<-- [start:kv_cache]
 class KVCache:
     """Keys and values of every layer for T slots, preallocated once per generation.
 
@@ -183,6 +188,7 @@ class KVCache:
         self.positions += valid_BS.sum(-1)
         self.index += S
         return self, mask, positions_BS
+# --8<-- [end:kv_cache]
 
 
 @dataclass
@@ -293,6 +299,7 @@ def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor,
     return F.linear(x, w_OGi.view(O, I).to(x.dtype))
 
 
+# --8<-- [start:attention]
 class Attention(nn.Module):
     """Grouped-query attention through F.scaled_dot_product_attention (enable_gqa: K/V not copied
     by us; the fused kernels read each kv head for its G query heads)."""
@@ -330,8 +337,10 @@ class Attention(nn.Module):
             q_BSNH.transpose(1, 2), k_BKTH, v_BKTH,
             attn_mask=bias_B1ST, is_causal=mask is None, enable_gqa=c.n_groups > 1)
         return self.wo(out_BNSH.transpose(1, 2).reshape(B, S, c.n_heads * c.head_dim))
+# --8<-- [end:attention]
 
 
+# --8<-- [start:feed_forward]
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x); w1 is the gate, w3 the up and w2 the down projection."""
 
@@ -343,8 +352,10 @@ class FeedForward(nn.Module):
 
     def forward(self, x_BSD):
         return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))
+# --8<-- [end:feed_forward]
 
 
+# --8<-- [start:block]
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then h + ffn(norm(h))."""
 
@@ -360,8 +371,10 @@ class Block(nn.Module):
         h = x_BSD + self.attention(self.attention_norm(x_BSD), cos_BSh, sin_BSh, mask, cache,
                                    layer)
         return h + self.feed_forward(self.ffn_norm(h))
+# --8<-- [end:block]
 
 
+# --8<-- [start:model]
 class Llama(nn.Module):
     """Token embedding, n_layers blocks, final RMSNorm, LM head (tied to the embedding or not)."""
 
@@ -433,23 +446,28 @@ class Llama(nn.Module):
         positions = torch.as_tensor(positions, device=device)
         cos_BSh, sin_BSh = rope_cos_sin(positions, self._inv_freq_for(device))
 
+        # --8<-- [start:embedding]
         # .to: a no-op unless LoRA trains the embedding table in float32 under a lower-precision model
         x_BSD = self.tok_embeddings(tokens_BS).to(self.norm.weight.dtype)
+        # --8<-- [end:embedding]
         for i, layer in enumerate(self.layers):
             x_BSD = layer(x_BSD, cos_BSh, sin_BSh, mask, cache, i)
         h_BSD = self.norm(x_BSD)
         if not lm_head:
             return LlamaOutput(logits=None, hidden=h_BSD, cache=cache)
+        # --8<-- [start:lm_head]
         if self.output is None:
             logits_BSV = F.linear(h_BSD, self.tok_embeddings.weight.to(h_BSD.dtype))
         else:
             logits_BSV = self.output(h_BSD)
+        # --8<-- [end:lm_head]
         return LlamaOutput(logits=logits_BSV.float(), hidden=h_BSD, cache=cache)
 
     def _inv_freq_for(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq_on:
             self._inv_freq_on[device] = torch.from_numpy(self._inv_freq).to(device)
         return self._inv_freq_on[device]
+# --8<-- [end:model]
 
 
 def last_real_index(attention_mask_BS) -> torch.Tensor:
@@ -458,6 +476,7 @@ def last_real_index(attention_mask_BS) -> torch.Tensor:
     return mask_BS.shape[1] - 1 - mask_BS.flip(1).int().argmax(1)
 
 
+# --8<-- [start:classifier]
 class LlamaClassifier(nn.Module):
     """A Llama backbone and a classification head: the final hidden state of each row's last real
     token, dropout, a linear layer to n_classes, log-softmax (jax_llama.LlamaClassifier's twin).
@@ -482,6 +501,7 @@ class LlamaClassifier(nn.Module):
         last_B = last_real_index(attention_mask).to(h_BSD.device)
         h_BD = self.dropout(h_BSD[torch.arange(h_BSD.shape[0], device=h_BSD.device), last_B])
         return F.log_softmax(self.classifier(h_BD).float(), dim=-1)
+# --8<-- [end:classifier]
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

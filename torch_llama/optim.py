@@ -148,6 +148,7 @@ def decay_mask(param: torch.Tensor) -> bool:
     return param.ndim == 2
 
 
+# --8<-- [start:adamw]
 class AdamW(torch.optim.Optimizer):
     """optax.adamw(lr, b1, b2, eps, eps_root, weight_decay=, mask=) as a torch optimizer.
 
@@ -215,6 +216,7 @@ class AdamW(torch.optim.Optimizer):
                     u.add_(p * wd)
                 p.add_(u.mul_(-step_size))
         return loss
+# --8<-- [end:adamw]
 
 
 def _correction(decay: float, count: int, moment: torch.Tensor) -> torch.Tensor:

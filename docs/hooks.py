@@ -1,0 +1,182 @@
+"""MkDocs hook (mkdocs.yml `hooks:`): the pages generated from the code and from results/ at build
+time, so that no fact is written twice by hand.
+
+on_files adds to the build, as files that exist only in memory (mkdocs' File.generated):
+
+- reference/cli.md: every command and subcommand of llama-bridge, jax-llama and torch-llama, read
+  from their argparse parser objects (llama_twins.cli_docs): usage, description, options table;
+- reference/presets.md: bridge.config.PRESETS as a table, with each preset's parameter count;
+- explanation/results.md: every results/*.md as a section, grouped by RESULT_GROUPS, with each
+  heading moved one level down and the plot beside it (results/NAME.png) shown;
+- explanation/results/*.png: the plots, copied from results/ (outside docs/) into the site.
+
+A hand-written file at a generated page's path is an error: the page is generated. on_serve
+makes `mkdocs serve` rebuild when results/ or the parsers change.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the packages, when the docs are built from a plain checkout
+    sys.path.insert(0, str(ROOT))
+
+log = logging.getLogger("mkdocs.hooks.jax_llama")
+
+RESULTS = ROOT / "results"
+# The results page's order: (section, the results/ files in it, by stem). A results/*.md in no
+# group lands under "Other results" at the end, so a new file is shown before it is placed.
+RESULT_GROUPS: list[tuple[str, list[str]]] = [
+    ("Parity: do the twins agree?", ["parity", "parity_memory"]),
+    ("Conversion and import", ["convert", "gguf_import", "mesh_load_memory", "hand_back"]),
+    ("Speed against transformers", ["bench", "bench_smollm2", "gemm", "long"]),
+    ("Generation and serving", ["generate", "generate_amd", "generate_smollm2", "int8_matmul",
+                                "serve"]),
+    ("Training and fine-tuning", ["train", "finetune_pretrained", "bench_frozen_cache",
+                                  "lora_bench", "bench_smollm2_lora", "bench_smollm2_train_lora",
+                                  "sft_pretrained", "dpo_pretrained"]),
+    ("Classification", ["classify", "classify_lora", "classify_lora_emb", "zero_shot"]),
+    ("Evaluation and quality", ["smollm2_eval", "harness", "int8_quality"]),
+    ("Reliability", ["reliability"]),
+]
+RESULT_IMAGES = "explanation/results"  # where results/*.png land in the site
+
+
+# -- reference/cli.md ---------------------------------------------------------------------------
+
+def cli_page() -> str:
+    from llama_twins.cli_docs import build_parsers, command_reference
+
+    parsers = build_parsers()
+    parts = ["# Command-line reference\n",
+             "Generated at build time from the commands' own argparse parsers "
+             "(`llama_twins.cli_docs`), so it lists exactly the options each command accepts. "
+             "Every option states its default; `tests/test_cli_help.py` fails on one that does "
+             "not. Exit codes: [errors and exit codes](errors.md).\n"]
+    for prog in ("llama-bridge", "jax-llama", "torch-llama"):
+        parts.append(command_reference(parsers[prog]))
+    return "\n".join(parts)
+
+
+# -- reference/presets.md -----------------------------------------------------------------------
+
+def presets_page() -> str:
+    from bridge.config import DEFAULT_PRESET, PRESETS
+    from bridge.tensors import count_params
+    from llama_twins.cli_docs import markdown_table
+
+    def params(n: int) -> str:
+        return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
+
+    rows = [[f"`{name}`", f"{c.dim:,}", str(c.n_layers), str(c.n_heads), str(c.n_kv_heads),
+             str(c.head_dim), f"{c.ffn_dim:,}", f"{c.vocab_size:,}", f"{c.max_seq_len:,}",
+             f"{c.rope_theta:g}" + (f" ({c.rope_scaling.type} scaling)" if c.rope_scaling else ""),
+             "yes" if c.tie_embeddings else "no", params(count_params(c))]
+            for name, c in PRESETS.items()]
+    table = markdown_table(rows, ["preset", "dim", "layers", "heads", "kv heads", "head dim",
+                                  "ffn", "vocab", "max_seq_len", "rope_theta",
+                                  "tied embeddings", "parameters"])
+    return "\n".join([
+        "# Presets\n",
+        "The model configurations `--preset` names (`bridge.config.PRESETS`: the published "
+        "hyperparameters of each release, as Meta's `params.json` or the Hugging Face "
+        "`config.json` give them), generated from the table itself at build time. "
+        f"`LlamaConfig()` with no arguments is `{DEFAULT_PRESET}`. Parameter counts come from "
+        "the canonical tensor shapes (`bridge.count_params`), embeddings included once when "
+        "tied.\n",
+        table, ""])
+
+
+# -- explanation/results.md ---------------------------------------------------------------------
+
+def _demote(markdown: str) -> tuple[str | None, str]:
+    """(the file's first-level title or None, the rest with every heading one level down),
+    fenced code left alone."""
+    title, lines, fenced = None, [], False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            level = len(line) - len(line.lstrip("#"))
+            if level == 1 and title is None and not lines:
+                title = line[1:].strip()
+                continue
+            line = "#" * min(level + 2, 6) + line[level:]  # under the group (##) and file (###)
+        lines.append(line)
+    return title, "\n".join(lines).strip()
+
+
+def _result_section(stem: str, shared_titles: set[str]) -> str:
+    markdown = (RESULTS / f"{stem}.md").read_text()
+    title, body = _demote(markdown)
+    if title in shared_titles:  # e.g. several "jax-llama bench" reports: tell them apart
+        title = f"{title}: {stem}"
+    # images beside the .md: served from RESULT_IMAGES, one level below this page
+    body = re.sub(r"(!\[[^\]]*\]\()(?!https?://|/)([^)\s]+\.png\))",
+                  lambda m: f"{m[1]}results/{Path(m[2]).name}", body)
+    heading = f"### {title}" if title else f"### `{stem}`"
+    source = [f"`results/{stem}.md`"]
+    if (RESULTS / f"{stem}.json").exists():
+        source.append(f"figures in `results/{stem}.json`")
+    parts = [heading, "", f"*From {', '.join(source)}.*", "", body]
+    if (RESULTS / f"{stem}.png").exists() and f"results/{stem}.png" not in body:
+        parts += ["", f"![{title or stem}](results/{stem}.png)"]
+    return "\n".join(parts)
+
+
+def results_page() -> str:
+    stems = sorted(p.stem for p in RESULTS.glob("*.md"))
+    placed = {stem for _, group in RESULT_GROUPS for stem in group}
+    groups = [(name, [s for s in group if s in stems]) for name, group in RESULT_GROUPS]
+    groups.append(("Other results", [s for s in stems if s not in placed]))
+    titles = [_demote((RESULTS / f"{stem}.md").read_text())[0] for stem in stems]
+    shared_titles = {t for t in titles if t is not None and titles.count(t) > 1}
+    parts = ["# Measured results\n",
+             "Every figure this project reports was measured by a script or a command and "
+             "written to `results/`: a `.md` table to read, a `.json` file with every figure "
+             "behind it, and a `.png` plot where one helps. This page renders each `.md` "
+             "(generated at build time from `results/`, so it shows exactly what is there), "
+             "grouped by what it measures; the machine each ran on is named in its header or "
+             "its JSON.\n"]
+    for name, group in groups:
+        if not group:
+            continue
+        parts.append(f"## {name}\n")
+        parts += [_result_section(stem, shared_titles) + "\n" for stem in group]
+    return "\n".join(parts)
+
+
+# -- the hook -----------------------------------------------------------------------------------
+
+GENERATED = {
+    "reference/cli.md": cli_page,
+    "reference/presets.md": presets_page,
+    "explanation/results.md": results_page,
+}
+
+
+def on_files(files: Files, *, config) -> Files:
+    for uri, generate in GENERATED.items():
+        existing = files.get_file_from_path(uri)
+        if existing is not None:
+            log.error("docs/%s exists, but the page is generated by docs/hooks.py: remove the "
+                      "file", uri)
+            files.remove(existing)
+        files.append(File.generated(config, uri, content=generate()))
+    for png in sorted(RESULTS.glob("*.png")):
+        files.append(File.generated(config, f"{RESULT_IMAGES}/{png.name}",
+                                    abs_src_path=str(png)))
+    return files
+
+
+def on_serve(server, *, config, builder):
+    """`mkdocs serve`: rebuild when what the generated pages are made from changes."""
+    for path in (RESULTS, ROOT / "llama_twins", ROOT / "bridge" / "config.py"):
+        server.watch(str(path))
+    return server
