@@ -49,7 +49,8 @@ from .checkpoint import save as save_native
 from .data import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
 from .model import Blocks, KVCache, LlamaClassifier, init
-from .run_state import Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until
+from .run_state import (Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until,
+                        setup_differences)
 from .tracking import Tracker, TrackingSpec
 from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 
@@ -387,15 +388,7 @@ def _check_resumable(out: Path, record: dict) -> None:
     if not saved_path.is_file():
         raise BridgeError(f"{out} holds no fine-tuning run to resume (no finetune.json)",
                           field="resume")
-    saved = json.loads(saved_path.read_text())
-    diffs = []
-    for key, now in record.items():
-        was = saved.get(key)
-        if isinstance(now, dict) and isinstance(was, dict):  # the fields that differ
-            diffs += [f"{key}.{k}: {was.get(k)!r} -> {now.get(k)!r}"
-                      for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
-        elif was != now:
-            diffs.append(f"{key}: {was!r} -> {now!r}")
+    diffs = setup_differences(json.loads(saved_path.read_text()), record)
     if diffs:
         raise BridgeError(f"{out} was fine-tuned with a different setup ({'; '.join(diffs)})",
                           field="resume")

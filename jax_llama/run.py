@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from bridge.atomic import write_text
 from bridge.config import LlamaConfig
+from bridge.data_dirs import check_out_apart
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
 from bridge.formats.gguf_file import is_gguf
@@ -53,7 +54,7 @@ from .lora import add_lora, count, merge_lora, save_adapter, trainable_for
 from .model import Llama, init
 from .perf import measure_matmul_peak, train_flops_per_token
 from .run_state import (Checkpoints, NonFinite, RunStopped, StopSignals, all_processes_reach,
-                        keep_metrics_until)
+                        keep_metrics_until, setup_differences)
 from .sharding import check_batch, global_batch, make_mesh
 from .tracking import Tracker, TrackingSpec
 from .train import (TrainConfig, TrainingDiverged, init_state, jit_eval_step, jit_train_step,
@@ -104,17 +105,11 @@ def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
 
 
 def _check_resumable(spec: RunSpec, config: LlamaConfig) -> None:
-    saved = json.loads((spec.out / "run.json").read_text())
-    now = _run_record(spec, config)
-    diffs = [f"{part}.{k}: {saved[part].get(k)!r} -> {now[part].get(k)!r}"
-             for part in ("model", "train") for k in sorted(set(saved[part]) | set(now[part]))
-             if saved[part].get(k) != now[part].get(k)]
-    diffs += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("data", "tokenizer", "init", "lora",
-                                                                "sft", "dpo")
-              if saved.get(k) != now[k]]
-    for flag in ("strip_labels", "pack"):
-        if saved.get(flag, False) != now[flag]:
-            diffs.append(f"{flag}: {saved.get(flag, False)} -> {now[flag]}")
+    # run.json files from before strip_labels and pack were recorded ran without them
+    saved = {"strip_labels": False, "pack": False,
+             **json.loads((spec.out / "run.json").read_text())}
+    now = {k: v for k, v in _run_record(spec, config).items() if k != "tracking"}
+    diffs = setup_differences(saved, now)
     if diffs:
         raise BridgeError(f"{spec.out} was trained with a different setup ({'; '.join(diffs)})",
                           field="resume")
@@ -153,6 +148,8 @@ def train(spec: RunSpec) -> dict:
     choose_attention(spec.attention, 1, 1)  # refused before anything is read or written
     spec.tracking.check()
     nonfinite = NonFinite(spec.on_nan, spec.max_skipped)
+    task = spec.sft or spec.dpo  # their data are files; a run's own output is never its input
+    check_out_apart(spec.out, [*spec.data, *((task.data, task.eval_data) if task else ())])
     if jax.process_count() > 1 and (spec.lora or spec.sft or spec.dpo):
         kind = "LoRA" if spec.lora else "SFT" if spec.sft else "DPO"
         raise BridgeError(f"{kind} runs across several processes are "

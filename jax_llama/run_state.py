@@ -56,6 +56,21 @@ def all_processes_reach(what: str) -> None:
         multihost_utils.sync_global_devices(what)
 
 
+def setup_differences(saved: dict, now: dict) -> list[str]:
+    """What a resumed run would change of the setup it was started with: "part.field: old ->
+    new" inside the parts that are dicts (the model config, the training settings), "part: old
+    -> new" for the others."""
+    diffs = []
+    for part, new in now.items():
+        old = saved.get(part)
+        if isinstance(new, dict) and isinstance(old, dict):
+            diffs += [f"{part}.{k}: {old.get(k)!r} -> {new.get(k)!r}"
+                      for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        elif old != new:
+            diffs.append(f"{part}: {old!r} -> {new!r}")
+    return diffs
+
+
 # -- checkpoints ------------------------------------------------------------------------------------
 
 def _file_digests(directory: Path) -> dict[str, dict]:

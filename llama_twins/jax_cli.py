@@ -59,9 +59,6 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
 
     out = Path(args.out) if args.out else Path("runs") / time.strftime(
         f"{args.command}-%Y%m%d-%H%M%S")
-    # A run's own output is never its input: refused before a resume reads out/run.json.
-    task = sft or dpo  # their data are files
-    check_out_apart(out, [*(data or []), *((task.data, task.eval_data) if task else ())])
     given = {name: getattr(args, name) for name, *_ in TRAIN_OPTIONS if getattr(args, name) is not None}
     saved = {}
     if args.resume:
