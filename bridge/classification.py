@@ -37,18 +37,23 @@ DEFAULT_CHAT_QUESTION = ("{text}\n\nHow is the sentiment of this review: {labels
 # the language at once, at a high learning rate. From a pretrained backbone (--init): a lower
 # rate keeps what it knows, fewer epochs suffice, and only the top blocks train - the lower ones
 # hold general features (and their backward pass, most of a step's cost, is skipped). See the
-# README's "Fine-tuning a pretrained model" for the runs behind these values.
-# train_layers "third": the top third of the backbone's blocks (10 of SmolLM2's 30).
+# docs/how-to/classify.md ("Fine-tuning a pretrained model") for the runs behind these values.
+# train_layers "half": the top half of the backbone's blocks (15 of SmolLM2's 30); "third": the
+# top third (10). Full fine-tuning of SmolLM2 on SST-5 reached 49.1% with 3 epochs at lr 1e-4 on
+# the top third, 50.5% with 2 epochs at lr 2e-4 on the top half; LoRA reached 50.05% with its own.
 FROM_SCRATCH = {"epochs": 5, "batch_size": 32, "lr": 1e-3, "dropout": 0.3, "train_layers": None}
-PRETRAINED = {"epochs": 3, "batch_size": 16, "lr": 1e-4, "dropout": 0.1, "train_layers": "third"}
-PRETRAINED_LORA = {**PRETRAINED, "lr": 1e-3}
+PRETRAINED = {"epochs": 2, "batch_size": 16, "lr": 2e-4, "dropout": 0.1, "train_layers": "half"}
+PRETRAINED_LORA = {"epochs": 3, "batch_size": 16, "lr": 1e-3, "dropout": 0.1,
+                   "train_layers": "third"}
 
 
 def resolve_train_layers(value: int | str | None, n_layers: int) -> int | None:
     """A recipe's train_layers for a backbone of n_layers blocks: None (all) for 'all' or None,
-    the top third (at least one) for 'third', else the count itself."""
+    the top half or third (at least one) for 'half' or 'third', else the count itself."""
     if value in (None, "all"):
         return None
+    if value == "half":
+        return max(1, n_layers // 2)
     if value == "third":
         return max(1, round(n_layers / 3))
     if value > n_layers:

@@ -787,7 +787,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "same command otherwise)")
     _add_nonfinite_arguments(p)
     p.add_argument("--epochs", type=int,
-                   help=f"default {FROM_SCRATCH['epochs']}, from --init {PRETRAINED['epochs']}")
+                   help=f"default {FROM_SCRATCH['epochs']}, from --init {PRETRAINED['epochs']} "
+                        f"({PRETRAINED_LORA['epochs']} with LoRA)")
     p.add_argument("--lr", type=float,
                    help=f"peak learning rate (default {FROM_SCRATCH['lr']:g}; from --init "
                         f"{PRETRAINED['lr']:g}, with LoRA {PRETRAINED_LORA['lr']:g})")
@@ -797,7 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-layers", metavar="N|all",
                    help="train the top N blocks (with the final norm and the head; the rest, "
                         "and the embedding table, stay frozen) or all (default all; from --init "
-                        "the top third)")
+                        "the top half, with LoRA the top third)")
     p.add_argument("--no-frozen-cache", action="store_true",
                    help="with --train-layers: run the frozen blocks at every step (by default "
                         "their output is computed once for every text, when it fits in a "

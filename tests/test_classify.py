@@ -676,10 +676,11 @@ def test_zero_shot_through_a_chat_template(trained_lm):
 
 
 def test_a_pretrained_backbone_gets_its_own_recipe_and_trains_its_top_blocks(task, capsys):
-    """finetune --init: the PRETRAINED recipe (lr, epochs, batch, dropout; the top third of the
-    blocks), flags over it; the blocks below and the embedding table come out unchanged, the top
+    """finetune --init: the PRETRAINED recipe (lr, epochs, batch, dropout; the top half of the
+    blocks, 1 of 3), flags over it; the blocks below and the embedding table come out unchanged, the top
     block, the final norm and the head do not. From scratch keeps FROM_SCRATCH."""
-    from bridge.classification import FROM_SCRATCH, PRETRAINED
+    from bridge.classification import (FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA,
+                                       resolve_train_layers)
     from jax_llama.classify import recipe
 
     (task / "train.txt").write_text(synthetic_lines(40, seed=0))
@@ -710,6 +711,11 @@ def test_a_pretrained_backbone_gets_its_own_recipe_and_trains_its_top_blocks(tas
         (task / "lm" / "chat_template.jinja").read_text()
     assert recipe(False, False) == FROM_SCRATCH
     assert recipe(True, False, lr=3e-5)["lr"] == 3e-5
+    assert recipe(True, True) == PRETRAINED_LORA  # LoRA keeps its own (the top third, lr 1e-3)
+    # SmolLM2's 30 blocks: full fine-tuning trains 15, LoRA 10; never none
+    assert [resolve_train_layers(v, n) for v, n in [("half", 30), ("third", 30), ("half", 1),
+                                                    ("third", 1), ("all", 30)]] == \
+        [15, 10, 1, 1, None]
 
 
 @pytest.mark.parametrize("value, message", [
