@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     if earlier.is_file():  # runs of earlier sessions (machines) stay in the table
         old = json.loads(earlier.read_text())
         for name, row in old["runs"].items():
-            row.setdefault("cpu", old["cpu"])
+            row.setdefault("cpu", old.get("cpu"))
         rows = {**{k: v for k, v in old["runs"].items() if k not in rows}, **rows}
         rows = {k: rows[k] for k in RUNS if k in rows}
     result = {"checkpoint": Path(args.checkpoint).name, "cores": os.cpu_count(),
