@@ -190,9 +190,9 @@ def _file(block: Block) -> str | None:
 
 
 def shell_script(text: str, name: str) -> tuple[str, list[Block], list[str], dict[int, int]]:
-    """(the bash script of a page, its blocks that run, why each other shell block does not,
-    the page's line of each script line that comes from a block)."""
-    parts, ran, not_run, lines = [PRELUDE], [], [], {}
+    """(the bash script of a page, its blocks that run, a note per shell block that does not run
+    or must fail, the page's line of each script line that comes from a block)."""
+    parts, ran, notes, lines = [PRELUDE], [], [], {}
     for b in blocks(text):
         target = _file(b)
         if target is not None:
@@ -203,11 +203,11 @@ def shell_script(text: str, name: str) -> tuple[str, list[Block], list[str], dic
         if b.lang not in SHELL_LANGS:
             continue
         if b.skip:
-            not_run.append(f"{name}:{b.line}: {b.skip_reason or '(no reason given)'}")
+            notes.append(f"{name}:{b.line}: {b.skip_reason or '(no reason given)'}")
             continue
         missing = [m for m in _needs(b) if importlib.util.find_spec(m) is None]
         if missing:
-            not_run.append(f"{name}:{b.line}: needs {', '.join(missing)}, not installed")
+            notes.append(f"{name}:{b.line}: needs {', '.join(missing)}, not installed")
             continue
         env = _env(b)
         exports = "".join(f"export {shlex.quote(a)}\n" for a in env)
@@ -217,7 +217,7 @@ def shell_script(text: str, name: str) -> tuple[str, list[Block], list[str], dic
             source = b.source
         else:  # in a subshell without -e: it must end in failure, and the page goes on
             parts.append(f"{exports}if ( set +e\n")
-            not_run.append(f"{name}:{b.line}: runs, and is expected to fail: "
+            notes.append(f"{name}:{b.line}: runs, and is expected to fail: "
                            f"{_expect_fail(b) or '(no reason given)'}")
             source = (f"{b.source}\n); then echo \"{name}:{b.line}: expected to fail, but passed\"; "
                       f"false; fi")
@@ -227,21 +227,20 @@ def shell_script(text: str, name: str) -> tuple[str, list[Block], list[str], dic
         lines[start + count] = b.line + 1  # an expected failure that passed
         parts.append(f"{source}\n{unsets}")
         ran.append(b)
-    return "".join(parts), ran, not_run, lines
+    return "".join(parts), ran, notes, lines
 
 
 @dataclass
 class ShellRun:
     ran: int                  # blocks run
     failure: str | None
-    not_run: list[str]
 
 
 def run_shell_page(page: Path, world: World, box: Path, gguf: Path | None) -> ShellRun:
     name, text = _name(page), page.read_text(encoding="utf-8")
-    script, ran, not_run, lines = shell_script(text, name)
+    script, ran, _, lines = shell_script(text, name)
     if not ran:
-        return ShellRun(0, None, not_run)
+        return ShellRun(0, None)
     work = world.sandbox(box, text, gguf)
     failed, log = box / "failed.txt", box / "output.log"
     env = {**os.environ, "HOME": str(box / "home"), "PATH": f"{BIN}:{os.environ['PATH']}",
@@ -253,15 +252,13 @@ def run_shell_page(page: Path, world: World, box: Path, gguf: Path | None) -> Sh
                                   stderr=subprocess.STDOUT, timeout=PAGE_TIMEOUT_S)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        return ShellRun(len(ran), f"{name}: its shell blocks did not finish in {PAGE_TIMEOUT_S} s",
-                        not_run)
+        return ShellRun(len(ran), f"{name}: its shell blocks did not finish in {PAGE_TIMEOUT_S} s")
     if code == 0:
-        return ShellRun(len(ran), None, not_run)
+        return ShellRun(len(ran), None)
     line = lines.get(int(failed.read_text().strip() or 0)) if failed.exists() else None
     command = text.splitlines()[line - 1].strip() if line else "?"
     tail = log.read_text(errors="replace")[-3000:]
-    return ShellRun(len(ran), f"{name}:{line}: `{command}` failed (exit {code}):\n{tail}",
-                    not_run)
+    return ShellRun(len(ran), f"{name}:{line}: `{command}` failed (exit {code}):\n{tail}")
 
 
 # -- the pages ---------------------------------------------------------------------------------
@@ -378,8 +375,8 @@ def test_planted_page_runs_in_order_and_fails_at_the_right_block(tmp_path):
 
 
 def test_a_skip_without_a_reason_is_listed_as_such():
-    _, _, not_run, _ = shell_script("<!-- docs-test: skip -->\n```bash\nfalse\n```\n", "p.md")
-    assert not_run == ["p.md:2: (no reason given)"]
+    _, _, notes, _ = shell_script("<!-- docs-test: skip -->\n```bash\nfalse\n```\n", "p.md")
+    assert notes == ["p.md:2: (no reason given)"]
 
 
 def test_training_commands_are_cut_short():
