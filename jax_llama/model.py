@@ -29,6 +29,7 @@ from bridge.inputs import check_inputs as _check_inputs
 from bridge.lora import LoraConfig
 from bridge.rope import rope_inv_freq
 
+from . import kernels
 from .attention import AttentionMask, attend, choose
 
 Dtype = Any
@@ -182,12 +183,18 @@ class Linear(nn.Module):
     def __call__(self, x_MD):
         x_MD = x_MD.astype(self.dtype)
         if self.has_variable("params", "scale"):  # int8 weights (jax_llama.quantize)
-            out = int8_matmul(x_MD, self.get_variable("params", "kernel"),
-                              self.get_variable("params", "scale"), self.dtype)
+            kernel, scale = (self.get_variable("params", n) for n in ("kernel", "scale"))
+            if kernels.usable(x_MD, kernel, scale):  # a few rows on CPU: decoding
+                out = kernels.matvec(x_MD, kernel, scale).astype(self.dtype)
+            else:
+                out = int8_matmul(x_MD, kernel, scale, self.dtype)
         else:
             kernel = self.param("kernel", self.kernel_init, (x_MD.shape[-1], self.features),
                                 self.param_dtype)
-            out = jnp.dot(x_MD, kernel.astype(self.dtype))
+            if kernels.usable(x_MD, kernel):
+                out = kernels.matvec(x_MD, kernel)
+            else:
+                out = jnp.dot(x_MD, kernel.astype(self.dtype))
         if self.lora is None:
             return out
         r = self.lora.rank

@@ -1,0 +1,192 @@
+"""Few-row matmul kernels for XLA:CPU (matvec.cc), what batch-1 to batch-8 decoding runs.
+
+    y = matvec(x_MI, w_IO)              # float32 weights
+    y = matvec(x_MI, q_IO, scale_O)     # int8 weights, per-output-channel float32 scales
+
+At decode time a projection multiplies a few rows by a weight it reads once, so its speed is
+how fast the weight is read. XLA:CPU converts an int8 weight to float32 in a pass of its own
+(a float copy written and read back: results/int8_matmul.md) and reads float32 weights at about
+three quarters of the machine's bandwidth; matvec.cc converts in registers and splits the
+columns between XLA's own intra-op threads.
+
+The source is compiled on first use with the system's C++ compiler for this CPU (`-march=native`)
+against the XLA FFI headers jaxlib ships, into a cache keyed by the source, jaxlib and the CPU
+(`$JAX_LLAMA_KERNEL_CACHE`, default ~/.cache/jax_llama/kernels), and registered with
+jax.ffi. Where that cannot be done (no compiler, not a CPU backend, several devices) `usable`
+says False, the reason is logged once, and jax_llama.model uses XLA's matmul: the kernels are an
+accelerator, never a requirement. They are off unless `JAX_LLAMA_KERNELS=1`: their decode
+speed beside XLA's matmul has not been measured on a quiet machine yet (the one try, with the
+cores shared by a fine-tune, was no faster), so the default stays XLA's.
+
+Each output is one float32 sum over the inputs in order (the int8 scale multiplies the sum), so
+results differ from XLA's matmul by float32 rounding only; a gradient, where one is asked for,
+is XLA's (custom_vjp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("matvec.cc")
+MAX_ROWS = 8  # the kernels serve up to this many rows (batch x new tokens); more go to XLA
+TARGETS = {"f32": "JaxLlamaMatvecF32", "int8": "JaxLlamaMatvecInt8"}
+
+
+def enabled() -> bool:
+    """True when JAX_LLAMA_KERNELS is 1 / true / on (off by default; see the module docstring)."""
+    return os.environ.get("JAX_LLAMA_KERNELS", "0").strip().lower() in ("1", "true", "on")
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's model and flags (Linux), else the machine."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        wanted = [x for x in lines if x.startswith(("model name", "flags"))][:2]
+        return "\n".join(wanted) or platform.machine()
+    except OSError:
+        return platform.machine()
+
+
+def library_path() -> Path:
+    """Where the compiled kernels for this source, jaxlib and CPU live (built or not)."""
+    import jaxlib
+
+    key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode()
+                         + _cpu_key().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("JAX_LLAMA_KERNEL_CACHE")
+                or Path.home() / ".cache" / "jax_llama" / "kernels")
+    return root / f"matvec-{key}.so"
+
+
+def build(out: Path) -> None:
+    """Compile matvec.cc into `out` (written under a temporary name, then renamed, so a
+    half-written library is never loaded); raises RuntimeError with the compiler's last words."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") \
+        or shutil.which("clang++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+           f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(compiler).name} failed: "
+                               f"{done.stderr.strip().splitlines()[-1:] or done.returncode}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build (once per machine) and register the kernels; None when done, else why not."""
+    if not enabled():
+        return "off (JAX_LLAMA_KERNELS is not 1)"
+    try:
+        path = library_path()
+        if not path.is_file():
+            log.info("jax_llama: compiling the decode kernels into %s", path)
+            build(path)
+        lib = ctypes.cdll.LoadLibrary(str(path))
+        for name, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(f"jax_llama_matvec_{name}",
+                                        jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: use XLA's matmul instead
+        log.warning("jax_llama: decode kernels unavailable (%s); using XLA's matmul", e)
+        return str(e)
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot run in this process (None when they can)."""
+    if not enabled():
+        return "off (JAX_LLAMA_KERNELS is not 1)"
+    if jax.default_backend() != "cpu":
+        return f"the backend is {jax.default_backend()}, not cpu"
+    if jax.device_count() != 1:
+        return f"{jax.device_count()} devices (the kernels run unsharded)"
+    return _load()
+
+
+def usable(x_MI, w_IO, scale_GO=None) -> bool:
+    """Whether matvec serves this matmul: float32 x of at most MAX_ROWS rows, a 2-D float32 or
+    int8 weight (int8 with one scale per output column), and the kernels loadable here."""
+    if x_MI.ndim != 2 or x_MI.shape[0] > MAX_ROWS or x_MI.dtype != jnp.float32:
+        return False
+    if scale_GO is None:
+        ok = w_IO.dtype == jnp.float32
+    else:
+        ok = w_IO.dtype == jnp.int8 and scale_GO.shape[0] == 1
+    return ok and w_IO.ndim == 2 and unavailable_reason() is None
+
+
+def _call(x_MI, w_IO, scale_O):
+    M, O = x_MI.shape[0], w_IO.shape[1]
+    out = jax.ShapeDtypeStruct((M, O), jnp.float32)
+    if scale_O is None:
+        return jax.ffi.ffi_call("jax_llama_matvec_f32", out, vmap_method="sequential")(x_MI, w_IO)
+    return jax.ffi.ffi_call("jax_llama_matvec_int8", out, vmap_method="sequential")(
+        x_MI, w_IO, scale_O)
+
+
+@jax.custom_vjp
+def _matvec_f32(x_MI, w_IO):
+    return _call(x_MI, w_IO, None)
+
+
+def _f32_fwd(x_MI, w_IO):
+    return _call(x_MI, w_IO, None), (x_MI, w_IO)
+
+
+def _f32_bwd(res, g_MO):
+    x_MI, w_IO = res
+    return g_MO @ w_IO.T, x_MI.T @ g_MO
+
+
+_matvec_f32.defvjp(_f32_fwd, _f32_bwd)
+
+
+@jax.custom_vjp
+def _matvec_int8(x_MI, q_IO, scale_O):
+    return _call(x_MI, q_IO, scale_O)
+
+
+def _int8_fwd(x_MI, q_IO, scale_O):
+    return _call(x_MI, q_IO, scale_O), (q_IO, scale_O)
+
+
+def _int8_bwd(res, g_MO):
+    q_IO, scale_O = res  # int8 weights and their scales are constants: no cotangent
+    return (g_MO * scale_O) @ q_IO.T.astype(jnp.float32), None, None
+
+
+_matvec_int8.defvjp(_int8_fwd, _int8_bwd)
+
+
+def matvec(x_MI, w_IO, scale_GO=None):
+    """x (M, I) float32 @ w (I, O) -> (M, O) float32; with int8 w and scales (1, O), the
+    product times the scales. Call only where `usable` said True."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"jax_llama.kernels: {reason}")
+    if scale_GO is None:
+        return _matvec_f32(x_MI, w_IO)
+    return _matvec_int8(x_MI, w_IO, scale_GO.reshape(-1))

@@ -1,0 +1,160 @@
+"""The decode kernels (jax_llama.kernels): few-row matmuls on XLA:CPU through the XLA FFI.
+
+Each output is one float32 sum over the inputs, so the kernels are checked against a float64
+product within the float32 rounding of such a sum (|error| <= I * eps32 * sum |x * w|, stated per
+case below); a kernel that drops the int8 scale or reads a wrong column fails it (the negative
+cases). In the model they must change nothing but rounding: decoding gives the same tokens with
+and without them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_llama import kernels
+
+
+
+@pytest.fixture(autouse=True)
+def kernels_on(monkeypatch):
+    """The kernels are opt-in (JAX_LLAMA_KERNELS=1); on for these tests only."""
+    monkeypatch.setenv("JAX_LLAMA_KERNELS", "1")
+    if kernels.unavailable_reason() is not None:
+        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def bound(x, w, scale=None):
+    """The float32 rounding bound of a sequential sum: I * eps * sum |x_i w_io| (times |scale|)."""
+    mag = np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64))
+    if scale is not None:
+        mag = mag * np.abs(scale.astype(np.float64))
+    return x.shape[1] * EPS32 * mag + 1e-30
+
+
+SHAPES = [(1, 576, 576), (1, 576, 192), (2, 96, 1536), (3, 1536, 72), (4, 64, 40), (5, 17, 13),
+          (7, 128, 200), (8, 256, 64)]
+
+
+@pytest.mark.parametrize("M,I,O", SHAPES)
+def test_float32_matvec_equals_the_product_to_float32_rounding(M, I, O):
+    rng = np.random.default_rng(M * 1000 + O)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    w = rng.standard_normal((I, O)).astype(np.float32)
+    got = np.asarray(jax.jit(kernels.matvec)(x, w), np.float64)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.all(np.abs(got - want) <= bound(x, w))
+
+
+@pytest.mark.parametrize("M,I,O", SHAPES)
+def test_int8_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O):
+    rng = np.random.default_rng(M * 1000 + O + 1)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    q = rng.integers(-127, 128, (I, O)).astype(np.int8)
+    scale = (rng.random((1, O)) / 127).astype(np.float32)
+    got = np.asarray(jax.jit(kernels.matvec)(x, q, scale), np.float64)
+    want = (x.astype(np.float64) @ q.astype(np.float64)) * scale.astype(np.float64)
+    assert np.all(np.abs(got - want) <= bound(x, q, scale))
+    # negative cases: the product without its scale, and one column off, are far outside it
+    assert not np.all(np.abs(x.astype(np.float64) @ q.astype(np.float64) - want) <= bound(x, q, scale))
+    if O > 1:
+        assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= bound(x, q, scale))
+
+
+def test_rows_do_not_depend_on_how_many_rows_share_the_call():
+    """A row's output is the same bits whether it is decoded alone or beside 7 others (its sum
+    runs in the same order whatever the row blocking): batch 1 and batch 8 decode the same."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 576)).astype(np.float32)
+    w = rng.standard_normal((576, 1536)).astype(np.float32)
+    q = rng.integers(-127, 128, (576, 1536)).astype(np.int8)
+    scale = rng.random((1, 1536)).astype(np.float32)
+    f = jax.jit(kernels.matvec)
+    for args in ((w,), (q, scale)):
+        together = np.asarray(f(x, *args))
+        for m in range(8):
+            np.testing.assert_array_equal(np.asarray(f(x[m:m + 1], *args))[0], together[m])
+
+
+def test_gradients_are_xlas():
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((2, 48)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((48, 80)), jnp.float32)
+    q = jnp.asarray(rng.integers(-127, 128, (48, 80)), jnp.int8)
+    scale = jnp.asarray(rng.random((1, 80)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((2, 80)), jnp.float32)
+
+    def loss(f):
+        return lambda *a: jnp.sum(f(*a) * g)
+    got = jax.grad(loss(kernels.matvec), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(jnp.dot), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # float32 sums in another order
+    got = jax.grad(loss(kernels.matvec))(x, q, scale)
+    want = jax.grad(loss(lambda x, q, s: (x @ q.astype(jnp.float32)) * s))(x, q, scale)
+    # int8 weights up to 127: sums of terms up to ~300, so float32 rounding is ~1e-5 of that
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(jnp.abs(want).max()) * 48)
+
+
+def test_vmap_runs_each_slice():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 2, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 24)), jnp.float32)
+    got = jax.vmap(kernels.matvec, in_axes=(0, None))(x, w)
+    np.testing.assert_allclose(got, jnp.einsum("bmi,io->bmo", x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_usable_only_for_what_the_kernels_serve():
+    x = jnp.zeros((1, 16), jnp.float32)
+    assert kernels.usable(x, jnp.zeros((16, 8), jnp.float32))
+    assert kernels.usable(x, jnp.zeros((16, 8), jnp.int8), jnp.ones((1, 8)))
+    assert not kernels.usable(jnp.zeros((kernels.MAX_ROWS + 1, 16)), jnp.zeros((16, 8)))
+    assert not kernels.usable(x.astype(jnp.bfloat16), jnp.zeros((16, 8), jnp.bfloat16))
+    assert not kernels.usable(x, jnp.zeros((16, 8), jnp.int8), jnp.ones((2, 8)))  # group-wise
+
+
+def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
+    """Greedy tokens of a small model, float32 and int8, batch 1 and 3, in two processes: one
+    with the kernels, one with JAX_LLAMA_KERNELS=0 (XLA's matmuls)."""
+    script = (
+        "import json, jax_llama\n"
+        "from bridge.config import PRESETS\n"
+        "from jax_llama import kernels\n"
+        "from jax_llama.generate import generate\n"
+        "model, params = jax_llama.init(PRESETS['tiny'], seed=0)\n"
+        "out = {'kernels': kernels.unavailable_reason() is None}\n"
+        "for name, p in (('f32', params), ('int8', jax_llama.quantize(params))):\n"
+        "    for batch in (1, 3):\n"
+        "        prompts = [[5, 9, 2, 7][: 2 + b] for b in range(batch)]\n"
+        "        out[f'{name}/{batch}'] = generate(model, p, prompts, 12).tokens\n"
+        "print(json.dumps(out))\n")
+    runs = {}
+    for flag in ("1", "0"):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env=dict(os.environ, JAX_LLAMA_KERNELS=flag), check=True)
+        runs[flag] = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    assert runs["1"].pop("kernels") is True and runs["0"].pop("kernels") is False
+    assert runs["1"] == runs["0"]
+
+
+def test_a_failed_build_says_why_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    out = tmp_path / "k.so"
+    with pytest.raises(RuntimeError, match="false failed"):
+        kernels.build(out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("JAX_LLAMA_KERNELS", "0")
+    assert kernels.unavailable_reason() == "off (JAX_LLAMA_KERNELS is not 1)"
+    assert not kernels.usable(jnp.zeros((1, 16)), jnp.zeros((16, 8)))
+    with pytest.raises(RuntimeError, match="JAX_LLAMA_KERNELS is not 1"):
+        kernels.matvec(jnp.zeros((1, 16)), jnp.zeros((16, 8)))
