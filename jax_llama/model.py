@@ -191,10 +191,7 @@ class Linear(nn.Module):
         else:
             kernel = self.param("kernel", self.kernel_init, (x_MD.shape[-1], self.features),
                                 self.param_dtype)
-            if kernels.usable(x_MD, kernel):
-                out = kernels.matvec(x_MD, kernel)
-            else:
-                out = jnp.dot(x_MD, kernel.astype(self.dtype))
+            out = jnp.dot(x_MD, kernel.astype(self.dtype))
         if self.lora is None:
             return out
         r = self.lora.rank
@@ -263,6 +260,20 @@ def _dense(module: nn.Module, features: int, name: str, residual: bool = False) 
                   kernel_init=_init(module.config, residual), lora=lora, name=name)
 
 
+def _projections(module: nn.Module, x_MD, features: dict[str, int]) -> list[jax.Array]:
+    """x @ each projection named in `features` (name -> outputs), all reading the same x (q, k, v;
+    gate, up). Int8 ones without adapters that the decode kernels serve (a few rows on CPU:
+    jax_llama.kernels) are one kernel call, their weights read by the same threads; else each is
+    its own Linear (the same numbers to float32 rounding)."""
+    params = [module.variables.get("params", {}).get(name, {}) for name in features]
+    weights = [(p.get("kernel"), p.get("scale")) for p in params]
+    adapted = module.lora is not None and any(n in module.lora.targets for n in features)
+    x = x_MD.astype(module.dtype)
+    if not adapted and all(s is not None and kernels.usable(x, q, s) for q, s in weights):
+        return [y.astype(module.dtype) for y in kernels.matvec_int8(x, weights)]
+    return [_dense(module, f, name)(x_MD) for name, f in features.items()]
+
+
 # --8<-- [start:attention]
 class Attention(nn.Module):
     """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V.
@@ -288,9 +299,9 @@ class Attention(nn.Module):
         N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
         B, S, D = x_BSD.shape
         x_MD = x_BSD.reshape(B * S, D)  # projections as plain 2-D matmuls (faster on XLA:CPU)
-        q_BSNH = _dense(self, N * H, "wq")(x_MD).reshape(B, S, N, H)
-        k_BSKH = _dense(self, K * H, "wk")(x_MD).reshape(B, S, K, H)
-        v_BSKH = _dense(self, K * H, "wv")(x_MD).reshape(B, S, K, H)
+        q_MF, k_MF, v_MF = _projections(self, x_MD, {"wq": N * H, "wk": K * H, "wv": K * H})
+        q_BSNH = q_MF.reshape(B, S, N, H)
+        k_BSKH, v_BSKH = k_MF.reshape(B, S, K, H), v_MF.reshape(B, S, K, H)
         q_BSNH = rotate(q_BSNH, cos_BSh, sin_BSh)
         k_BSKH = rotate(k_BSKH, cos_BSh, sin_BSh)
 
@@ -326,9 +337,9 @@ class FeedForward(nn.Module):
     def __call__(self, x_BSD):
         c = self.config
         x_MD = x_BSD.reshape(-1, x_BSD.shape[-1])  # M = B * S tokens: plain 2-D matmuls
-        gate_MF = nn.silu(_dense(self, c.ffn_dim, "w1")(x_MD))
-        up_MF = _dense(self, c.ffn_dim, "w3")(x_MD)
-        return _dense(self, c.dim, "w2", residual=True)(gate_MF * up_MF).reshape(x_BSD.shape)
+        gate_MF, up_MF = _projections(self, x_MD, {"w1": c.ffn_dim, "w3": c.ffn_dim})
+        return _dense(self, c.dim, "w2", residual=True)(nn.silu(gate_MF) * up_MF).reshape(
+            x_BSD.shape)
 # --8<-- [end:feed_forward]
 
 

@@ -1,10 +1,10 @@
 """The decode kernels (jax_llama.kernels): few-row matmuls on XLA:CPU through the XLA FFI.
 
-Each output is one float32 sum over the inputs, so the kernels are checked against a float64
-product within the float32 rounding of such a sum (|error| <= I * eps32 * sum |x * w|, stated per
-case below); a kernel that drops the int8 scale or reads a wrong column fails it (the negative
-cases). In the model they must change nothing but rounding: decoding gives the same tokens with
-and without them."""
+Each output is a float32 sum over the inputs (in blocks of 64, the blocks' sums added in order),
+so the kernels are checked against a float64 product within the float32 rounding of a sequential
+sum, a bound that also holds for the blocked one (|error| <= I * eps32 * sum |x * w|); a kernel
+that drops the int8 scale or reads a wrong column fails it (the negative cases). In the model
+they must change nothing but rounding: decoding gives the same tokens with and without them."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from jax_llama import kernels
 
 @pytest.fixture(autouse=True)
 def kernels_on(monkeypatch):
-    """The kernels are opt-in (JAX_LLAMA_KERNELS=1); on for these tests only."""
+    """The kernels are on unless JAX_LLAMA_KERNELS=0; on for these tests whatever the caller set."""
     monkeypatch.setenv("JAX_LLAMA_KERNELS", "1")
     if kernels.unavailable_reason() is not None:
         pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
@@ -39,8 +39,10 @@ def bound(x, w, scale=None):
     return x.shape[1] * EPS32 * mag + 1e-30
 
 
+# SmolLM2's projections, odd sizes (vector tails), and 2048 x 2048: 4 MB of int8, the size from
+# which a call shares its work with XLA's threads
 SHAPES = [(1, 576, 576), (1, 576, 192), (2, 96, 1536), (3, 1536, 72), (4, 64, 40), (5, 17, 13),
-          (7, 128, 200), (8, 256, 64)]
+          (7, 128, 200), (8, 256, 64), (2, 2048, 2048)]
 
 
 @pytest.mark.parametrize("M,I,O", SHAPES)
@@ -66,6 +68,34 @@ def test_int8_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O):
     assert not np.all(np.abs(x.astype(np.float64) @ q.astype(np.float64) - want) <= bound(x, q, scale))
     if O > 1:
         assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= bound(x, q, scale))
+
+
+def test_weights_that_share_an_input_are_one_call_with_the_same_numbers():
+    """matvec_int8 with q, k and v (or gate and up) together equals each alone, bit for bit."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 576)).astype(np.float32)
+    weights = [(rng.integers(-127, 128, (576, o)).astype(np.int8),
+                (rng.random((1, o)) / 127).astype(np.float32)) for o in (576, 192, 192)]
+    together = jax.jit(kernels.matvec_int8)(x, weights)
+    assert len(together) == 3
+    for (q, s), got in zip(weights, together):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(kernels.matvec)(x, q, s)))
+
+
+def test_int8_decoding_makes_one_call_per_shared_input():
+    """A decode step of an int8 model runs 4 kernel calls a layer (q/k/v, wo, gate/up, down),
+    and one for an untied LM head."""
+    import jax_llama
+    from bridge.config import PRESETS
+    config = PRESETS["tiny"]
+    model, params = jax_llama.init(config, seed=0)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+
+    def calls(p):
+        return str(jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(p)).count("ffi_call")
+    assert not config.tie_embeddings
+    assert calls(jax_llama.quantize(params)) == 4 * config.n_layers + 1
+    assert calls(params) == 0  # float32: XLA's dot
 
 
 def test_rows_do_not_depend_on_how_many_rows_share_the_call():
@@ -154,7 +184,43 @@ def test_a_failed_build_says_why_and_leaves_nothing(tmp_path, monkeypatch):
 
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("JAX_LLAMA_KERNELS", "0")
-    assert kernels.unavailable_reason() == "off (JAX_LLAMA_KERNELS is not 1)"
+    assert kernels.unavailable_reason() == "off (JAX_LLAMA_KERNELS=0)"
     assert not kernels.usable(jnp.zeros((1, 16)), jnp.zeros((16, 8)))
-    with pytest.raises(RuntimeError, match="JAX_LLAMA_KERNELS is not 1"):
+    with pytest.raises(RuntimeError, match="JAX_LLAMA_KERNELS=0"):
         kernels.matvec(jnp.zeros((1, 16)), jnp.zeros((16, 8)))
+
+
+ISAS = {"x86-64-v3": 8, "x86-64": 1}  # -march -> lanes: the AVX2 path and the plain C++ one
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 -march names")
+@pytest.mark.parametrize("arch", ISAS)
+def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
+    """The kernels built for AVX2 and for no vector extension (what CPUs without AVX-512 or
+    without AVX2 compile) pass the same float32 bound and give each row the same bits alone or
+    beside others; in a subprocess each, with a kernel cache of its own."""
+    script = (
+        "import json, numpy as np, jax\n"
+        "from jax_llama import kernels\n"
+        "rng = np.random.default_rng(0)\n"
+        "worst = 0.0\n"
+        "for M, I, O in [(1, 576, 576), (3, 1536, 72), (5, 17, 13), (2, 2048, 2048)]:\n"
+        "    x = rng.standard_normal((M, I)).astype(np.float32)\n"
+        "    q = rng.integers(-127, 128, (I, O)).astype(np.int8)\n"
+        "    s = (rng.random((1, O)) / 127).astype(np.float32)\n"
+        "    w = rng.standard_normal((I, O)).astype(np.float32)\n"
+        "    for args, want, mag in (((q, s), (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s),\n"
+        "                            ((w,), x.astype(float) @ w, abs(x) @ abs(w))):\n"
+        "        got = np.asarray(kernels.matvec(x, *args), float)\n"
+        "        worst = max(worst, float((abs(got - want) / (I * 1.2e-7 * mag + 1e-30)).max()))\n"
+        "        alone = np.asarray(kernels.matvec(x[-1:], *args))[0]\n"
+        "        assert np.array_equal(alone, np.asarray(got[-1], np.float32)), (M, I, O)\n"
+        "print(json.dumps({'lanes': kernels.lanes(), 'worst': worst}))\n")
+    env = dict(os.environ, JAX_LLAMA_KERNELS="1", JAX_LLAMA_KERNEL_MARCH=arch,
+               JAX_LLAMA_KERNEL_CACHE=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    assert out["lanes"] == ISAS[arch]
+    assert out["worst"] <= 1.0  # every output within I * eps32 * sum |x w| of the float64 product

@@ -1,26 +1,30 @@
-"""Few-row matmul kernels for XLA:CPU (matvec.cc), what batch-1 to batch-8 decoding runs.
+"""Few-row matmul kernels for XLA:CPU (matvec.cc): what batch-1 to batch-8 int8 decoding runs.
 
-    y = matvec(x_MI, w_IO)              # float32 weights
-    y = matvec(x_MI, q_IO, scale_O)     # int8 weights, per-output-channel float32 scales
+    y = matvec(x_MI, w_IO)                          # float32 weights
+    y = matvec(x_MI, q_IO, scale_GO)                # int8 weights, per-output-channel scales
+    q, k, v = matvec_int8(x_MI, [(q_IO, scale_GO), ...])   # several weights reading one x
 
-At decode time a projection multiplies a few rows by a weight it reads once, so its speed is
-how fast the weight is read. XLA:CPU converts an int8 weight to float32 in a pass of its own
-(a float copy written and read back: results/int8_matmul.md) and reads float32 weights at about
-three quarters of the machine's bandwidth; matvec.cc converts in registers and splits the
-columns between XLA's own intra-op threads.
+At decode time a projection multiplies a few rows by a weight it reads once, so its speed is how
+fast the weight streams in. XLA:CPU converts an int8 weight to float32 in a pass of its own (a
+float copy written and read back: results/int8_matmul.md); matvec.cc reads each weight row
+after row, converts it in registers and multiplies it into float32 accumulators held in cache.
+jax_llama.model runs every int8 projection of a few rows through it (q, k and v in one call,
+gate and up in another): SmolLM2's int8 decode at batch 1 went from about 48 to about 90-100
+tokens/s on a 2-core AMD EPYC (results/generate_smollm2.md). Float32 weights stay with XLA's
+dot, which streams them as fast as matvec.cc does (measured on the same machine), so the model
+does not call the float32 kernel; it is kept for comparison and tested like the int8 one.
 
-The source is compiled on first use with the system's C++ compiler for this CPU (`-march=native`)
-against the XLA FFI headers jaxlib ships, into a cache keyed by the source, jaxlib and the CPU
-(`$JAX_LLAMA_KERNEL_CACHE`, default ~/.cache/jax_llama/kernels), and registered with
-jax.ffi. Where that cannot be done (no compiler, not a CPU backend, several devices) `usable`
-says False, the reason is logged once, and jax_llama.model uses XLA's matmul: the kernels are an
-accelerator, never a requirement. They are off unless `JAX_LLAMA_KERNELS=1`: their decode
-speed beside XLA's matmul has not been measured on a quiet machine yet (the one try, with the
-cores shared by a fine-tune, was no faster), so the default stays XLA's.
+The source is compiled on first use with the system's C++ compiler for this CPU (`-march=native`,
+AVX-512, AVX2 or plain C++) against the XLA FFI headers jaxlib ships, into a cache keyed by the
+source, jaxlib and the CPU (`$JAX_LLAMA_KERNEL_CACHE`, default ~/.cache/jax_llama/kernels), and
+registered with jax.ffi. Where that cannot be done (no compiler, not a CPU backend, several
+devices) `usable` says False, the reason is logged once, and jax_llama.model uses XLA's matmul:
+the kernels are an accelerator, never a requirement. `JAX_LLAMA_KERNELS=0` turns them off.
 
-Each output is one float32 sum over the inputs in order (the int8 scale multiplies the sum), so
-results differ from XLA's matmul by float32 rounding only; a gradient, where one is asked for,
-is XLA's (custom_vjp).
+Within each block of 64 inputs an output is one float32 sum in order, and the block sums are
+added in block order (the int8 scale multiplies the total), so results differ from XLA's
+matmul by float32 rounding only, and a row's bits do not depend on how many rows share the
+call; a gradient, where one is asked for, is XLA's (custom_vjp).
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ TARGETS = {"f32": "JaxLlamaMatvecF32", "int8": "JaxLlamaMatvecInt8"}
 
 
 def enabled() -> bool:
-    """True when JAX_LLAMA_KERNELS is 1 / true / on (off by default; see the module docstring)."""
-    return os.environ.get("JAX_LLAMA_KERNELS", "0").strip().lower() in ("1", "true", "on")
+    """False when JAX_LLAMA_KERNELS is 0 / false / off (on by default)."""
+    return os.environ.get("JAX_LLAMA_KERNELS", "1").strip().lower() not in ("0", "false", "off")
 
 
 def _cpu_key() -> str:
@@ -61,12 +65,18 @@ def _cpu_key() -> str:
         return platform.machine()
 
 
+def march() -> str:
+    """The -march the kernels are built for: native (this CPU), or $JAX_LLAMA_KERNEL_MARCH (e.g.
+    x86-64-v3 for the AVX2 path, x86-64 for the plain C++ one)."""
+    return os.environ.get("JAX_LLAMA_KERNEL_MARCH", "native")
+
+
 def library_path() -> Path:
-    """Where the compiled kernels for this source, jaxlib and CPU live (built or not)."""
+    """Where the compiled kernels for this source, jaxlib, CPU and -march live (built or not)."""
     import jaxlib
 
     key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode()
-                         + _cpu_key().encode()).hexdigest()[:16]
+                         + _cpu_key().encode() + march().encode()).hexdigest()[:16]
     root = Path(os.environ.get("JAX_LLAMA_KERNEL_CACHE")
                 or Path.home() / ".cache" / "jax_llama" / "kernels")
     return root / f"matvec-{key}.so"
@@ -82,7 +92,7 @@ def build(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+    cmd = [compiler, "-O3", f"-march={march()}", "-std=c++17", "-shared", "-fPIC",
            f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -99,7 +109,7 @@ def build(out: Path) -> None:
 def _load() -> str | None:
     """Build (once per machine) and register the kernels; None when done, else why not."""
     if not enabled():
-        return "off (JAX_LLAMA_KERNELS is not 1)"
+        return "off (JAX_LLAMA_KERNELS=0)"
     try:
         path = library_path()
         if not path.is_file():
@@ -115,10 +125,16 @@ def _load() -> str | None:
     return None
 
 
+def lanes() -> int:
+    """float32 lanes of the built kernels' vectors: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (plain)."""
+    _check()
+    return ctypes.cdll.LoadLibrary(str(library_path())).jax_llama_matvec_lanes()
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run in this process (None when they can)."""
     if not enabled():
-        return "off (JAX_LLAMA_KERNELS is not 1)"
+        return "off (JAX_LLAMA_KERNELS=0)"
     if jax.default_backend() != "cpu":
         return f"the backend is {jax.default_backend()}, not cpu"
     if jax.device_count() != 1:
@@ -138,22 +154,24 @@ def usable(x_MI, w_IO, scale_GO=None) -> bool:
     return ok and w_IO.ndim == 2 and unavailable_reason() is None
 
 
-def _call(x_MI, w_IO, scale_O):
-    M, O = x_MI.shape[0], w_IO.shape[1]
-    out = jax.ShapeDtypeStruct((M, O), jnp.float32)
-    if scale_O is None:
-        return jax.ffi.ffi_call("jax_llama_matvec_f32", out, vmap_method="sequential")(x_MI, w_IO)
-    return jax.ffi.ffi_call("jax_llama_matvec_int8", out, vmap_method="sequential")(
-        x_MI, w_IO, scale_O)
+def _f32_call(x_MI, w_IO):
+    out = jax.ShapeDtypeStruct((x_MI.shape[0], w_IO.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call("jax_llama_matvec_f32", out, vmap_method="sequential")(x_MI, w_IO)
+
+
+def _int8_call(x_MI, qs_IO, scales_O):
+    outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[1]), jnp.float32) for q in qs_IO)
+    args = [a for pair in zip(qs_IO, scales_O) for a in pair]
+    return jax.ffi.ffi_call("jax_llama_matvec_int8", outs, vmap_method="sequential")(x_MI, *args)
 
 
 @jax.custom_vjp
 def _matvec_f32(x_MI, w_IO):
-    return _call(x_MI, w_IO, None)
+    return _f32_call(x_MI, w_IO)
 
 
 def _f32_fwd(x_MI, w_IO):
-    return _call(x_MI, w_IO, None), (x_MI, w_IO)
+    return _f32_call(x_MI, w_IO), (x_MI, w_IO)
 
 
 def _f32_bwd(res, g_MO):
@@ -165,17 +183,19 @@ _matvec_f32.defvjp(_f32_fwd, _f32_bwd)
 
 
 @jax.custom_vjp
-def _matvec_int8(x_MI, q_IO, scale_O):
-    return _call(x_MI, q_IO, scale_O)
+def _matvec_int8(x_MI, qs_IO, scales_O):
+    return _int8_call(x_MI, qs_IO, scales_O)
 
 
-def _int8_fwd(x_MI, q_IO, scale_O):
-    return _call(x_MI, q_IO, scale_O), (q_IO, scale_O)
+def _int8_fwd(x_MI, qs_IO, scales_O):
+    return _int8_call(x_MI, qs_IO, scales_O), (qs_IO, scales_O)
 
 
-def _int8_bwd(res, g_MO):
-    q_IO, scale_O = res  # int8 weights and their scales are constants: no cotangent
-    return (g_MO * scale_O) @ q_IO.T.astype(jnp.float32), None, None
+def _int8_bwd(res, gs_MO):
+    qs_IO, scales_O = res  # int8 weights and their scales are constants: no cotangent
+    dx_MI = sum((g_MO * s_O) @ q_IO.T.astype(jnp.float32)
+                for g_MO, q_IO, s_O in zip(gs_MO, qs_IO, scales_O))
+    return dx_MI, None, None
 
 
 _matvec_int8.defvjp(_int8_fwd, _int8_bwd)
@@ -184,9 +204,23 @@ _matvec_int8.defvjp(_int8_fwd, _int8_bwd)
 def matvec(x_MI, w_IO, scale_GO=None):
     """x (M, I) float32 @ w (I, O) -> (M, O) float32; with int8 w and scales (1, O), the
     product times the scales. Call only where `usable` said True."""
+    if scale_GO is None:
+        _check()
+        return _matvec_f32(x_MI, w_IO)
+    return matvec_int8(x_MI, [(w_IO, scale_GO)])[0]
+
+
+def matvec_int8(x_MI, weights):
+    """[x @ q * scale for each (q (I, O) int8, scale (1, O)) of `weights`]: projections that read
+    the same x (q, k and v; gate and up) in one call, their units shared by the same threads.
+    Call only where `usable` said True of each."""
+    _check()
+    qs = tuple(q for q, _ in weights)
+    scales = tuple(s.reshape(-1) for _, s in weights)
+    return list(_matvec_int8(x_MI, qs, scales))
+
+
+def _check():
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"jax_llama.kernels: {reason}")
-    if scale_GO is None:
-        return _matvec_f32(x_MI, w_IO)
-    return _matvec_int8(x_MI, w_IO, scale_GO.reshape(-1))

@@ -1,17 +1,28 @@
 // Few-row matmuls for XLA:CPU, called through the XLA FFI (jax_llama/kernels/__init__.py builds
 // and registers this file; jax_llama.model.Linear calls it for decoding).
 //
-//   y (M, O) = x (M, I) @ W (I, O)              W float32            "jax_llama_matvec_f32"
-//   y (M, O) = (x (M, I) @ Q (I, O)) * s (O)    Q int8, s float32    "jax_llama_matvec_int8"
+//   y (M, O) = x (M, I) @ W (I, O)                W float32          "jax_llama_matvec_f32"
+//   y_k (M, O_k) = (x @ Q_k (I, O_k)) * s_k (O_k)   Q_k int8, s_k float32, k = 1.. (several
+//                                                   weights that read the same x, one call)
+//                                                                      "jax_llama_matvec_int8"
 //
-// Why: at decode time M is 1 to 8 and the matmul only reads its weights once. XLA:CPU has no
-// fast path for that with int8 weights (it converts the whole weight to float first, writing a
-// float copy) and reaches about 75% of read bandwidth with float32 ones. Here each weight is
-// read once, converted in registers and multiplied into M rows of float32 accumulators, the
-// columns split between XLA's own intra-op threads.
+// Why: at decode time M is 1 to 8 and the matmul reads its weights once, so its speed is how
+// fast W streams in. XLA:CPU converts an int8 weight to float in a pass of its own. Here W is
+// read row after row, each row's bytes in order (what a CPU's prefetchers serve best: about 2.5x
+// the int8 throughput of reading 64 columns of every row at a time, measured on a Zen 5 core),
+// each weight converted in a register and multiplied into M rows of float32 accumulators that
+// stay in cache.
 //
-// Arithmetic: every output is one float32 sum over i = 0 .. I-1 in order, a fused multiply-add
-// per term; the int8 scale multiplies the finished sum, as jax_llama.model.int8_matmul does.
+// Work: the rows of W are cut into blocks of 64 (more for an LM head: BlockRows), and very wide
+// W into column panels of kPanel; each (block, panel) is a unit that writes its own partial
+// sums. A call that reads kParallelBytes or more shares its units with XLA's intra-op threads
+// through an atomic counter; a smaller one runs on the calling thread alone.
+//
+// Arithmetic: within a block, each output is a float32 sum over the block's rows in order, one
+// fused multiply-add per term; the block sums are then added in block order (what
+// jax_llama.model._int8_dot_by_blocks does with XLA's dots), and the int8 scale multiplies the
+// total. Nothing in that order depends on M or on the number of threads, so a row decodes to the
+// same bits alone or beside others, on any machine with the same instruction set.
 
 #include <algorithm>
 #include <atomic>
@@ -19,164 +30,258 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__x86_64__)
 #include <immintrin.h>
-#define JL_AVX2 1
 #endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Columns given to a thread at a time: a multiple of every vector block below.
-constexpr int64_t kChunk = 64;
+constexpr int64_t kBlockRows = 64;        // rows summed into one partial (INT8_BLOCK_ROWS)
+constexpr int64_t kMaxPartial = 1 << 20;  // partial sums per row of x, at most (4 MB)
+constexpr int64_t kPanel = 4096;          // columns of a unit (a row of W read whole up to this)
+// Weight bytes a call must read before XLA's intra-op threads help: one of them takes about
+// 25 us to wake (measured on a 2-core VM), and a core streams int8 weights at about 28 GB/s, so
+// below a few MB the caller is done before a helper comes (SmolLM2's projections are 0.1 to
+// 1.8 MB; a 7B model's are 16 MB and more).
+constexpr size_t kParallelBytes = size_t{4} << 20;
 
+// Rows per block: 64, or a larger multiple of 64 where W is so big that its partial sums would
+// pass kMaxPartial per row of x (an LM head). A function of W's shape only, never of M.
+int64_t BlockRows(int64_t I, int64_t O) {
+  int64_t wanted = (I * O + kMaxPartial - 1) / kMaxPartial;
+  return std::max(kBlockRows, (wanted + kBlockRows - 1) / kBlockRows * kBlockRows);
+}
+
+// -- vectors of float32: 16 lanes (AVX-512), 8 (AVX2 + FMA) or 1 (any CPU) ---------------------
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec Load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec Splat(float v) { return _mm512_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec Load(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec Splat(float v) { return _mm256_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+#else
+constexpr int64_t kLanes = 1;
+#endif
+// The scalar forms, for the columns past the last full vector (and for CPUs without either):
+// the same operations one lane at a time, so a column's bits do not depend on where it falls.
+inline float LoadS(const float* p) { return *p; }
+inline float LoadS(const int8_t* p) { return static_cast<float>(*p); }
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+using Vec = float;
+inline Vec Load(const float* p) { return *p; }
+inline Vec Load(const int8_t* p) { return static_cast<float>(*p); }
+inline void Store(float* p, Vec v) { *p = v; }
+inline Vec Splat(float v) { return v; }
+inline Vec Fma(Vec a, Vec b, Vec c) { return std::fma(a, b, c); }
+inline Vec Mul(Vec a, Vec b) { return a * b; }
+inline Vec Add(Vec a, Vec b) { return a + b; }
+#endif
+
+// One weight of a call: W (I, O), its scale (int8) and output, cut into units of
+// (block of rows, panel of columns); its partial sums are blocks x M x O floats of the scratch.
 template <typename W>
-struct Job {
-  const float* x;
+struct Part {
   const W* w;
   const float* scale;  // nullptr for float32 weights
   float* y;
-  int64_t M, I, O, chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  float* partial;
+  int64_t O, block_rows, blocks, panels, first_unit;
 };
 
-#ifdef JL_AVX2
-inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 Load8(const int8_t* p) {
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-}
-
-// R rows of x times V * 8 columns of W starting at column o: R * V accumulators.
-template <int R, int V, typename W>
-inline void Block(const Job<W>& j, int64_t m, int64_t o) {
-  __m256 acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
-  const W* w = j.w + o;
-  const float* x = j.x + m * j.I;
-  for (int64_t i = 0; i < j.I; ++i, w += j.O) {
-    __m256 wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = Load8(w + 8 * v);
-    for (int r = 0; r < R; ++r) {
-      __m256 xr = _mm256_broadcast_ss(x + r * j.I + i);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(xr, wv[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float* y = j.y + (m + r) * j.O + o;
-    for (int v = 0; v < V; ++v) {
-      __m256 out = acc[r][v];
-      if (j.scale) out = _mm256_mul_ps(out, _mm256_loadu_ps(j.scale + o + 8 * v));
-      _mm256_storeu_ps(y + 8 * v, out);
-    }
-  }
-}
-
-// Columns [o0, o1), o1 - o0 a multiple of 8, for all M rows.
+// x (M, I) times every part's weight; units numbered part after part.
 template <typename W>
-void Columns(const Job<W>& j, int64_t o0, int64_t o1) {
-  for (int64_t m = 0; m < j.M;) {
-    int64_t rows = j.M - m;
-    int64_t o = o0;
-    if (rows >= 4) {
-      for (; o + 16 <= o1; o += 16) Block<4, 2>(j, m, o);
-      for (; o < o1; o += 8) Block<4, 1>(j, m, o);
-      m += 4;
-    } else if (rows >= 2) {
-      for (; o + 32 <= o1; o += 32) Block<2, 4>(j, m, o);
-      for (; o < o1; o += 8) Block<2, 1>(j, m, o);
-      m += 2;
-    } else {
-      for (; o + 64 <= o1; o += 64) Block<1, 8>(j, m, o);
-      for (; o < o1; o += 8) Block<1, 1>(j, m, o);
-      m += 1;
+struct Job {
+  const float* x;
+  int64_t M, I, units = 0;
+  std::vector<Part<W>> parts;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  void Work();
+};
+
+// Row i of W into the accumulators of M rows of x, columns [o0, o1): acc[m, o] = x[m, i] * w[i, o]
+// (the first row of a block) or fma(x[m, i], w[i, o], acc[m, o]).
+template <int M, bool kFirst, typename W>
+inline void Row(const float* x, int64_t I, const W* w_row, float* acc, int64_t O, int64_t i,
+                int64_t o0, int64_t o1) {
+  Vec xv[M];
+  for (int m = 0; m < M; ++m) xv[m] = Splat(x[m * I + i]);
+  int64_t o = o0;
+  for (; o + kLanes <= o1; o += kLanes) {
+    Vec wv = Load(w_row + o);
+    for (int m = 0; m < M; ++m) {
+      float* a = acc + m * O + o;
+      Store(a, kFirst ? Mul(xv[m], wv) : Fma(xv[m], wv, Load(a)));
+    }
+  }
+  for (; o < o1; ++o) {
+    float wo = LoadS(w_row + o);
+    for (int m = 0; m < M; ++m) {
+      float* a = acc + m * O + o;
+      *a = kFirst ? x[m * I + i] * wo : std::fma(x[m * I + i], wo, *a);
     }
   }
 }
-#endif
 
-// The portable path: any column range, any CPU.
+template <int M, typename W>
+void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
+  int64_t b = u / p.panels, c = u % p.panels;
+  int64_t i0 = b * p.block_rows, i1 = std::min(j.I, i0 + p.block_rows);
+  int64_t o0 = c * kPanel, o1 = std::min(p.O, o0 + kPanel);
+  float* acc = p.partial + b * j.M * p.O;
+  Row<M, true>(j.x, j.I, p.w + i0 * p.O, acc, p.O, i0, o0, o1);
+  for (int64_t i = i0 + 1; i < i1; ++i) Row<M, false>(j.x, j.I, p.w + i * p.O, acc, p.O, i, o0, o1);
+}
+
 template <typename W>
-void ColumnsScalar(const Job<W>& j, int64_t o0, int64_t o1) {
-  for (int64_t m = 0; m < j.M; ++m) {
-    float* y = j.y + m * j.O;
-    const float* x = j.x + m * j.I;
-    for (int64_t o = o0; o < o1; ++o) y[o] = 0.0f;
-    for (int64_t i = 0; i < j.I; ++i) {
-      const W* w = j.w + i * j.O;
-      for (int64_t o = o0; o < o1; ++o) y[o] = std::fma(x[i], static_cast<float>(w[o]), y[o]);
+void RunUnit(const Job<W>& j, int64_t u) {
+  size_t k = 0;
+  while (k + 1 < j.parts.size() && u >= j.parts[k + 1].first_unit) ++k;
+  const Part<W>& p = j.parts[k];
+  u -= p.first_unit;
+  switch (j.M) {
+    case 1: return Unit<1>(j, p, u);
+    case 2: return Unit<2>(j, p, u);
+    case 3: return Unit<3>(j, p, u);
+    case 4: return Unit<4>(j, p, u);
+    case 5: return Unit<5>(j, p, u);
+    case 6: return Unit<6>(j, p, u);
+    case 7: return Unit<7>(j, p, u);
+    default: return Unit<8>(j, p, u);
+  }
+}
+
+// Take units until none is left; every thread (the caller and the helpers) runs this.
+template <typename W>
+void Job<W>::Work() {
+  for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+    RunUnit(*this, u);
+    done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// A part's output: its block sums added in block order, times its scale (when it has one).
+template <typename W>
+void Reduce(const Part<W>& p, int64_t M) {
+  const int64_t O = p.O;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* first = p.partial + m * O;
+    float* out = p.y + m * O;
+    int64_t o = 0;
+    for (; o + kLanes <= O; o += kLanes) {
+      Vec s = Load(first + o);
+      for (int64_t b = 1; b < p.blocks; ++b) s = Add(s, Load(first + b * M * O + o));
+      Store(out + o, p.scale ? Mul(s, Load(p.scale + o)) : s);
     }
-    if (j.scale)
-      for (int64_t o = o0; o < o1; ++o) y[o] *= j.scale[o];
+    for (; o < O; ++o) {
+      float s = first[o];
+      for (int64_t b = 1; b < p.blocks; ++b) s = s + first[b * M * O + o];
+      out[o] = p.scale ? s * p.scale[o] : s;
+    }
   }
 }
 
+// y_k = x @ W_k (times s_k) for each part k; the units shared with XLA's intra-op threads when
+// the call reads at least kParallelBytes of weights.
 template <typename W>
-void Chunk(const Job<W>& j, int64_t c) {
-  int64_t o0 = c * kChunk, o1 = std::min(j.O, o0 + kChunk);
-#ifdef JL_AVX2
-  int64_t vec_end = o0 + (o1 - o0) / 8 * 8;
-  Columns(j, o0, vec_end);
-  if (vec_end < o1) ColumnsScalar(j, vec_end, o1);
-#else
-  ColumnsScalar(j, o0, o1);
-#endif
-}
-
-// Take chunks until none is left; every thread (the caller and the helpers) runs this.
-template <typename W>
-void Work(Job<W>& j) {
-  for (int64_t c; (c = j.next.fetch_add(1, std::memory_order_relaxed)) < j.chunks;) {
-    Chunk(j, c);
-    j.done.fetch_add(1, std::memory_order_release);
+ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<Job<W>> job) {
+  const int64_t M = job->M, I = job->I;
+  if (M > 8) return ffi::Error::InvalidArgument("matvec: at most 8 rows");
+  size_t floats = 0, bytes = 0;
+  for (Part<W>& p : job->parts) {
+    bytes += I * p.O * sizeof(W);
+    if (I == 0) std::fill(p.y, p.y + M * p.O, 0.0f);
+    if (M == 0 || I == 0 || p.O == 0) p.blocks = p.panels = 0;
+    p.first_unit = job->units;
+    job->units += p.blocks * p.panels;
+    floats += p.blocks * M * p.O;
   }
-}
-
-template <typename W>
-ffi::Error Run(ffi::ThreadPool pool, const float* x, const W* w, const float* scale, float* y,
-               int64_t M, int64_t I, int64_t O) {
-  auto job = std::make_shared<Job<W>>();
-  job->x = x, job->w = w, job->scale = scale, job->y = y;
-  job->M = M, job->I = I, job->O = O;
-  job->chunks = (O + kChunk - 1) / kChunk;
-  // A helper that starts late finds no chunk left and returns; the job outlives this call.
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), job->chunks - 1);
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job] { Work(*job); });
-  Work(*job);
-  while (job->done.load(std::memory_order_acquire) < job->chunks) std::this_thread::yield();
+  // The partial sums live in the caller's scratch, which outlives the units: the caller waits
+  // for every unit, and a helper that starts late finds none left and touches nothing.
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < floats) scratch.resize(floats);
+  float* free = scratch.data();
+  for (Part<W>& p : job->parts) p.partial = free, free += p.blocks * M * p.O;
+  if (bytes >= kParallelBytes) {
+    int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
+    for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job] { job->Work(); });
+  }
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < job->units) std::this_thread::yield();
+  for (const Part<W>& p : job->parts)
+    if (p.blocks > 0) Reduce(p, M);
   return ffi::Error::Success();
 }
 
-ffi::Error CheckShapes(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w,
-                       ffi::Span<const int64_t> y) {
-  if (x.size() != 2 || w.size() != 2 || y.size() != 2 || x[1] != w[0] || y[0] != x[0] ||
-      y[1] != w[1])
-    return ffi::Error::InvalidArgument("matvec: expected x (M, I), w (I, O) and y (M, O)");
-  return ffi::Error::Success();
+template <typename W>
+Part<W> MakePart(const W* w, const float* scale, float* y, int64_t I, int64_t O) {
+  Part<W> p{w, scale, y, nullptr, O, BlockRows(I, O), 0, 0, 0};
+  p.blocks = (I + p.block_rows - 1) / p.block_rows;
+  p.panels = (O + kPanel - 1) / kPanel;
+  return p;
+}
+
+bool Matches(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w, ffi::Span<const int64_t> y) {
+  return x.size() == 2 && w.size() == 2 && y.size() == 2 && x[1] == w[0] && y[0] == x[0] &&
+         y[1] == w[1];
 }
 
 ffi::Error MatvecF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                      ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = CheckShapes(x.dimensions(), w.dimensions(), y->dimensions()); e.failure())
-    return e;
-  return Run(pool, x.typed_data(), w.typed_data(), static_cast<const float*>(nullptr),
-             y->typed_data(), x.dimensions()[0], x.dimensions()[1], w.dimensions()[1]);
+  if (!Matches(x.dimensions(), w.dimensions(), y->dimensions()))
+    return ffi::Error::InvalidArgument("matvec: expected x (M, I), w (I, O) and y (M, O)");
+  auto job = std::make_shared<Job<float>>();
+  job->x = x.typed_data(), job->M = x.dimensions()[0], job->I = x.dimensions()[1];
+  job->parts.push_back(MakePart(w.typed_data(), static_cast<const float*>(nullptr),
+                                y->typed_data(), job->I, w.dimensions()[1]));
+  return Run(pool, job);
 }
 
-ffi::Error MatvecInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = CheckShapes(x.dimensions(), q.dimensions(), y->dimensions()); e.failure())
-    return e;
-  if (scale.element_count() != q.dimensions()[1])
-    return ffi::Error::InvalidArgument("matvec: int8 scale must hold one value per column");
-  return Run(pool, x.typed_data(), q.typed_data(), scale.typed_data(), y->typed_data(),
-             x.dimensions()[0], x.dimensions()[1], q.dimensions()[1]);
+// x, then (q_k, s_k) for each weight k; one output y_k each: weights that share their input
+// (q, k and v; gate and up) are one call, one set of units for the helpers.
+ffi::Error MatvecInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (rets.size() == 0 || args.size() != 2 * rets.size())
+    return ffi::Error::InvalidArgument("matvec: expected x, then (q, scale) per output");
+  auto job = std::make_shared<Job<int8_t>>();
+  job->x = x.typed_data(), job->M = x.dimensions()[0], job->I = x.dimensions()[1];
+  for (size_t k = 0; k < rets.size(); ++k) {
+    auto q = args.get<ffi::Buffer<ffi::S8>>(2 * k);
+    auto s = args.get<ffi::Buffer<ffi::F32>>(2 * k + 1);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
+    if (!q.has_value() || !s.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("matvec: int8 weights, float32 scales and outputs");
+    if (!Matches(x.dimensions(), q->dimensions(), (*y)->dimensions()))
+      return ffi::Error::InvalidArgument("matvec: expected x (M, I), q (I, O) and y (M, O)");
+    if (s->element_count() != q->dimensions()[1])
+      return ffi::Error::InvalidArgument("matvec: int8 scale must hold one value per column");
+    job->parts.push_back(MakePart(q->typed_data(), s->typed_data(), (*y)->typed_data(), job->I,
+                                  q->dimensions()[1]));
+  }
+  return Run(pool, job);
 }
 
 }  // namespace
@@ -192,14 +297,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8, MatvecInt8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
-extern "C" int jax_llama_matvec_avx2() {
-#ifdef JL_AVX2
-  return 1;
-#else
-  return 0;
-#endif
-}
+// The vector width the library was built for (16, 8 or 1 lanes of float32).
+extern "C" int jax_llama_matvec_lanes() { return static_cast<int>(kLanes); }

@@ -42,6 +42,7 @@ def prompt(spec: Spec) -> list[int]:
 
 
 def jax_runner(spec: Spec):
+    os.environ["JAX_LLAMA_KERNELS"] = "1" if spec.kernels else "0"  # read when the model traces
     import jax_llama
     from jax_llama.generate import generate
     if spec.weights:
@@ -152,12 +153,18 @@ def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
     return result
 
 
+# JAX's int8 row without jax_llama.kernels: XLA's matmuls, what the kernels replace
+JAX_INT8_XLA = f"{JAX} int8 XLA"
+
+
 def int8_variants(spec: Spec) -> dict[str, Spec]:
     """The int8 rows: our twins and transformers (through torchao) on int8 weights (per channel)
-    in the bench's dtype, and, where that is not bfloat16 already, with bfloat16 activations too:
-    the dtype torch's int8 weight kernel (torch._weight_int8pack_mm) multiplies in."""
+    in the bench's dtype, JAX also without its decode kernels (JAX_INT8_XLA), and, where the
+    dtype is not bfloat16 already, with bfloat16 activations too: the dtype torch's int8 weight
+    kernel (torch._weight_int8pack_mm) multiplies in."""
     impls = (JAX, TWIN, REFERENCE)
     variants = {f"{impl} int8": dataclasses.replace(spec, quantize="int8") for impl in impls}
+    variants[JAX_INT8_XLA] = dataclasses.replace(spec, quantize="int8", kernels=False)
     if spec.dtype != "bfloat16":
         variants.update({f"{impl} int8 bf16": dataclasses.replace(spec, quantize="int8",
                                                                   dtype="bfloat16")
@@ -277,9 +284,9 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work) -> tup
     spec = dataclasses.replace(spec, config=config, weights=str(native), hf_weights=str(hf))
     times = run_rounds(("decode",), available(found), spec, rounds)
     per_row = {impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)}
-    for impl in (JAX, TWIN):
-        variant = dataclasses.replace(spec, quantize="int8")
-        per_row[f"{impl} int8"] = run_rounds(("decode",), (impl,), variant, rounds)[impl]["decode"]
+    for label in (f"{JAX} int8", JAX_INT8_XLA, f"{TWIN} int8"):
+        impl, variant = label.split(" ")[0], int8_variants(spec)[label]
+        per_row[label] = run_rounds(("decode",), (impl,), variant, rounds)[impl]["decode"]
     one = dataclasses.replace(spec, decode_batches=(1,))
     per_row[STREAMED] = run_rounds(("decode",), (JAX,), dataclasses.replace(one, stream=True),
                                    rounds)[JAX]["decode"]
@@ -310,7 +317,7 @@ def gguf_file_type(path) -> str:
 
 # (our row, llama.cpp's row, the issue's target ratio): float32 against F32, int8 against Q8_0
 AGAINST_LLAMA_CPP = ((JAX, f"{LLAMA_CPP} F32", 0.8), (f"{JAX} int8", f"{LLAMA_CPP} Q8_0", 0.6),
-                     (STREAMED, JAX, 0.9))
+                     (JAX_INT8_XLA, f"{LLAMA_CPP} Q8_0", 0.6), (STREAMED, JAX, 0.9))
 
 
 def against_llama_cpp(result: dict) -> list[str]:
