@@ -35,7 +35,8 @@ def describe(ckpt: Checkpoint) -> dict:
 def _quantized_note(ckpt: Checkpoint) -> str:
     q = ckpt.quantization
     per = "output channel" if q.group_size is None else f"{q.group_size} input columns"
-    return (f"{q.method} weight-only: the projections int8 with a float32 scale per {per}; "
+    return (f"{q.method} weight-only: the projections and the LM head int8 with a float32 "
+            f"scale per {per}; "
             f"the jax-llama and torch-llama commands run it, conversions refuse it")
 
 

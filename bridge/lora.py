@@ -47,6 +47,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 EMBEDDING = "tok_embeddings.weight"  # the canonical name of the table train_embeddings trains
+# What both twins' add_lora say when train_embeddings meets an int8 table (bridge.quantize).
+INT8_TABLE = ("the embedding table is int8 (the tied LM head of a quantised model), which "
+              "cannot train: add the adapters to the float model")
 _ADAPTER_NAME = re.compile(r"layers\.(\d+)\.(attention|feed_forward)\.(w[qkvo123])\.lora_([AB])\.weight")
 
 

@@ -1,17 +1,19 @@
 """int8 weight-only quantisation: the arithmetic both twins share, and how a checkpoint holds it.
 
-Each projection weight W (out, in) - wq, wk, wv, wo, w1, w2, w3 and an untied LM head - becomes
-int8 values Q and float32 scales s, symmetric (no zero point), per output channel or per group of
-`group_size` consecutive input columns:
+Every weight a decode step reads whole - the projections wq, wk, wv, wo, w1, w2, w3 and the LM
+head (`output`, or the token embedding when the head is tied to it) - is held as W (out, in) and
+becomes int8 values Q and float32 scales s, symmetric (no zero point), per output channel or per
+group of `group_size` consecutive input columns:
 
     s[o, g] = max |W[o, g*G:(g+1)*G]| / 127        (1 where that block is all zeros)
     Q[o, i] = round(W[o, i] / s[o, i // G])        in [-127, 127], ties to even (numpy, jnp, torch)
     W ~ Q * s                                      |error| <= s / 2 per weight
 
 Per channel is one group spanning the whole row (G = in), so the scales are always (out, in / G):
-(out, 1) per channel. Embeddings and norms keep their dtype: the embedding is a lookup (it is
-read one row per token, so int8 would save nothing a decode step reads), and a tied LM head is the
-embedding itself.
+(out, 1) per channel. A tied embedding (vocab, dim) is the head's W as it is (out = vocab, in =
+dim): int8 per row, each token's row looked up and dequantised, Q[t] * s[t], as llama.cpp's Q8_0
+files hold it. The norms keep their dtype, and so does an untied embedding: only looked up, one
+row per token, int8 would save nothing a decode step reads.
 
 On disk (the native format) a quantised tensor is the int8 `<name>` (canonical shape, e.g.
 `layers.0.attention.wq.weight`) plus its float32 `<name>_scale` (out, in / G), and config.json
@@ -32,7 +34,7 @@ from .tensors import canonical_shapes
 METHODS = ("int8",)
 QMAX = 127
 SCALE_SUFFIX = "_scale"
-# The canonical weights that are quantised: the projections (and the untied LM head).
+# The canonical weights of a layer that are quantised (and the LM head: quantized_names).
 QUANTIZED_SUFFIXES = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
                       "attention.wo.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
                       "feed_forward.w3.weight")
@@ -80,10 +82,11 @@ class Quantization:
 
 
 def quantized_names(config: LlamaConfig) -> list[str]:
-    """The canonical tensors a quantised checkpoint of `config` holds as int8."""
-    names = [n for n in canonical_shapes(config)
-             if n.startswith("layers.") and n.split(".", 2)[2] in QUANTIZED_SUFFIXES]
-    return names if config.tie_embeddings else names + ["output.weight"]
+    """The canonical tensors a quantised checkpoint of `config` holds as int8: the projections
+    and the LM head (the token embedding when it is tied), in canonical order."""
+    head = "tok_embeddings.weight" if config.tie_embeddings else "output.weight"
+    return [n for n in canonical_shapes(config) if n == head or (
+        n.startswith("layers.") and n.split(".", 2)[2] in QUANTIZED_SUFFIXES)]
 
 
 def scale_shapes(config: LlamaConfig, quantization: Quantization) -> dict[str, tuple[int, int]]:

@@ -7,7 +7,7 @@
     model, params = jax_llama.load(path, dtype=None, adapter=None)   # adapter: a PEFT dir, merged
     model, params = jax_llama.add_lora(model, params, jax_llama.LoraConfig(rank=8))  # train adapters
     jax_llama.save_adapter(path, model, params)           # PEFT format; merge_lora folds them in
-    qparams = jax_llama.quantize(params)                  # int8 projections, the same module
+    qparams = jax_llama.quantize(params)                  # int8 weights and head, same module
 
 torch_llama exports the same names wherever the concept exists in both twins
 (tests/test_layers.py compares the two lists).

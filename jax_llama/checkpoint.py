@@ -29,7 +29,8 @@ from .model import Llama, resolve_dtype
 
 def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None, bool]:
     """Canonical name -> (path in the params pytree, layer index on a stacked axis, transposed?).
-    An int8 projection's `<name>_scale` (out, in / G) is its module's `scale` (in / G, out)."""
+    An int8 projection's `<name>_scale` (out, in / G) is its module's `scale` (in / G, out); an
+    int8 embedding's (vocab, dim / G) is its `scale` as it is."""
     module, leaf = name.rsplit(".", 1)  # drop ".weight" / ".weight_scale"
     parts = module.split(".")
     layer = None
@@ -37,8 +38,8 @@ def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | Non
         layer = int(parts[1])
         parts = (["layers"] if scan_layers else [f"layers_{layer}"]) + parts[2:]
         layer = layer if scan_layers else None
-    if name == "tok_embeddings.weight":
-        return (*parts, "embedding"), layer, False
+    if parts == ["tok_embeddings"]:  # (vocab, dim) as it is; int8, its scale (vocab, G) too
+        return (*parts, "scale" if leaf == "weight" + SCALE_SUFFIX else "embedding"), layer, False
     if parts[-1].endswith("norm"):
         return (*parts, "weight"), layer, False
     return (*parts, "scale" if leaf == "weight" + SCALE_SUFFIX else "kernel"), layer, True
@@ -54,9 +55,13 @@ def quantization_of(params) -> Quantization | None:
     """The int8 Quantization a params pytree holds (jax_llama.quantize), read from its first
     `scale`: the group size is in / G, and G = 1 is per channel. None for float params."""
     for _, node in modules(params):
-        if "scale" in node:
+        if "scale" in node and "kernel" in node:
             inputs, groups = node["kernel"].shape[-2], node["scale"].shape[-2]
-            return Quantization(group_size=None if groups == 1 else inputs // groups)
+        elif "scale" in node and "embedding" in node:  # a tied head: (vocab, dim), (vocab, G)
+            inputs, groups = node["embedding"].shape[-1], node["scale"].shape[-1]
+        else:
+            continue
+        return Quantization(group_size=None if groups == 1 else inputs // groups)
     return None
 
 

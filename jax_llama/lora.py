@@ -19,7 +19,7 @@ import numpy as np
 from flax import traverse_util
 
 from bridge.errors import BridgeError
-from bridge.lora import Adapter, LoraConfig, adapter_shapes, write_peft
+from bridge.lora import INT8_TABLE, Adapter, LoraConfig, adapter_shapes, write_peft
 
 from .checkpoint import has_adapters, params_from_tensors, tensor_specs
 from .model import Llama, LlamaClassifier
@@ -79,6 +79,8 @@ def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | 
                           field="model")
     if model.lora is not None or has_adapters(params):
         raise BridgeError("already has LoRA adapters", field="model")
+    if lora.train_embeddings and "scale" in _backbone(model, params)["tok_embeddings"]:
+        raise BridgeError(INT8_TABLE, field="train_embeddings")
     config, lora_model = model.config, model.clone(lora=lora)
     if adapter is not None:
         if adapter.lora != lora:

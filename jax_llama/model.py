@@ -206,6 +206,33 @@ class Linear(nn.Module):
         return out + b(a(x_MD)) * jnp.asarray(self.lora.scale, self.dtype)
 
 
+class Embed(nn.Embed):
+    """The token embedding `embedding` (vocab, dim): nn.Embed's lookup, and its `attend` (x @
+    embedding^T) as the LM head of a tied model. When its params also hold a `scale` (vocab, G)
+    (jax_llama.quantize of a tied model), the table is int8: a token's row is Q[t] * s[t] in
+    float32, rounded once to dtype (bridge.quantize.dequantize_weight's numbers), and the head
+    multiplies by Q as an int8 Linear does, through the decode kernels for a few rows on CPU."""
+
+    def setup(self):
+        super().setup()
+        self.scale_VG = self.get_variable("params", "scale")  # None: a float table
+
+    def __call__(self, tokens):
+        if self.scale_VG is None:
+            return super().__call__(tokens)
+        q_D, s_G = jnp.take(self.embedding, tokens, axis=0), jnp.take(self.scale_VG, tokens, axis=0)
+        rows = q_D.reshape(*q_D.shape[:-1], s_G.shape[-1], -1).astype(jnp.float32) * s_G[..., None]
+        return rows.reshape(q_D.shape).astype(self.dtype)
+
+    def attend(self, x_MD):
+        if self.scale_VG is None:
+            return super().attend(x_MD)
+        x_MD = x_MD.astype(self.dtype)
+        if kernels.usable_rows(x_MD, self.embedding, self.scale_VG):
+            return kernels.matvec_rows(x_MD, self.embedding, self.scale_VG).astype(self.dtype)
+        return int8_matmul(x_MD, self.embedding.T, self.scale_VG.T, self.dtype)
+
+
 def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     """x @ (Q * s) for int8 Q (in, out) and float32 scales s (G, out), one row of scales per G
     groups of in / G consecutive inputs (bridge.quantize). Per channel (G = 1) the scale
@@ -437,7 +464,7 @@ class Llama(nn.Module):
                                                                  c.rope_scaling))
 
         # --8<-- [start:embedding]
-        embed = nn.Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), name="tok_embeddings")
+        embed = Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), name="tok_embeddings")
         carry = (embed(tokens_BS), cache)
         # --8<-- [end:embedding]
         block = nn.remat(Block, prevent_cse=not self.scan_layers) if self.remat else Block
@@ -506,8 +533,8 @@ class Blocks(nn.Module):
         cos_BSh, sin_BSh = rope_cos_sin(default_positions(valid_BS), rope_inv_freq(
             c.head_dim, c.rope_theta, c.rope_scaling))
         if self.first == 0:
-            x = nn.Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c),
-                         name="tok_embeddings")(x)
+            x = Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c),
+                      name="tok_embeddings")(x)
         for i in range(self.first, self.last):
             (x, _), _ = Block(c, **kw, attention=self.attention, lora=self.lora,
                               name=f"layers_{i}")((x, None), i, cos_BSh, sin_BSh, mask)

@@ -73,8 +73,8 @@ def measure_read_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 7) -> float
 def decode_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 4,
                            quantization: Quantization | None = None) -> int:
     """Weight bytes one decode step must read: every matmul weight, plus one embedding row; with
-    int8 `quantization`, one byte per projection weight plus its float32 scales (a tied LM
-    head, the embedding itself, stays in the dtype)."""
+    int8 `quantization`, one byte per projection and LM head weight (a tied head included: the
+    int8 embedding) plus its float32 scales."""
     if quantization is None:
         return (matmul_params(config) + config.dim) * dtype_bytes
     shapes = canonical_shapes(config)

@@ -6,10 +6,11 @@
                                                           # params hold a `scale` runs int8
     jax_llama.save(path, config, qparams)                 # int8 + scales, declared in config.json
 
-Each projection's `kernel` becomes int8 (in, out) beside a float32 `scale` (in / G, out); the
-embedding, the norms, a tied LM head and any LoRA adapters are left as they are. The numbers
-are those of bridge.quantize.quantize_weight on the canonical (out, in) weight, the same the
-torch twin and `llama-bridge convert --quantize int8` compute.
+Each projection's `kernel` becomes int8 (in, out) beside a float32 `scale` (in / G, out). A tied
+LM head is the embedding: its `embedding` becomes int8 (vocab, dim) beside a `scale` (vocab, dim /
+G), one row per token. The norms, an untied embedding and any LoRA adapters are left as they are.
+The numbers are those of bridge.quantize.quantize_weight on the canonical (out, in) weight, the
+same the torch twin and `llama-bridge convert --quantize int8` compute.
 """
 
 from __future__ import annotations
@@ -27,15 +28,18 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")
 
 
 def quantize(params, group_size: int | None = None, method: str = "int8"):
-    """A copy of `params` with every projection int8 (see the module docstring); refuses params
-    that are quantised already, and a group size that does not divide a projection's inputs
-    (naming it) before anything is converted."""
+    """A copy of `params` with every projection and the LM head int8 (see the module docstring);
+    refuses params that are quantised already, and a group size that does not divide a weight's
+    inputs (naming it) before anything is converted."""
     quantization = Quantization(method, group_size)
     if quantization_of(params) is not None:
         raise BridgeError("already quantised", field="params")
     kernels = list(_projection_kernels(params))
+    tables = list(_tied_embeddings(params))
     for path, leaf in kernels:
         quantization.groups(leaf.shape[-2], "/".join(path))
+    for path, leaf in tables:
+        quantization.groups(leaf.shape[-1], "/".join(path))
 
     def one(kernel_IO: np.ndarray, name: str):
         q_OI, scale_OG = quantize_weight(kernel_IO.T, group_size, name)
@@ -50,11 +54,27 @@ def quantize(params, group_size: int | None = None, method: str = "int8"):
             q, scale = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
         else:
             q, scale = one(host, name)
-        node = out
-        for key in path[:-1]:
-            node = node[key]
-        node["kernel"], node["scale"] = jnp.asarray(q), jnp.asarray(scale)
+        _replace(out, path, q, scale)
+    for path, leaf in tables:  # (vocab, dim) is the head's (out, in) as it is
+        _replace(out, path, *quantize_weight(host_array(leaf), group_size, "/".join(path)))
     return out
+
+
+def _replace(params, path, q, scale) -> None:
+    """The weight at `path` (a kernel or an embedding) becomes int8 `q`, with `scale` beside it."""
+    node = params
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]], node["scale"] = jnp.asarray(q), jnp.asarray(scale)
+
+
+def _tied_embeddings(params):
+    """(path to the table, table) of the token embedding of a model whose LM head is tied to it:
+    a `tok_embeddings` beside no `output`."""
+    for path, node in modules(params):
+        table = node.get("tok_embeddings", {}).get("embedding")
+        if table is not None and "output" not in node:
+            yield path + ("tok_embeddings", "embedding"), table
 
 
 def _projection_kernels(params):

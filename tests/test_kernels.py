@@ -1,8 +1,9 @@
 """The decode kernels (jax_llama.kernels): few-row matmuls on XLA:CPU through the XLA FFI.
 
-Each output is a float32 sum over the inputs (in blocks of 64, the blocks' sums added in order),
-so the kernels are checked against a float64 product within the float32 rounding of a sequential
-sum, a bound that also holds for the blocked one (|error| <= I * eps32 * sum |x * w|); a kernel
+Each output is a float32 sum over the inputs (in blocks of 64, the blocks' sums added in order;
+for the rows kernel, vector lanes added by a fixed tree), so the kernels are checked against a
+float64 product within the float32 rounding of a sequential sum, a bound that also holds for the
+blocked and lane-wise ones (|error| <= I * eps32 * sum |x * w|); a kernel
 that drops the int8 scale or reads a wrong column fails it (the negative cases). In the model
 they must change nothing but rounding: decoding gives the same tokens with and without them."""
 
@@ -70,6 +71,57 @@ def test_int8_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O):
         assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= bound(x, q, scale))
 
 
+# The rows kernel (int8 q stored (O, I): a tied LM head): I = 70 and 17 leave a vector tail, O not
+# a multiple of the rows done at once leaves a row tail, and 8192 x 576 (4.5 MB of int8) is past
+# the size from which XLA's threads share the work
+ROWS_SHAPES = [(1, 576, 1000), (2, 70, 33), (3, 16, 5), (4, 17, 130), (5, 64, 7), (8, 70, 301),
+               (1, 576, 8192), (8, 576, 8192)]
+
+
+@pytest.mark.parametrize("M,I,O", ROWS_SHAPES)
+def test_int8_rows_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O):
+    rng = np.random.default_rng(M * 1000 + O + 2)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    q = rng.integers(-127, 128, (O, I)).astype(np.int8)
+    scale = (rng.random((O, 1)) / 127).astype(np.float32)
+    assert kernels.usable_rows(x, q, scale)
+    got = np.asarray(jax.jit(kernels.matvec_rows)(x, q, scale), np.float64)
+    want = (x.astype(np.float64) @ q.T.astype(np.float64)) * scale.T.astype(np.float64)
+    limit = bound(x, q.T, scale.T)
+    assert np.all(np.abs(got - want) <= limit)
+    # negative cases: the product without its scale, and one row of q off, are far outside it
+    assert not np.all(np.abs(x.astype(np.float64) @ q.T.astype(np.float64) - want) <= limit)
+    if O > 1:
+        assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= limit)
+
+
+@pytest.mark.parametrize("I,O", [(70, 1003), (576, 8192)])
+def test_rows_kernel_rows_do_not_depend_on_how_many_rows_share_the_call(I, O):
+    """Each output of the rows kernel is the same bits whatever M (M sets how many rows of q are
+    done at once: 8 for one row of x, 4 for two, fewer for more) and whether threads share it."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((8, I)).astype(np.float32)
+    q = rng.integers(-127, 128, (O, I)).astype(np.int8)
+    scale = rng.random((O, 1)).astype(np.float32)
+    f = jax.jit(kernels.matvec_rows)
+    together = np.asarray(f(x, q, scale))
+    for m in range(8):
+        np.testing.assert_array_equal(np.asarray(f(x[m:m + 1], q, scale))[0], together[m])
+    for m0, m1 in ((0, 2), (2, 5), (1, 8)):
+        np.testing.assert_array_equal(np.asarray(f(x[m0:m1], q, scale)), together[m0:m1])
+
+
+def test_rows_kernel_refuses_shapes_it_does_not_serve():
+    x, q, s = jnp.zeros((2, 16)), jnp.zeros((8, 16), jnp.int8), jnp.ones((8,))
+    with pytest.raises(Exception, match=r"expected x \(M, I\), q \(O, I\), s \(O,\)"):
+        jax.block_until_ready(kernels._rows_call(x, q, jnp.ones((7,))))
+    with pytest.raises(Exception, match=r"expected x \(M, I\), q \(O, I\)"):
+        jax.block_until_ready(kernels._rows_call(jnp.zeros((2, 15)), q, s))
+    with pytest.raises(Exception, match="at most 8 rows"):
+        jax.block_until_ready(kernels._rows_call(jnp.zeros((9, 16)), q, s))
+    assert kernels._rows_call(x, q, s).shape == (2, 8)
+
+
 def test_weights_that_share_an_input_are_one_call_with_the_same_numbers():
     """matvec_int8 with q, k and v (or gate and up) together equals each alone, bit for bit."""
     rng = np.random.default_rng(6)
@@ -82,20 +134,24 @@ def test_weights_that_share_an_input_are_one_call_with_the_same_numbers():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(kernels.matvec)(x, q, s)))
 
 
-def test_int8_decoding_makes_one_call_per_shared_input():
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_int8_decoding_makes_one_call_per_shared_input(tied):
     """A decode step of an int8 model runs 4 kernel calls a layer (q/k/v, wo, gate/up, down),
-    and one for an untied LM head."""
+    and one for the LM head: `output`, or the int8 embedding of a tied model (matvec_rows)."""
+    import dataclasses
+
     import jax_llama
     from bridge.config import PRESETS
-    config = PRESETS["tiny"]
+    config = dataclasses.replace(PRESETS["tiny"], tie_embeddings=tied)
     model, params = jax_llama.init(config, seed=0)
     tokens = jnp.zeros((1, 1), jnp.int32)
 
-    def calls(p):
-        return str(jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(p)).count("ffi_call")
-    assert not config.tie_embeddings
-    assert calls(jax_llama.quantize(params)) == 4 * config.n_layers + 1
-    assert calls(params) == 0  # float32: XLA's dot
+    def jaxpr(p):
+        return str(jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(p))
+    int8 = jaxpr(jax_llama.quantize(params))
+    assert int8.count("ffi_call") == 4 * config.n_layers + 1
+    assert int8.count("jax_llama_matvec_int8_rows") == (1 if tied else 0)
+    assert jaxpr(params).count("ffi_call") == 0  # float32: XLA's dot
 
 
 def test_rows_do_not_depend_on_how_many_rows_share_the_call():
@@ -131,6 +187,11 @@ def test_gradients_are_xlas():
     want = jax.grad(loss(lambda x, q, s: (x @ q.astype(jnp.float32)) * s))(x, q, scale)
     # int8 weights up to 127: sums of terms up to ~300, so float32 rounding is ~1e-5 of that
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(jnp.abs(want).max()) * 48)
+    # the rows kernel (q stored (O, I)): dx only, through jit too
+    q_OI, scale_O1 = q.T, scale.T
+    got = jax.jit(jax.grad(loss(kernels.matvec_rows)))(x, q_OI, scale_O1)
+    want = jax.grad(loss(lambda x, q, s: x @ (q.astype(jnp.float32) * s).T))(x, q_OI, scale_O1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(jnp.abs(want).max()) * 80)
 
 
 def test_vmap_runs_each_slice():
@@ -148,6 +209,13 @@ def test_usable_only_for_what_the_kernels_serve():
     assert not kernels.usable(jnp.zeros((kernels.MAX_ROWS + 1, 16)), jnp.zeros((16, 8)))
     assert not kernels.usable(x.astype(jnp.bfloat16), jnp.zeros((16, 8), jnp.bfloat16))
     assert not kernels.usable(x, jnp.zeros((16, 8), jnp.int8), jnp.ones((2, 8)))  # group-wise
+    q_OI, scale_O1 = jnp.zeros((8, 16), jnp.int8), jnp.ones((8, 1))
+    assert kernels.usable_rows(x, q_OI, scale_O1)
+    assert not kernels.usable_rows(x, q_OI, jnp.ones((8, 2)))  # group-wise
+    assert not kernels.usable_rows(jnp.zeros((kernels.MAX_ROWS + 1, 16)), q_OI, scale_O1)
+    assert not kernels.usable_rows(x.astype(jnp.float16), q_OI, scale_O1)
+    assert not kernels.usable_rows(x, q_OI.astype(jnp.float32), scale_O1)  # a float table
+    assert not kernels.usable_rows(x, q_OI.T, jnp.ones((16, 1)))  # stored (I, O): not rows
 
 
 def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
@@ -188,6 +256,10 @@ def test_turned_off_by_the_environment(monkeypatch):
     assert not kernels.usable(jnp.zeros((1, 16)), jnp.zeros((16, 8)))
     with pytest.raises(RuntimeError, match="JAX_LLAMA_KERNELS=0"):
         kernels.matvec(jnp.zeros((1, 16)), jnp.zeros((16, 8)))
+    rows = (jnp.zeros((1, 16)), jnp.zeros((8, 16), jnp.int8), jnp.ones((8, 1)))
+    assert not kernels.usable_rows(*rows)
+    with pytest.raises(RuntimeError, match="JAX_LLAMA_KERNELS=0"):
+        kernels.matvec_rows(*rows)
 
 
 ISAS = {"x86-64-v3": 8, "x86-64": 1}  # -march -> lanes: the AVX2 path and the plain C++ one
@@ -199,7 +271,8 @@ ISAS = {"x86-64-v3": 8, "x86-64": 1}  # -march -> lanes: the AVX2 path and the p
 def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     """The kernels built for AVX2 and for no vector extension (what CPUs without AVX-512 or
     without AVX2 compile) pass the same float32 bound and give each row the same bits alone or
-    beside others; in a subprocess each, with a kernel cache of its own."""
+    beside others (the rows kernel too, given the same int8 weights stored (O, I)); in a
+    subprocess each, with a kernel cache of its own."""
     script = (
         "import json, numpy as np, jax\n"
         "from jax_llama import kernels\n"
@@ -210,12 +283,15 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "    q = rng.integers(-127, 128, (I, O)).astype(np.int8)\n"
         "    s = (rng.random((1, O)) / 127).astype(np.float32)\n"
         "    w = rng.standard_normal((I, O)).astype(np.float32)\n"
-        "    for args, want, mag in (((q, s), (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s),\n"
-        "                            ((w,), x.astype(float) @ w, abs(x) @ abs(w))):\n"
-        "        got = np.asarray(kernels.matvec(x, *args), float)\n"
+        "    rows = (np.ascontiguousarray(q.T), np.ascontiguousarray(s.T))\n"
+        "    for f, args, want, mag in (\n"
+        "            (kernels.matvec, (q, s), (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s),\n"
+        "            (kernels.matvec, (w,), x.astype(float) @ w, abs(x) @ abs(w)),\n"
+        "            (kernels.matvec_rows, rows, (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s)):\n"
+        "        got = np.asarray(f(x, *args), float)\n"
         "        worst = max(worst, float((abs(got - want) / (I * 1.2e-7 * mag + 1e-30)).max()))\n"
-        "        alone = np.asarray(kernels.matvec(x[-1:], *args))[0]\n"
-        "        assert np.array_equal(alone, np.asarray(got[-1], np.float32)), (M, I, O)\n"
+        "        alone = np.asarray(f(x[-1:], *args))[0]\n"
+        "        assert np.array_equal(alone, np.asarray(got[-1], np.float32)), (f, M, I, O)\n"
         "print(json.dumps({'lanes': kernels.lanes(), 'worst': worst}))\n")
     env = dict(os.environ, JAX_LLAMA_KERNELS="1", JAX_LLAMA_KERNEL_MARCH=arch,
                JAX_LLAMA_KERNEL_CACHE=str(tmp_path))

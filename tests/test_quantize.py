@@ -95,12 +95,19 @@ def test_both_twins_and_the_bridge_quantise_to_the_same_tensors(float_checkpoint
              for d in ("jax", "torch", "bridge")]
     assert files[0].keys() == files[1].keys() == files[2].keys()
     scales = [n for n in files[0] if n.endswith("_scale")]
-    assert len(scales) == 7 * config.n_layers + (0 if config.tie_embeddings else 1)
+    assert len(scales) == 7 * config.n_layers + 1  # and the LM head's
     for name in files[0]:
         for other in files[1:]:
             np.testing.assert_array_equal(files[0][name], other[name], err_msg=name)
     assert files[0]["layers.0.attention.wq.weight"].dtype == np.int8
-    assert files[0]["tok_embeddings.weight"].dtype == np.float32  # embeddings keep their dtype
+    # a tied head is the embedding, int8 with a scale per token (row); an untied one is output,
+    # and the embedding, only looked up, keeps its dtype
+    head = "tok_embeddings.weight" if config.tie_embeddings else "output.weight"
+    assert files[0][head].dtype == np.int8
+    groups = 1 if group_size is None else config.dim // group_size
+    assert files[0][head + "_scale"].shape == (config.vocab_size, groups)
+    if not config.tie_embeddings:
+        assert files[0]["tok_embeddings.weight"].dtype == np.float32
     declared = json.loads((tmp_path / "jax" / "config.json").read_text())["quantization"]
     assert declared == {"method": "int8", "group_size": group_size}
 
@@ -172,7 +179,46 @@ def test_int8_generation_is_identical_in_both_twins(tmp_path):
     assert ours == theirs and len(ours[0]) == 24
 
 
+@pytest.mark.parametrize("group_size", [None, 16])
+def test_an_int8_tied_embedding_looks_up_its_dequantised_rows_in_both_twins(tmp_path, group_size):
+    config = dataclasses.replace(CONFIG, tie_embeddings=True)
+    path = save_random_checkpoint(tmp_path / "float", config)
+    convert(path, tmp_path / "q", quantize="int8", group_size=group_size, progress=False)
+    files = safetensors.numpy.load_file(tmp_path / "q" / "model.safetensors")
+    table = dequantize_weight(files["tok_embeddings.weight"], files["tok_embeddings.weight_scale"])
+    tokens = random_tokens(config, batch=2, seq_len=5)
+    model, params = jax_llama.load(tmp_path / "q")
+    assert params["tok_embeddings"]["embedding"].dtype == np.int8
+    ours = model.apply({"params": params}, tokens, method=lambda m, t: m.run(t, lm_head=False))
+    tmodel = torch_llama.load(tmp_path / "q", device="cpu")
+    assert tmodel.tok_embeddings.weight.dtype == torch.int8
+    # the lookup alone, both twins: the rows of Q * s, bit for bit
+    embed = jax_llama.model.Embed(config.vocab_size, config.dim)
+    rows = embed.apply({"params": params["tok_embeddings"]}, tokens)
+    np.testing.assert_array_equal(np.asarray(rows), table[tokens])
+    with torch.no_grad():
+        np.testing.assert_array_equal(tmodel.tok_embeddings(torch.from_numpy(tokens)).numpy(),
+                                      table[tokens])
+    # the head multiplies by the same table: the logits are h @ (Q * s)^T
+    h = np.asarray(ours.hidden).reshape(-1, config.dim)
+    logits = jax_logits(model, params, tokens).reshape(-1, config.vocab_size)
+    np.testing.assert_allclose(logits, h @ table.T, rtol=0, atol=2e-5)  # float32 summation order
+
+
 # -- refused -------------------------------------------------------------------------------------------
+
+def test_lora_that_trains_an_int8_embedding_is_refused_in_both_twins():
+    config = dataclasses.replace(CONFIG, tie_embeddings=True)
+    lora = jax_llama.LoraConfig(rank=4, train_embeddings=True)
+    model, params = jax_llama.init(config)
+    with pytest.raises(BridgeError, match="train_embeddings: the embedding table is int8"):
+        jax_llama.add_lora(model, jax_llama.quantize(params), lora)
+    with pytest.raises(BridgeError, match="train_embeddings: the embedding table is int8"):
+        torch_llama.add_lora(torch_llama.quantize(torch_model(config)), lora)
+    # adapters on the projections alone (QLoRA's way) still go on an int8 model
+    assert torch_llama.add_lora(torch_llama.quantize(torch_model(config)),
+                                jax_llama.LoraConfig(rank=4)).lora is not None
+
 
 def test_quantising_twice_is_refused(tmp_path):
     _, params = jax_llama.init(CONFIG)
@@ -247,6 +293,26 @@ def test_a_damaged_int8_checkpoint_is_refused_naming_the_tensor(tmp_path, change
         open_checkpoint(tmp_path / "q")
     with pytest.raises(BridgeError, match=message):
         jax_llama.load(tmp_path / "q")
+
+
+def test_an_int8_checkpoint_with_a_float_tied_head_is_refused_with_what_to_do(tmp_path):
+    """What int8 files held before a tied head was quantised too: a float embedding, no scale."""
+    config = dataclasses.replace(CONFIG, tie_embeddings=True)
+    path = save_random_checkpoint(tmp_path / "float", config)
+    convert(path, tmp_path / "q", quantize="int8", progress=False)
+    floats = safetensors.numpy.load_file(path / "model.safetensors")
+
+    def old_style(t):
+        t.pop("tok_embeddings.weight_scale")
+        t["tok_embeddings.weight"] = floats["tok_embeddings.weight"]
+
+    _rewrite(tmp_path / "q", change_tensors=old_style)
+    message = ("tensor 'tok_embeddings.weight_scale' is missing: the tied LM head .* is int8 too "
+               "now; quantise the float checkpoint again")
+    with pytest.raises(BridgeError, match=message):
+        jax_llama.load(tmp_path / "q")
+    with pytest.raises(BridgeError, match=message):
+        torch_llama.load(tmp_path / "q", device="cpu")
 
 
 # -- the commands ----------------------------------------------------------------------------------------

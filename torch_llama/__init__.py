@@ -7,7 +7,7 @@
     tmodel = torch_llama.load(path, adapter=peft_dir)     # a LoRA adapter merged in as it loads
     torch_llama.add_lora(tmodel, LoraConfig(rank=8))      # frozen base, trainable adapters
     torch_llama.save_adapter(peft_dir, tmodel)            # or merge_lora(tmodel), then save
-    torch_llama.quantize(tmodel)                          # int8 projections, in place
+    torch_llama.quantize(tmodel)                          # int8 projections and head, in place
     opt = torch_llama.AdamW(params, lr=schedule, betas=(0.9, 0.95), weight_decay=0.1,
                             mask=torch_llama.decay_mask)    # optax.adamw's exact semantics
 

@@ -17,7 +17,7 @@ from bridge.lora import read_peft
 from bridge.quantize import SCALE_SUFFIX
 
 from .model import Llama, resolve_device, resolve_dtype
-from .quantize import projections, quantization_of
+from .quantize import int8_weights, quantization_of
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None,
@@ -47,7 +47,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=Non
     with torch.device("meta"):
         model = Llama(ckpt.config)
         if ckpt.quantization is not None:
-            for name, module in projections(model):
+            for name, module in int8_weights(model):
                 module.make_int8(ckpt.specs[name + ".weight" + SCALE_SUFFIX][0][1])
     state = {name: tensor(name, array) for name, array in ckpt}
     model.load_state_dict(state, strict=True, assign=True)

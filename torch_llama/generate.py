@@ -76,7 +76,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
     tokens, logprobs = [[] for _ in range(B)], [[] for _ in range(B)]
     tokens_BS, mask_BS = pad_rows(prompts, side="left", pad_id=pad_id)
     check_ids(tokens_BS, c.vocab_size)
-    weight = model.tok_embeddings.weight
+    weight = model.norm.weight  # the model's dtype (the embedding may be int8)
     device = weight.device
     stop, done = set(stop_ids), [False] * B
     with torch.inference_mode():

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from bridge.errors import BridgeError
-from bridge.lora import EMBEDDING, MODULES, Adapter, LoraConfig, write_peft
+from bridge.lora import EMBEDDING, INT8_TABLE, MODULES, Adapter, LoraConfig, write_peft
 
 from .model import Linear, Llama, LlamaClassifier
 
@@ -42,6 +42,8 @@ def add_lora(model: Llama | LlamaClassifier, lora: LoraConfig, seed: int = 0,
     llama = _backbone(model)
     if llama.lora is not None:
         raise BridgeError("already has LoRA adapters", field="model")
+    if lora.train_embeddings and llama.tok_embeddings.weight.dtype == torch.int8:
+        raise BridgeError(INT8_TABLE, field="train_embeddings")
     if adapter is not None:
         if adapter.lora != lora:
             raise BridgeError(f"the adapter's settings {adapter.lora} differ from {lora}",

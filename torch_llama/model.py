@@ -202,36 +202,9 @@ class LlamaOutput:
 
 # -- the transformer -----------------------------------------------------------------------------
 
-class Linear(nn.Linear):
-    """x W^T without bias (W (out, in) keeps nn.Linear's name, `weight`), plus, once add_adapter
-    is called, a LoRA update scale * B A dropout(x) with A (rank, in) and B (out, rank) in
-    float32 as `lora_A.weight` and `lora_B.weight`: the canonical adapter names."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-        self.lora: LoraConfig | None = None
-
-    def add_adapter(self, lora: LoraConfig) -> None:
-        """A as PEFT initialises it (nn.Linear's Kaiming-uniform, U(+-1/sqrt(in))), B zero: the
-        output is unchanged until B trains. Drawn on the CPU, so that a seed gives the same A on
-        every device, then moved to W's device."""
-        a = nn.Linear(self.in_features, lora.rank, bias=False, device="cpu", dtype=torch.float32)
-        b = nn.Linear(lora.rank, self.out_features, bias=False, device="cpu", dtype=torch.float32)
-        nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
-        nn.init.zeros_(b.weight)
-        self.lora_A, self.lora_B = a.to(self.weight.device), b.to(self.weight.device)
-        self.lora_dropout = nn.Dropout(lora.dropout)  # active in train() only
-        self.lora = lora
-
-    def merge_adapter(self) -> None:
-        """W + scale * B A, summed in float32 (float64 for float64 W) and rounded once to W's
-        dtype (bridge.lora.merge_weight's arithmetic); then a plain projection again."""
-        wide = torch.promote_types(self.weight.dtype, torch.float32)
-        with torch.no_grad():
-            update = self.lora.scale * (self.lora_B.weight.to(wide) @ self.lora_A.weight.to(wide))
-            self.weight.copy_(self.weight.to(wide) + update)
-        del self.lora_A, self.lora_B, self.lora_dropout
-        self.lora = None
+class Int8Weight:
+    """What a module whose `weight` (out, in) can be int8 shares (Linear, Embedding): Q as a
+    frozen int8 `weight` beside float32 scales (out, G), the buffer `weight_scale`."""
 
     def quantize(self, quantization: Quantization, name: str = "weight") -> None:
         """Replace W by int8 Q (a frozen `weight`) and float32 scales (`weight_scale`, a buffer):
@@ -265,8 +238,40 @@ class Linear(nn.Linear):
         device = self.weight.device
         self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=torch.int8, device=device),
                                    requires_grad=False)
-        self.register_buffer("weight_scale", torch.empty(self.out_features, groups,
+        self.register_buffer("weight_scale", torch.empty(self.weight.shape[0], groups,
                                                          dtype=torch.float32, device=device))
+
+
+class Linear(Int8Weight, nn.Linear):
+    """x W^T without bias (W (out, in) keeps nn.Linear's name, `weight`), plus, once add_adapter
+    is called, a LoRA update scale * B A dropout(x) with A (rank, in) and B (out, rank) in
+    float32 as `lora_A.weight` and `lora_B.weight`: the canonical adapter names."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.lora: LoraConfig | None = None
+
+    def add_adapter(self, lora: LoraConfig) -> None:
+        """A as PEFT initialises it (nn.Linear's Kaiming-uniform, U(+-1/sqrt(in))), B zero: the
+        output is unchanged until B trains. Drawn on the CPU, so that a seed gives the same A on
+        every device, then moved to W's device."""
+        a = nn.Linear(self.in_features, lora.rank, bias=False, device="cpu", dtype=torch.float32)
+        b = nn.Linear(lora.rank, self.out_features, bias=False, device="cpu", dtype=torch.float32)
+        nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
+        nn.init.zeros_(b.weight)
+        self.lora_A, self.lora_B = a.to(self.weight.device), b.to(self.weight.device)
+        self.lora_dropout = nn.Dropout(lora.dropout)  # active in train() only
+        self.lora = lora
+
+    def merge_adapter(self) -> None:
+        """W + scale * B A, summed in float32 (float64 for float64 W) and rounded once to W's
+        dtype (bridge.lora.merge_weight's arithmetic); then a plain projection again."""
+        wide = torch.promote_types(self.weight.dtype, torch.float32)
+        with torch.no_grad():
+            update = self.lora.scale * (self.lora_B.weight.to(wide) @ self.lora_A.weight.to(wide))
+            self.weight.copy_(self.weight.to(wide) + update)
+        del self.lora_A, self.lora_B, self.lora_dropout
+        self.lora = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.int8:
@@ -297,6 +302,25 @@ def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor,
         return F.linear(x, q_OI.to(x.dtype)) * scale_O
     w_OGi = q_OI.view(O, G, I // G).to(torch.float32) * scale_OG[..., None]
     return F.linear(x, w_OGi.view(O, I).to(x.dtype))
+
+
+class Embedding(Int8Weight, nn.Embedding):
+    """The token embedding (vocab, dim) as `weight`: a lookup, and the LM head of a tied model
+    (`head`, x W^T). Int8 once quantised (torch_llama.quantize of a tied model): a token's row is
+    Q[t] * s[t] in float32 (bridge.quantize.dequantize_weight's numbers), and the head multiplies
+    by Q as an int8 Linear does; jax_llama.model.Embed is the twin."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != torch.int8:
+            return super().forward(tokens)
+        q_D, s_G = self.weight[tokens], self.weight_scale[tokens]
+        rows = q_D.view(*q_D.shape[:-1], s_G.shape[-1], -1).to(torch.float32) * s_G[..., None]
+        return rows.view(q_D.shape)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != torch.int8:
+            return F.linear(h, self.weight.to(h.dtype))
+        return int8_linear(h, self.weight, self.weight_scale, self._scale_in(h.dtype))
 
 
 # --8<-- [start:attention]
@@ -381,7 +405,7 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         c = self.config = config
-        self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
+        self.tok_embeddings = Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = None if c.tie_embeddings else Linear(c.dim, c.vocab_size)
@@ -457,7 +481,7 @@ class Llama(nn.Module):
             return LlamaOutput(logits=None, hidden=h_BSD, cache=cache)
         # --8<-- [start:lm_head]
         if self.output is None:
-            logits_BSV = F.linear(h_BSD, self.tok_embeddings.weight.to(h_BSD.dtype))
+            logits_BSV = self.tok_embeddings.head(h_BSD)
         else:
             logits_BSV = self.output(h_BSD)
         # --8<-- [end:lm_head]

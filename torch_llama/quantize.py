@@ -5,9 +5,10 @@ arithmetic; jax_llama.quantize is the twin).
     torch_llama.quantize(model, group_size=64)   # per 64 input columns of each row
     torch_llama.save(path, model)                # int8 + scales, declared in config.json
 
-Each projection's `weight` becomes a frozen int8 tensor beside a float32 `weight_scale` buffer
-(state_dict keys `<name>` and `<name>_scale`, the native format's); the embedding, the norms, a
-tied LM head and LoRA adapters are left as they are.
+Each projection's `weight`, and the LM head's (the embedding's, when the head is tied to it),
+becomes a frozen int8 tensor beside a float32 `weight_scale` buffer (state_dict keys `<name>` and
+`<name>_scale`, the native format's); the norms, an untied embedding and LoRA adapters are left
+as they are.
 """
 
 from __future__ import annotations
@@ -17,31 +18,34 @@ from torch import nn
 from bridge.errors import BridgeError
 from bridge.quantize import Quantization, check_quantizable
 
-from .model import Linear, Llama
+from .model import Int8Weight, Linear, Llama
 
 
 def quantize(model: Llama, group_size: int | None = None, method: str = "int8") -> Llama:
-    """Quantise `model`'s projections in place and return it; refuses a model quantised
-    already, and a group size that does not divide a projection's inputs (naming it) before
-    anything is converted."""
+    """Quantise `model`'s projections and LM head in place and return it; refuses a model
+    quantised already, and a group size that does not divide a weight's inputs (naming it)
+    before anything is converted."""
     quantization = Quantization(method, group_size)
     if quantization_of(model) is not None:
         raise BridgeError("already quantised", field="model")
     check_quantizable(model.config, quantization)
-    for name, module in projections(model):
+    for name, module in int8_weights(model):
         module.quantize(quantization, name + ".weight")
     return model
 
 
-def projections(model: nn.Module) -> list[tuple[str, Linear]]:
-    """(name, module) of every projection: the Linears (wq ... w3, and an untied LM head)."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+def int8_weights(model: nn.Module) -> list[tuple[str, Int8Weight]]:
+    """(name, module) of every weight int8 quantisation covers (bridge.quantize.quantized_names):
+    the Linears (wq ... w3, and an untied LM head) and, when the head is tied, the embedding."""
+    tied = isinstance(model, Llama) and model.output is None
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, Linear) or (tied and m is model.tok_embeddings)]
 
 
 def quantization_of(model: nn.Module) -> Quantization | None:
-    """The Quantization `model` holds, from its first int8 projection; None for a float model."""
-    for _, m in projections(model):
+    """The Quantization `model` holds, from its first int8 weight; None for a float model."""
+    for _, m in int8_weights(model):
         if hasattr(m, "weight_scale"):
             groups = m.weight_scale.shape[1]
-            return Quantization(group_size=None if groups == 1 else m.in_features // groups)
+            return Quantization(group_size=None if groups == 1 else m.weight.shape[1] // groups)
     return None

@@ -111,6 +111,9 @@ def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,
     expected = checkpoint_shapes(config, quantization)
     int8 = set() if quantization is None else set(quantized_names(config))
     missing = [n for n in expected if n not in specs]
+    if missing == ["tok_embeddings.weight" + SCALE_SUFFIX]:  # an int8 file before tied heads were
+        raise BridgeError(f"{where}: tensor {missing[0]!r} is missing: the tied LM head (the "
+                          f"embedding) is int8 too now; quantise the float checkpoint again")
     if missing:
         raise BridgeError(f"{where}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
     extra = sorted(n for n in specs if n not in expected)

@@ -3,6 +3,8 @@
     y = matvec(x_MI, w_IO)                          # float32 weights
     y = matvec(x_MI, q_IO, scale_GO)                # int8 weights, per-output-channel scales
     q, k, v = matvec_int8(x_MI, [(q_IO, scale_GO), ...])   # several weights reading one x
+    y = matvec_rows(x_MI, q_OI, scale_OG)           # int8 weights stored (out, in), per-row
+                                                    # scales: a tied LM head (the embedding)
 
 At decode time a projection multiplies a few rows by a weight it reads once, so its speed is how
 fast the weight streams in. XLA:CPU converts an int8 weight to float32 in a pass of its own (a
@@ -23,9 +25,10 @@ devices) `usable` says False, the reason is logged once, and jax_llama.model use
 the kernels are an accelerator, never a requirement. `JAX_LLAMA_KERNELS=0` turns them off.
 
 Within each block of 64 inputs an output is one float32 sum in order, and the block sums are
-added in block order (the int8 scale multiplies the total), so results differ from XLA's
-matmul by float32 rounding only, and a row's bits do not depend on how many rows share the
-call; a gradient, where one is asked for, is XLA's (custom_vjp).
+added in block order (the int8 scale multiplies the total); in matvec_rows an output is a dot
+product in vector lanes added by a fixed tree. So results differ from XLA's matmul by float32
+rounding only, and a row's bits do not depend on how many rows share the call; a gradient,
+where one is asked for, is XLA's (custom_vjp).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("matvec.cc")
 MAX_ROWS = 8  # the kernels serve up to this many rows (batch x new tokens); more go to XLA
-TARGETS = {"f32": "JaxLlamaMatvecF32", "int8": "JaxLlamaMatvecInt8"}
+TARGETS = {"f32": "JaxLlamaMatvecF32", "int8": "JaxLlamaMatvecInt8",
+           "int8_rows": "JaxLlamaMatvecInt8Rows"}
 
 
 def enabled() -> bool:
@@ -155,6 +159,17 @@ def usable(x_MI, w_IO, scale_GO=None) -> bool:
     return ok and w_IO.ndim == 2 and unavailable_reason() is None
 
 
+def usable_rows(x_MI, q_OI, scale_OG) -> bool:
+    """Whether matvec_rows serves this product: float32 x of at most MAX_ROWS rows, a 2-D int8
+    q (O, I) with one scale per row (O, 1) (group-wise scales are not served), and the kernels
+    loadable here."""
+    if x_MI.ndim != 2 or x_MI.shape[0] > MAX_ROWS or x_MI.dtype != jnp.float32:
+        return False
+    if q_OI.ndim != 2 or q_OI.dtype != jnp.int8 or x_MI.shape[1] != q_OI.shape[1]:
+        return False
+    return tuple(scale_OG.shape) == (q_OI.shape[0], 1) and unavailable_reason() is None
+
+
 def _f32_call(x_MI, w_IO):
     out = jax.ShapeDtypeStruct((x_MI.shape[0], w_IO.shape[1]), jnp.float32)
     return jax.ffi.ffi_call("jax_llama_matvec_f32", out, vmap_method="sequential")(x_MI, w_IO)
@@ -202,6 +217,29 @@ def _int8_bwd(res, gs_MO):
 _matvec_int8.defvjp(_int8_fwd, _int8_bwd)
 
 
+def _rows_call(x_MI, q_OI, scale_O):
+    out = jax.ShapeDtypeStruct((x_MI.shape[0], q_OI.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("jax_llama_matvec_int8_rows", out, vmap_method="sequential")(
+        x_MI, q_OI, scale_O)
+
+
+@jax.custom_vjp
+def _matvec_rows(x_MI, q_OI, scale_O):
+    return _rows_call(x_MI, q_OI, scale_O)
+
+
+def _rows_fwd(x_MI, q_OI, scale_O):
+    return _rows_call(x_MI, q_OI, scale_O), (q_OI, scale_O)
+
+
+def _rows_bwd(res, g_MO):
+    q_OI, scale_O = res  # constants, as in _int8_bwd
+    return (g_MO * scale_O) @ q_OI.astype(jnp.float32), None, None
+
+
+_matvec_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
 def matvec(x_MI, w_IO, scale_GO=None):
     """x (M, I) float32 @ w (I, O) -> (M, O) float32; with int8 w and scales (1, O), the
     product times the scales. Call only where `usable` said True."""
@@ -219,6 +257,14 @@ def matvec_int8(x_MI, weights):
     qs = tuple(q for q, _ in weights)
     scales = tuple(s.reshape(-1) for _, s in weights)
     return list(_matvec_int8(x_MI, qs, scales))
+
+
+def matvec_rows(x_MI, q_OI, scale_OG):
+    """x (M, I) float32 @ (q (O, I) int8 * scale (O, 1)).T -> (M, O) float32: each output a dot
+    product over a row of q (a tied LM head: the int8 embedding table). Call only where
+    `usable_rows` said True."""
+    _check()
+    return _matvec_rows(x_MI, q_OI, scale_OG.reshape(-1).astype(jnp.float32))
 
 
 def _check():

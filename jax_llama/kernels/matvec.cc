@@ -5,6 +5,9 @@
 //   y_k (M, O_k) = (x @ Q_k (I, O_k)) * s_k (O_k)   Q_k int8, s_k float32, k = 1.. (several
 //                                                   weights that read the same x, one call)
 //                                                                      "jax_llama_matvec_int8"
+//   y (M, O) = (x (M, I) @ Q (O, I)^T) * s (O)     Q int8 stored a row per output, s float32
+//                                                   (a tied LM head: the embedding table)
+//                                                                 "jax_llama_matvec_int8_rows"
 //
 // Why: at decode time M is 1 to 8 and the matmul reads its weights once, so its speed is how
 // fast W streams in. XLA:CPU converts an int8 weight to float in a pass of its own. Here W is
@@ -23,6 +26,15 @@
 // jax_llama.model._int8_dot_by_blocks does with XLA's dots), and the int8 scale multiplies the
 // total. Nothing in that order depends on M or on the number of threads, so a row decodes to the
 // same bits alone or beside others, on any machine with the same instruction set.
+//
+// Rows of Q (O, I) ("_rows"): each output is a dot product over one row of Q, read in order.
+// Several rows are done at once (8 for one row of x, fewer for more) so that enough independent
+// sums are in flight, and each weight vector is converted once for all M rows of x. Units are
+// kUnitRows rows of Q, shared with XLA's threads from kParallelBytes as above; outputs are
+// independent, so there are no partial sums. An output is kLanes float32 sums (lane l over
+// columns l, l + kLanes, ... in order, one fused multiply-add per term), added by a fixed tree
+// (HorizontalSum), then the columns past the last full vector in order, then times the scale:
+// again nothing depends on M, on the rows done together or on the threads.
 
 #include <algorithm>
 #include <atomic>
@@ -71,6 +83,7 @@ inline Vec Splat(float v) { return _mm512_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float HorizontalSum(Vec v) { return _mm512_reduce_add_ps(v); }  // a fixed tree: 8, 4, 2, 1
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
@@ -83,6 +96,12 @@ inline Vec Splat(float v) { return _mm256_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float HorizontalSum(Vec v) {  // a fixed tree: lanes l + 4, then l + 2, then l + 1
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 #else
 constexpr int64_t kLanes = 1;
 #endif
@@ -99,6 +118,7 @@ inline Vec Splat(float v) { return v; }
 inline Vec Fma(Vec a, Vec b, Vec c) { return std::fma(a, b, c); }
 inline Vec Mul(Vec a, Vec b) { return a * b; }
 inline Vec Add(Vec a, Vec b) { return a + b; }
+inline float HorizontalSum(Vec v) { return v; }
 #endif
 
 // One weight of a call: W (I, O), its scale (int8) and output, cut into units of
@@ -120,7 +140,6 @@ struct Job {
   std::vector<Part<W>> parts;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
-  void Work();
 };
 
 // Row i of W into the accumulators of M rows of x, columns [o0, o1): acc[m, o] = x[m, i] * w[i, o]
@@ -175,13 +194,29 @@ void RunUnit(const Job<W>& j, int64_t u) {
   }
 }
 
+struct RowsJob;  // the rows kernel's job (below); Work runs its units too
+void RunUnit(const RowsJob& j, int64_t u);
+
 // Take units until none is left; every thread (the caller and the helpers) runs this.
-template <typename W>
-void Job<W>::Work() {
-  for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-    RunUnit(*this, u);
-    done.fetch_add(1, std::memory_order_release);
+template <typename J>
+void Work(J& job) {
+  for (int64_t u; (u = job.next.fetch_add(1, std::memory_order_relaxed)) < job.units;) {
+    RunUnit(job, u);
+    job.done.fetch_add(1, std::memory_order_release);
   }
+}
+
+// Run a job's units on the calling thread, with XLA's intra-op threads helping when `share`;
+// returns when every unit is done. What the units write may belong to the caller: a helper that
+// starts late finds no unit left and touches nothing.
+template <typename J>
+void RunUnits(ffi::ThreadPool& pool, const std::shared_ptr<J>& job, bool share) {
+  if (share) {
+    int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
+    for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job] { Work(*job); });
+  }
+  Work(*job);
+  while (job->done.load(std::memory_order_acquire) < job->units) std::this_thread::yield();
 }
 
 // A part's output: its block sums added in block order, times its scale (when it has one).
@@ -220,18 +255,12 @@ ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<Job<W>> job) {
     job->units += p.blocks * p.panels;
     floats += p.blocks * M * p.O;
   }
-  // The partial sums live in the caller's scratch, which outlives the units: the caller waits
-  // for every unit, and a helper that starts late finds none left and touches nothing.
+  // The partial sums live in the caller's scratch, which outlives the units (RunUnits).
   thread_local std::vector<float> scratch;
   if (scratch.size() < floats) scratch.resize(floats);
   float* free = scratch.data();
   for (Part<W>& p : job->parts) p.partial = free, free += p.blocks * M * p.O;
-  if (bytes >= kParallelBytes) {
-    int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
-    for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job] { job->Work(); });
-  }
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->units) std::this_thread::yield();
+  RunUnits(pool, job, bytes >= kParallelBytes);
   for (const Part<W>& p : job->parts)
     if (p.blocks > 0) Reduce(p, M);
   return ffi::Error::Success();
@@ -284,6 +313,107 @@ ffi::Error MatvecInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remain
   return Run(pool, job);
 }
 
+// -- rows of Q (O, I): y[m, o] = s[o] * (x[m, :] . Q[o, :]) -----------------------------------
+
+constexpr int64_t kUnitRows = 512;  // rows of Q per unit (288 KB of SmolLM2's LM head)
+// How far ahead of the rows being read Q is asked for (software prefetch, one request per cache
+// line). Rows are read R at a time, each a stream too short (SmolLM2: 9 cache lines) for the
+// CPU's prefetchers to pick up: without it one Zen 5 core read SmolLM2's head at about half the
+// speed (measured; 8 to 32 KB ahead were about as good).
+constexpr int64_t kPrefetchBytes = 16 << 10;
+constexpr int64_t kCacheLine = 64;
+
+// Rows of Q dotted at once with M rows of x: 6 to 8 sums in flight (of one FMA chain each), and
+// R * M accumulators and R weight vectors held in registers (16 with AVX2, 32 with AVX-512).
+#if defined(__AVX512F__)
+constexpr int kRegisters = 32;
+#else
+constexpr int kRegisters = 16;
+#endif
+constexpr int RowsAtOnce(int M) {
+  return M == 1 ? 8 : M == 2 ? 4 : 2 * M + 4 <= kRegisters ? 2 : 1;
+}
+
+struct RowsJob {
+  const float* x;
+  const int8_t* q;
+  const float* scale;
+  float* y;
+  int64_t M, I, O, units = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// y[m, o + r] for m < M, r < R: rows o .. o + R - 1 of Q, each read in order, each weight vector
+// converted once for the M rows of x. Each of the R * M outputs is computed alone (the order of
+// the header), so its bits do not depend on R or M.
+template <int M, int R>
+inline void Dots(const RowsJob& j, int64_t o) {
+  const int64_t I = j.I;
+  const float* x = j.x;
+  const int8_t* q = j.q + o * I;
+  Vec acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = Splat(0.0f);
+  // The R rows are R * I bytes in a row, read R * kLanes bytes a step: ask for what lies
+  // kPrefetchBytes past the step's place in them (never past Q's last byte).
+  const int64_t ahead = o * I + kPrefetchBytes, last = j.O * I - 1;
+  int64_t i = 0;
+  for (; i + kLanes <= I; i += kLanes) {
+    for (int64_t b = 0; b < R * kLanes; b += kCacheLine)
+      __builtin_prefetch(j.q + std::min(ahead + R * i + b, last));
+    Vec wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = Load(q + r * I + i);
+    for (int m = 0; m < M; ++m) {
+      Vec xv = Load(x + m * I + i);
+      for (int r = 0; r < R; ++r) acc[r][m] = Fma(xv, wv[r], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float sum = HorizontalSum(acc[r][m]);
+      for (int64_t k = i; k < I; ++k) sum = std::fma(x[m * I + k], LoadS(q + r * I + k), sum);
+      j.y[m * j.O + o + r] = sum * j.scale[o + r];
+    }
+}
+
+template <int M>
+void RowsUnit(const RowsJob& j, int64_t u) {
+  constexpr int R = RowsAtOnce(M);
+  int64_t o = u * kUnitRows, o1 = std::min(j.O, o + kUnitRows);
+  for (; o + R <= o1; o += R) Dots<M, R>(j, o);
+  for (; o < o1; ++o) Dots<M, 1>(j, o);
+}
+
+void RunUnit(const RowsJob& j, int64_t u) {
+  switch (j.M) {
+    case 1: return RowsUnit<1>(j, u);
+    case 2: return RowsUnit<2>(j, u);
+    case 3: return RowsUnit<3>(j, u);
+    case 4: return RowsUnit<4>(j, u);
+    case 5: return RowsUnit<5>(j, u);
+    case 6: return RowsUnit<6>(j, u);
+    case 7: return RowsUnit<7>(j, u);
+    default: return RowsUnit<8>(j, u);
+  }
+}
+
+ffi::Error MatvecInt8Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = s.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 1 || yd.size() != 2 || xd[1] != qd[1] ||
+      sd[0] != qd[0] || yd[0] != xd[0] || yd[1] != qd[0])
+    return ffi::Error::InvalidArgument(
+        "matvec_rows: expected x (M, I), q (O, I), s (O,) and y (M, O)");
+  if (xd[0] > 8) return ffi::Error::InvalidArgument("matvec_rows: at most 8 rows");
+  auto job = std::make_shared<RowsJob>();
+  job->x = x.typed_data(), job->q = q.typed_data(), job->scale = s.typed_data();
+  job->y = y->typed_data(), job->M = xd[0], job->I = xd[1], job->O = qd[0];
+  if (job->M > 0) job->units = (job->O + kUnitRows - 1) / kUnitRows;
+  RunUnits(pool, job, size_t(job->O) * size_t(job->I) >= kParallelBytes);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecF32, MatvecF32,
@@ -299,6 +429,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8, MatvecInt8,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8Rows, MatvecInt8Rows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // The vector width the library was built for (16, 8 or 1 lanes of float32).
 extern "C" int jax_llama_matvec_lanes() { return static_cast<int>(kLanes); }
