@@ -231,9 +231,9 @@ def torch_model(config: LlamaConfig, seed: int = 0, head_scale: float = 1.0):
 
     torch.manual_seed(seed)
     model = torch_llama.Llama(config).eval()
-    if head_scale != 1.0:
+    if head_scale != 1.0:  # the head's weight; tied, the final norm's (the head reads it alone)
         with torch.no_grad():
-            model.output.weight.mul_(head_scale)
+            (model.norm if model.output is None else model.output).weight.mul_(head_scale)
     return model
 
 

@@ -168,9 +168,12 @@ def test_scan_layers_quantise_the_same(tmp_path):
                                rtol=0, atol=1e-5)  # scanned and unrolled blocks: summation order
 
 
-def test_int8_generation_is_identical_in_both_twins(tmp_path):
-    # A sharpened head (conftest.torch_model) so greedy choices are not float32 near-ties.
-    torch_llama.save(tmp_path / "float", torch_model(CONFIG, seed=3, head_scale=30.0))
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_int8_generation_is_identical_in_both_twins(tmp_path, tied):
+    # A sharpened head (conftest.torch_model) so greedy choices are not float32 near-ties; tied,
+    # the head is the int8 embedding (the decode kernels' matvec_rows in JAX at batch 2).
+    config = dataclasses.replace(CONFIG, tie_embeddings=tied)
+    torch_llama.save(tmp_path / "float", torch_model(config, seed=3, head_scale=30.0))
     convert(tmp_path / "float", tmp_path / "q", quantize="int8", progress=False)
     prompts = [[5, 7, 11], [3, 1, 4, 1, 5, 9, 2]]
     model, params = jax_llama.load(tmp_path / "q")
