@@ -165,7 +165,8 @@ def _init(config: LlamaConfig, residual: bool = False):
 class Linear(nn.Module):
     """A bias-free projection x @ kernel (LLaMA has no biases), kernel (in, out) in param_dtype;
     or, when its params also hold a `scale` (jax_llama.quantize), an int8 kernel and float32
-    scales (G, out), multiplied by int8_matmul.
+    scales (G, out), multiplied by int8_matmul. A few float32 rows on CPU (decoding) go through
+    jax_llama.kernels instead, float32 or int8 (the same numbers to float32 rounding).
 
     With `lora`, a low-rank adapter is added: x @ kernel + scale * dropout(x) @ A @ B, with A
     (in, r) and B (r, out) in float32 whatever the kernel's dtype (`lora_A/kernel`,
@@ -191,7 +192,10 @@ class Linear(nn.Module):
         else:
             kernel = self.param("kernel", self.kernel_init, (x_MD.shape[-1], self.features),
                                 self.param_dtype)
-            out = jnp.dot(x_MD, kernel.astype(self.dtype))
+            if kernels.usable(x_MD, kernel):  # float32, a few rows on CPU: decoding
+                out = kernels.matvec(x_MD, kernel)
+            else:
+                out = jnp.dot(x_MD, kernel.astype(self.dtype))
         if self.lora is None:
             return out
         r = self.lora.rank
@@ -211,7 +215,8 @@ class Embed(nn.Embed):
     embedding^T) as the LM head of a tied model. When its params also hold a `scale` (vocab, G)
     (jax_llama.quantize of a tied model), the table is int8: a token's row is Q[t] * s[t] in
     float32, rounded once to dtype (bridge.quantize.dequantize_weight's numbers), and the head
-    multiplies by Q as an int8 Linear does, through the decode kernels for a few rows on CPU."""
+    multiplies by Q as an int8 Linear does. For a few rows on CPU either head goes through the
+    decode kernels' matvec_rows."""
 
     def setup(self):
         super().setup()
@@ -225,9 +230,11 @@ class Embed(nn.Embed):
         return rows.reshape(q_D.shape).astype(self.dtype)
 
     def attend(self, x_MD):
-        if self.scale_VG is None:
-            return super().attend(x_MD)
         x_MD = x_MD.astype(self.dtype)
+        if self.scale_VG is None:
+            if kernels.usable_rows(x_MD, self.embedding):  # float32, a few rows on CPU
+                return kernels.matvec_rows(x_MD, self.embedding)
+            return super().attend(x_MD)
         if kernels.usable_rows(x_MD, self.embedding, self.scale_VG):
             return kernels.matvec_rows(x_MD, self.embedding, self.scale_VG).astype(self.dtype)
         return int8_matmul(x_MD, self.embedding.T, self.scale_VG.T, self.dtype)
@@ -289,15 +296,18 @@ def _dense(module: nn.Module, features: int, name: str, residual: bool = False) 
 
 def _projections(module: nn.Module, x_MD, features: dict[str, int]) -> list[jax.Array]:
     """x @ each projection named in `features` (name -> outputs), all reading the same x (q, k, v;
-    gate, up). Int8 ones without adapters that the decode kernels serve (a few rows on CPU:
-    jax_llama.kernels) are one kernel call, their weights read by the same threads; else each is
-    its own Linear (the same numbers to float32 rounding)."""
+    gate, up). Ones without adapters that the decode kernels serve (a few rows on CPU, all float32
+    or all int8: jax_llama.kernels) are one kernel call, their weights read by the same threads;
+    else each is its own Linear (the same numbers to float32 rounding)."""
     params = [module.variables.get("params", {}).get(name, {}) for name in features]
     weights = [(p.get("kernel"), p.get("scale")) for p in params]
     adapted = module.lora is not None and any(n in module.lora.targets for n in features)
     x = x_MD.astype(module.dtype)
-    if not adapted and all(s is not None and kernels.usable(x, q, s) for q, s in weights):
-        return [y.astype(module.dtype) for y in kernels.matvec_int8(x, weights)]
+    if not adapted and all(w is not None and kernels.usable(x, w, s) for w, s in weights):
+        if all(s is None for _, s in weights):
+            return kernels.matvec_f32(x, [w for w, _ in weights])
+        if all(s is not None for _, s in weights):
+            return [y.astype(module.dtype) for y in kernels.matvec_int8(x, weights)]
     return [_dense(module, f, name)(x_MD) for name, f in features.items()]
 
 

@@ -40,8 +40,8 @@ def bound(x, w, scale=None):
     return x.shape[1] * EPS32 * mag + 1e-30
 
 
-# SmolLM2's projections, odd sizes (vector tails), and 2048 x 2048: 4 MB of int8, the size from
-# which a call shares its work with XLA's threads
+# SmolLM2's projections, odd sizes (vector tails), and 2048 x 2048 (4 MB of int8): sizes past
+# the 64 KB from which a call shares its work with the helper threads, and below it
 SHAPES = [(1, 576, 576), (1, 576, 192), (2, 96, 1536), (3, 1536, 72), (4, 64, 40), (5, 17, 13),
           (7, 128, 200), (8, 256, 64), (2, 2048, 2048)]
 
@@ -72,8 +72,8 @@ def test_int8_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O):
 
 
 # The rows kernel (int8 q stored (O, I): a tied LM head): I = 70 and 17 leave a vector tail, O not
-# a multiple of the rows done at once leaves a row tail, and 8192 x 576 (4.5 MB of int8) is past
-# the size from which XLA's threads share the work
+# a multiple of the rows done at once leaves a row tail, and 8192 x 576 (4.5 MB of int8) is shared
+# with the helper threads
 ROWS_SHAPES = [(1, 576, 1000), (2, 70, 33), (3, 16, 5), (4, 17, 130), (5, 64, 7), (8, 70, 301),
                (1, 576, 8192), (8, 576, 8192)]
 
@@ -92,6 +92,21 @@ def test_int8_rows_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O)
     # negative cases: the product without its scale, and one row of q off, are far outside it
     assert not np.all(np.abs(x.astype(np.float64) @ q.T.astype(np.float64) - want) <= limit)
     if O > 1:
+        assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= limit)
+
+
+@pytest.mark.parametrize("M,I,O", ROWS_SHAPES)
+def test_float32_rows_matvec_equals_the_product_to_float32_rounding(M, I, O):
+    """The rows kernel on a float32 table (a tied float32 LM head): x @ w^T, w stored (O, I)."""
+    rng = np.random.default_rng(M * 1000 + O + 3)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    w = rng.standard_normal((O, I)).astype(np.float32)
+    assert kernels.usable_rows(x, w)
+    got = np.asarray(jax.jit(kernels.matvec_rows)(x, w), np.float64)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    limit = bound(x, w.T)
+    assert np.all(np.abs(got - want) <= limit)
+    if O > 1:  # negative case: one row of w off is far outside it
         assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= limit)
 
 
@@ -132,12 +147,46 @@ def test_weights_that_share_an_input_are_one_call_with_the_same_numbers():
     assert len(together) == 3
     for (q, s), got in zip(weights, together):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(kernels.matvec)(x, q, s)))
+    ws = [rng.standard_normal((576, o)).astype(np.float32) for o in (1536, 1536)]  # float32
+    together = jax.jit(kernels.matvec_f32)(x, ws)
+    assert len(together) == 2
+    for w, got in zip(ws, together):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(kernels.matvec)(x, w)))
+
+
+def test_outputs_do_not_depend_on_the_helper_threads():
+    """Calls large enough to be shared (float32 and int8 projections, both rows kernels) give the
+    same bits on the caller alone (JAX_LLAMA_KERNEL_THREADS=1), with this machine's helpers (the
+    default) and with 4 threads: each unit writes its own sums, added in a fixed order. The
+    thread count is read once per process, so each count runs in a subprocess of its own."""
+    script = (
+        "import sys, numpy as np, jax\n"
+        "from jax_llama import kernels\n"
+        "rng = np.random.default_rng(0)\n"
+        "x = rng.standard_normal((3, 576)).astype(np.float32)\n"
+        "w = rng.standard_normal((576, 1536)).astype(np.float32)\n"
+        "q = rng.integers(-127, 128, (576, 1536)).astype(np.int8)\n"
+        "s = rng.random((1, 1536)).astype(np.float32)\n"
+        "t = rng.standard_normal((8192, 576)).astype(np.float32)\n"
+        "outs = [*kernels.matvec_f32(x, [w, w[:, :960]]), kernels.matvec(x, q, s),\n"
+        "        kernels.matvec_rows(x, t), kernels.matvec_rows(x, q.T.copy(), s.T.copy())]\n"
+        "np.save(sys.argv[1], np.concatenate([np.asarray(o).ravel() for o in outs]))\n")
+    got = {}
+    for threads in ("1", "", "4"):
+        out = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{threads or 'default'}.npy"
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), out)
+        subprocess.run([sys.executable, "-c", script, path], check=True,
+                       env=dict(os.environ, JAX_LLAMA_KERNEL_THREADS=threads))
+        got[threads] = np.load(path)
+        os.unlink(path)
+    np.testing.assert_array_equal(got[""], got["1"])
+    np.testing.assert_array_equal(got["4"], got["1"])
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_int8_decoding_makes_one_call_per_shared_input(tied):
-    """A decode step of an int8 model runs 4 kernel calls a layer (q/k/v, wo, gate/up, down),
-    and one for the LM head: `output`, or the int8 embedding of a tied model (matvec_rows)."""
+def test_decoding_makes_one_call_per_shared_input(tied):
+    """A decode step runs 4 kernel calls a layer (q/k/v, wo, gate/up, down), and one for the LM
+    head: `output`, or the embedding of a tied model (matvec_rows), float32 or int8."""
     import dataclasses
 
     import jax_llama
@@ -151,7 +200,10 @@ def test_int8_decoding_makes_one_call_per_shared_input(tied):
     int8 = jaxpr(jax_llama.quantize(params))
     assert int8.count("ffi_call") == 4 * config.n_layers + 1
     assert int8.count("jax_llama_matvec_int8_rows") == (1 if tied else 0)
-    assert jaxpr(params).count("ffi_call") == 0  # float32: XLA's dot
+    f32 = jaxpr(params)
+    assert f32.count("ffi_call") == 4 * config.n_layers + 1
+    assert f32.count("jax_llama_matvec_f32_rows") == (1 if tied else 0)
+    assert "jax_llama_matvec_int8" not in f32
 
 
 def test_rows_do_not_depend_on_how_many_rows_share_the_call():
@@ -187,6 +239,18 @@ def test_gradients_are_xlas():
     want = jax.grad(loss(lambda x, q, s: (x @ q.astype(jnp.float32)) * s))(x, q, scale)
     # int8 weights up to 127: sums of terms up to ~300, so float32 rounding is ~1e-5 of that
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(jnp.abs(want).max()) * 48)
+    # float32 weights that share x, one call: dx summed over them, and each dw
+    w2 = jnp.asarray(rng.standard_normal((48, 80)), jnp.float32)
+    got = jax.grad(lambda x, w, w2: loss(lambda *a: sum(kernels.matvec_f32(*a)))(x, [w, w2]),
+                   argnums=(0, 1, 2))(x, w, w2)
+    want = jax.grad(lambda x, w, w2: jnp.sum((x @ w + x @ w2) * g), argnums=(0, 1, 2))(x, w, w2)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # the float32 rows kernel (w stored (O, I), a tied head): dx and dw
+    got = jax.jit(jax.grad(loss(kernels.matvec_rows), argnums=(0, 1)))(x, w.T)
+    want = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x, w.T)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     # the rows kernel (q stored (O, I)): dx only, through jit too
     q_OI, scale_O1 = q.T, scale.T
     got = jax.jit(jax.grad(loss(kernels.matvec_rows)))(x, q_OI, scale_O1)
@@ -214,7 +278,10 @@ def test_usable_only_for_what_the_kernels_serve():
     assert not kernels.usable_rows(x, q_OI, jnp.ones((8, 2)))  # group-wise
     assert not kernels.usable_rows(jnp.zeros((kernels.MAX_ROWS + 1, 16)), q_OI, scale_O1)
     assert not kernels.usable_rows(x.astype(jnp.float16), q_OI, scale_O1)
-    assert not kernels.usable_rows(x, q_OI.astype(jnp.float32), scale_O1)  # a float table
+    assert not kernels.usable_rows(x, q_OI.astype(jnp.float32), scale_O1)  # scales: int8 only
+    assert kernels.usable_rows(x, q_OI.astype(jnp.float32))  # a float32 table
+    assert not kernels.usable_rows(x, q_OI.astype(jnp.bfloat16))
+    assert not kernels.usable_rows(x, q_OI)  # int8 without its scales
     assert not kernels.usable_rows(x, q_OI.T, jnp.ones((16, 1)))  # stored (I, O): not rows
 
 
@@ -271,7 +338,7 @@ ISAS = {"x86-64-v3": 8, "x86-64": 1}  # -march -> lanes: the AVX2 path and the p
 def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     """The kernels built for AVX2 and for no vector extension (what CPUs without AVX-512 or
     without AVX2 compile) pass the same float32 bound and give each row the same bits alone or
-    beside others (the rows kernel too, given the same int8 weights stored (O, I)); in a
+    beside others (the rows kernel too, given the same weights stored (O, I)); in a
     subprocess each, with a kernel cache of its own."""
     script = (
         "import json, numpy as np, jax\n"
@@ -287,7 +354,9 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "    for f, args, want, mag in (\n"
         "            (kernels.matvec, (q, s), (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s),\n"
         "            (kernels.matvec, (w,), x.astype(float) @ w, abs(x) @ abs(w)),\n"
-        "            (kernels.matvec_rows, rows, (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s)):\n"
+        "            (kernels.matvec_rows, rows, (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s),\n"
+        "            (kernels.matvec_rows, (np.ascontiguousarray(w.T),), x.astype(float) @ w,\n"
+        "             abs(x) @ abs(w))):\n"
         "        got = np.asarray(f(x, *args), float)\n"
         "        worst = max(worst, float((abs(got - want) / (I * 1.2e-7 * mag + 1e-30)).max()))\n"
         "        alone = np.asarray(f(x[-1:], *args))[0]\n"

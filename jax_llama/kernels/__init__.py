@@ -1,35 +1,39 @@
-"""Few-row matmul kernels for XLA:CPU (matvec.cc): what batch-1 to batch-8 int8 decoding runs.
+"""Few-row matmul kernels for XLA:CPU (matvec.cc): what batch-1 to batch-8 decoding runs.
 
     y = matvec(x_MI, w_IO)                          # float32 weights
     y = matvec(x_MI, q_IO, scale_GO)                # int8 weights, per-output-channel scales
-    q, k, v = matvec_int8(x_MI, [(q_IO, scale_GO), ...])   # several weights reading one x
-    y = matvec_rows(x_MI, q_OI, scale_OG)           # int8 weights stored (out, in), per-row
-                                                    # scales: a tied LM head (the embedding)
+    q, k, v = matvec_f32(x_MI, [w_IO, ...])         # several float32 weights reading one x
+    q, k, v = matvec_int8(x_MI, [(q_IO, scale_GO), ...])   # the same, int8
+    y = matvec_rows(x_MI, w_OI)                     # weights stored (out, in): a tied LM head
+    y = matvec_rows(x_MI, q_OI, scale_OG)           # (the embedding), float32 or int8 with
+                                                    # per-row scales
 
 At decode time a projection multiplies a few rows by a weight it reads once, so its speed is how
 fast the weight streams in. XLA:CPU converts an int8 weight to float32 in a pass of its own (a
 float copy written and read back: results/int8_matmul.md); matvec.cc reads each weight row
 after row, converts it in registers and multiplies it into float32 accumulators held in cache.
-jax_llama.model runs every int8 projection of a few rows through it (q, k and v in one call,
-gate and up in another), and a tied int8 LM head through matvec_rows: SmolLM2's int8 decode at
-batch 1 ran at 107.4 tokens/s against 25.8 with XLA's matmul, in one run on a 2-core AMD EPYC
-(results/generate_smollm2.md). Float32
-weights stay with XLA's dot, which streams them as fast as matvec.cc does (measured on the same
-machine), so the model does not call the float32 kernel; it is kept for comparison and tested
-like the int8 one.
+Its own helper threads share every call of 64 KB or more with the caller, and spin between the
+calls of a decode step rather than sleep (XLA's threads took about as long to wake as a SmolLM2
+projection takes to read). jax_llama.model runs every projection of a few rows through it,
+float32 or int8 (q, k and v in one call, gate and up in another), and a tied LM head through
+matvec_rows. On SmolLM2 at batch 1 (2-core AMD EPYC, llama.cpp alternating with us in one
+process): float32 0.81x of llama.cpp's F32 against 0.69x with XLA's dots, int8 0.80x of its
+Q8_0 (results/generate_smollm2.md has the bench's figures).
 
 The source is compiled on first use with the system's C++ compiler for this CPU (`-march=native`,
 AVX-512, AVX2 or plain C++) against the XLA FFI headers jaxlib ships, into a cache keyed by the
 source, jaxlib and the CPU (`$JAX_LLAMA_KERNEL_CACHE`, default ~/.cache/jax_llama/kernels), and
 registered with jax.ffi. Where that cannot be done (no compiler, not a CPU backend, several
 devices) `usable` says False, the reason is logged once, and jax_llama.model uses XLA's matmul:
-the kernels are an accelerator, never a requirement. `JAX_LLAMA_KERNELS=0` turns them off.
+the kernels are an accelerator, never a requirement. `JAX_LLAMA_KERNELS=0` turns them off;
+`JAX_LLAMA_KERNEL_THREADS=N` sets the threads a call may use (the caller and N - 1 helpers;
+default: the CPUs this process may run on, at most 8).
 
 Within each block of 64 inputs an output is one float32 sum in order, and the block sums are
 added in block order (the int8 scale multiplies the total); in matvec_rows an output is a dot
 product in vector lanes added by a fixed tree. So results differ from XLA's matmul by float32
-rounding only, and a row's bits do not depend on how many rows share the call; a gradient,
-where one is asked for, is XLA's (custom_vjp).
+rounding only, and a row's bits depend neither on how many rows share the call nor on the
+threads; a gradient, where one is asked for, is XLA's (custom_vjp).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("matvec.cc")
 MAX_ROWS = 8  # the kernels serve up to this many rows (batch x new tokens); more go to XLA
 TARGETS = {"f32": "JaxLlamaMatvecF32", "int8": "JaxLlamaMatvecInt8",
-           "int8_rows": "JaxLlamaMatvecInt8Rows"}
+           "int8_rows": "JaxLlamaMatvecInt8Rows", "f32_rows": "JaxLlamaMatvecF32Rows"}
 
 
 def enabled() -> bool:
@@ -160,20 +164,24 @@ def usable(x_MI, w_IO, scale_GO=None) -> bool:
     return ok and w_IO.ndim == 2 and unavailable_reason() is None
 
 
-def usable_rows(x_MI, q_OI, scale_OG) -> bool:
-    """Whether matvec_rows serves this product: float32 x of at most MAX_ROWS rows, a 2-D int8
-    q (O, I) with one scale per row (O, 1) (group-wise scales are not served), and the kernels
-    loadable here."""
+def usable_rows(x_MI, q_OI, scale_OG=None) -> bool:
+    """Whether matvec_rows serves this product: float32 x of at most MAX_ROWS rows, a 2-D q
+    (O, I), float32 without scales or int8 with one scale per row (O, 1) (group-wise scales are
+    not served), and the kernels loadable here."""
     if x_MI.ndim != 2 or x_MI.shape[0] > MAX_ROWS or x_MI.dtype != jnp.float32:
         return False
-    if q_OI.ndim != 2 or q_OI.dtype != jnp.int8 or x_MI.shape[1] != q_OI.shape[1]:
+    if q_OI.ndim != 2 or x_MI.shape[1] != q_OI.shape[1]:
         return False
-    return tuple(scale_OG.shape) == (q_OI.shape[0], 1) and unavailable_reason() is None
+    if scale_OG is None:
+        ok = q_OI.dtype == jnp.float32
+    else:
+        ok = q_OI.dtype == jnp.int8 and tuple(scale_OG.shape) == (q_OI.shape[0], 1)
+    return ok and unavailable_reason() is None
 
 
-def _f32_call(x_MI, w_IO):
-    out = jax.ShapeDtypeStruct((x_MI.shape[0], w_IO.shape[1]), jnp.float32)
-    return jax.ffi.ffi_call("jax_llama_matvec_f32", out, vmap_method="sequential")(x_MI, w_IO)
+def _f32_call(x_MI, ws_IO):
+    outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], w.shape[1]), jnp.float32) for w in ws_IO)
+    return jax.ffi.ffi_call("jax_llama_matvec_f32", outs, vmap_method="sequential")(x_MI, *ws_IO)
 
 
 def _int8_call(x_MI, qs_IO, scales_O):
@@ -183,17 +191,18 @@ def _int8_call(x_MI, qs_IO, scales_O):
 
 
 @jax.custom_vjp
-def _matvec_f32(x_MI, w_IO):
-    return _f32_call(x_MI, w_IO)
+def _matvec_f32(x_MI, ws_IO):
+    return _f32_call(x_MI, ws_IO)
 
 
-def _f32_fwd(x_MI, w_IO):
-    return _f32_call(x_MI, w_IO), (x_MI, w_IO)
+def _f32_fwd(x_MI, ws_IO):
+    return _f32_call(x_MI, ws_IO), (x_MI, ws_IO)
 
 
-def _f32_bwd(res, g_MO):
-    x_MI, w_IO = res
-    return g_MO @ w_IO.T, x_MI.T @ g_MO
+def _f32_bwd(res, gs_MO):
+    x_MI, ws_IO = res
+    dx_MI = sum(g_MO @ w_IO.T for g_MO, w_IO in zip(gs_MO, ws_IO))
+    return dx_MI, tuple(x_MI.T @ g_MO for g_MO in gs_MO)
 
 
 _matvec_f32.defvjp(_f32_fwd, _f32_bwd)
@@ -241,13 +250,41 @@ def _rows_bwd(res, g_MO):
 _matvec_rows.defvjp(_rows_fwd, _rows_bwd)
 
 
+def _f32_rows_call(x_MI, w_OI):
+    out = jax.ShapeDtypeStruct((x_MI.shape[0], w_OI.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call("jax_llama_matvec_f32_rows", out, vmap_method="sequential")(x_MI, w_OI)
+
+
+@jax.custom_vjp
+def _matvec_f32_rows(x_MI, w_OI):
+    return _f32_rows_call(x_MI, w_OI)
+
+
+def _f32_rows_fwd(x_MI, w_OI):
+    return _f32_rows_call(x_MI, w_OI), (x_MI, w_OI)
+
+
+def _f32_rows_bwd(res, g_MO):
+    x_MI, w_OI = res
+    return g_MO @ w_OI, g_MO.T @ x_MI
+
+
+_matvec_f32_rows.defvjp(_f32_rows_fwd, _f32_rows_bwd)
+
+
 def matvec(x_MI, w_IO, scale_GO=None):
     """x (M, I) float32 @ w (I, O) -> (M, O) float32; with int8 w and scales (1, O), the
     product times the scales. Call only where `usable` said True."""
     if scale_GO is None:
-        _check()
-        return _matvec_f32(x_MI, w_IO)
+        return matvec_f32(x_MI, [w_IO])[0]
     return matvec_int8(x_MI, [(w_IO, scale_GO)])[0]
+
+
+def matvec_f32(x_MI, ws_IO):
+    """[x @ w for each float32 w (I, O) of `ws_IO`]: projections that read the same x in one
+    call, as matvec_int8. Call only where `usable` said True of each."""
+    _check()
+    return list(_matvec_f32(x_MI, tuple(ws_IO)))
 
 
 def matvec_int8(x_MI, weights):
@@ -260,11 +297,13 @@ def matvec_int8(x_MI, weights):
     return list(_matvec_int8(x_MI, qs, scales))
 
 
-def matvec_rows(x_MI, q_OI, scale_OG):
-    """x (M, I) float32 @ (q (O, I) int8 * scale (O, 1)).T -> (M, O) float32: each output a dot
-    product over a row of q (a tied LM head: the int8 embedding table). Call only where
-    `usable_rows` said True."""
+def matvec_rows(x_MI, q_OI, scale_OG=None):
+    """x (M, I) float32 @ q.T -> (M, O) float32 for q (O, I) float32, or int8 times its scales
+    (O, 1): each output a dot product over a row of q (a tied LM head: the embedding table).
+    Call only where `usable_rows` said True."""
     _check()
+    if scale_OG is None:
+        return _matvec_f32_rows(x_MI, q_OI)
     return _matvec_rows(x_MI, q_OI, scale_OG.reshape(-1).astype(jnp.float32))
 
 

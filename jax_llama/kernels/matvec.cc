@@ -1,13 +1,15 @@
 // Few-row matmuls for XLA:CPU, called through the XLA FFI (jax_llama/kernels/__init__.py builds
-// and registers this file; jax_llama.model.Linear calls it for decoding).
+// and registers this file; jax_llama.model calls it for decoding).
 //
-//   y (M, O) = x (M, I) @ W (I, O)                W float32          "jax_llama_matvec_f32"
-//   y_k (M, O_k) = (x @ Q_k (I, O_k)) * s_k (O_k)   Q_k int8, s_k float32, k = 1.. (several
-//                                                   weights that read the same x, one call)
+//   y_k (M, O_k) = x (M, I) @ W_k (I, O_k)          W_k float32, k = 1.. (several weights that
+//                                                   read the same x, one call)
+//                                                                      "jax_llama_matvec_f32"
+//   y_k (M, O_k) = (x @ Q_k (I, O_k)) * s_k (O_k)   Q_k int8, s_k float32, k = 1..
 //                                                                      "jax_llama_matvec_int8"
 //   y (M, O) = (x (M, I) @ Q (O, I)^T) * s (O)     Q int8 stored a row per output, s float32
 //                                                   (a tied LM head: the embedding table)
 //                                                                 "jax_llama_matvec_int8_rows"
+//   y (M, O) = x (M, I) @ W (O, I)^T               the same, float32 "jax_llama_matvec_f32_rows"
 //
 // Why: at decode time M is 1 to 8 and the matmul reads its weights once, so its speed is how
 // fast W streams in. XLA:CPU converts an int8 weight to float in a pass of its own. Here W is
@@ -18,8 +20,9 @@
 //
 // Work: the rows of W are cut into blocks of 64 (more for an LM head: BlockRows), and very wide
 // W into column panels of kPanel; each (block, panel) is a unit that writes its own partial
-// sums. A call that reads kParallelBytes or more shares its units with XLA's intra-op threads
-// through an atomic counter; a smaller one runs on the calling thread alone.
+// sums. A call that reads kShareBytes or more shares its units with this library's helper
+// threads (Helpers, below) through an atomic counter; a smaller one runs on the calling thread
+// alone.
 //
 // Arithmetic: within a block, each output is a float32 sum over the block's rows in order, one
 // fused multiply-add per term; the block sums are then added in block order (what
@@ -30,18 +33,26 @@
 // Rows of Q (O, I) ("_rows"): each output is a dot product over one row of Q, read in order.
 // Several rows are done at once (8 for one row of x, fewer for more) so that enough independent
 // sums are in flight, and each weight vector is converted once for all M rows of x. Units are
-// kUnitRows rows of Q, shared with XLA's threads from kParallelBytes as above; outputs are
+// kUnitRows rows of Q, shared with the helpers from kShareBytes as above; outputs are
 // independent, so there are no partial sums. An output is kLanes float32 sums (lane l over
 // columns l, l + kLanes, ... in order, one fused multiply-add per term), added by a fixed tree
 // (HorizontalSum), then the columns past the last full vector in order, then times the scale:
 // again nothing depends on M, on the rows done together or on the threads.
 
+#include <sched.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -57,11 +68,16 @@ namespace {
 constexpr int64_t kBlockRows = 64;        // rows summed into one partial (INT8_BLOCK_ROWS)
 constexpr int64_t kMaxPartial = 1 << 20;  // partial sums per row of x, at most (4 MB)
 constexpr int64_t kPanel = 4096;          // columns of a unit (a row of W read whole up to this)
-// Weight bytes a call must read before XLA's intra-op threads help: one of them takes about
-// 25 us to wake (measured on a 2-core VM), and a core streams int8 weights at about 28 GB/s, so
-// below a few MB the caller is done before a helper comes (SmolLM2's projections are 0.1 to
-// 1.8 MB; a 7B model's are 16 MB and more).
-constexpr size_t kParallelBytes = size_t{4} << 20;
+// Weight bytes a call must read before the helpers join it. A helper that is spinning (it was
+// busy less than kSpinNs ago: a decode step's calls follow each other by tens of microseconds)
+// joins within a microsecond, so sharing pays from a few hundred KB; one that sleeps takes tens of
+// microseconds to wake, by which time the caller has done most of a small call alone (a late
+// helper only finds fewer units). 64 KB: every projection of SmolLM2 but int8 k and v alone.
+constexpr size_t kShareBytes = size_t{64} << 10;
+// How long a helper spins after its last unit before it sleeps: longer than the gaps between a
+// decode step's calls (XLA's small operations), short enough that an idle process stops burning
+// a core within a millisecond.
+constexpr int64_t kSpinNs = 300'000;
 // How far ahead of what is being read a weight is asked for (software prefetch, one request per
 // cache line). The rows kernel reads R rows at a time, each a stream too short (SmolLM2: 9 cache
 // lines) for the CPU's prefetchers to pick up: without it one Zen 5 core read SmolLM2's head at
@@ -207,8 +223,10 @@ void RunUnit(const Job<W>& j, int64_t u) {
   }
 }
 
+template <typename W>
 struct RowsJob;  // the rows kernel's job (below); Work runs its units too
-void RunUnit(const RowsJob& j, int64_t u);
+template <typename W>
+void RunUnit(const RowsJob<W>& j, int64_t u);
 
 // Take units until none is left; every thread (the caller and the helpers) runs this.
 template <typename J>
@@ -219,14 +237,110 @@ void Work(J& job) {
   }
 }
 
-// Run a job's units on the calling thread, with XLA's intra-op threads helping when `share`;
-// returns when every unit is done. What the units write may belong to the caller: a helper that
-// starts late finds no unit left and touches nothing.
+// -- helpers: this library's threads, which take units of the calls the caller shares --------
+// XLA's intra-op threads sleep between tasks and took about 25 us each to wake (2-core VM), as
+// long as a SmolLM2 projection takes to read: shared with them, a decode step's calls were no
+// faster than on one thread. These helpers spin for kSpinNs after their last unit instead, as
+// llama.cpp's threads do, then sleep on a condition variable. A call is published as (generation,
+// job, how to work on it); a helper that sees a new generation takes a reference to the job and
+// works on it until no unit is left. The caller works too and never waits for a helper to come:
+// it waits only for units a helper has taken to finish, so a call completes with no helper at all.
+struct Helpers {
+  std::mutex mu;
+  std::condition_variable wake;
+  std::atomic<uint64_t> generation{0};
+  std::atomic<int> sleeping{0};
+  std::shared_ptr<void> job;  // the last call shared (kept until the next: no unit is left in it)
+  void (*work)(void*) = nullptr;
+  int64_t threads = 0;
+};
+
+inline int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline void Pause() {
+#if defined(__x86_64__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#else
+  std::this_thread::yield();
+#endif
+}
+
+void HelperLoop(Helpers* h) {
+  uint64_t seen = 0;
+  for (;;) {
+    const int64_t until = NowNs() + kSpinNs;
+    while (h->generation.load(std::memory_order_acquire) == seen && NowNs() < until)
+      for (int k = 0; k < 16; ++k) Pause();
+    std::shared_ptr<void> job;
+    void (*work)(void*);
+    {
+      std::unique_lock<std::mutex> lock(h->mu);
+      if (h->generation.load(std::memory_order_acquire) == seen) {
+        h->sleeping.fetch_add(1);
+        h->wake.wait(lock, [&] { return h->generation.load(std::memory_order_acquire) != seen; });
+        h->sleeping.fetch_sub(1);
+      }
+      seen = h->generation.load(std::memory_order_acquire);
+      job = h->job;
+      work = h->work;
+    }
+    if (job) work(job.get());
+  }
+}
+
+// Helper threads to start: $JAX_LLAMA_KERNEL_THREADS - 1 if set (1: the caller alone), else one
+// fewer than the CPUs this process may run on, at most 7 (a few cores saturate memory bandwidth).
+int64_t HelperCount() {
+  if (const char* v = std::getenv("JAX_LLAMA_KERNEL_THREADS"); v && *v)
+    return std::max<int64_t>(0, std::atoll(v) - 1);
+  int64_t cpus = std::thread::hardware_concurrency();
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = CPU_COUNT(&set);
+#endif
+  return std::clamp<int64_t>(cpus - 1, 0, 7);
+}
+
+// This process's helpers, started on first use (a forked child starts its own: a fork copies
+// none of the parent's threads, and perhaps a locked mutex).
+Helpers* GetHelpers() {
+  static std::mutex start;
+  static Helpers* helpers = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> lock(start);
+  if (helpers == nullptr || owner != getpid()) {
+    helpers = new Helpers;  // never freed: its threads live as long as the process
+    owner = getpid();
+    helpers->threads = HelperCount();
+    for (int64_t k = 0; k < helpers->threads; ++k) std::thread(HelperLoop, helpers).detach();
+  }
+  return helpers;
+}
+
 template <typename J>
-void RunUnits(ffi::ThreadPool& pool, const std::shared_ptr<J>& job, bool share) {
-  if (share) {
-    int64_t helpers = std::min<int64_t>(pool.num_threads(), job->units - 1);
-    for (int64_t h = 0; h < helpers; ++h) pool.Schedule([job] { Work(*job); });
+void WorkOn(void* job) { Work(*static_cast<J*>(job)); }
+
+// Run a job's units on the calling thread, with the helpers joining when `share`; returns when
+// every unit is done. What the units write may belong to the caller: a helper that starts late
+// finds no unit left and touches nothing.
+template <typename J>
+void RunUnits(const std::shared_ptr<J>& job, bool share) {
+  if (share && job->units > 1) {
+    Helpers* h = GetHelpers();
+    if (h->threads > 0) {
+      {
+        std::lock_guard<std::mutex> lock(h->mu);
+        h->job = job;
+        h->work = &WorkOn<J>;
+        h->generation.fetch_add(1, std::memory_order_release);
+      }
+      if (h->sleeping.load() > 0) h->wake.notify_all();
+    }
   }
   Work(*job);
   while (job->done.load(std::memory_order_acquire) < job->units) std::this_thread::yield();
@@ -253,10 +367,10 @@ void Reduce(const Part<W>& p, int64_t M) {
   }
 }
 
-// y_k = x @ W_k (times s_k) for each part k; the units shared with XLA's intra-op threads when
-// the call reads at least kParallelBytes of weights.
+// y_k = x @ W_k (times s_k) for each part k; the units shared with the helpers when the call
+// reads at least kShareBytes of weights.
 template <typename W>
-ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<Job<W>> job) {
+ffi::Error Run(std::shared_ptr<Job<W>> job) {
   const int64_t M = job->M, I = job->I;
   if (M > 8) return ffi::Error::InvalidArgument("matvec: at most 8 rows");
   size_t floats = 0, bytes = 0;
@@ -273,7 +387,7 @@ ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<Job<W>> job) {
   if (scratch.size() < floats) scratch.resize(floats);
   float* free = scratch.data();
   for (Part<W>& p : job->parts) p.partial = free, free += p.blocks * M * p.O;
-  RunUnits(pool, job, bytes >= kParallelBytes);
+  RunUnits(job, bytes >= kShareBytes);
   for (const Part<W>& p : job->parts)
     if (p.blocks > 0) Reduce(p, M);
   return ffi::Error::Success();
@@ -292,38 +406,49 @@ bool Matches(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w, ffi::Span<c
          y[1] == w[1];
 }
 
-ffi::Error MatvecF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                     ffi::ResultBuffer<ffi::F32> y) {
-  if (!Matches(x.dimensions(), w.dimensions(), y->dimensions()))
-    return ffi::Error::InvalidArgument("matvec: expected x (M, I), w (I, O) and y (M, O)");
-  auto job = std::make_shared<Job<float>>();
-  job->x = x.typed_data(), job->M = x.dimensions()[0], job->I = x.dimensions()[1];
-  job->parts.push_back(MakePart(w.typed_data(), static_cast<const float*>(nullptr),
-                                y->typed_data(), job->I, w.dimensions()[1]));
-  return Run(pool, job);
-}
-
-// x, then (q_k, s_k) for each weight k; one output y_k each: weights that share their input
-// (q, k and v; gate and up) are one call, one set of units for the helpers.
-ffi::Error MatvecInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  if (rets.size() == 0 || args.size() != 2 * rets.size())
-    return ffi::Error::InvalidArgument("matvec: expected x, then (q, scale) per output");
-  auto job = std::make_shared<Job<int8_t>>();
+// x, then w_k for each weight k (float32) or (q_k, s_k) (int8); one output y_k each: weights that
+// share their input (q, k and v; gate and up) are one call, one set of units for the helpers.
+template <typename W>
+ffi::Error MatvecMany(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                      ffi::RemainingRets rets) {
+  constexpr bool kScaled = std::is_same_v<W, int8_t>;
+  constexpr size_t kArgs = kScaled ? 2 : 1;  // arguments per weight
+  if (rets.size() == 0 || args.size() != kArgs * rets.size())
+    return ffi::Error::InvalidArgument(kScaled ? "matvec: expected x, then (q, scale) per output"
+                                               : "matvec: expected x, then w per output");
+  using WBuffer = ffi::Buffer<kScaled ? ffi::S8 : ffi::F32>;
+  auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data(), job->M = x.dimensions()[0], job->I = x.dimensions()[1];
   for (size_t k = 0; k < rets.size(); ++k) {
-    auto q = args.get<ffi::Buffer<ffi::S8>>(2 * k);
-    auto s = args.get<ffi::Buffer<ffi::F32>>(2 * k + 1);
+    auto w = args.get<WBuffer>(kArgs * k);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
-    if (!q.has_value() || !s.has_value() || !y.has_value())
-      return ffi::Error::InvalidArgument("matvec: int8 weights, float32 scales and outputs");
-    if (!Matches(x.dimensions(), q->dimensions(), (*y)->dimensions()))
-      return ffi::Error::InvalidArgument("matvec: expected x (M, I), q (I, O) and y (M, O)");
-    if (s->element_count() != q->dimensions()[1])
-      return ffi::Error::InvalidArgument("matvec: int8 scale must hold one value per column");
-    job->parts.push_back(MakePart(q->typed_data(), s->typed_data(), (*y)->typed_data(), job->I,
-                                  q->dimensions()[1]));
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument(kScaled ? "matvec: int8 weights and float32 outputs"
+                                                 : "matvec: float32 weights and outputs");
+    if (!Matches(x.dimensions(), w->dimensions(), (*y)->dimensions()))
+      return ffi::Error::InvalidArgument("matvec: expected x (M, I), w (I, O) and y (M, O)");
+    const float* scale = nullptr;
+    if constexpr (kScaled) {
+      auto s = args.get<ffi::Buffer<ffi::F32>>(kArgs * k + 1);
+      if (!s.has_value()) return ffi::Error::InvalidArgument("matvec: float32 scales");
+      if (s->element_count() != w->dimensions()[1])
+        return ffi::Error::InvalidArgument("matvec: int8 scale must hold one value per column");
+      scale = s->typed_data();
+    }
+    job->parts.push_back(MakePart(w->typed_data(), scale, (*y)->typed_data(), job->I,
+                                  w->dimensions()[1]));
   }
-  return Run(pool, job);
+  return Run(job);
+}
+
+ffi::Error MatvecF32(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                     ffi::RemainingRets rets) {
+  return MatvecMany<float>(x, args, rets);
+}
+
+ffi::Error MatvecInt8(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                      ffi::RemainingRets rets) {
+  return MatvecMany<int8_t>(x, args, rets);
 }
 
 // -- rows of Q (O, I): y[m, o] = s[o] * (x[m, :] . Q[o, :]) -----------------------------------
@@ -340,10 +465,11 @@ constexpr int RowsAtOnce(int M) {
   return M == 1 ? 8 : M == 2 ? 4 : 2 * M + 4 <= kRegisters ? 2 : 1;
 }
 
+template <typename W>
 struct RowsJob {
   const float* x;
-  const int8_t* q;
-  const float* scale;
+  const W* q;
+  const float* scale;  // nullptr for float32 weights
   float* y;
   int64_t M, I, O, units = 0;
   std::atomic<int64_t> next{0};
@@ -353,21 +479,23 @@ struct RowsJob {
 // y[m, o + r] for m < M, r < R: rows o .. o + R - 1 of Q, each read in order, each weight vector
 // converted once for the M rows of x. Each of the R * M outputs is computed alone (the order of
 // the header), so its bits do not depend on R or M.
-template <int M, int R>
-inline void Dots(const RowsJob& j, int64_t o) {
+template <int M, int R, typename W>
+inline void Dots(const RowsJob<W>& j, int64_t o) {
   const int64_t I = j.I;
   const float* x = j.x;
-  const int8_t* q = j.q + o * I;
+  const W* q = j.q + o * I;
   Vec acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = Splat(0.0f);
-  // The R rows are R * I bytes in a row, read R * kLanes bytes a step: ask for what lies
+  // The R rows are R * I weights in a row, read R * kLanes a step: ask for what lies
   // kPrefetchBytes past the step's place in them (never past Q's last byte).
-  const int64_t ahead = o * I + kPrefetchBytes, last = j.O * I - 1;
+  const char* base = reinterpret_cast<const char*>(j.q);
+  constexpr int64_t kSize = sizeof(W);
+  const int64_t ahead = o * I * kSize + kPrefetchBytes, last = j.O * I * kSize - 1;
   int64_t i = 0;
   for (; i + kLanes <= I; i += kLanes) {
-    for (int64_t b = 0; b < R * kLanes; b += kCacheLine)
-      __builtin_prefetch(j.q + std::min(ahead + R * i + b, last));
+    for (int64_t b = 0; b < R * kLanes * kSize; b += kCacheLine)
+      __builtin_prefetch(base + std::min(ahead + R * i * kSize + b, last));
     Vec wv[R];
     for (int r = 0; r < R; ++r) wv[r] = Load(q + r * I + i);
     for (int m = 0; m < M; ++m) {
@@ -379,19 +507,20 @@ inline void Dots(const RowsJob& j, int64_t o) {
     for (int m = 0; m < M; ++m) {
       float sum = HorizontalSum(acc[r][m]);
       for (int64_t k = i; k < I; ++k) sum = std::fma(x[m * I + k], LoadS(q + r * I + k), sum);
-      j.y[m * j.O + o + r] = sum * j.scale[o + r];
+      j.y[m * j.O + o + r] = j.scale ? sum * j.scale[o + r] : sum;
     }
 }
 
-template <int M>
-void RowsUnit(const RowsJob& j, int64_t u) {
+template <int M, typename W>
+void RowsUnit(const RowsJob<W>& j, int64_t u) {
   constexpr int R = RowsAtOnce(M);
   int64_t o = u * kUnitRows, o1 = std::min(j.O, o + kUnitRows);
   for (; o + R <= o1; o += R) Dots<M, R>(j, o);
   for (; o < o1; ++o) Dots<M, 1>(j, o);
 }
 
-void RunUnit(const RowsJob& j, int64_t u) {
+template <typename W>
+void RunUnit(const RowsJob<W>& j, int64_t u) {
   switch (j.M) {
     case 1: return RowsUnit<1>(j, u);
     case 2: return RowsUnit<2>(j, u);
@@ -404,43 +533,62 @@ void RunUnit(const RowsJob& j, int64_t u) {
   }
 }
 
-ffi::Error MatvecInt8Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+// y = x @ Q^T (times s): Q (O, I) int8 with s (O,), or float32 without.
+template <typename W>
+ffi::Error MatvecRows(ffi::Buffer<ffi::F32> x, const W* q,
+                      ffi::Span<const int64_t> qd, const float* scale, ffi::Buffer<ffi::F32>& y) {
+  auto xd = x.dimensions(), yd = y.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || yd.size() != 2 || xd[1] != qd[1] || yd[0] != xd[0] ||
+      yd[1] != qd[0])
+    return ffi::Error::InvalidArgument("matvec_rows: expected x (M, I), q (O, I) and y (M, O)");
+  if (xd[0] > 8) return ffi::Error::InvalidArgument("matvec_rows: at most 8 rows");
+  auto job = std::make_shared<RowsJob<W>>();
+  job->x = x.typed_data(), job->q = q, job->scale = scale;
+  job->y = y.typed_data(), job->M = xd[0], job->I = xd[1], job->O = qd[0];
+  if (job->M > 0) job->units = (job->O + kUnitRows - 1) / kUnitRows;
+  RunUnits(job, size_t(job->O) * size_t(job->I) * sizeof(W) >= kShareBytes);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatvecInt8Rows(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                           ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), qd = q.dimensions(), sd = s.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 1 || yd.size() != 2 || xd[1] != qd[1] ||
-      sd[0] != qd[0] || yd[0] != xd[0] || yd[1] != qd[0])
+  if (s.dimensions().size() != 1 || q.dimensions().size() != 2 ||
+      s.dimensions()[0] != q.dimensions()[0])
     return ffi::Error::InvalidArgument(
         "matvec_rows: expected x (M, I), q (O, I), s (O,) and y (M, O)");
-  if (xd[0] > 8) return ffi::Error::InvalidArgument("matvec_rows: at most 8 rows");
-  auto job = std::make_shared<RowsJob>();
-  job->x = x.typed_data(), job->q = q.typed_data(), job->scale = s.typed_data();
-  job->y = y->typed_data(), job->M = xd[0], job->I = xd[1], job->O = qd[0];
-  if (job->M > 0) job->units = (job->O + kUnitRows - 1) / kUnitRows;
-  RunUnits(pool, job, size_t(job->O) * size_t(job->I) >= kParallelBytes);
-  return ffi::Error::Success();
+  return MatvecRows(x, q.typed_data(), q.dimensions(), s.typed_data(), *y);
+}
+
+ffi::Error MatvecF32Rows(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  return MatvecRows(x, w.typed_data(), w.dimensions(), static_cast<const float*>(nullptr),
+                    *y);
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecF32, MatvecF32,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8, MatvecInt8,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8Rows, MatvecInt8Rows,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecF32Rows, MatvecF32Rows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

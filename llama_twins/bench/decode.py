@@ -153,8 +153,9 @@ def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
     return result
 
 
-# JAX's int8 row without jax_llama.kernels: XLA's matmuls, what the kernels replace
+# JAX's rows without jax_llama.kernels: XLA's matmuls, what the kernels replace
 JAX_INT8_XLA = f"{JAX} int8 XLA"
+JAX_XLA = f"{JAX} XLA"
 
 
 def int8_variants(spec: Spec) -> dict[str, Spec]:
@@ -284,6 +285,8 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work) -> tup
     spec = dataclasses.replace(spec, config=config, weights=str(native), hf_weights=str(hf))
     times = run_rounds(("decode",), available(found), spec, rounds)
     per_row = {impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)}
+    per_row[JAX_XLA] = run_rounds(("decode",), (JAX,), dataclasses.replace(spec, kernels=False),
+                                  rounds)[JAX]["decode"]
     for label in (f"{JAX} int8", JAX_INT8_XLA, f"{TWIN} int8"):
         impl, variant = label.split(" ")[0], int8_variants(spec)[label]
         per_row[label] = run_rounds(("decode",), (impl,), variant, rounds)[impl]["decode"]
@@ -316,7 +319,8 @@ def gguf_file_type(path) -> str:
 
 
 # (our row, llama.cpp's row, the target ratio): float32 against F32, int8 against Q8_0
-AGAINST_LLAMA_CPP = ((JAX, f"{LLAMA_CPP} F32", 0.8), (f"{JAX} int8", f"{LLAMA_CPP} Q8_0", 0.6),
+AGAINST_LLAMA_CPP = ((JAX, f"{LLAMA_CPP} F32", 0.8), (JAX_XLA, f"{LLAMA_CPP} F32", 0.8),
+                     (f"{JAX} int8", f"{LLAMA_CPP} Q8_0", 0.6),
                      (JAX_INT8_XLA, f"{LLAMA_CPP} Q8_0", 0.6), (STREAMED, JAX, 0.9))
 
 
@@ -407,6 +411,8 @@ def main(argv=None) -> int:
         return main_weights(args, spec, found, bandwidth)
     times = run_rounds(("decode",), available(found), spec, args.rounds)
     per_row = {impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)}
+    per_row[JAX_XLA] = run_rounds(("decode",), (JAX,), dataclasses.replace(spec, kernels=False),
+                                  rounds)[JAX]["decode"]
     if not args.no_int8:
         per_row.update(run_int8(spec, args.rounds, found))
     result = summarize(per_row, spec, bandwidth)
