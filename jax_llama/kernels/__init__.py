@@ -14,9 +14,9 @@ float copy written and read back: results/int8_matmul.md); matvec.cc reads each 
 after row, converts it in registers and multiplies it into float32 accumulators held in cache.
 Its own helper threads share every call of 64 KB or more with the caller, and spin between the
 calls of a decode step rather than sleep (XLA's threads took about as long to wake as a SmolLM2
-projection takes to read). jax_llama.model runs every projection of a few rows through it,
-float32 or int8 (q, k and v in one call, gate and up in another), and a tied LM head through
-matvec_rows. On SmolLM2 at batch 1 (2-core AMD EPYC, llama.cpp alternating with us in one
+projection takes to read). jax_llama.model runs every projection of a few rows through it
+(int8 up to 8 rows, float32 up to 2, where XLA's matmul is no faster; q, k and v in one call,
+gate and up in another), and a tied LM head through matvec_rows. On SmolLM2 at batch 1 (2-core AMD EPYC, llama.cpp alternating with us in one
 process): float32 0.81x of llama.cpp's F32 against 0.69x with XLA's dots, int8 0.80x of its
 Q8_0 (results/generate_smollm2.md has the bench's figures).
 
@@ -56,6 +56,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("matvec.cc")
 MAX_ROWS = 8  # the kernels serve up to this many rows (batch x new tokens); more go to XLA
+# Float32 weights: at most this many rows. At 1 row the kernels decoded SmolLM2 54-57 tokens/s
+# against 50-53 with XLA's dot, at 2 both ran 90-91, and from 4 XLA's matmul, which keeps its
+# sums in registers, was ahead (batch 8: 265 against 168; 3 alternating runs, 2-core AMD EPYC).
+# Int8 weights have no fast XLA path (182 against 212 at batch 8), so they use MAX_ROWS.
+MAX_F32_ROWS = 2
 TARGETS = {"f32": "JaxLlamaMatvecF32", "int8": "JaxLlamaMatvecInt8",
            "int8_rows": "JaxLlamaMatvecInt8Rows", "f32_rows": "JaxLlamaMatvecF32Rows"}
 
@@ -153,12 +158,13 @@ def unavailable_reason() -> str | None:
 
 
 def usable(x_MI, w_IO, scale_GO=None) -> bool:
-    """Whether matvec serves this matmul: float32 x of at most MAX_ROWS rows, a 2-D float32 or
-    int8 weight (int8 with one scale per output column), and the kernels loadable here."""
+    """Whether matvec serves this matmul: float32 x of at most MAX_ROWS rows (MAX_F32_ROWS for a
+    float32 weight), a 2-D float32 or int8 weight (int8 with one scale per output column), and
+    the kernels loadable here."""
     if x_MI.ndim != 2 or x_MI.shape[0] > MAX_ROWS or x_MI.dtype != jnp.float32:
         return False
     if scale_GO is None:
-        ok = w_IO.dtype == jnp.float32
+        ok = w_IO.dtype == jnp.float32 and x_MI.shape[0] <= MAX_F32_ROWS
     else:
         ok = w_IO.dtype == jnp.int8 and scale_GO.shape[0] == 1
     return ok and w_IO.ndim == 2 and unavailable_reason() is None
@@ -166,14 +172,14 @@ def usable(x_MI, w_IO, scale_GO=None) -> bool:
 
 def usable_rows(x_MI, q_OI, scale_OG=None) -> bool:
     """Whether matvec_rows serves this product: float32 x of at most MAX_ROWS rows, a 2-D q
-    (O, I), float32 without scales or int8 with one scale per row (O, 1) (group-wise scales are
-    not served), and the kernels loadable here."""
+    (O, I), float32 without scales (at most MAX_F32_ROWS rows of x) or int8 with one scale per
+    row (O, 1) (group-wise scales are not served), and the kernels loadable here."""
     if x_MI.ndim != 2 or x_MI.shape[0] > MAX_ROWS or x_MI.dtype != jnp.float32:
         return False
     if q_OI.ndim != 2 or x_MI.shape[1] != q_OI.shape[1]:
         return False
     if scale_OG is None:
-        ok = q_OI.dtype == jnp.float32
+        ok = q_OI.dtype == jnp.float32 and x_MI.shape[0] <= MAX_F32_ROWS
     else:
         ok = q_OI.dtype == jnp.int8 and tuple(scale_OG.shape) == (q_OI.shape[0], 1)
     return ok and unavailable_reason() is None
