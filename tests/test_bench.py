@@ -294,3 +294,26 @@ def test_the_lora_step_trains_the_same_adapters_in_every_implementation():
         result = train.measure_lora(impl, spec)
         assert result["trainable"] == [config.n_layers * per_layer], impl
         assert len(result["step"]) == 1 and result["step"][0] > 0
+
+
+def test_variant_rounds_alternate_every_row_in_each_round(monkeypatch):
+    """run_variant_rounds runs each labelled variant once a round, in reversed order every other
+    round, and pools each variant's timings under its own label (two variants of one
+    implementation stay apart)."""
+    from llama_twins.bench import common
+
+    calls = []
+
+    def fake_spawn(impl, spec, benches):
+        calls.append((impl, spec.repeats))
+        return {"decode": {"1/1": [spec.repeats / 10]}}
+    monkeypatch.setattr(common, "spawn", fake_spawn)
+    monkeypatch.setattr(common, "say", lambda *a, **k: None)
+    variants = {"a": ("jax-llama", common.Spec(repeats=1)),
+                "b": ("jax-llama", common.Spec(repeats=2)),
+                "c": ("llama.cpp", common.Spec(repeats=3))}
+    times = common.run_variant_rounds(("decode",), variants, rounds=3)
+    assert calls == [("jax-llama", 1), ("jax-llama", 2), ("llama.cpp", 3),
+                     ("llama.cpp", 3), ("jax-llama", 2), ("jax-llama", 1),
+                     ("jax-llama", 1), ("jax-llama", 2), ("llama.cpp", 3)]
+    assert times["b"]["decode"]["1/1"] == [0.2, 0.2, 0.2]

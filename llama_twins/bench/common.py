@@ -161,15 +161,25 @@ def run_rounds(benches: tuple[str, ...], impls: tuple[str, ...], spec: Spec,
                rounds: int) -> dict[str, dict[str, dict[str, list[float]]]]:
     """times[impl][bench][key]: seconds of each timed run, pooled over `rounds` rounds of one
     worker process per implementation (the order reversed every other round)."""
-    times = {impl: {bench: {} for bench in benches} for impl in impls}
+    return run_variant_rounds(benches, {impl: (impl, spec) for impl in impls}, rounds)
+
+
+def run_variant_rounds(benches: tuple[str, ...], variants: dict[str, tuple[str, Spec]],
+                       rounds: int) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """times[label][bench][key] for variants {label: (implementation, its Spec)}: every variant
+    in a worker process of its own once a round, the order reversed every other round, so that
+    rows compared with each other sample the same stretches of a machine whose speed drifts."""
+    labels = list(variants)
+    times = {label: {bench: {} for bench in benches} for label in labels}
     for r in range(rounds):
-        for impl in impls[::1 if r % 2 == 0 else -1]:
+        for label in labels[::1 if r % 2 == 0 else -1]:
+            impl, spec = variants[label]
             started = time.perf_counter()
             result = spawn(impl, spec, benches)
             for bench in benches:
                 for key, runs in result[bench].items():
-                    times[impl][bench].setdefault(key, []).extend(runs)
-            say(f"round {r + 1}/{rounds}: {impl} ({', '.join(benches)}) in "
+                    times[label][bench].setdefault(key, []).extend(runs)
+            say(f"round {r + 1}/{rounds}: {label} ({', '.join(benches)}) in "
                 f"{time.perf_counter() - started:.0f} s")
     return times
 

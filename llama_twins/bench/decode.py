@@ -33,8 +33,8 @@ import sys
 from bridge.dtypes import numpy_dtype
 
 from .common import (JAX, LLAMA_CPP, REFERENCE, TWIN, Spec, add_ratios, available, describe,
-                     missing_note, probe, ratio, run_rounds, say, spawn, timed, torch_device,
-                     transformers_model, write_results)
+                     missing_note, probe, ratio, run_rounds, run_variant_rounds, say, spawn, timed,
+                     torch_device, transformers_model, write_results)
 
 
 def prompt(spec: Spec) -> list[int]:
@@ -283,29 +283,29 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work) -> tup
     hf = convert(native, work / "hf", to="hf", progress=False)
     config = open_checkpoint(native).config
     spec = dataclasses.replace(spec, config=config, weights=str(native), hf_weights=str(hf))
-    times = run_rounds(("decode",), available(found), spec, rounds)
-    per_row = {impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)}
-    per_row[JAX_XLA] = run_rounds(("decode",), (JAX,), dataclasses.replace(spec, kernels=False),
-                                  rounds)[JAX]["decode"]
-    for label in (f"{JAX} int8", JAX_INT8_XLA, f"{TWIN} int8"):
-        impl, variant = label.split(" ")[0], int8_variants(spec)[label]
-        per_row[label] = run_rounds(("decode",), (impl,), variant, rounds)[impl]["decode"]
+    # Every row alternates with every other in each round (llama.cpp's too), so that the ratios
+    # below compare rows measured over the same stretches of time.
     one = dataclasses.replace(spec, decode_batches=(1,))
-    per_row[STREAMED] = run_rounds(("decode",), (JAX,), dataclasses.replace(one, stream=True),
-                                   rounds)[JAX]["decode"]
+    variants = {impl: (impl, spec) for impl in available(found)}
+    variants[JAX_XLA] = (JAX, dataclasses.replace(spec, kernels=False))
+    for label in (f"{JAX} int8", JAX_INT8_XLA, f"{TWIN} int8"):
+        variants[label] = (label.split(" ")[0], int8_variants(spec)[label])
+    variants[STREAMED] = (JAX, dataclasses.replace(one, stream=True))
     row_bytes = {}
     if found.get("llama_cpp"):
         say(f"warning: no llama.cpp rows: {found['llama_cpp']}")
-        return per_row, spec, row_bytes
-    files = {t.upper(): convert(native, work / f"model-{t}.gguf", to="gguf", dtype=t, progress=False)
-             for t in LLAMA_CPP_TYPES}
-    if is_gguf(source):
-        files.setdefault(gguf_file_type(source), Path(source))
-    for kind, path in files.items():
-        label = f"{LLAMA_CPP} {kind}"
-        variant = dataclasses.replace(one, gguf=str(path))
-        per_row[label] = run_rounds(("decode",), (LLAMA_CPP,), variant, rounds)[LLAMA_CPP]["decode"]
-        row_bytes[label] = sum(t.n_bytes for t in read_gguf(path).tensors)
+    else:
+        files = {t.upper(): convert(native, work / f"model-{t}.gguf", to="gguf", dtype=t,
+                                    progress=False) for t in LLAMA_CPP_TYPES}
+        if is_gguf(source):
+            files.setdefault(gguf_file_type(source), Path(source))
+        for kind, path in files.items():
+            variants[f"{LLAMA_CPP} {kind}"] = (LLAMA_CPP, dataclasses.replace(one, gguf=str(path)))
+            row_bytes[f"{LLAMA_CPP} {kind}"] = sum(t.n_bytes for t in read_gguf(path).tensors)
+    times = run_variant_rounds(("decode",), variants, rounds)
+    per_row = {label: times[label]["decode"] for label in variants}
+    for impl in (JAX, TWIN, REFERENCE):
+        per_row.setdefault(impl, None)
     return per_row, spec, row_bytes
 
 
@@ -411,8 +411,6 @@ def main(argv=None) -> int:
         return main_weights(args, spec, found, bandwidth)
     times = run_rounds(("decode",), available(found), spec, args.rounds)
     per_row = {impl: times.get(impl, {}).get("decode") for impl in (JAX, TWIN, REFERENCE)}
-    per_row[JAX_XLA] = run_rounds(("decode",), (JAX,), dataclasses.replace(spec, kernels=False),
-                                  rounds)[JAX]["decode"]
     if not args.no_int8:
         per_row.update(run_int8(spec, args.rounds, found))
     result = summarize(per_row, spec, bandwidth)
