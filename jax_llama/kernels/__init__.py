@@ -15,10 +15,11 @@ after row, converts it in registers and multiplies it into float32 accumulators 
 Its own helper threads share every call of 64 KB or more with the caller, and spin between the
 calls of a decode step rather than sleep (XLA's threads took about as long to wake as a SmolLM2
 projection takes to read). jax_llama.model runs every projection of a few rows through it
-(int8 up to 8 rows, float32 up to 2, where XLA's matmul is no faster; q, k and v in one call,
-gate and up in another), and a tied LM head through matvec_rows. On SmolLM2 at batch 1 (2-core AMD EPYC, llama.cpp alternating with us in one
-process): float32 0.81x of llama.cpp's F32 against 0.69x with XLA's dots, int8 0.80x of its
-Q8_0 (results/generate_smollm2.md has the bench's figures).
+(int8 up to 8 rows, float32 up to 2: from 4, XLA's matmul is faster; q, k and v in one call,
+gate and up in another), and a tied LM head through matvec_rows. On SmolLM2 at batch 1 (a 2-core
+AMD EPYC, every row alternating with llama.cpp's; results/generate_smollm2.md): float32 0.93x
+llama.cpp's F32 (XLA's dot 0.92x in the same run: at one row the kernels gain a few percent),
+int8 0.90x its Q8_0 (XLA's int8 matmul 0.34x).
 
 The source is compiled on first use with the system's C++ compiler for this CPU (`-march=native`,
 AVX-512, AVX2 or plain C++) against the XLA FFI headers jaxlib ships, into a cache keyed by the

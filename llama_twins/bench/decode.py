@@ -17,8 +17,10 @@ TorchAoConfig("int8_weight_only") applies; per output channel too).
 With --weights CKPT (a real model, any format the bridge reads) every row decodes those weights
 instead, beside a row of JAX streaming each token through the CLI's Streamer (what `jax-llama
 generate` does with one prompt) and, where llama-cpp-python imports, llama.cpp at batch 1 on the
-same weights as F32 and Q8_0 GGUF files (and on CKPT itself when it is a GGUF of another type);
---cold-start adds a cold `jax-llama generate` with and without the persistent compilation cache.
+same weights as F32 and Q8_0 GGUF files (and on CKPT itself when it is a GGUF of another type),
+and JAX's float32 and int8 rows without its decode kernels (XLA's matmuls). Every one of those
+rows runs once a round, llama.cpp's too, so rows compared with each other are measured over the
+same stretches of time. --cold-start adds a cold `jax-llama generate` with and without the persistent compilation cache.
 Writes DIR/generate_weights.{md,json}.
 """
 
