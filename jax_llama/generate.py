@@ -61,10 +61,21 @@ def filter_logits(logits_BV, sampler: Sampler):
     return logits_BV
 
 
+def first_max(logits_BV):
+    """(B, V) -> (B,) int32: the index of each row's first maximum (of its first NaN, if it has
+    one), as jnp.argmax, in two passes that XLA:CPU vectorises: the maximum, then the least index
+    holding it. jnp.argmax's one pass over (value, index) pairs does not vectorise: 330 against
+    125 us over SmolLM2's 49,152 logits, 1-2% of a decode step."""
+    V = logits_BV.shape[-1]
+    top_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)
+    hit_BV = (logits_BV == top_B1) | (jnp.isnan(logits_BV) & jnp.isnan(top_B1))
+    return jnp.min(jnp.where(hit_BV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
 def sample(logits_BV, key, sampler: Sampler):
     """(B, V) logits -> (B,) token ids. Greedy takes the first maximum."""
     if sampler.temperature == 0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return first_max(logits_BV)
     return jax.random.categorical(key, filter_logits(logits_BV, sampler), axis=-1).astype(jnp.int32)
 
 

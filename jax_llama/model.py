@@ -331,7 +331,8 @@ class Attention(nn.Module):
         mask: which key each query may attend (causal, padding, segments); None is plain causal
         attention over these S tokens. With a cache (already reserved for these tokens), the new
         keys and values go into slots [index - S, index) of `layer` and the queries read all T
-        slots of that layer: each step writes in place and reads once, with no copy."""
+        slots of that layer: each step writes in place and reads once, with no copy (a few float32
+        queries on a CPU: one kernel call reading the layer in place, kernels.attend_cache)."""
         c = self.config
         N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
         B, S, D = x_BSD.shape
@@ -344,18 +345,26 @@ class Attention(nn.Module):
 
         # Heads go before positions so that each (kv head, group) is one batched matmul.
         k_BKTH, v_BKTH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
-        if cache is not None:
-            start = (layer, 0, 0, cache.index - S, 0)
-            k_LBKTH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None].astype(cache.k.dtype), start)
-            v_LBKTH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None].astype(cache.v.dtype), start)
-            k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False).astype(self.dtype)
-            v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False).astype(self.dtype)
-            cache = cache.replace(k=k_LBKTH, v=v_LBKTH)
         if mask is None:
             mask = AttentionMask.causal(S)
         # Query head n = k * G + g reads kv head k (the order Meta's repeat_kv implies).
         q_BKGSH = q_BSNH.reshape(B, S, K, G, H).transpose(0, 2, 3, 1, 4)
-        out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
+        if cache is not None:
+            start = (layer, 0, 0, cache.index - S, 0)
+            k_LBKTH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None].astype(cache.k.dtype), start)
+            v_LBKTH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None].astype(cache.v.dtype), start)
+            cache = cache.replace(k=k_LBKTH, v=v_LBKTH)
+            T = k_LBKTH.shape[3]
+            if (choose(self.attention, S, T, False, H) == "xla"
+                    and kernels.usable_attention(q_BKGSH, k_LBKTH, mask)):
+                out_BKGSH = kernels.attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
+            else:
+                k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
+                v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False)
+                out_BKGSH = attend(q_BKGSH, k_BKTH.astype(self.dtype), v_BKTH.astype(self.dtype),
+                                   mask, self.attention)
+        else:
+            out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
         return _dense(self, c.dim, "wo", residual=True)(out_MNH).reshape(B, S, D), cache
 # --8<-- [end:attention]

@@ -32,7 +32,7 @@ from bridge.errors import BridgeError
 from bridge.inputs import pad_rows
 
 from .data import bucket
-from .generate import top_p_mask
+from .generate import first_max, top_p_mask
 from .model import KVCache
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -80,7 +80,7 @@ def _pick_rows(logits_BV, seeds_B, steps_B, temperature_B, top_k_B, top_p_B, *, 
     raw model, and the n_top most likely (ids, log-probabilities)."""
     logits_BV = logits_BV.astype(jnp.float32)
     logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
-    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    greedy_B = first_max(logits_BV)
 
     def sampled(_):
         scaled_BV = logits_BV / jnp.where(temperature_B > 0, temperature_B, 1.0)[:, None]

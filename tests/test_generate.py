@@ -19,7 +19,7 @@ from bridge.tokenizer import load_tokenizer
 from conftest import (ATTENTION_KINDS, SHARED, cached_logits, random_tokens, save_random_checkpoint,
                       small_config)
 from llama_twins import jax_cli
-from jax_llama.generate import compilations, generate, top_p_mask
+from jax_llama.generate import compilations, first_max, generate, top_p_mask
 
 LLAMA3 = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
 
@@ -68,6 +68,23 @@ def test_greedy_equals_argmax_of_the_full_forward_with_logprobs(tiny):
         at = logits[len(prompt) - 1 + i]  # the logits that chose token i
         assert token == int(at.argmax())
         assert logprob == pytest.approx(float(jax.nn.log_softmax(at)[token]), abs=1e-5)
+
+
+def test_first_max_is_argmax():
+    """Greedy's two-pass first maximum picks what jnp.argmax picks: the first of tied maxima, the
+    first NaN where there is one, the first of all -inf; a last-of-ties pick fails here."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((6, 1000)).astype(np.float32)
+    rows[1, [3, 700]] = 50.0                      # tied maxima
+    rows[2, [10, 20]] = np.nan                    # NaN wins, the first one
+    rows[3] = -np.inf
+    rows[4, [5, 9]] = np.inf
+    rows[5] = np.round(rows[5])                   # many ties at the top value
+    want = np.asarray(jax.numpy.argmax(rows, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_max)(rows)), want)
+    assert want[1] == 3 and want[2] == 10 and want[3] == 0 and want[4] == 5
+    last_of_ties = rows.shape[1] - 1 - np.argmax(rows[1, ::-1])
+    assert last_of_ties != want[1]
 
 
 def test_one_compilation_for_prompts_within_a_bucket():

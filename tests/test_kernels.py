@@ -207,6 +207,111 @@ def test_decoding_makes_one_call_per_shared_input(tied):
     assert "jax_llama_matvec_int8" not in f32
 
 
+def attention_float64(q, k, v, q_slots, valid):
+    """softmax(q k^T / sqrt(H) + mask) v in float64: q (B, K, G, S, H), k and v (B, K, T, H); a
+    query that may see no slot averages them all (jax_llama.attention's xla)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    T, H = k.shape[2], q.shape[-1]
+    scores = np.einsum("bkgsh,bkth->bkgst", q, k) / np.sqrt(H)
+    allowed = (np.arange(T)[None, :] <= np.asarray(q_slots)[:, None])[None] & \
+        np.asarray(valid)[:, None, :]  # (B, S, T)
+    scores = np.where(allowed[:, None, None], scores, -np.inf)
+    scores = np.where(allowed.any(-1)[:, None, None, :, None], scores, 0.0)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bkgst,bkth->bkgsh", p / p.sum(-1, keepdims=True), v)
+
+
+# (L, B, K, G, S, T, H): SmolLM2's decode step (9 heads on 3, 64 wide), several queries (a short
+# prefill), rows past the vector width, an odd head width (vector tails), one slot
+ATTENTION_SHAPES = [(3, 1, 3, 3, 1, 144, 64), (2, 2, 2, 4, 3, 37, 20), (2, 8, 1, 2, 1, 5, 128),
+                    (1, 1, 1, 1, 1, 1, 7), (2, 3, 2, 1, 2, 300, 33)]
+
+
+def attention_case(shape, seed=0):
+    from jax_llama.attention import AttentionMask
+    L, B, K, G, S, T, H = shape
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, K, G, S, H)).astype(np.float32)
+    k, v = (rng.standard_normal((L, B, K, T, H)).astype(np.float32) for _ in range(2))
+    valid = rng.random((B, T)) < 0.8
+    valid[0] = False  # row 0 sees no slot: the uniform average (its output is never read)
+    if B == 1:
+        valid[0, :T // 2] = True
+    q_slots = np.arange(S, dtype=np.int32) + max(T - S - 3, 0)  # slots past the queries: causal
+    return q, k, v, AttentionMask(q_slots=jnp.asarray(q_slots), valid=jnp.asarray(valid))
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_attention_over_the_cache_equals_softmax_attention_in_float64(shape):
+    """attend_cache reads layer l of the cache in place and matches float64 attention over that
+    layer within 2e-6: the scores are O(1) (q, k standard normal, divided by sqrt(H)) and the
+    output a convex combination of O(1) values, so float32 rounding in the H-term dot products,
+    the exp and the weighted sum stays near 1e-6 (measured: under 5e-7). Reading the wrong layer
+    or ignoring the mask fails by O(1)."""
+    q, k, v, mask = attention_case(shape)
+    f = jax.jit(kernels.attend_cache)
+    for layer in range(shape[0]):
+        want = attention_float64(q, k[layer], v[layer], mask.q_slots, mask.valid)
+        np.testing.assert_allclose(np.asarray(f(q, k, v, layer, mask)), want, rtol=0, atol=2e-6)
+    other = attention_float64(q, k[-1], v[-1], mask.q_slots, mask.valid)
+    if shape[0] > 1:  # the negative case: another layer's keys and values
+        assert np.abs(np.asarray(f(q, k, v, 0, mask)) - other).max() > 1e-2
+    unmasked = attention_float64(q, k[0], v[0], mask.q_slots, np.ones_like(mask.valid))
+    if shape[5] > 1:  # and the mask ignored (with one slot there is nothing to mask)
+        assert np.abs(np.asarray(f(q, k, v, 0, mask)) - unmasked).max() > 1e-2
+
+
+def test_attention_rows_do_not_depend_on_the_batch():
+    """A row's attention is the same bits alone as beside others, and with the cache's other
+    rows changed: each (row, kv head) is one unit that reads only its own slots."""
+    q, k, v, mask = attention_case((2, 4, 3, 3, 1, 130, 64), seed=5)
+    f = jax.jit(kernels.attend_cache)
+    together = np.asarray(f(q, k, v, 1, mask))
+    from jax_llama.attention import AttentionMask
+    for b in range(4):
+        alone = AttentionMask(q_slots=mask.q_slots, valid=mask.valid[b:b + 1])
+        got = np.asarray(f(q[b:b + 1], k[:, b:b + 1], v[:, b:b + 1], 1, alone))[0]
+        np.testing.assert_array_equal(got, together[b])
+
+
+def test_attention_gradient_is_xlas_and_what_it_serves():
+    from jax_llama.attention import AttentionMask, attend
+    q, k, v, mask = attention_case((2, 2, 2, 2, 1, 40, 16), seed=6)
+    g = np.random.default_rng(7).standard_normal(q.shape).astype(np.float32)
+    got = jax.grad(lambda q, k, v: jnp.sum(kernels.attend_cache(q, k, v, 1, mask) * g),
+                   argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum(attend(q, k[1], v[1], mask, "xla") * g),
+                    argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)  # the same XLA function: exact
+    assert kernels.usable_attention(jnp.asarray(q), jnp.asarray(k), mask)
+    assert not kernels.usable_attention(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k), mask)
+    assert not kernels.usable_attention(jnp.zeros((9, 2, 2, 1, 16)), jnp.asarray(k), mask)
+    segmented = AttentionMask(q_slots=mask.q_slots, valid=mask.valid,
+                              q_segments=jnp.zeros((2, 1), jnp.int32),
+                              k_segments=jnp.zeros((2, 40), jnp.int32))
+    assert not kernels.usable_attention(jnp.asarray(q), jnp.asarray(k), segmented)
+
+
+def test_a_cached_decode_step_reads_each_layer_with_one_attention_call():
+    """With a KV cache, a float32 step's attention is one kernel call a layer; bfloat16 keeps
+    XLA's; an explicit attention="chunked" is respected."""
+    import jax_llama
+    from bridge.config import PRESETS
+    from jax_llama.model import KVCache
+    config = PRESETS["tiny"]
+    tokens = jnp.zeros((1, 1), jnp.int32)
+
+    def jaxpr(dtype=jnp.float32, attention="auto"):
+        model, params = jax_llama.init(config, seed=0, dtype=dtype, attention=attention)
+        cache = KVCache.create(config, 1, 16, dtype)
+        return str(jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens, cache=cache,
+                                                        method="run"))(params))
+    assert jaxpr().count("jax_llama_decode_attention") == config.n_layers
+    assert "jax_llama_decode_attention" not in jaxpr(jnp.bfloat16)
+    assert "jax_llama_decode_attention" not in jaxpr(attention="chunked")
+
+
 def test_rows_do_not_depend_on_how_many_rows_share_the_call():
     """A row's output is the same bits whether it is decoded alone or beside 7 others (its sum
     runs in the same order whatever the row blocking): batch 1 and batch 8 decode the same."""
@@ -346,7 +451,8 @@ ISAS = {"x86-64-v3": 8, "x86-64": 1}  # -march -> lanes: the AVX2 path and the p
 def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     """The kernels built for AVX2 and for no vector extension (what CPUs without AVX-512 or
     without AVX2 compile) pass the same float32 bound and give each row the same bits alone or
-    beside others (the rows kernel too, given the same weights stored (O, I)); in a
+    beside others (the rows kernel too, given the same weights stored (O, I); attention over a
+    cache, with each build's own exp, to the same tolerance as AVX-512's); in a
     subprocess each, with a kernel cache of its own."""
     script = (
         "import json, numpy as np, jax\n"
@@ -369,7 +475,24 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "        worst = max(worst, float((abs(got - want) / (I * 1.2e-7 * mag + 1e-30)).max()))\n"
         "        alone = np.asarray(f(x[-1:], *args))[0]\n"
         "        assert np.array_equal(alone, np.asarray(got[-1], np.float32)), (f, M, I, O)\n"
-        "print(json.dumps({'lanes': kernels.lanes(), 'worst': worst}))\n")
+        "from jax_llama.attention import AttentionMask\n"
+        "attention = 0.0\n"
+        "for B, K, G, S, T, H in [(2, 3, 3, 1, 144, 64), (1, 2, 2, 3, 37, 20)]:\n"
+        "    q = rng.standard_normal((B, K, G, S, H)).astype(np.float32)\n"
+        "    k, v = (rng.standard_normal((2, B, K, T, H)).astype(np.float32) for _ in 'kv')\n"
+        "    valid = rng.random((B, T)) < 0.8\n"
+        "    slots = np.arange(S, dtype=np.int32) + T - S - 3\n"
+        "    got = np.asarray(kernels.attend_cache(q, k, v, 1, AttentionMask(slots, valid)))\n"
+        "    sc = np.einsum('bkgsh,bkth->bkgst', q.astype(float), k[1]) / np.sqrt(H)\n"
+        "    ok = (np.arange(T)[None] <= slots[:, None])[None] & valid[:, None]\n"
+        "    sc = np.where(ok[:, None, None], sc, -np.inf)\n"
+        "    p = np.exp(sc - sc.max(-1, keepdims=True))\n"
+        "    want = np.einsum('bkgst,bkth->bkgsh', p / p.sum(-1, keepdims=True), v[1])\n"
+        "    attention = max(attention, float(abs(got - want).max()))\n"
+        "    alone = kernels.attend_cache(q[-1:], k[:, -1:], v[:, -1:], 1,\n"
+        "                                 AttentionMask(slots, valid[-1:]))\n"
+        "    assert np.array_equal(np.asarray(alone)[0], got[-1])\n"
+        "print(json.dumps({'lanes': kernels.lanes(), 'worst': worst, 'attention': attention}))\n")
     env = dict(os.environ, JAX_LLAMA_KERNELS="1", JAX_LLAMA_KERNEL_MARCH=arch,
                JAX_LLAMA_KERNEL_CACHE=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
@@ -377,3 +500,4 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     out = __import__("json").loads(done.stdout.strip().splitlines()[-1])
     assert out["lanes"] == ISAS[arch]
     assert out["worst"] <= 1.0  # every output within I * eps32 * sum |x w| of the float64 product
+    assert out["attention"] <= 2e-6  # as test_attention_over_the_cache_equals_softmax_..._float64

@@ -62,8 +62,11 @@ MAX_ROWS = 8  # the kernels serve up to this many rows (batch x new tokens); mor
 # sums in registers, was ahead (batch 8: 265 against 168; 3 alternating runs, 2-core AMD EPYC).
 # Int8 weights have no fast XLA path (182 against 212 at batch 8), so they use MAX_ROWS.
 MAX_F32_ROWS = 2
-TARGETS = {"f32": "JaxLlamaMatvecF32", "int8": "JaxLlamaMatvecInt8",
-           "int8_rows": "JaxLlamaMatvecInt8Rows", "f32_rows": "JaxLlamaMatvecF32Rows"}
+TARGETS = {"jax_llama_matvec_f32": "JaxLlamaMatvecF32",
+           "jax_llama_matvec_int8": "JaxLlamaMatvecInt8",
+           "jax_llama_matvec_int8_rows": "JaxLlamaMatvecInt8Rows",
+           "jax_llama_matvec_f32_rows": "JaxLlamaMatvecF32Rows",
+           "jax_llama_decode_attention": "JaxLlamaDecodeAttention"}
 
 
 def enabled() -> bool:
@@ -133,8 +136,7 @@ def _load() -> str | None:
             build(path)
         lib = ctypes.cdll.LoadLibrary(str(path))
         for name, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(f"jax_llama_matvec_{name}",
-                                        jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use XLA's matmul instead
         log.warning("jax_llama: decode kernels unavailable (%s); using XLA's matmul", e)
         return str(e)
@@ -312,6 +314,60 @@ def matvec_rows(x_MI, q_OI, scale_OG=None):
     if scale_OG is None:
         return _matvec_f32_rows(x_MI, q_OI)
     return _matvec_rows(x_MI, q_OI, scale_OG.reshape(-1).astype(jnp.float32))
+
+
+def usable_attention(q_BKGSH, k_LBKTH, mask) -> bool:
+    """Whether attend_cache serves this attention over a cache: float32 queries and cache, at most
+    MAX_ROWS rows times new tokens, a mask without segments, and the kernels loadable here."""
+    B, S = q_BKGSH.shape[0], q_BKGSH.shape[3]
+    return (q_BKGSH.ndim == 5 and k_LBKTH.ndim == 5 and B * S <= MAX_ROWS
+            and q_BKGSH.dtype == jnp.float32 and k_LBKTH.dtype == jnp.float32
+            and mask.q_segments is None and unavailable_reason() is None)
+
+
+def _attention_reference(q_BKGSH, k_LBKTH, v_LBKTH, layer, q_slots_S, valid_BT):
+    from jax_llama.attention import AttentionMask, attend  # the model's own xla attention
+    k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
+    v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False)
+    return attend(q_BKGSH, k_BKTH, v_BKTH, AttentionMask(q_slots=q_slots_S, valid=valid_BT), "xla")
+
+
+def _attention_call(q_BKGSH, k_LBKTH, v_LBKTH, layer, q_slots_S, valid_BT):
+    out = jax.ShapeDtypeStruct(q_BKGSH.shape, jnp.float32)
+    return jax.ffi.ffi_call("jax_llama_decode_attention", out, vmap_method="sequential")(
+        q_BKGSH, k_LBKTH, v_LBKTH, layer, q_slots_S, valid_BT)
+
+
+@jax.custom_vjp
+def _attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, q_slots_S, valid_BT):
+    return _attention_call(q_BKGSH, k_LBKTH, v_LBKTH, layer, q_slots_S, valid_BT)
+
+
+def _attention_fwd(*args):
+    return _attention_call(*args), args
+
+
+def _attention_bwd(args, g):
+    q, k, v, layer, q_slots, valid = args
+    _, pullback = jax.vjp(lambda q, k, v: _attention_reference(q, k, v, layer, q_slots, valid),
+                          q, k, v)
+    return (*pullback(g), None, None, None)
+
+
+_attend_cache.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask):
+    """softmax(q k^T / sqrt(H) + mask) v over layer `layer` of a KV cache, read in place: q
+    (B, K, G, S, H), caches (L, B, K, T, H) -> (B, K, G, S, H) float32, as
+    jax_llama.attention.attend(..., "xla") on the layer's slice to float32 rounding (its
+    gradient is that function's). Call only where `usable_attention` said True."""
+    _check()
+    B, T = q_BKGSH.shape[0], k_LBKTH.shape[3]
+    valid_BT = (jnp.ones((B, T), bool) if mask.valid is None
+                else jnp.broadcast_to(mask.valid, (B, T)))
+    return _attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, jnp.asarray(layer, jnp.int32),
+                         mask.q_slots.astype(jnp.int32), valid_BT)
 
 
 def _check():

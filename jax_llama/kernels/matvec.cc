@@ -227,6 +227,8 @@ template <typename W>
 struct RowsJob;  // the rows kernel's job (below); Work runs its units too
 template <typename W>
 void RunUnit(const RowsJob<W>& j, int64_t u);
+struct AttentionJob;  // attention over a KV cache (below)
+void RunUnit(const AttentionJob& j, int64_t u);
 
 // Take units until none is left; every thread (the caller and the helpers) runs this.
 template <typename J>
@@ -565,6 +567,171 @@ ffi::Error MatvecF32Rows(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                     *y);
 }
 
+// -- attention of a few queries over a KV cache ------------------------------------------------
+//
+//   out (B, K, G, S, H) = softmax(q k^T / sqrt(H) + mask) v, reading keys and values of layer l
+//   in place from the cache (L, B, K, T, H)                           "jax_llama_decode_attention"
+//
+// What XLA does at a decode step is a dozen small operations a layer (the cache sliced and
+// transposed, two batched matmuls, the softmax's passes), each costing more to start than to
+// run; this is one call. The mask is the model's: query s sees slot t when t <= q_slots[s] and
+// valid[b, t]. A masked score is the most negative float32 (as jax_llama.attention's xla), and
+// masked slots are not read at all, so a long cache costs only its filled slots. A unit is one
+// (row, kv head): its G query heads times S queries against that head's slots.
+//
+// Arithmetic, per query: each score a dot product in vector lanes added by a fixed tree, then
+// divided by sqrt(H); the softmax as jax.nn.softmax does it (the maximum, exp(score - max), their
+// sum in lanes added by a fixed tree, each divided by the sum); then the probabilities times the
+// values, one fused multiply-add per slot in slot order. Nothing depends on B or on the threads.
+
+constexpr float kMasked = -3.4028234663852886e38f;  // numpy's float32 min, jax_llama.attention
+
+// exp for the softmax: e^x = 2^n e^r, r = x - n ln 2 in two parts (Cody and Waite), e^r by a
+// degree-7 polynomial (1 to 2 ulp over float32); below -87 it is 0 (what softmax needs of the
+// masked slots, which it reaches with -3.4e38).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline Vec Exp(Vec x) {
+#if defined(__AVX512F__)
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, Splat(-87.0f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, Splat(-87.0f)), Splat(88.0f));
+  Vec n = _mm512_roundscale_ps(Mul(x, Splat(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+#else
+  const __m256 tiny = _mm256_cmp_ps(x, Splat(-87.0f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, Splat(-87.0f)), Splat(88.0f));
+  Vec n = _mm256_round_ps(Mul(x, Splat(1.44269504088896341f)),
+                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  Vec r = Fma(n, Splat(-0.693359375f), x);
+  r = Fma(n, Splat(2.12194440e-4f), r);
+  Vec p = Splat(1.9875691500e-4f);
+  p = Fma(p, r, Splat(1.3981999507e-3f));
+  p = Fma(p, r, Splat(8.3334519073e-3f));
+  p = Fma(p, r, Splat(4.1665795894e-2f));
+  p = Fma(p, r, Splat(1.6666665459e-1f));
+  p = Fma(p, r, Splat(5.0000001201e-1f));
+  p = Fma(p, Mul(r, r), Add(r, Splat(1.0f)));
+#if defined(__AVX512F__)
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+#else
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, Mul(p, _mm256_castsi256_ps(e)));
+#endif
+}
+#else
+inline Vec Exp(Vec x) { return x < -87.0f ? 0.0f : std::exp(x); }
+#endif
+// The same for one value (the slots past the last full vector), through a vector's first lane.
+inline float ExpS(float x) {
+#if defined(__AVX512F__)
+  return _mm512_cvtss_f32(Exp(_mm512_set1_ps(x)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  return _mm256_cvtss_f32(Exp(_mm256_set1_ps(x)));
+#else
+  return Exp(x);
+#endif
+}
+
+struct AttentionJob {
+  const float *q, *k, *v;  // q (B, K, G, S, H); k, v: layer l of the cache, (B, K, T, H)
+  const int32_t* q_slots;  // (S,)
+  const bool* valid;       // (B, T)
+  float* out;              // (B, K, G, S, H)
+  int64_t B, K, G, S, T, H, units = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// The dot product of two H-vectors: lanes, a fixed tree, then the tail in order.
+inline float Dot(const float* a, const float* b, int64_t H) {
+  int64_t h = 0;
+  float sum = 0.0f;
+  if (H >= kLanes) {
+    Vec acc = Mul(Load(a), Load(b));
+    for (h = kLanes; h + kLanes <= H; h += kLanes) acc = Fma(Load(a + h), Load(b + h), acc);
+    sum = HorizontalSum(acc);
+  }
+  for (; h < H; ++h) sum = std::fma(a[h], b[h], sum);
+  return sum;
+}
+
+void RunUnit(const AttentionJob& j, int64_t u) {
+  const int64_t b = u / j.K, T = j.T, H = j.H, R = j.G * j.S;
+  const float* k = j.k + u * T * H;
+  const float* v = j.v + u * T * H;
+  const bool* valid = j.valid + b * T;
+  const float* q = j.q + u * R * H;  // (G, S, H) of this (row, kv head)
+  float* out = j.out + u * R * H;
+  const float inv_scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
+  thread_local std::vector<float> scores;
+  if (scores.size() < size_t(T)) scores.resize(T);
+  float* p = scores.data();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t slot = j.q_slots[r % j.S];
+    const float* qr = q + r * H;
+    float top = kMasked;
+    for (int64_t t = 0; t < T; ++t) {
+      p[t] = (t <= slot && valid[t]) ? Dot(qr, k + t * H, H) / inv_scale : kMasked;
+      top = std::max(top, p[t]);
+    }
+    int64_t t = 0;
+    float sum = 0.0f;
+    if (T >= kLanes) {
+      Vec acc = Splat(0.0f);
+      for (; t + kLanes <= T; t += kLanes) {
+        Vec e = Exp(Add(Load(p + t), Splat(-top)));
+        Store(p + t, e);
+        acc = Add(acc, e);
+      }
+      sum = HorizontalSum(acc);
+    }
+    for (; t < T; ++t) sum += (p[t] = ExpS(p[t] - top));
+    // Probabilities times values: out = the sum over slots of p[t] v[t], in slot order, slots
+    // whose probability is 0 (the masked ones, when any slot is not) skipped.
+    float* o = out + r * H;
+    std::fill(o, o + H, 0.0f);
+    for (t = 0; t < T; ++t) {
+      const float pt = p[t] / sum;
+      if (pt == 0.0f) continue;
+      const float* vt = v + t * H;
+      int64_t h = 0;
+      for (; h + kLanes <= H; h += kLanes) Store(o + h, Fma(Splat(pt), Load(vt + h), Load(o + h)));
+      for (; h < H; ++h) o[h] = std::fma(pt, vt[h], o[h]);
+    }
+  }
+}
+
+bool Same(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+}
+
+ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> q_slots, ffi::Buffer<ffi::PRED> valid,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions();
+  if (qd.size() != 5 || kd.size() != 5 || !Same(v_cache.dimensions(), kd) || kd[1] != qd[0] ||
+      kd[2] != qd[1] || kd[4] != qd[4] || !Same(out->dimensions(), qd) ||
+      q_slots.element_count() != qd[3] || valid.dimensions().size() != 2 ||
+      valid.dimensions()[0] != qd[0] || valid.dimensions()[1] != kd[3] ||
+      layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "decode_attention: expected q (B, K, G, S, H), caches (L, B, K, T, H), layer (), "
+        "q_slots (S,), valid (B, T)");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
+  auto job = std::make_shared<AttentionJob>();
+  const int64_t per_layer = kd[1] * kd[2] * kd[3] * kd[4];
+  job->q = q.typed_data(), job->k = k_cache.typed_data() + l * per_layer;
+  job->v = v_cache.typed_data() + l * per_layer;
+  job->q_slots = q_slots.typed_data(), job->valid = valid.typed_data();
+  job->out = out->typed_data();
+  job->B = qd[0], job->K = qd[1], job->G = qd[2], job->S = qd[3], job->T = kd[3], job->H = qd[4];
+  job->units = job->B * job->K;
+  if (job->G * job->S == 0 || job->H == 0) job->units = 0;
+  RunUnits(job, size_t(2) * per_layer * sizeof(float) >= kShareBytes);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecF32, MatvecF32,
@@ -584,6 +751,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8Rows, MatvecInt8Rows,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecF32Rows, MatvecF32Rows,
