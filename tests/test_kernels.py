@@ -101,8 +101,7 @@ def test_float32_rows_matvec_equals_the_product_to_float32_rounding(M, I, O):
     rng = np.random.default_rng(M * 1000 + O + 3)
     x = rng.standard_normal((M, I)).astype(np.float32)
     w = rng.standard_normal((O, I)).astype(np.float32)
-    # the model sends it at most MAX_F32_ROWS rows; the kernel serves up to 8 all the same
-    assert kernels.usable_rows(x, w) == (M <= kernels.MAX_F32_ROWS)
+    assert kernels.usable_rows(x, w)
     got = np.asarray(jax.jit(kernels.matvec_rows)(x, w), np.float64)
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     limit = bound(x, w.T)
@@ -376,13 +375,12 @@ def test_usable_only_for_what_the_kernels_serve():
     x = jnp.zeros((1, 16), jnp.float32)
     assert kernels.usable(x, jnp.zeros((16, 8), jnp.float32))
     assert kernels.usable(x, jnp.zeros((16, 8), jnp.int8), jnp.ones((1, 8)))
-    # float32 weights up to MAX_F32_ROWS rows (XLA's matmul is as fast from there), int8 to 8
-    x3 = jnp.zeros((kernels.MAX_F32_ROWS + 1, 16), jnp.float32)
-    assert kernels.usable(x3[:-1], jnp.zeros((16, 8), jnp.float32))
-    assert not kernels.usable(x3, jnp.zeros((16, 8), jnp.float32))
-    assert kernels.usable(x3, jnp.zeros((16, 8), jnp.int8), jnp.ones((1, 8)))
-    assert not kernels.usable_rows(x3, jnp.zeros((8, 16), jnp.float32))
-    assert kernels.usable_rows(x3, jnp.zeros((8, 16), jnp.int8), jnp.ones((8, 1)))
+    # float32 and int8 weights alike up to MAX_ROWS rows
+    x8 = jnp.zeros((kernels.MAX_ROWS, 16), jnp.float32)
+    assert kernels.usable(x8, jnp.zeros((16, 8), jnp.float32))
+    assert kernels.usable(x8, jnp.zeros((16, 8), jnp.int8), jnp.ones((1, 8)))
+    assert kernels.usable_rows(x8, jnp.zeros((8, 16), jnp.float32))
+    assert kernels.usable_rows(x8, jnp.zeros((8, 16), jnp.int8), jnp.ones((8, 1)))
     assert not kernels.usable(jnp.zeros((kernels.MAX_ROWS + 1, 16)), jnp.zeros((16, 8)))
     assert not kernels.usable(x.astype(jnp.bfloat16), jnp.zeros((16, 8), jnp.bfloat16))
     assert not kernels.usable(x, jnp.zeros((16, 8), jnp.int8), jnp.ones((2, 8)))  # group-wise

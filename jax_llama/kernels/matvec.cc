@@ -12,11 +12,10 @@
 //   y (M, O) = x (M, I) @ W (O, I)^T               the same, float32 "jax_llama_matvec_f32_rows"
 //
 // Why: at decode time M is 1 to 8 and the matmul reads its weights once, so its speed is how
-// fast W streams in. XLA:CPU converts an int8 weight to float in a pass of its own. Here W is
-// read row after row, each row's bytes in order (what a CPU's prefetchers serve best: about 2.5x
-// the int8 throughput of reading 64 columns of every row at a time, measured on a Zen 5 core),
-// each weight converted in a register and multiplied into M rows of float32 accumulators that
-// stay in cache.
+// fast W streams in. XLA:CPU converts an int8 weight to float in a pass of its own. Here a block
+// of W's rows is read in strips of columns (Strip: 256 float32 or int8 weights of each row for
+// one row of x, fewer for more), each weight converted in a register and multiplied into M rows
+// of float32 sums that stay in registers for the whole block.
 //
 // Work: the rows of W are cut into blocks of 64 (more for an LM head: BlockRows), and very wide
 // W into column panels of kPanel; each (block, panel) is a unit that writes its own partial
@@ -81,9 +80,8 @@ constexpr int64_t kSpinNs = 300'000;
 // How far ahead of what is being read a weight is asked for (software prefetch, one request per
 // cache line). The rows kernel reads R rows at a time, each a stream too short (SmolLM2: 9 cache
 // lines) for the CPU's prefetchers to pick up: without it one Zen 5 core read SmolLM2's head at
-// about half the speed (8 to 32 KB ahead were about as good). The (I, O) kernel reads one long
-// stream, yet inside the model, between XLA's operations, its calls spent about 10% less time
-// with it (SmolLM2 int8 decode, 3 alternating runs each; standalone it made no difference).
+// about half the speed (8 to 32 KB ahead were about as good). (The (I, O) kernel's strips ask
+// for each row's next strip instead: Strip.)
 constexpr int64_t kPrefetchBytes = 16 << 10;
 constexpr int64_t kCacheLine = 64;
 
@@ -166,33 +164,51 @@ struct Job {
   std::atomic<int64_t> done{0};
 };
 
-// Row i of W into the accumulators of M rows of x, columns [o0, o1): acc[m, o] = x[m, i] * w[i, o]
-// (the first row of a block) or fma(x[m, i], w[i, o], acc[m, o]).
-template <int M, bool kFirst, typename W>
-inline void Row(const float* x, int64_t I, const W* w_row, float* acc, int64_t O, int64_t i,
-                int64_t o0, int64_t o1) {
-  Vec xv[M];
-  for (int m = 0; m < M; ++m) xv[m] = Splat(x[m * I + i]);
-  // Ask for the bytes kPrefetchBytes past this row's columns: rows follow each other in memory,
-  // so those are a later row's (a request past W's end is only a hint, never a fault).
-  const char* ahead = reinterpret_cast<const char*>(w_row + o0) + kPrefetchBytes;
-  for (int64_t b = 0; b < (o1 - o0) * int64_t{sizeof(W)}; b += kCacheLine)
-    __builtin_prefetch(ahead + b);
-  int64_t o = o0;
-  for (; o + kLanes <= o1; o += kLanes) {
-    Vec wv = Load(w_row + o);
-    for (int m = 0; m < M; ++m) {
-      float* a = acc + m * O + o;
-      Store(a, kFirst ? Mul(xv[m], wv) : Fma(xv[m], wv, Load(a)));
+// Registers that hold vectors: 32 with AVX-512, 16 with AVX2 (and a plain build's count of floats).
+#if defined(__AVX512F__)
+constexpr int kRegisters = 32;
+#else
+constexpr int kRegisters = 16;
+#endif
+
+// Columns of a strip, in vectors: M x kStrip accumulators fill half the registers (a power of 2).
+constexpr int StripVectors(int M) {
+  int n = 1;
+  while (2 * n * M <= kRegisters / 2) n *= 2;
+  return n;
+}
+
+// Columns [o, o + NV * kLanes) of rows [i0, i1) of W (a block) into M rows of sums held in
+// registers, stored to acc[m, o ...] at the end: acc[m, o] = x[m, i0] * w[i0, o], then
+// fma(x[m, i], w[i, o], acc[m, o]) for each later row in order. Each row's piece of the strip is
+// read whole (NV * kLanes weights in a row) and the same row's next strip is asked for meanwhile.
+// Against reading each row whole into accumulators in memory (stored and loaded again for every
+// weight vector), a chain of SmolLM2's 210 float32 projections streamed 34-35 against 30-31 GB/s
+// (standalone, 2 threads, 2-core AMD EPYC; a plain sum of the same bytes 35). The same sums in the
+// same order: the bits do not change.
+template <int M, int NV, typename W>
+inline void Strip(const float* x, int64_t I, const W* w, int64_t O, int64_t i0, int64_t i1,
+                  int64_t o, float* acc) {
+  Vec a[M][NV], xv[M];
+  const W* row = w + i0 * O + o;
+  for (int m = 0; m < M; ++m) xv[m] = Splat(x[m * I + i0]);
+  for (int k = 0; k < NV; ++k) {
+    Vec wv = Load(row + k * kLanes);
+    for (int m = 0; m < M; ++m) a[m][k] = Mul(xv[m], wv);
+  }
+  constexpr int64_t kBytes = NV * kLanes * int64_t{sizeof(W)};
+  for (int64_t i = i0 + 1; i < i1; ++i) {
+    row += O;
+    const char* next = reinterpret_cast<const char*>(row) + kBytes;
+    for (int64_t b = 0; b < kBytes; b += kCacheLine) __builtin_prefetch(next + b);
+    for (int m = 0; m < M; ++m) xv[m] = Splat(x[m * I + i]);
+    for (int k = 0; k < NV; ++k) {
+      Vec wv = Load(row + k * kLanes);
+      for (int m = 0; m < M; ++m) a[m][k] = Fma(xv[m], wv, a[m][k]);
     }
   }
-  for (; o < o1; ++o) {
-    float wo = LoadS(w_row + o);
-    for (int m = 0; m < M; ++m) {
-      float* a = acc + m * O + o;
-      *a = kFirst ? x[m * I + i] * wo : std::fma(x[m * I + i], wo, *a);
-    }
-  }
+  for (int m = 0; m < M; ++m)
+    for (int k = 0; k < NV; ++k) Store(acc + m * O + o + k * kLanes, a[m][k]);
 }
 
 template <int M, typename W>
@@ -201,8 +217,19 @@ void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
   int64_t i0 = b * p.block_rows, i1 = std::min(j.I, i0 + p.block_rows);
   int64_t o0 = c * kPanel, o1 = std::min(p.O, o0 + kPanel);
   float* acc = p.partial + b * j.M * p.O;
-  Row<M, true>(j.x, j.I, p.w + i0 * p.O, acc, p.O, i0, o0, o1);
-  for (int64_t i = i0 + 1; i < i1; ++i) Row<M, false>(j.x, j.I, p.w + i * p.O, acc, p.O, i, o0, o1);
+  constexpr int NV = StripVectors(M);
+  int64_t o = o0;
+  for (; o + NV * kLanes <= o1; o += NV * kLanes) Strip<M, NV>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
+  for (; o + kLanes <= o1; o += kLanes) Strip<M, 1>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
+  // The columns past the last full vector, one at a time in the same order.
+  for (; o < o1; ++o)
+    for (int64_t i = i0; i < i1; ++i) {
+      float wo = LoadS(p.w + i * p.O + o);
+      for (int m = 0; m < M; ++m) {
+        float* a = acc + m * p.O + o;
+        *a = i == i0 ? j.x[m * j.I + i] * wo : std::fma(j.x[m * j.I + i], wo, *a);
+      }
+    }
 }
 
 template <typename W>
@@ -458,11 +485,6 @@ ffi::Error MatvecInt8(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
 constexpr int64_t kUnitRows = 512;  // rows of Q per unit (288 KB of SmolLM2's LM head)
 // Rows of Q dotted at once with M rows of x: 6 to 8 sums in flight (of one FMA chain each), and
 // R * M accumulators and R weight vectors held in registers (16 with AVX2, 32 with AVX-512).
-#if defined(__AVX512F__)
-constexpr int kRegisters = 32;
-#else
-constexpr int kRegisters = 16;
-#endif
 constexpr int RowsAtOnce(int M) {
   return M == 1 ? 8 : M == 2 ? 4 : 2 * M + 4 <= kRegisters ? 2 : 1;
 }
