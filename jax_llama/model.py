@@ -331,8 +331,8 @@ class Attention(nn.Module):
         mask: which key each query may attend (causal, padding, segments); None is plain causal
         attention over these S tokens. With a cache (already reserved for these tokens), the new
         keys and values go into slots [index - S, index) of `layer` and the queries read all T
-        slots of that layer: each step writes in place and reads once, with no copy (a few float32
-        queries on a CPU: one kernel call reading the layer in place, kernels.attend_cache)."""
+        slots of that layer (attend_layer): each step writes in place and reads once, with no
+        copy."""
         c = self.config
         N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
         B, S, D = x_BSD.shape
@@ -354,19 +354,25 @@ class Attention(nn.Module):
             k_LBKTH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None].astype(cache.k.dtype), start)
             v_LBKTH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None].astype(cache.v.dtype), start)
             cache = cache.replace(k=k_LBKTH, v=v_LBKTH)
-            T = k_LBKTH.shape[3]
-            if (choose(self.attention, S, T, False, H) == "xla"
-                    and kernels.usable_attention(q_BKGSH, k_LBKTH, mask)):
-                out_BKGSH = kernels.attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
-            else:
-                k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
-                v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False)
-                out_BKGSH = attend(q_BKGSH, k_BKTH.astype(self.dtype), v_BKTH.astype(self.dtype),
-                                   mask, self.attention)
+            out_BKGSH = self.attend_layer(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
         else:
             out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
         return _dense(self, c.dim, "wo", residual=True)(out_MNH).reshape(B, S, D), cache
+
+    def attend_layer(self, q_BKGSH, k_LBKTH, v_LBKTH, layer, mask: AttentionMask):
+        """The queries' attention over layer `layer` of the cache (L, B, K, T, H). A few float32
+        queries on a CPU, where `attention` means xla, are one kernel call that reads the layer
+        in place (jax_llama.kernels.attend_cache: XLA ran a dozen small operations a layer);
+        else the layer's slice goes through `attend`."""
+        S, T, H = q_BKGSH.shape[3], k_LBKTH.shape[3], q_BKGSH.shape[4]
+        if (choose(self.attention, S, T, False, H) == "xla"
+                and kernels.usable_attention(q_BKGSH, k_LBKTH, mask)):
+            return kernels.attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
+        k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
+        v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False)
+        return attend(q_BKGSH, k_BKTH.astype(self.dtype), v_BKTH.astype(self.dtype), mask,
+                      self.attention)
 # --8<-- [end:attention]
 
 

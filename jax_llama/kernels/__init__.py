@@ -1,4 +1,4 @@
-"""Few-row matmul kernels for XLA:CPU (matvec.cc): what batch-1 to batch-8 decoding runs.
+"""Decode kernels for XLA:CPU (matvec.cc): what batch-1 to batch-8 decoding runs.
 
     y = matvec(x_MI, w_IO)                          # float32 weights
     y = matvec(x_MI, q_IO, scale_GO)                # int8 weights, per-output-channel scales
@@ -7,19 +7,22 @@
     y = matvec_rows(x_MI, w_OI)                     # weights stored (out, in): a tied LM head
     y = matvec_rows(x_MI, q_OI, scale_OG)           # (the embedding), float32 or int8 with
                                                     # per-row scales
+    out = attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)   # attention over a KV cache
 
 At decode time a projection multiplies a few rows by a weight it reads once, so its speed is how
 fast the weight streams in. XLA:CPU converts an int8 weight to float32 in a pass of its own (a
-float copy written and read back: results/int8_matmul.md); matvec.cc reads each weight row
-after row, converts it in registers and multiplies it into float32 accumulators held in cache.
-Its own helper threads share every call of 64 KB or more with the caller, and spin between the
-calls of a decode step rather than sleep (XLA's threads took about as long to wake as a SmolLM2
-projection takes to read). jax_llama.model runs every projection of a few rows through it
-(int8 up to 8 rows, float32 up to 2: from 4, XLA's matmul is faster; q, k and v in one call,
-gate and up in another), and a tied LM head through matvec_rows. On SmolLM2 at batch 1 (a 2-core
-AMD EPYC, every row alternating with llama.cpp's; results/generate_smollm2.md): float32 0.93x
-llama.cpp's F32 (XLA's dot 0.92x in the same run: at one row the kernels gain a few percent),
-int8 0.90x its Q8_0 (XLA's int8 matmul 0.34x).
+float copy written and read back: results/int8_matmul.md); matvec.cc reads a block of a weight's
+rows in strips of columns, converts each weight in a register and multiplies it into float32
+sums held in registers. Its own helper threads share every call of 64 KB or more with the
+caller, and spin between the calls of a decode step rather than sleep (XLA's threads took about
+as long to wake as a SmolLM2 projection takes to read). jax_llama.model runs every projection of
+up to 8 rows through it, float32 or int8 (q, k and v in one call, gate and up in another), a tied
+LM head through matvec_rows, and attention of a few float32 queries over the KV cache through
+attend_cache: one call a layer that reads the layer in place, where XLA ran a dozen small
+operations (the layer sliced and transposed, two batched matmuls, the softmax's passes).
+On SmolLM2 at batch 1 (a 2-core AMD EPYC, every row alternating with llama.cpp's;
+results/generate_smollm2.md): float32 0.88x llama.cpp's F32 (XLA alone 0.65x), int8 1.05x its
+Q8_0 (XLA's int8 matmul 0.25x).
 
 The source is compiled on first use with the system's C++ compiler for this CPU (`-march=native`,
 AVX-512, AVX2 or plain C++) against the XLA FFI headers jaxlib ships, into a cache keyed by the
@@ -32,7 +35,8 @@ default: the CPUs this process may run on, at most 8).
 
 Within each block of 64 inputs an output is one float32 sum in order, and the block sums are
 added in block order (the int8 scale multiplies the total); in matvec_rows an output is a dot
-product in vector lanes added by a fixed tree. So results differ from XLA's matmul by float32
+product in vector lanes added by a fixed tree; attend_cache computes each query alone (its
+scores, softmax and weighted sum in a fixed order). So results differ from XLA's by float32
 rounding only, and a row's bits depend neither on how many rows share the call nor on the
 threads; a gradient, where one is asked for, is XLA's (custom_vjp).
 """

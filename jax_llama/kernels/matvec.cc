@@ -1,5 +1,6 @@
-// Few-row matmuls for XLA:CPU, called through the XLA FFI (jax_llama/kernels/__init__.py builds
-// and registers this file; jax_llama.model calls it for decoding).
+// Decode kernels for XLA:CPU, called through the XLA FFI (jax_llama/kernels/__init__.py builds
+// and registers this file; jax_llama.model calls it for decoding): few-row matmuls, and
+// attention over a KV cache (at the end of the file).
 //
 //   y_k (M, O_k) = x (M, I) @ W_k (I, O_k)          W_k float32, k = 1.. (several weights that
 //                                                   read the same x, one call)
@@ -10,6 +11,8 @@
 //                                                   (a tied LM head: the embedding table)
 //                                                                 "jax_llama_matvec_int8_rows"
 //   y (M, O) = x (M, I) @ W (O, I)^T               the same, float32 "jax_llama_matvec_f32_rows"
+//   out = softmax(q k^T / sqrt(H) + mask) v        k, v: layer l of the cache, read in place
+//                                                                 "jax_llama_decode_attention"
 //
 // Why: at decode time M is 1 to 8 and the matmul reads its weights once, so its speed is how
 // fast W streams in. XLA:CPU converts an int8 weight to float in a pass of its own. Here a block
