@@ -321,9 +321,10 @@ def matvec_rows(x_MI, q_OI, scale_OG=None):
 def usable_attention(q_BKGSH, k_LBKTH, mask) -> bool:
     """Whether attend_cache serves this attention over a cache: float32 queries and cache, at most
     MAX_ROWS rows times new tokens, a mask without segments, and the kernels loadable here."""
+    if q_BKGSH.ndim != 5 or k_LBKTH.ndim != 5:
+        return False
     B, S = q_BKGSH.shape[0], q_BKGSH.shape[3]
-    return (q_BKGSH.ndim == 5 and k_LBKTH.ndim == 5 and B * S <= MAX_ROWS
-            and q_BKGSH.dtype == jnp.float32 and k_LBKTH.dtype == jnp.float32
+    return (B * S <= MAX_ROWS and q_BKGSH.dtype == jnp.float32 and k_LBKTH.dtype == jnp.float32
             and mask.q_segments is None and unavailable_reason() is None)
 
 

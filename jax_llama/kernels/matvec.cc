@@ -174,7 +174,7 @@ constexpr int kRegisters = 32;
 constexpr int kRegisters = 16;
 #endif
 
-// Columns of a strip, in vectors: M x kStrip accumulators fill half the registers (a power of 2).
+// Columns of a strip, in vectors (a power of 2): its M x n sums fill at most half the registers.
 constexpr int StripVectors(int M) {
   int n = 1;
   while (2 * n * M <= kRegisters / 2) n *= 2;
@@ -686,7 +686,7 @@ void RunUnit(const AttentionJob& j, int64_t u) {
   const bool* valid = j.valid + b * T;
   const float* q = j.q + u * R * H;  // (G, S, H) of this (row, kv head)
   float* out = j.out + u * R * H;
-  const float inv_scale = static_cast<float>(std::sqrt(static_cast<double>(H)));
+  const float sqrt_h = static_cast<float>(std::sqrt(static_cast<double>(H)));
   thread_local std::vector<float> scores;
   if (scores.size() < size_t(T)) scores.resize(T);
   float* p = scores.data();
@@ -695,7 +695,7 @@ void RunUnit(const AttentionJob& j, int64_t u) {
     const float* qr = q + r * H;
     float top = kMasked;
     for (int64_t t = 0; t < T; ++t) {
-      p[t] = (t <= slot && valid[t]) ? Dot(qr, k + t * H, H) / inv_scale : kMasked;
+      p[t] = (t <= slot && valid[t]) ? Dot(qr, k + t * H, H) / sqrt_h : kMasked;
       top = std::max(top, p[t]);
     }
     int64_t t = 0;
