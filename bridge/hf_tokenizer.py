@@ -11,7 +11,9 @@ BPE that runs the same algorithm as the original:
             tiktoken's rule; LLaMA 3's split regex; the 256 special tokens at 128000+.
     llama2  SentencePiece BPE -> BPE over "▁"-escaped text with byte fallback; merge priority =
             the merged piece's score, exactly SentencePiece's rule (ties: see _sentencepiece_bpe).
-    hf      its own tokenizer.json, plus a post-processor that adds its BOS (where add_bos).
+    hf      its own tokenizer.json.
+Every kind gets a post-processor that adds BOS / EOS exactly where the tokenizer's add_bos /
+add_eos say, which is where transformers reads them from (bridge.tokenizer.bos_eos).
     bytes   byte-level BPE without merges: id b is byte b; <|bos|> <|eos|> <|pad|> at 256..258.
 
 One difference is by design: text that spells a special token ("<|eot_id|>", "<s>") is plain
@@ -27,7 +29,8 @@ import json
 from pathlib import Path
 
 from .errors import BridgeError
-from .tokenizer import LLAMA3_PATTERN, LLAMA3_SPECIALS, Tokenizer, _byte_level_chars
+from .tokenizer import (LLAMA3_PATTERN, LLAMA3_SPECIALS, Tokenizer, _byte_level_chars,
+                        bos_eos_post_processor)
 
 
 def hf_tokenizer_files(tokenizer: Tokenizer, directory: str | Path, *, model_max_length: int,
@@ -52,14 +55,17 @@ def hf_tokenizer_files(tokenizer: Tokenizer, directory: str | Path, *, model_max
              if i is not None}
     add_bos = tokenizer.add_bos and "bos_token" in names
     add_eos = tokenizer.add_eos and "eos_token" in names
-    if add_bos or add_eos:
-        _add_specials(tok, names["bos_token"] if add_bos else None, tokenizer.bos_id,
-                      names["eos_token"] if add_eos else None, tokenizer.eos_id)
+    # The post-processor is what transformers reads the decision from (bridge.tokenizer.bos_eos).
+    tok.post_processor = bos_eos_post_processor(
+        tok.post_processor, (names["bos_token"], tokenizer.bos_id) if add_bos else None,
+        (names["eos_token"], tokenizer.eos_id) if add_eos else None)
     if chat_template is None and tokenizer.kind == "hf":
         chat_template = tokenizer._config.get("chat_template")
     config = {
         # The generic fast class: it takes tokenizer.json as written. A model-specific class
-        # (LlamaTokenizer) would rebuild parts of the pipeline from its own defaults.
+        # (LlamaTokenizer) would rebuild parts of the pipeline from its own defaults. The
+        # add_*_token keys repeat the post-processor's decision for readers older than
+        # transformers 5 (which reads only the post-processor where there is a tokenizer.json).
         "tokenizer_class": "PreTrainedTokenizerFast",
         **names,
         "add_bos_token": add_bos,
@@ -96,25 +102,6 @@ def generation_config(tokenizer: Tokenizer) -> dict:
     if tokenizer.pad_id is not None:
         out["pad_token_id"] = tokenizer.pad_id
     return out
-
-
-def _add_specials(tok, bos: str | None, bos_id: int | None, eos: str | None,
-                  eos_id: int | None) -> None:
-    """Make `tok` add `bos` in front of / `eos` after every encoded text (and each text of a
-    pair) where given, keeping a ByteLevel post-processor (it only trims offsets) where there
-    is one."""
-    from tokenizers import processors
-
-    def one(text: str, type_id: int) -> str:
-        return " ".join([f"{bos}:{type_id}"] * (bos is not None) + [f"{text}:{type_id}"] +
-                        [f"{eos}:{type_id}"] * (eos is not None))
-
-    template = processors.TemplateProcessing(
-        single=one("$A", 0), pair=f"{one('$A', 0)} {one('$B', 1)}",
-        special_tokens=[(t, i) for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None])
-    old = tok.post_processor
-    keep = isinstance(old, processors.ByteLevel)
-    tok.post_processor = processors.Sequence([old, template]) if keep else template
 
 
 # -- LLaMA 3: tiktoken ranks -> byte-level BPE ---------------------------------------------------

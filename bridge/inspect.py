@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 
+from .errors import BridgeError
 from .formats import Checkpoint
 from .tensors import count_params
 
@@ -16,7 +18,8 @@ _SCAN_CHUNK = 1 << 24  # elements per NaN / Inf count: 16 MiB of booleans at a t
 
 def describe(ckpt: Checkpoint) -> dict:
     """path, format, config, parameters, tensors, files, dtypes, bytes, quantization, tensor
-    types (as a GGUF file names them, with counts; else None) and notes, as JSON values."""
+    types (as a GGUF file names them, with counts; else None), tokenizer (describe_tokenizer)
+    and notes, as JSON values."""
     return {
         "path": str(ckpt.path),
         "format": ckpt.format,
@@ -28,8 +31,31 @@ def describe(ckpt: Checkpoint) -> dict:
         "bytes": ckpt.nbytes,
         "quantization": None if ckpt.quantization is None else ckpt.quantization.to_dict(),
         "tensor_types": ckpt.tensor_types,
+        "tokenizer": describe_tokenizer(ckpt.path),
         "notes": ckpt.notes + ([] if ckpt.quantization is None else [_quantized_note(ckpt)]),
     }
+
+
+def describe_tokenizer(path) -> dict | None:
+    """The checkpoint's tokenizer: kind, BOS / EOS tokens, whether an encoded text gets them and
+    what decided that (bridge.tokenizer.bos_eos); None without a tokenizer, {"error": ...} for
+    one that does not load."""
+    from .formats.gguf_file import is_gguf
+    from .tokenizer import find_tokenizer
+
+    path = Path(path)
+    directory = path if path.is_dir() else path.parent
+    if not (path.is_file() and is_gguf(path)) and not any(
+            (directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        return None
+    try:
+        tok = find_tokenizer(path)
+    except BridgeError as e:
+        return {"error": str(e)}
+    names = {i: name for name, i in tok.special_tokens.items()}
+    return {"kind": tok.kind, "vocab_size": tok.vocab_size,
+            "bos": names.get(tok.bos_id, tok.bos_id), "eos": names.get(tok.eos_id, tok.eos_id),
+            "add_bos": tok.add_bos, "add_eos": tok.add_eos, "decided_by": tok.decided_by}
 
 
 def _quantized_note(ckpt: Checkpoint) -> str:

@@ -50,6 +50,16 @@ def cmd_inspect(args) -> int:
           f"heads of {c.head_dim}, ffn {c.ffn_dim}, vocab {c.vocab_size}")
     print(f"  positions   max_seq_len {c.max_seq_len}, rope_theta {c.rope_theta:g}, "
           f"rope_scaling {c.rope_scaling}, tie_embeddings {c.tie_embeddings}")
+    tok = report["tokenizer"]
+    if tok is None:
+        print("  tokenizer   none beside the weights")
+    elif "error" in tok:
+        print(f"  tokenizer   does not load: {tok['error']}")
+    else:
+        added = [f"{what} {tok[what]} {'added' if tok[f'add_{what}'] else 'not added'}"
+                 for what in ("bos", "eos") if tok[what] is not None]
+        print(f"  tokenizer   {tok['kind']}, {tok['vocab_size']:,} ids; "
+              f"{', '.join(added) or 'no BOS or EOS token'}: {tok['decided_by']}")
     for note in report["notes"]:
         print(f"  note        {note}")
     if "non_finite" not in report:

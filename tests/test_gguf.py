@@ -3,6 +3,7 @@ metadata key, every tensor), round trips, logits of a model loaded from GGUF, th
 of the real LLaMA 3 and LLaMA 2 tokenizers, and the refusals (exit 2, one line, nothing written).
 A slow test runs llama.cpp itself (llama-cpp-python) on our file when it is installed."""
 
+import json
 import math
 from pathlib import Path
 
@@ -313,9 +314,10 @@ def test_llama3_tokenizer_keys_and_round_trip(tmp_path, llama3):
             f["tokenizer.ggml.eot_token_id"], f["tokenizer.ggml.eom_token_id"]) == \
         (128000, 128001, 128009, 128008)
     assert f["tokenizer.ggml.add_bos_token"] is True and f["tokenizer.ggml.add_eos_token"] is False
-    # import rebuilds the very file
-    (rebuilt,) = ckpt.extra_files
+    # import rebuilds the very file, with llama.cpp's BOS decision beside it
+    rebuilt, config = ckpt.extra_files
     assert rebuilt.read_bytes() == (SHARED / "tokenizers/llama3/tokenizer.model").read_bytes()
+    assert json.loads(config.read_text())["add_bos_token"] is True
 
 
 def test_llama2_tokenizer_keys_and_round_trip(tmp_path, llama2):
@@ -332,9 +334,10 @@ def test_llama2_tokenizer_keys_and_round_trip(tmp_path, llama2):
     assert (f["tokenizer.ggml.bos_token_id"], f["tokenizer.ggml.eos_token_id"],
             f["tokenizer.ggml.unknown_token_id"]) == (1, 2, 0)
     ckpt = open_checkpoint(gg)
-    (rebuilt,) = ckpt.extra_files
+    rebuilt, config = ckpt.extra_files
     again = load_tokenizer(rebuilt)
     assert again.kind == "llama2" and again.vocab_size == 32000
+    assert config.name == "tokenizer_config.json" and (again.add_bos, again.add_eos) == (True, False)
     lines = (SHARED / "data/sst/train.txt").read_text().splitlines()[:300]
     texts = [line.split(" ||| ", 1)[1] for line in lines]
     texts += ["  two  spaces", "ünïcödé 🦙\n\tx"]

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from bridge.errors import BridgeError
 from conftest import TOKENIZER_FILES
+from bridge.tokenizer.bos_eos import added_tokens, post_processor_json
 from bridge.tokenizer import (ByteTokenizer, _split_long_runs, detect_tokenizer_kind,
                               load_tokenizer, train_tokenizer)
 
@@ -200,19 +201,34 @@ def test_custom_specials_come_back_through_tokenizer_config(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, None)
     tok.save(tmp_path)
     assert (load_tokenizer(tmp_path).bos_id, load_tokenizer(tmp_path).eos_id) == (0, 1)
-    # Negative case: without tokenizer_config.json the unusual names are not recognised.
+    # Without tokenizer_config.json the BOS is still the token the post-processor adds ...
     (tmp_path / "tokenizer_config.json").unlink()
+    assert (load_tokenizer(tmp_path).bos_id, load_tokenizer(tmp_path).eos_id) == (0, None)
+    # ... and without that either, the unusual names are not recognised.
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    data["post_processor"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
     assert load_tokenizer(tmp_path).bos_id is None
 
 
 def test_tokenizer_config_token_as_object(tmp_path, trained):
     trained.save(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<|bos|>"},
+                                                                "pad_token": {"content": "<|eos|>"}}))
+    assert load_tokenizer(tmp_path / "tokenizer.json").pad_id == 1
+    # A BOS that is not the token the post-processor adds before each text is refused, naming it.
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<|pad|>"}}))
-    assert load_tokenizer(tmp_path / "tokenizer.json").bos_id == 2
+    with pytest.raises(BridgeError, match=r"tokenizer.json: the post-processor puts \['<\|bos\|>'\] "
+                                          r"before each text, but the bos_token is '<\|pad\|>'"):
+        load_tokenizer(tmp_path / "tokenizer.json")
 
 
-def test_add_bos_add_eos_and_null_tokens_come_from_tokenizer_config(tmp_path, trained):
-    assert (trained.add_bos, trained.add_eos) == (True, False)  # a BOS token: BOS opens a text
+def test_add_bos_add_eos_come_from_the_post_processor(tmp_path, trained):
+    """Where there is a tokenizer.json its post-processor decides BOS / EOS (as transformers 5
+    does: tests/test_bos_eos.py); tokenizer_config.json's add_bos_token / add_eos_token are
+    written to match it and are not read; null tokens come from the config."""
+    assert (trained.add_bos, trained.add_eos) == (True, False)  # train_tokenizer: BOS opens a text
+    assert trained.decided_by == "tokenizer.json's post-processor adds <|bos|> $A"
     trained.save(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert (config["add_bos_token"], config["add_eos_token"], config["unk_token"]) == \
@@ -220,13 +236,15 @@ def test_add_bos_add_eos_and_null_tokens_come_from_tokenizer_config(tmp_path, tr
     config.update(add_bos_token=False, add_eos_token=True, pad_token=None)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = load_tokenizer(tmp_path)
-    assert (tok.add_bos, tok.add_eos, tok.bos_id, tok.pad_id) == (False, True, 0, None)
-    tok.save(tmp_path / "again")  # and the files it writes load back the same
+    assert (tok.add_bos, tok.add_eos, tok.bos_id, tok.pad_id) == (True, False, 0, None)
+    assert "add_bos_token false, add_eos_token true is not read" in tok.decided_by
+    tok.add_bos, tok.add_eos = False, True  # told otherwise: the files it writes say so
+    tok.save(tmp_path / "again")
     again = load_tokenizer(tmp_path / "again")
     assert (again.add_bos, again.add_eos, again.bos_id, again.pad_id) == (False, True, 0, None)
-    # a string is no boolean: the default stands
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": "no"}))
-    assert load_tokenizer(tmp_path).add_bos is True
+    assert again.decided_by == "tokenizer.json's post-processor adds $A <|eos|>"
+    # the rewrite went to the file only: tok's own post-processor still adds BOS
+    assert added_tokens(post_processor_json(tok._tok), "tok") == ([0], [])
 
 
 def test_stop_ids_by_llama_cpps_names(tmp_path):
@@ -294,8 +312,8 @@ def test_detect_hf_and_directory_order(tmp_path, trained):
 @needs_llama3
 @needs_llama2
 def test_real_files_save_byte_identical(tmp_path, llama3, llama2):
-    (path3,) = llama3.save(tmp_path / "3")
-    (path2,) = llama2.save(tmp_path / "2")
+    path3, _ = llama3.save(tmp_path / "3")  # and a tokenizer_config.json with the BOS decision
+    path2, _ = llama2.save(tmp_path / "2")
     assert path3.read_bytes() == LLAMA3_FILE.read_bytes()
     assert path2.read_bytes() == LLAMA2_FILE.read_bytes()
     assert load_tokenizer(tmp_path / "3").encode("Hello world") == [9906, 1917]

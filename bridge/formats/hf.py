@@ -333,28 +333,18 @@ def _generated_note(directory: Path) -> list[str]:
     return []
 
 
-def _adds_bos(directory: Path, tokenizer) -> bool:
-    """Whether the tokenizer.json there puts BOS first, as the model was trained (the one our
-    BPE training writes does not: transformers would then encode without it)."""
-    from tokenizers import Tokenizer as RustTokenizer
-
-    if tokenizer.bos_id is None:
-        return True
-    ids = RustTokenizer.from_file(str(directory / "tokenizer.json")).encode("a").ids
-    return ids[:1] == [tokenizer.bos_id]
-
-
 def complete_tokenizer(directory: Path, tokenizer, config: LlamaConfig) -> list[str]:
     """Add what transformers needs to read `tokenizer` as it is meant: tokenizer.json,
     tokenizer_config.json and special_tokens_map.json when there is no tokenizer.json yet (a
-    tokenizer.model alone makes transformers guess, and drop BOS), with the chat template the
+    tokenizer.model alone makes transformers guess, and drop BOS; a tokenizer.json there is
+    what `tokenizer` was read from, and so already says what it adds), with the chat template the
     checkpoint carries (chat_template.jinja) or, for a LLaMA 3 vocabulary, LLaMA 3's; and
     generation_config.json when missing. Returns the names of the files written."""
     from ..chat import BUILTIN, TEMPLATE_FILE
     from ..hf_tokenizer import generation_config, hf_tokenizer_files
 
     written = []
-    if not (directory / "tokenizer.json").is_file() or not _adds_bos(directory, tokenizer):
+    if not (directory / "tokenizer.json").is_file():
         template = directory / TEMPLATE_FILE
         chat = (template.read_text(encoding="utf-8") if template.is_file()
                 else BUILTIN["llama3"] if tokenizer.kind == "llama3" else None)

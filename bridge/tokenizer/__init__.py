@@ -20,14 +20,15 @@ from typing import Iterable, Sequence
 
 from ..errors import BridgeError
 from ..formats.gguf_file import is_gguf
+from .bos_eos import BosEos, bos_eos_as_transformers, bos_eos_post_processor
 from .kinds import (EXPECTED, LLAMA3_PATTERN, LLAMA3_SPECIALS, ByteTokenizer, HFTokenizer,
                     Llama2Tokenizer, Llama3Tokenizer, Tokenizer, _byte_level_chars, _hf_from_file,
-                    _split_long_runs, _split_on_specials)
+                    _split_long_runs, _split_on_specials, read_tokenizer_config)
 
-__all__ = ["LLAMA3_PATTERN", "LLAMA3_SPECIALS", "ByteTokenizer", "HFTokenizer", "Llama2Tokenizer",
-           "Llama3Tokenizer", "Tokenizer", "_byte_level_chars", "_split_long_runs",
-           "_split_on_specials", "detect_tokenizer_kind", "find_tokenizer", "load_tokenizer",
-           "train_tokenizer"]
+__all__ = ["LLAMA3_PATTERN", "LLAMA3_SPECIALS", "BosEos", "ByteTokenizer", "HFTokenizer",
+           "Llama2Tokenizer", "Llama3Tokenizer", "Tokenizer", "_byte_level_chars", "_split_long_runs",
+           "_split_on_specials", "bos_eos_as_transformers", "detect_tokenizer_kind",
+           "find_tokenizer", "load_tokenizer", "train_tokenizer"]
 
 
 # -- finding, detecting, loading, training -------------------------------------------------------
@@ -90,11 +91,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         return gguf_file_tokenizer(file)
     data = file.read_bytes()
     kind = _detect(file, data)
-    if kind == "llama3":
-        return Llama3Tokenizer.from_bytes(data, file)
-    if kind == "llama2":
-        return Llama2Tokenizer(data, file)
-    return _hf_from_file(file, data)
+    if kind == "hf":
+        return _hf_from_file(file, data)
+    tok = Llama3Tokenizer.from_bytes(data, file) if kind == "llama3" else Llama2Tokenizer(data, file)
+    config = read_tokenizer_config(file.parent)  # its add_bos_token / add_eos_token, if any
+    tok.decide(bos_eos_as_transformers(config, tok.bos_id, tok.eos_id, tokenizer_json=False))
+    return tok
 
 
 def find_tokenizer(checkpoint: str | Path, tokenizer: str | Path | None = None) -> Tokenizer:
@@ -122,7 +124,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
 
     The specials take ids 0, 1, 2, ... and the first three are bos, eos and pad (fewer is fine);
     the 256 byte symbols follow, then merges up to `vocab_size` ids (fewer if the corpus runs out
-    of pairs). The same texts give the same tokenizer."""
+    of pairs). BOS opens an encoded text (add_bos). The same texts give the same tokenizer."""
     from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, trainers
 
     special_tokens = list(special_tokens)
@@ -141,4 +143,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
+    # BOS opens every document of a corpus this tokenizer encodes (as the model trained on it
+    # sees them); the post-processor is where transformers reads that from.
+    if special_tokens:
+        tok.post_processor = bos_eos_post_processor(None, (special_tokens[0], 0), None)
     return HFTokenizer(tok, dict(zip(("bos_token", "eos_token", "pad_token"), special_tokens)))

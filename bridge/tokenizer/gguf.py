@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import BridgeError
 from ..gguf_pretokenizers import EOG_NAMES, fim_ids, llama_cpp_stop_ids
+from .bos_eos import BosEos
 from .kinds import LLAMA3_SPECIALS, Tokenizer, _byte_level_chars
 
 # llama.cpp's token types (gguf.TokenType), the same numbers as SentencePiece's piece types.
@@ -128,6 +129,10 @@ class _Vocab:
         self.add_bos = self._flag("add_bos_token", model == "llama" or
                                   PRE_TOKENIZERS.get(pre, PRE_TOKENIZERS["default"]).add_bos)
         self.add_eos = self._flag("add_eos_token", False)
+        self.decided_by = "; ".join(
+            f"the GGUF file's tokenizer.ggml.{key}" if f"tokenizer.ggml.{key}" in fields else
+            f"{key}: llama.cpp's default for a {model!r} vocabulary (pre {pre!r})"
+            for key in ("add_bos_token", "add_eos_token"))
         self.special, self.user = self._classes(types)
         self.types = types
 
@@ -206,7 +211,7 @@ class _Vocab:
             for k in ("pad", "rep", "sep")])
 
     def _finish(self, tokenizer: Tokenizer) -> Tokenizer:
-        tokenizer.add_bos, tokenizer.add_eos = self.add_bos, self.add_eos
+        tokenizer.decide(BosEos(self.add_bos, self.add_eos, self.decided_by))
         tokenizer.stop_ids = self.stop_ids()
         return tokenizer
 

@@ -15,6 +15,8 @@ from typing import Iterable, Sequence
 
 from ..errors import BridgeError
 from ..gguf_pretokenizers import fim_ids, llama_cpp_stop_ids
+from .bos_eos import (BosEos, added_tokens, bos_eos_as_transformers, bos_eos_post_processor,
+                      post_processor_json)
 
 EXPECTED = "expected a tiktoken ranks file, a SentencePiece model or a tokenizer.json"
 
@@ -30,18 +32,17 @@ class Tokenizer:
     unk_id: int | None = None
     special_tokens: dict[str, int]   # name -> id
     stop_ids: tuple[int, ...] = ()   # ids that end a generation
-    add_eos: bool = False            # whether an encoded document / prompt ends with EOS
-    _add_bos: bool | None = None     # set where the file says; else add_bos follows bos_id
+    # Whether an encoded document / prompt opens with BOS and ends with EOS, as the tokenizer's
+    # files decide (bridge.tokenizer.bos_eos; a GGUF file's as llama.cpp does), and where that
+    # decision comes from, in words. Every plain-text path encodes with bos=add_bos.
+    add_bos: bool = False
+    add_eos: bool = False
+    decided_by: str = ""
 
-    @property
-    def add_bos(self) -> bool:
-        """Whether an encoded document / prompt starts with BOS: what the tokenizer's file says
-        (GGUF's add_bos_token, tokenizer_config.json's), else whenever there is a BOS token."""
-        return self.bos_id is not None if self._add_bos is None else self._add_bos
-
-    @add_bos.setter
-    def add_bos(self, value: bool) -> None:
-        self._add_bos = bool(value)
+    def decide(self, decision: BosEos) -> None:
+        """Take `decision` as add_bos / add_eos (and say where it came from)."""
+        self.add_bos, self.add_eos, self.decided_by = decision.bos, decision.eos, \
+            decision.decided_by
 
     def encode(self, text: str, bos: bool = False, eos: bool = False,
                allow_special: bool = False) -> list[int]:
@@ -71,6 +72,18 @@ class Tokenizer:
     def save(self, directory: str | Path) -> list[Path]:
         """Write the tokenizer file(s) into `directory` (created if needed); return their paths."""
         raise NotImplementedError
+
+    def _save_flags(self, directory: str | Path) -> Path:
+        """tokenizer_config.json beside a tokenizer.model: the BOS / EOS tokens and whether
+        they are added, as keys that transformers (and load_tokenizer) read where there is no
+        tokenizer.json; return its path."""
+        path = Path(directory) / "tokenizer_config.json"
+        names = {i: name for name, i in self.special_tokens.items()}
+        config = {f"{key}_token": names[i] for key, i in (("bos", self.bos_id),
+                                                          ("eos", self.eos_id)) if i in names}
+        config.update(add_bos_token=self.add_bos, add_eos_token=self.add_eos)
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return path
 
     def _encode(self, text: str, allow_special: bool) -> list[int]:
         raise NotImplementedError
@@ -137,6 +150,7 @@ class Llama3Tokenizer(Tokenizer):
         self.eos_id = self.special_tokens["<|end_of_text|>"]
         self.stop_ids = (self.eos_id, self.special_tokens["<|eom_id|>"],
                          self.special_tokens["<|eot_id|>"])
+        self.decide(bos_eos_as_transformers(None, self.bos_id, self.eos_id, tokenizer_json=False))
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str | Path) -> "Llama3Tokenizer":
@@ -177,7 +191,7 @@ class Llama3Tokenizer(Tokenizer):
         path.parent.mkdir(parents=True, exist_ok=True)
         by_rank = sorted(self._ranks.items(), key=lambda kv: kv[1])
         path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in by_rank))
-        return [path]
+        return [path, self._save_flags(directory)]
 
 
 # -- LLaMA 2: SentencePiece ----------------------------------------------------------------------
@@ -211,6 +225,7 @@ class Llama2Tokenizer(Tokenizer):
         self.special_tokens = {p: i for p, i in pieces.items()
                                if sp.is_control(i) or sp.is_unknown(i)}
         self.stop_ids = llama_cpp_stop_ids(pieces, [self.eos_id])
+        self.decide(bos_eos_as_transformers(None, self.bos_id, self.eos_id, tokenizer_json=False))
 
     def _encode(self, text: str, allow_special: bool) -> list[int]:
         # SentencePiece never reads "<s>" in text as the control token
@@ -237,7 +252,7 @@ class Llama2Tokenizer(Tokenizer):
         path = Path(directory) / "tokenizer.model"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(self._sp.serialized_model_proto())
-        return [path]
+        return [path, self._save_flags(directory)]
 
 
 # -- Hugging Face tokenizer.json -----------------------------------------------------------------
@@ -249,39 +264,46 @@ _PAD_NAMES = ("<|pad|>", "<pad>")
 
 class HFTokenizer(Tokenizer):
     """A `tokenizers` tokenizer (tokenizer.json). bos/eos/pad/unk come from `config` (the
-    tokenizer_config.json fields bos_token / eos_token / pad_token / unk_token; null: none) or
-    else from well-known special-token names, add_bos / add_eos from its add_bos_token /
-    add_eos_token where they are booleans; stop_ids by llama.cpp's rule (llama_cpp_stop_ids),
-    so that a GGUF vocabulary and its tokenizer.json stop at the same ids."""
+    tokenizer_config.json fields bos_token / eos_token / pad_token / unk_token; null: none),
+    else from the token the post-processor puts before (after) each text, else from well-known
+    special-token names; add_bos / add_eos as transformers decides them (bos_eos_as_transformers:
+    the post-processor, for most tokenizer classes); stop_ids by llama.cpp's rule
+    (llama_cpp_stop_ids), so that a GGUF vocabulary and its tokenizer.json stop at the same ids.
+    `where` names the file in errors."""
 
     kind = "hf"
 
-    def __init__(self, tok, config: dict | None = None):
+    def __init__(self, tok, config: dict | None = None, where: str | Path = "tokenizer.json"):
         self._tok = tok
         self._config = dict(config or {})
         vocab = tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         self.special_tokens = {t.content: i for i, t in tok.get_added_tokens_decoder().items()
                                if t.special}
+        processor = post_processor_json(tok)
+        before, after = added_tokens(processor, str(where))
+        by_id = {i: t for t, i in vocab.items()}
 
-        def find(key: str, names: Sequence[str]) -> int | None:
+        def find(key: str, names: Sequence[str], added: list[int] = ()) -> int | None:
             if key in self._config and self._config[key] is None:
                 return None  # the config says there is none
             name = self._config.get(key)
             name = name.get("content") if isinstance(name, dict) else name
+            if not name and len(added) == 1 and added[0] in by_id:
+                return added[0]  # no name in the config: the token the template adds
             for candidate in ([name] if name else []) + list(names):
                 if candidate in vocab:
                     return vocab[candidate]
             return None
 
-        self.bos_id = find("bos_token", _BOS_NAMES)
-        self.eos_id = find("eos_token", _EOS_NAMES)
+        self.bos_id = find("bos_token", _BOS_NAMES, before)
+        self.eos_id = find("eos_token", _EOS_NAMES, after)
         self.pad_id = find("pad_token", _PAD_NAMES)
         model_unk = getattr(tok.model, "unk_token", None)
         self.unk_id = find("unk_token", [model_unk] if model_unk else [])
-        for flag in ("add_bos", "add_eos"):
-            if isinstance(self._config.get(f"{flag}_token"), bool):
-                setattr(self, flag, self._config[f"{flag}_token"])
+        self.decide(bos_eos_as_transformers(self._config, self.bos_id, self.eos_id,
+                                            tokenizer_json=True, post_processor=processor,
+                                            names=by_id, where=str(where)))
         fim = fim_ids(vocab)
         self.stop_ids = llama_cpp_stop_ids(vocab, [self.eos_id, fim.get("pad"), fim.get("rep"),
                                                    fim.get("sep")])
@@ -297,10 +319,11 @@ class HFTokenizer(Tokenizer):
     def save(self, directory: str | Path) -> list[Path]:
         """tokenizer.json, and tokenizer_config.json: the config this tokenizer was loaded with
         (so a chat template etc. survives), with the bos/eos/pad/unk tokens it resolved to (null
-        for none) and add_bos_token / add_eos_token, so that the files load back the same."""
+        for none). add_bos / add_eos are written as transformers reads them: in the
+        post-processor (rewritten only where it decides otherwise) and, for older readers, as
+        add_bos_token / add_eos_token; so the files load back the same, here and there."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self._tok.save(str(directory / "tokenizer.json"))
         config = dict(self._config)
         for key, i in (("bos_token", self.bos_id), ("eos_token", self.eos_id),
                        ("pad_token", self.pad_id), ("unk_token", self.unk_id)):
@@ -309,6 +332,17 @@ class HFTokenizer(Tokenizer):
             if i is None or name != self._tok.id_to_token(i):
                 config[key] = None if i is None else self._tok.id_to_token(i)
         config["add_bos_token"], config["add_eos_token"] = self.add_bos, self.add_eos
+        old = self._tok.post_processor
+        written = bos_eos_as_transformers(config, self.bos_id, self.eos_id, tokenizer_json=True,
+                                          post_processor=post_processor_json(self._tok))
+        try:
+            if (written.bos, written.eos) != (self.add_bos, self.add_eos):
+                self._tok.post_processor = bos_eos_post_processor(
+                    old, *[(self._tok.id_to_token(i), i) if on else None
+                           for on, i in ((self.add_bos, self.bos_id), (self.add_eos, self.eos_id))])
+            self._tok.save(str(directory / "tokenizer.json"))
+        finally:
+            self._tok.post_processor = old
         (directory / "tokenizer_config.json").write_text(
             json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         return [directory / "tokenizer.json", directory / "tokenizer_config.json"]
@@ -322,7 +356,12 @@ def _hf_from_file(path: Path, data: bytes) -> HFTokenizer:
     except Exception as e:  # tokenizers raises a bare Exception with serde's message
         raise BridgeError(f"{path}: not a tokenizer.json that `tokenizers` can load "
                           f"({(str(e).splitlines() or [type(e).__name__])[0][:120]})") from None
-    config_path = path.parent / "tokenizer_config.json"
+    return HFTokenizer(tok, read_tokenizer_config(path.parent), where=path)
+
+
+def read_tokenizer_config(directory: Path) -> dict | None:
+    """The tokenizer_config.json in `directory` (None where there is none)."""
+    config_path = directory / "tokenizer_config.json"
     config = None
     if config_path.is_file():
         try:
@@ -331,7 +370,7 @@ def _hf_from_file(path: Path, data: bytes) -> HFTokenizer:
             raise BridgeError(f"{config_path}: invalid JSON ({e})") from None
         if not isinstance(config, dict):
             raise BridgeError(f"{config_path}: expected a JSON object")
-    return HFTokenizer(tok, config)
+    return config
 
 
 # -- raw bytes -----------------------------------------------------------------------------------
@@ -361,6 +400,7 @@ class ByteTokenizer(Tokenizer):
         self.special_tokens = {name: 256 + i for i, name in enumerate(self.SPECIALS)}
         self.bos_id, self.eos_id, self.pad_id = self.special_tokens.values()
         self.stop_ids = (self.eos_id,)
+        self.decide(BosEos(True, False, "raw bytes: BOS opens every text"))
 
     def _encode(self, text: str, allow_special: bool) -> list[int]:
         pieces = _split_on_specials(text, self.special_tokens) if allow_special else [text]
@@ -389,5 +429,8 @@ class ByteTokenizer(Tokenizer):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(list(self.SPECIALS))
+        tok.post_processor = bos_eos_post_processor(
+            None, (self.SPECIALS[0], self.bos_id) if self.add_bos else None,
+            (self.SPECIALS[1], self.eos_id) if self.add_eos else None)
         return HFTokenizer(tok, dict(zip(("bos_token", "eos_token", "pad_token"),
                                          self.SPECIALS))).save(directory)
