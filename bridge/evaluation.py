@@ -123,7 +123,7 @@ def read_texts(paths: Iterable[str | os.PathLike]) -> list[Text]:
 @dataclass(frozen=True)
 class Document:
     path: str
-    ids: np.ndarray  # (n,) int32: BOS (when the tokenizer has one), then the text's tokens
+    ids: np.ndarray  # (n,) int32: BOS (where the tokenizer adds one), then the text's tokens
     n_bytes: int
 
 

@@ -13,9 +13,12 @@ version the [test] extra installs here, `TRANSFORMERS_VERSION`); another version
 otherwise, and these tests would say where.
 """
 
+import contextlib
 import json
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import SHARED, TOKENIZER_FILES
 
@@ -118,6 +121,7 @@ def _base(layouts, name, tmp_path_factory, request):
 def _variant(base, tmp_path, post_processor: str, keys: dict, tokenizer_class: str | None = None):
     """A copy of the base layout with the post-processor ("as saved": kept) and config changed."""
     root, bos, eos = base
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for name in LAYOUT_FILES:
         if (root / name).is_file():
             shutil.copy(root / name, tmp_path / name)
@@ -290,3 +294,126 @@ def test_added_tokens_reads_every_kind():
                         "t") == ([0], [2])
     assert added_tokens(_post_processor("bytelevel+bos", ("<s>", 1), ("</s>", 2)), "t") == ([1], [])
     assert added_tokens(_template([("<s>", 1)], [("</s>", 2)]), "t") == ([1], [2])
+
+
+def test_inspect_shows_the_decision_and_where_it_came_from(layouts, tmp_path_factory, request,
+                                                            tmp_path, capsys):
+    """A random model with SmolLM2's tokenizer as transformers saves it, then the same files
+    with add_bos_token true stamped in as the old rule did: inspect says no BOS, and why."""
+    from conftest import save_random_checkpoint, small_config
+    from llama_twins import bridge_cli
+
+    ckpt = save_random_checkpoint(tmp_path / "ckpt", small_config(vocab_size=49152))
+    _variant(_base(layouts, "smollm2", tmp_path_factory, request), ckpt, "as saved", {})
+    assert bridge_cli.main(["inspect", str(ckpt), "--no-scan"]) == 0
+    assert ("  tokenizer   hf, 49,152 ids; bos <|im_start|> not added, eos <|im_end|> not added: "
+            "tokenizer.json's post-processor adds nothing\n") in capsys.readouterr().out
+    _variant(_base(layouts, "smollm2", tmp_path_factory, request), ckpt, "as saved",
+             {"add_bos_token": True})
+    assert bridge_cli.main(["inspect", str(ckpt), "--no-scan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokenizer"] == {
+        "kind": "hf", "vocab_size": 49152, "bos": "<|im_start|>", "eos": "<|im_end|>",
+        "add_bos": False, "add_eos": False,
+        "decided_by": "tokenizer.json's post-processor adds nothing (tokenizer_config.json's "
+                      "add_bos_token true is not read where there is a tokenizer.json, by "
+                      "transformers 5 nor here)"}
+
+
+# -- every path that encodes plain text, and the issue's figures end to end -----------------------
+
+def test_every_plain_text_path_adds_what_transformers_adds(layouts, tmp_path_factory, request,
+                                                           tmp_path):
+    """With SmolLM2's tokenizer as transformers saves it (no BOS) and with a variant whose
+    post-processor adds BOS: training text, classifier rows, zero-shot prompts, plain-text
+    preference pairs, eval documents and generate's prompts all open as AutoTokenizer's ids do,
+    and each EOS a path appends on purpose (a document's end, a classifier's last token, a
+    completion's end) stays."""
+    from bridge.classification import encode_texts
+    from bridge.evaluation import Text, tokenize
+    from bridge.preference import encode_pair
+    from bridge.prompts import encode_prompts
+    from jax_llama.classify import zero_shot_rows
+    from jax_llama.data import tokenize_corpus
+
+    base = _base(layouts, "smollm2", tmp_path_factory, request)
+    text, more = "the film was good", " and the cast fine"
+    (tmp_path / "doc.txt").write_text(text)
+    for post_processor in ("as saved", "bos"):
+        directory = _variant(base, tmp_path / post_processor, post_processor, {})
+        tok = find_tokenizer(directory)
+        theirs = transformers.AutoTokenizer.from_pretrained(directory)
+        ids, whole, eos = theirs(text).input_ids, theirs(text + more).input_ids, [tok.eos_id]
+        assert (ids[0] == tok.bos_id) == (post_processor == "bos")  # the variants differ
+        corpus = tokenize_corpus([tmp_path / "doc.txt"], tok, tmp_path / f"cache-{post_processor}")
+        assert corpus.tolist() == ids + eos
+        assert encode_texts(tok, [text], 64)[0] == [ids + eos]
+        assert zero_shot_rows(tok, [text], ["good"], "{text}", 64)[0] == [ids]
+        pair = encode_pair({"prompt": text, "chosen": more, "rejected": " and bad"}, "x", tok, None)
+        assert pair.prompt.tolist() + pair.chosen.tolist() == whole + eos
+        (doc,) = tokenize([Text("t.txt", "t.txt", text)], tok)
+        assert doc.ids.tolist() == ids
+        assert encode_prompts(tok, [text], 256) == [ids]
+
+
+@pytest.mark.slow
+def test_smollm2_as_a_hugging_face_directory_scores_as_transformers(smollm2, tmp_path):
+    """The issue's figures after the fix: SmolLM2 converted to a Hugging Face directory with its
+    tokenizer as transformers saves it. The server's echo log-probs on one sentence and
+    `jax-llama eval` on SST dev text equal transformers' on the same directory: the same count of
+    tokens, sums within rtol 1e-4 (the issue's bound; float32 over 30 layers in other orders
+    measured ~1e-6). With the old rule the server scored a BOS more: a sum 35% lower."""
+    import importlib.util
+
+    import httpx
+    import torch
+
+    import jax_llama
+    from bridge.chat import find_template
+    from bridge.convert import convert
+    from jax_llama.serving import Engine
+    from llama_twins import jax_cli
+    from llama_twins.serve import Server, serve_in_thread
+
+    directory = tmp_path / "hf"
+    convert(smollm2, directory, to="hf")
+    transformers.AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name) \
+        .save_pretrained(directory)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(directory,
+                                                                 dtype=torch.float32).eval()
+
+    sentence = "The moon orbits the Earth once a month."
+    tok = find_tokenizer(directory)
+    model, params = jax_llama.load(directory)
+    server = Server(Engine(model, params, max_batch=1), model, params, tok,
+                    find_template(str(directory), tok, None), "smollm2", None)
+    url, stop = serve_in_thread(server)
+    try:
+        echo = httpx.post(url + "/v1/completions", timeout=600, json={
+            "model": "smollm2", "prompt": sentence, "echo": True, "max_tokens": 0,
+            "logprobs": 1}).json()["choices"][0]["logprobs"]["token_logprobs"]
+    finally:
+        stop()
+    ids = theirs(sentence, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(hf_model(ids).logits[0], -1)
+    expected = [float(logp[i, ids[0, i + 1]]) for i in range(ids.shape[1] - 1)]
+    assert len(echo) == ids.shape[1] and echo[0] is None
+    np.testing.assert_allclose(sum(echo[1:]), sum(expected), rtol=1e-4, atol=0)
+
+    lines = DEV.read_text(encoding="utf-8").splitlines()[:100] if DEV.is_file() else HARD * 20
+    data = tmp_path / "dev.txt"
+    data.write_text("\n".join(line.split(" ||| ", 1)[-1] for line in lines) + "\n")
+    spec = importlib.util.spec_from_file_location(
+        "eval_transformers", Path(__file__).resolve().parents[1] / "scripts" / "eval_transformers.py")
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    ids = theirs(data.read_text(), return_tensors="pt").input_ids
+    nll, n_tokens = reference.guide_nll(hf_model, ids, 256, 128)
+    out = tmp_path / "eval.json"
+    with open(out, "w") as f, contextlib.redirect_stdout(f):
+        assert jax_cli.main(["eval", str(directory), "--data", str(data), "--seq-len", "256",
+                             "--stride", "128", "--json"]) == 0
+    report = json.loads(out.read_text())
+    assert (report["bos"], report["tokens"]) == (False, n_tokens)
+    np.testing.assert_allclose(report["nll_per_token"], nll / n_tokens, rtol=1e-4, atol=0)

@@ -72,6 +72,8 @@ def test_inspect_names_the_stored_types_and_the_rebuilt_tokenizer(tiny, capsys):
     assert bridge_cli.main(["inspect", str(tiny), "--no-scan"]) == 0
     out = capsys.readouterr().out
     assert "stored      F32 x" in out and "chat template" in out
+    assert ("bos <|im_start|> not added, eos <|im_end|> not added: the GGUF file's "
+            "tokenizer.ggml.add_bos_token; the GGUF file's tokenizer.ggml.add_eos_token") in out
     assert "not rebuilt" not in out
 
 

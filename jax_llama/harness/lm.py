@@ -82,7 +82,8 @@ class JaxLlamaLM(TemplateLM):
     when absent; log-probabilities are float32 whatever it is); batch_size: rows per forward
     pass ("auto" = 8); max_length: the context in tokens (the checkpoint's max_seq_len when
     absent); tokenizer: a tokenizer file (else the checkpoint's own); add_bos_token: BOS before
-    each encoded text (absent: when the tokenizer has one, as Hugging Face LLaMA tokenizers do);
+    each encoded text (absent: where the tokenizer adds one, as transformers decides it from the
+    same files: bridge.tokenizer.bos_eos);
     stride: loglikelihood_rolling's window stride (absent: max_length // 2, as `jax-llama eval`);
     seed: the sampling seed of generate_until. `device` and `max_batch_size`, which lm-eval
     passes to every model, are ignored: JAX places arrays on its default backend."""
