@@ -12,9 +12,9 @@ BPE that runs the same algorithm as the original:
     llama2  SentencePiece BPE -> BPE over "▁"-escaped text with byte fallback; merge priority =
             the merged piece's score, exactly SentencePiece's rule (ties: see _sentencepiece_bpe).
     hf      its own tokenizer.json.
+    bytes   byte-level BPE without merges: id b is byte b; <|bos|> <|eos|> <|pad|> at 256..258.
 Every kind gets a post-processor that adds BOS / EOS exactly where the tokenizer's add_bos /
 add_eos say, which is where transformers reads them from (bridge.tokenizer.bos_eos).
-    bytes   byte-level BPE without merges: id b is byte b; <|bos|> <|eos|> <|pad|> at 256..258.
 
 One difference is by design: text that spells a special token ("<|eot_id|>", "<s>") is plain
 text to `Tokenizer.encode` but the special token to transformers' default encode (its chat

@@ -429,8 +429,6 @@ class ByteTokenizer(Tokenizer):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(list(self.SPECIALS))
-        tok.post_processor = bos_eos_post_processor(
-            None, (self.SPECIALS[0], self.bos_id) if self.add_bos else None,
-            (self.SPECIALS[1], self.eos_id) if self.add_eos else None)
-        return HFTokenizer(tok, dict(zip(("bos_token", "eos_token", "pad_token"),
-                                         self.SPECIALS))).save(directory)
+        saved = HFTokenizer(tok, dict(zip(("bos_token", "eos_token", "pad_token"), self.SPECIALS)))
+        saved.add_bos, saved.add_eos = self.add_bos, self.add_eos  # its save writes them
+        return saved.save(directory)
