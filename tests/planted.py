@@ -58,8 +58,8 @@ def _torch_bug(bug: str, tmodel):
         elif bug == "qk_permuted_twice":
             for layer in tmodel.layers:
                 for w, heads in ((layer.attention.wq, c.n_heads), (layer.attention.wk, c.n_kv_heads)):
-                    permuted = to_half_split(w.weight.float().numpy(), heads)
-                    w.weight.copy_(torch.from_numpy(permuted).to(w.weight.dtype))
+                    permuted = to_half_split(w.weight.float().cpu().numpy(), heads)
+                    w.weight.copy_(torch.from_numpy(permuted).to(w.weight.device, w.weight.dtype))
         elif bug == "rope_theta":
             tmodel._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta * 1.01, c.rope_scaling)
             tmodel._inv_freq_on.clear()

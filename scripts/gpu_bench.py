@@ -1,0 +1,281 @@
+"""Train-step MFU and decode's fraction of the HBM bound on an NVIDIA GPU, for llama3.2-1b shapes
+(random weights), jax-llama against the torch twin and transformers on the same work.
+
+- machine: the GPU, its bfloat16 matmul rate (8192^3, measured through JAX) and its memory
+  bandwidth (a read-only sum and a matrix-vector product over 4 GiB, and a copy);
+- train: one AdamW step (clipping, warmup-cosine schedule) on a batch of 2,048-token rows in
+  bfloat16 compute with float32 params (autocast on the torch side), the largest of --batches
+  that fits; tokens/s and MFU = the PaLM-appendix FLOPs (llama_twins.bench.train) over the chip's
+  dense bfloat16 peak (989.4 TFLOP/s, the H100 / H200 SXM datasheet) and over the measured rate;
+- decode: greedy, 16-token prompt, 128 new tokens, batch 1 and 32, bfloat16 and int8 weights;
+  tokens/s and the fraction of the HBM bound (the bytes a step reads - weights and KV cache - over
+  the measured read bandwidth).
+
+Each measurement runs in a process of its own (JAX and torch each take the GPU's memory), killed
+past --job-timeout. Writes OUT/gpu.json (every figure, the command, the commit) and OUT/gpu.md.
+
+    python scripts/gpu_bench.py --out DIR [--only machine,train,decode] [--batches 16,8,4]
+    python scripts/gpu_bench.py --out DIR --preset tiny --seq-len 64 --batches 2 --attention xla
+                                                            # a smoke run on a CPU: seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DATASHEET_BF16_FLOPS = 989.4e12  # dense bfloat16, H100 / H200 SXM (NVIDIA's datasheet)
+# the shape measured; --preset / --seq-len change it (a smoke run on a CPU), for the jobs too
+PRESET, SEQ_LEN = os.environ.get("GPU_BENCH_SHAPE", "llama3.2-1b,2048").split(",")
+SEQ_LEN = int(SEQ_LEN)
+DECODE_BATCHES = (1, 32)
+IMPLS = ("jax-llama", "torch_llama", "transformers")
+
+
+def say(message: str) -> None:
+    print(f"[gpu_bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def spec(**changes):
+    from bridge.config import PRESETS
+    from llama_twins.bench.common import Spec
+    base = dict(config=PRESETS[PRESET], dtype="bfloat16", seq_len=SEQ_LEN, batch=8, warmup=2,
+                repeats=5, prompt_len=16, new_tokens=128, decode_batches=DECODE_BATCHES)
+    return Spec(**{**base, **changes})
+
+
+# -- jobs, each in its own process ---------------------------------------------------------------
+
+def job_machine(_: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from jax_llama.perf import measure_matmul_peak, measure_read_bandwidth
+    gpu = jax.default_backend() == "gpu"  # else a smoke run: sizes a CPU does in seconds
+    x = jnp.ones((2**30 if gpu else 2**26,), jnp.float32)  # 4 GiB, well past the 60 MB L2
+    copy = jax.jit(lambda a: a + 1.0)
+    copy(x).block_until_ready()
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        copy(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "torch": torch.__version__,
+            "torch_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "bf16_matmul_flops": measure_matmul_peak("bfloat16", n=8192 if gpu else 1024, repeats=10),
+            "read_bytes_per_s": measure_read_bandwidth(nbytes=x.nbytes, repeats=10),
+            "copy_bytes_per_s": 2 * x.nbytes / statistics.median(times)}
+
+
+def job_train(args: dict) -> dict:
+    from llama_twins.bench.common import timed
+    from llama_twins.bench.train import jax_step, torch_step
+    s = spec(batch=args["batch"], repeats=5)
+    if args["impl"] == "jax-llama":
+        import jax
+        step, sync = jax_step(s, attention=args.get("attention", "auto"))
+        times = timed(step, s.warmup, s.repeats, sync)
+        peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    else:
+        import torch
+        step, sync = torch_step(s, args["impl"])
+        times = timed(step, s.warmup, s.repeats, sync)
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return {"step_s": times, "peak_bytes": peak}
+
+
+def job_decode(args: dict) -> dict:
+    from llama_twins.bench.decode import measure
+    s = spec(quantize=args.get("quantize"), warmup=1, repeats=3)
+    return measure(args["impl"], s)
+
+
+JOBS = {"machine": job_machine, "train": job_train, "decode": job_decode}
+
+
+def run_job(name: str, args: dict, timeout: float) -> dict:
+    """The job's JSON, or {"error": the end of its stderr}."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.92", PYTHONUNBUFFERED="1")
+    command = [sys.executable, __file__, "--job", name, "--args", json.dumps(args)]
+    say(f"{name} {args}")
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"killed after {timeout:.0f} s"}
+    say(f"  {time.perf_counter() - start:.0f} s, exit {done.returncode}")
+    if done.returncode != 0:
+        return {"error": "\n".join(done.stderr.strip().splitlines()[-6:])}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the figures -------------------------------------------------------------------------------
+
+def train_row(result: dict, batch: int, machine: dict) -> dict:
+    from jax_llama.perf import train_flops_per_token
+    if "error" in result:
+        return {"batch": batch, **result}
+    s = spec(batch=batch)
+    tokens = batch * SEQ_LEN
+    step = statistics.median(result["step_s"])
+    flops = train_flops_per_token(s.config, SEQ_LEN) * tokens / step
+    return {"batch": batch, "step_s": step, "runs_s": result["step_s"],
+            "tokens_per_s": tokens / step, "model_flops_per_s": flops,
+            "mfu": flops / DATASHEET_BF16_FLOPS,
+            "mfu_of_measured_peak": flops / machine["bf16_matmul_flops"] if machine else None,
+            "peak_bytes": result.get("peak_bytes")}
+
+
+def step_bytes(quantize: str | None, batch: int) -> float:
+    """Bytes one decode step reads: the weights (jax_llama.perf) and the KV cache at the mean
+    context of the run (prompt + half the new tokens), bfloat16, for every row."""
+    from bridge.quantize import Quantization
+    from jax_llama.perf import decode_bytes_per_token
+    s = spec()
+    c = s.config
+    weights = decode_bytes_per_token(c, 2, Quantization(quantize) if quantize else None)
+    context = s.prompt_len + s.new_tokens / 2
+    return weights + batch * 2 * c.n_layers * c.n_kv_heads * c.head_dim * 2 * context
+
+
+def decode_rows(result: dict, quantize: str | None, machine: dict) -> dict:
+    if "error" in result:
+        return result
+    s, rows = spec(), {}
+    for batch in DECODE_BATCHES:
+        first = statistics.median(result[f"{batch}/1"])
+        full = statistics.median(result[f"{batch}/{s.new_tokens}"])
+        step = (full - first) / (s.new_tokens - 1)
+        rate = batch / step
+        bound = batch * machine["read_bytes_per_s"] / step_bytes(quantize, batch) if machine else None
+        rows[str(batch)] = {"tokens_per_s": rate, "step_s": step, "ttft_s": first,
+                            "bytes_per_step": step_bytes(quantize, batch),
+                            "hbm_bound_tokens_per_s": bound,
+                            "hbm_fraction": rate / bound if bound else None}
+    return rows
+
+
+def markdown(report: dict) -> str:
+    m = report.get("machine", {})
+    lines = [f"# {PRESET} on {m.get('device', '?')} (jax {m.get('jax')}, torch {m.get('torch')})", ""]
+    if "bf16_matmul_flops" in m:
+        lines += [f"Measured: bfloat16 matmul {m['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s "
+                  f"(datasheet {DATASHEET_BF16_FLOPS / 1e12:.0f}), read bandwidth "
+                  f"{m['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {m['copy_bytes_per_s'] / 1e12:.2f} "
+                  f"TB/s (read + written)", ""]
+    if report.get("train"):
+        lines += [f"## Train step: {SEQ_LEN}-token rows, bfloat16 compute, float32 params, AdamW", "",
+                  "| implementation | batch | step (s) | tokens/s | MFU (datasheet) | MFU (measured "
+                  "peak) | peak memory (GB) |", "|---|---|---|---|---|---|---|"]
+        for name, r in report["train"].items():
+            if "error" in r:
+                lines.append(f"| {name} | {r['batch']} | failed: {r['error'].splitlines()[-1][:120]} "
+                             f"| | | | |")
+                continue
+            lines.append(f"| {name} | {r['batch']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['mfu']:.1%} | {r['mfu_of_measured_peak']:.1%} | "
+                         f"{(r['peak_bytes'] or 0) / 1e9:.1f} |")
+    if report.get("decode"):
+        lines += ["", "## Decode: greedy, 16-token prompt, 128 new tokens", "",
+                  "| implementation | batch | tokens/s | of the HBM bound | bytes read / step (GB) |",
+                  "|---|---|---|---|---|"]
+        for name, rows in report["decode"].items():
+            if "error" in rows:
+                lines.append(f"| {name} | | failed: {rows['error'].splitlines()[-1][:120]} | | |")
+                continue
+            for batch, r in rows.items():
+                lines.append(f"| {name} | {batch} | {r['tokens_per_s']:,.1f} | "
+                             f"{r['hbm_fraction']:.1%} | {r['bytes_per_step'] / 1e9:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", choices=JOBS, help=argparse.SUPPRESS)
+    parser.add_argument("--args", default="{}", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=".", help="directory for NAME.json and NAME.md")
+    parser.add_argument("--name", default="gpu")
+    parser.add_argument("--only", default="machine,train,decode")
+    parser.add_argument("--batches", default="16,8,4",
+                        help="train batches to try, largest first; the first that fits is used")
+    parser.add_argument("--attention", default="cudnn", help="JAX's attention in the train step")
+    parser.add_argument("--preset", default=PRESET)
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    parser.add_argument("--job-timeout", type=float, default=240.0)
+    args = parser.parse_args(argv)
+    if args.job:
+        print(json.dumps(JOBS[args.job](json.loads(args.args))))
+        return 0
+    if (args.preset, args.seq_len) != (PRESET, SEQ_LEN):  # this process and its jobs
+        os.environ["GPU_BENCH_SHAPE"] = f"{args.preset},{args.seq_len}"
+        return subprocess.run([sys.executable, *sys.argv]).returncode
+
+    only = set(args.only.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or None
+    report = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit,
+              "date": time.strftime("%Y-%m-%d"), "preset": PRESET, "seq_len": SEQ_LEN,
+              "datasheet_bf16_flops": DATASHEET_BF16_FLOPS}
+
+    def save():
+        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / f"{args.name}.md").write_text(markdown(report))
+
+    machine = {}
+    if "machine" in only:
+        machine = run_job("machine", {}, args.job_timeout)
+        report["machine"] = machine
+        if "error" in machine:
+            machine = {}
+        save()
+    if "train" in only:
+        report["train"] = {}
+        batch = None
+        for b in map(int, args.batches.split(",")):
+            r = run_job("train", {"impl": "jax-llama", "batch": b, "attention": args.attention},
+                        args.job_timeout)
+            report["train"][f"jax-llama {args.attention} (batch {b})"] = train_row(r, b, machine)
+            save()
+            if "error" not in r:
+                batch = b
+                break
+        if batch is not None:
+            for impl in IMPLS[1:]:
+                b = batch
+                r = run_job("train", {"impl": impl, "batch": b}, args.job_timeout)
+                if "error" in r and "out of memory" in r["error"].lower() and b > 1:
+                    b //= 2
+                    r = run_job("train", {"impl": impl, "batch": b}, args.job_timeout)
+                report["train"][impl] = train_row(r, b, machine)
+                save()
+            if args.attention != "chunked":  # what attention="auto" picks for long rows today
+                report["train"]["jax-llama chunked"] = train_row(
+                    run_job("train", {"impl": "jax-llama", "batch": batch, "attention": "chunked"},
+                            args.job_timeout), batch, machine)
+    if "decode" in only:
+        report["decode"] = {}
+        for impl in IMPLS:
+            for quantize in (None, "int8"):
+                if impl == "transformers" and quantize:
+                    continue  # its int8 path needs torchao, which the GPU image lacks
+                name = f"{impl} {quantize or 'bfloat16'}"
+                r = run_job("decode", {"impl": impl, "quantize": quantize}, args.job_timeout)
+                report["decode"][name] = decode_rows(r, quantize, machine)
+                save()
+    save()
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
