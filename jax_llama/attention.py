@@ -17,8 +17,10 @@ its G query heads without a copy.
            cache); steps over a KV cache, whose causal offset its static mask cannot follow, take
            auto's choice among xla and chunked. Padding and segments become its segment ids.
   auto     xla while the scores are small (under 512 x 512 per head), chunked from there; on a
-           TPU, splash from there where its shapes allow (head_dim a multiple of 128, no cache):
-           it never fails for lack of a kernel.
+           TPU, splash from there where its shapes allow (head_dim a multiple of 128, no cache);
+           on an NVIDIA GPU, cudnn from there for float16 / bfloat16 self-attention (head_dim a
+           multiple of 8, at most 128): the attention of the 50% MFU train step in
+           results/gpu.md. It never fails for lack of a kernel.
 
 The mask is described, not built: AttentionMask says which key slot each query sits at (causal:
 a query sees slots up to its own), which slots hold real tokens, and each token's segment (a
@@ -105,10 +107,10 @@ class AttentionMask(struct.PyTreeNode):
 
 
 def choose(implementation: str, S: int, T: int, self_attention: bool = True,
-           head_dim: int | None = None) -> str:
-    """The implementation `implementation` stands for at S queries and T keys (auto resolved;
-    splash over a KV cache, self_attention False, resolved as auto without splash); BridgeError
-    naming the field for one that does not exist or the backend does not have."""
+           head_dim: int | None = None, dtype=None) -> str:
+    """The implementation `implementation` stands for at S queries and T keys of `dtype` (auto
+    resolved; splash over a KV cache, self_attention False, resolved as auto without splash);
+    BridgeError naming the field for one that does not exist or the backend does not have."""
     if implementation not in IMPLEMENTATIONS:
         raise BridgeError(f"expected one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}",
                           field="attention")
@@ -126,6 +128,10 @@ def choose(implementation: str, S: int, T: int, self_attention: bool = True,
         if (long and backend == "tpu" and self_attention and head_dim is not None
                 and head_dim % 128 == 0):
             return "splash"
+        if (long and backend == "gpu" and self_attention and head_dim is not None
+                and head_dim % 8 == 0 and head_dim <= 128 and dtype is not None
+                and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)):
+            return "cudnn"
         return "chunked" if long else "xla"
     return implementation
 
@@ -134,7 +140,7 @@ def attend(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask, implementation: str = "
     """softmax(q k^T / sqrt(H) + mask) v, in q's dtype: (B, K, G, S, H) with keys and values
     (B, K, T, H) -> (B, K, G, S, H). Scores, softmax statistics and accumulation are float32."""
     S, T, H = q_BKGSH.shape[3], k_BKTH.shape[2], q_BKGSH.shape[4]
-    implementation = choose(implementation, S, T, mask.self_attention, H)
+    implementation = choose(implementation, S, T, mask.self_attention, H, q_BKGSH.dtype)
     if implementation == "chunked":
         return _chunked(q_BKGSH, k_BKTH, v_BKTH, mask)
     if implementation == "cudnn":

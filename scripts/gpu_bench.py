@@ -7,14 +7,15 @@
   bfloat16 compute with float32 params (autocast on the torch side), the largest of --batches
   that fits; tokens/s and MFU = the PaLM-appendix FLOPs (llama_twins.bench.train) over the chip's
   dense bfloat16 peak (989.4 TFLOP/s, the H100 / H200 SXM datasheet) and over the measured rate;
-- decode: greedy, 16-token prompt, 128 new tokens, batch 1 and 32, bfloat16 and int8 weights;
-  tokens/s and the fraction of the HBM bound (the bytes a step reads - weights and KV cache - over
-  the measured read bandwidth).
+- decode: greedy after a 16-token prompt, batch 1 and 32, bfloat16 and int8 weights; a step's
+  time is that of 240 new tokens less that of 120, over 120; tokens/s and the fraction of the HBM
+  bound (the bytes a step must read - weights and KV cache - over the measured read bandwidth).
 
 Each measurement runs in a process of its own (JAX and torch each take the GPU's memory), killed
 past --job-timeout. Writes OUT/gpu.json (every figure, the command, the commit) and OUT/gpu.md.
 
     python scripts/gpu_bench.py --out DIR [--only machine,train,decode] [--batches 16,8,4]
+    python scripts/gpu_bench.py --render results/gpu.json   # results/gpu.md from it
     python scripts/gpu_bench.py --out DIR --preset tiny --seq-len 64 --batches 2 --attention xla
                                                             # a smoke run on a CPU: seconds
 """
@@ -36,6 +37,7 @@ DATASHEET_BF16_FLOPS = 989.4e12  # dense bfloat16, H100 / H200 SXM (NVIDIA's dat
 PRESET, SEQ_LEN = os.environ.get("GPU_BENCH_SHAPE", "llama3.2-1b,2048").split(",")
 SEQ_LEN = int(SEQ_LEN)
 DECODE_BATCHES = (1, 32)
+DECODE_SHORT, DECODE_LONG = 120, 240  # new tokens after the 16-token prompt: one 256-slot cache
 IMPLS = ("jax-llama", "torch_llama", "transformers")
 
 
@@ -93,9 +95,16 @@ def job_train(args: dict) -> dict:
 
 
 def job_decode(args: dict) -> dict:
-    from llama_twins.bench.decode import measure
-    s = spec(quantize=args.get("quantize"), warmup=1, repeats=3)
-    return measure(args["impl"], s)
+    """Seconds of generating DECODE_SHORT and DECODE_LONG new tokens at each batch: both lengths
+    fill the same 256-slot KV cache, so JAX compiles one decode program per batch for the two
+    (bench.decode's 1 and 128 compile two), and the difference of the two is decoding alone."""
+    from llama_twins.bench.common import timed
+    from llama_twins.bench.decode import jax_runner, transformers_runner, twin_runner
+    s = spec(quantize=args.get("quantize"))
+    run, sync = {"jax-llama": jax_runner, "torch_llama": twin_runner,
+                 "transformers": transformers_runner}[args["impl"]](s)
+    return {f"{batch}/{n}": timed(lambda: run(batch, n), 1, 2, sync)
+            for batch in DECODE_BATCHES for n in (DECODE_SHORT, DECODE_LONG)}
 
 
 JOBS = {"machine": job_machine, "train": job_train, "decode": job_decode}
@@ -135,28 +144,28 @@ def train_row(result: dict, batch: int, machine: dict) -> dict:
 
 
 def step_bytes(quantize: str | None, batch: int) -> float:
-    """Bytes one decode step reads: the weights (jax_llama.perf) and the KV cache at the mean
-    context of the run (prompt + half the new tokens), bfloat16, for every row."""
+    """Bytes one decode step must read: the weights (jax_llama.perf) and each row's KV cache at
+    the mean context of the timed steps (bfloat16)."""
     from bridge.quantize import Quantization
     from jax_llama.perf import decode_bytes_per_token
     s = spec()
     c = s.config
     weights = decode_bytes_per_token(c, 2, Quantization(quantize) if quantize else None)
-    context = s.prompt_len + s.new_tokens / 2
+    context = s.prompt_len + (DECODE_SHORT + DECODE_LONG) / 2
     return weights + batch * 2 * c.n_layers * c.n_kv_heads * c.head_dim * 2 * context
 
 
 def decode_rows(result: dict, quantize: str | None, machine: dict) -> dict:
     if "error" in result:
         return result
-    s, rows = spec(), {}
+    rows = {}
     for batch in DECODE_BATCHES:
-        first = statistics.median(result[f"{batch}/1"])
-        full = statistics.median(result[f"{batch}/{s.new_tokens}"])
-        step = (full - first) / (s.new_tokens - 1)
+        short = statistics.median(result[f"{batch}/{DECODE_SHORT}"])
+        long = statistics.median(result[f"{batch}/{DECODE_LONG}"])
+        step = (long - short) / (DECODE_LONG - DECODE_SHORT)
         rate = batch / step
         bound = batch * machine["read_bytes_per_s"] / step_bytes(quantize, batch) if machine else None
-        rows[str(batch)] = {"tokens_per_s": rate, "step_s": step, "ttft_s": first,
+        rows[str(batch)] = {"tokens_per_s": rate, "step_s": step, 
                             "bytes_per_step": step_bytes(quantize, batch),
                             "hbm_bound_tokens_per_s": bound,
                             "hbm_fraction": rate / bound if bound else None}
@@ -165,7 +174,9 @@ def decode_rows(result: dict, quantize: str | None, machine: dict) -> dict:
 
 def markdown(report: dict) -> str:
     m = report.get("machine", {})
-    lines = [f"# {PRESET} on {m.get('device', '?')} (jax {m.get('jax')}, torch {m.get('torch')})", ""]
+    lines = [f"# {PRESET} on {m.get('device', '?')} (jax {m.get('jax')}, torch {m.get('torch')})", "",
+             f"`{report.get('command')}` at commit {report.get('commit')}, {report.get('date')}; "
+             f"every figure in the JSON beside this file, from which this page is written.", ""]
     if "bf16_matmul_flops" in m:
         lines += [f"Measured: bfloat16 matmul {m['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s "
                   f"(datasheet {DATASHEET_BF16_FLOPS / 1e12:.0f}), read bandwidth "
@@ -184,7 +195,9 @@ def markdown(report: dict) -> str:
                          f"{r['mfu']:.1%} | {r['mfu_of_measured_peak']:.1%} | "
                          f"{(r['peak_bytes'] or 0) / 1e9:.1f} |")
     if report.get("decode"):
-        lines += ["", "## Decode: greedy, 16-token prompt, 128 new tokens", "",
+        lines += ["", f"## Decode: greedy after a 16-token prompt, batch 1 and {DECODE_BATCHES[-1]}", "",
+                  report.get("decode_method", f"A step: the time of {DECODE_LONG} new tokens less "
+                             f"that of {DECODE_SHORT}, over {DECODE_LONG - DECODE_SHORT}."), "",
                   "| implementation | batch | tokens/s | of the HBM bound | bytes read / step (GB) |",
                   "|---|---|---|---|---|"]
         for name, rows in report["decode"].items():
@@ -194,12 +207,26 @@ def markdown(report: dict) -> str:
             for batch, r in rows.items():
                 lines.append(f"| {name} | {batch} | {r['tokens_per_s']:,.1f} | "
                              f"{r['hbm_fraction']:.1%} | {r['bytes_per_step'] / 1e9:.2f} |")
+    if report.get("tests"):
+        lines += ["", f"## Tests on the GPU: {report['tests']['command']}", ""]
+        lines += [f"- {name}: {outcome}" for name, outcome in report["tests"]["results"].items()]
+        lines += [f"- measured: {note}" for note in report["tests"].get("measured", [])]
+    if report.get("chat"):
+        lines += ["", f"## SmolLM2-135M-Instruct (Q4_1 GGUF), greedy chat: {report['chat']['command']}",
+                  "", *[f"- {k}: {v}" for k, v in report["chat"]["results"].items()]]
+    if report.get("targets"):
+        lines += ["", "## Targets", "", *[f"- {k}: {v}" for k, v in report["targets"].items()]]
+    if report.get("failed"):
+        lines += ["", "## What failed on the device, and why", "",
+                  *[f"- {k}: {v}" for k, v in report["failed"].items()]]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--job", choices=JOBS, help=argparse.SUPPRESS)
+    parser.add_argument("--render", metavar="JSON",
+                        help="write the markdown beside a report (JSON.md) from it, and stop")
     parser.add_argument("--args", default="{}", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=".", help="directory for NAME.json and NAME.md")
     parser.add_argument("--name", default="gpu")
@@ -209,10 +236,16 @@ def main(argv=None) -> int:
     parser.add_argument("--attention", default="cudnn", help="JAX's attention in the train step")
     parser.add_argument("--preset", default=PRESET)
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    parser.add_argument("--machine-from", help="an earlier report's JSON whose machine figures "
+                        "(matmul rate, bandwidth) to use instead of measuring them again")
     parser.add_argument("--job-timeout", type=float, default=240.0)
     args = parser.parse_args(argv)
     if args.job:
         print(json.dumps(JOBS[args.job](json.loads(args.args))))
+        return 0
+    if args.render:
+        source = Path(args.render)
+        source.with_suffix(".md").write_text(markdown(json.loads(source.read_text())))
         return 0
     if (args.preset, args.seq_len) != (PRESET, SEQ_LEN):  # this process and its jobs
         os.environ["GPU_BENCH_SHAPE"] = f"{args.preset},{args.seq_len}"
@@ -232,6 +265,10 @@ def main(argv=None) -> int:
         (out / f"{args.name}.md").write_text(markdown(report))
 
     machine = {}
+    if args.machine_from and Path(args.machine_from).is_file():
+        machine = json.loads(Path(args.machine_from).read_text()).get("machine", {})
+        report["machine"] = {**machine, "from": args.machine_from}
+        only.discard("machine")
     if "machine" in only:
         machine = run_job("machine", {}, args.job_timeout)
         report["machine"] = machine
@@ -264,14 +301,13 @@ def main(argv=None) -> int:
                             args.job_timeout), batch, machine)
     if "decode" in only:
         report["decode"] = {}
-        for impl in IMPLS:
-            for quantize in (None, "int8"):
-                if impl == "transformers" and quantize:
-                    continue  # its int8 path needs torchao, which the GPU image lacks
-                name = f"{impl} {quantize or 'bfloat16'}"
-                r = run_job("decode", {"impl": impl, "quantize": quantize}, args.job_timeout)
-                report["decode"][name] = decode_rows(r, quantize, machine)
-                save()
+        # transformers' int8 path needs torchao, which the GPU image lacks
+        for impl, quantize in (("jax-llama", None), ("torch_llama", None), ("jax-llama", "int8"),
+                               ("torch_llama", "int8"), ("transformers", None)):
+            name = f"{impl} {quantize or 'bfloat16'}"
+            r = run_job("decode", {"impl": impl, "quantize": quantize}, args.job_timeout)
+            report["decode"][name] = decode_rows(r, quantize, machine)
+            save()
     save()
     print(markdown(report))
     return 0

@@ -44,11 +44,12 @@ print("flax", flax.__version__, "optax", optax.__version__, "transformers", tran
         XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 240 $PY -m pytest tests/test_gpu.py -n 0 \
             -p no:cacheprovider -rA -s -o addopts="" > "$OUT/tests.log" 2>&1 || status=1 ;;
     train)
-        timeout 420 $PY scripts/gpu_bench.py --out "$OUT" --name gpu_train --only machine,train \
-            --job-timeout 150 2>>"$OUT/bench.log" || status=1 ;;
+        timeout 300 $PY scripts/gpu_bench.py --out "$OUT" --name gpu_train --only machine,train \
+            --job-timeout 120 2>>"$OUT/bench.log" || status=1
+        cp "$OUT/gpu_train.json" /tmp/ 2>/dev/null ;;  # its machine figures, for a later decode
     decode)
-        timeout 300 $PY scripts/gpu_bench.py --out "$OUT" --name gpu_decode --only machine,decode \
-            --job-timeout 120 2>>"$OUT/bench.log" || status=1 ;;
+        timeout 540 $PY scripts/gpu_bench.py --out "$OUT" --name gpu_decode --only machine,decode \
+            --machine-from /tmp/gpu_train.json --job-timeout 180 2>>"$OUT/bench.log" || status=1 ;;
     chat)
         model=${SMOLLM2:-}
         if [ -z "$model" ] && [ -f .carry/smollm2.sha256 ]; then  # parts: carried now or stashed

@@ -191,6 +191,17 @@ def test_auto_picks_splash_on_a_tpu_only_where_it_fits(monkeypatch):
     assert attention.choose("auto", 1024, 1024, head_dim=128) == "chunked"
 
 
+def test_auto_picks_cudnn_on_a_gpu_only_for_half_precision_self_attention(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert attention.choose("auto", 2048, 2048, head_dim=64, dtype=jnp.bfloat16) == "cudnn"
+    assert attention.choose("auto", 2048, 2048, head_dim=128, dtype="float16") == "cudnn"
+    assert attention.choose("auto", 2048, 2048, head_dim=64, dtype=jnp.float32) == "chunked"
+    assert attention.choose("auto", 2048, 2048, head_dim=64) == "chunked"  # dtype unknown
+    assert attention.choose("auto", 2048, 2048, head_dim=256, dtype=jnp.bfloat16) == "chunked"
+    assert attention.choose("auto", 1024, 2048, False, 64, jnp.bfloat16) == "chunked"  # a cache
+    assert attention.choose("auto", 64, 64, head_dim=64, dtype=jnp.bfloat16) == "xla"  # small
+
+
 # GQA by default; MHA and MQA (the same code with G = 1 and G = N) under -m slow
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=[] if k == "gqa" else pytest.mark.slow)
                                   for k in ATTENTION_KINDS])
