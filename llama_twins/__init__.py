@@ -1,6 +1,6 @@
 """llama_twins: the top layer of jax-llama, everything that needs both twins side by side.
 
-The parity report (parity.py) and the round-trip demo (demo.py), which load a checkpoint into
+The parity report (parity/) and the round-trip demo (demo.py), which load a checkpoint into
 jax_llama and torch_llama at once; the benchmark suite (bench/), which runs each twin and
 transformers in worker processes of their own; and the three commands that drive everything:
 `llama-bridge` (bridge_cli.py), `jax-llama` (jax_cli.py) and `torch-llama` (torch_cli.py), with

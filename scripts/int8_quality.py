@@ -26,8 +26,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 N_PROMPTS, NEW_TOKENS = 20, 64
 
 

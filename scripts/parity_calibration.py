@@ -1,7 +1,7 @@
 """Calibrate the parity report's judgement on checkpoints the project makes itself.
 
 For each checkpoint and dtype: the report on the correct twins (transformers too), and the report
-with each bug of tests/planted.py in one twin. Writes results/parity.json (every row) and
+with each bug of llama_twins/parity/planted.py in one twin. Writes results/parity.json (every row) and
 results/parity.md (the largest measured difference against its bound per figure, no false FAIL
 allowed; and how far beyond its bound each planted bug lands, with the culprit and block named).
 
@@ -22,12 +22,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from planted import BLOCK, BUGS, DESCRIPTIONS, planted  # noqa: E402
-
-from llama_twins.bench.common import cpu_model  # noqa: E402
-from llama_twins.parity import FACTOR, parity_report  # noqa: E402
+from llama_twins.bench.common import cpu_model
+from llama_twins.parity import FACTOR, parity_report
+from llama_twins.parity.planted import BLOCK, BUGS, DESCRIPTIONS, planted
 
 DTYPES = ("float32", "bfloat16")
 WEIGHT_BUGS = {"weight": BLOCK, "qk_permuted_twice": 0, "rope_theta": 0, "norm_eps": 0}

@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 # (K, N) of the benchmark config's projections (llama_twins.bench.common.CONFIG) and its LM head
 SHAPES = [(512, 512), (512, 256), (512, 1376), (1376, 512), (512, 32000)]
 ROWS = (1, 8)

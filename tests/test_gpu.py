@@ -23,7 +23,7 @@ import torch_llama
 from conftest import cached_logits, random_tokens, small_config
 from jax_llama.attention import AttentionMask, attend
 from jax_llama.generate import generate
-from planted import _torch_bug
+from llama_twins.parity.planted import torch_bug
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "gpu" or not torch.cuda.is_available(),
@@ -40,7 +40,7 @@ def gpu_config(**changes):
 
 def twin_logits(path, tokens, dtype: str, bug: str | None = None) -> np.ndarray:
     tmodel = torch_llama.load(path, device="cuda", dtype=dtype)
-    with _torch_bug(bug, tmodel) if bug else contextlib.nullcontext():
+    with torch_bug(bug, tmodel) if bug else contextlib.nullcontext():
         with torch.inference_mode():
             return tmodel(torch.as_tensor(tokens, device="cuda")).float().cpu().numpy()
 

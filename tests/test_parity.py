@@ -133,7 +133,7 @@ def test_a_failing_report_exits_1(corrupted, checkpoint, monkeypatch, capsys, as
 def test_the_judgement_by_hand(monkeypatch):
     """bound = FACTOR x the smaller error against float64, within [floor, ceiling]; an error
     beyond the ceiling fails whatever the difference; the farther twin is the culprit."""
-    monkeypatch.setattr(parity, "FACTOR", 10.0)  # the rule, with round numbers
+    monkeypatch.setattr(parity.judgement, "FACTOR", 10.0)  # the rule, with round numbers
     monkeypatch.setitem(parity.LIMITS, "float32", dict(parity.LIMITS["float32"],
                                                        hidden=(1e-6, 1e-3)))
     judge = parity.judge
@@ -152,8 +152,9 @@ def test_nan_fails_the_check_it_lands_in():
     assert not parity.judge(float("nan"), {"JAX": 0.0, "torch": 0.0}, "float32", "loss")["ok"]
     verdict = parity.judge(0.0, {"JAX": 0.0, "torch": float("nan")}, "float32", "loss")
     assert verdict == {"bound": 1e-6, "ok": False, "culprit": "torch"}
-    row = parity._compare("x", "torch vs JAX", {"JAX": np.ones(3), "torch": np.full(3, np.nan)},
-                          np.ones(3), "float32", "hidden")
+    row = parity.judgement._compare("x", "torch vs JAX",
+                                    {"JAX": np.ones(3), "torch": np.full(3, np.nan)},
+                                    np.ones(3), "float32", "hidden")
     assert row["ok"] is False and row["culprit"] == "torch"
 
 
@@ -209,7 +210,7 @@ def test_a_report_that_does_not_fit_is_refused_before_it_starts(checkpoint, monk
     """A model whose report exceeds the memory available: one line with the figure, naming the
     checkpoint and the way out, exit 2, nothing loaded; without the float64 run the figure is
     smaller and there is no way out to offer."""
-    monkeypatch.setattr(parity, "_available_memory", lambda: 1 << 20)  # 1 MiB
+    monkeypatch.setattr(parity.memory, "_available_memory", lambda: 1 << 20)  # 1 MiB
     assert bridge_cli.main(["parity", str(checkpoint)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {checkpoint}: the parity report needs about ")

@@ -1,6 +1,6 @@
-"""The parity report against bugs planted in one twin (tests/planted.py): each fails, lands far
-beyond its bound, names the twin that is far from float64 and, for a bug in the model, the first
-block it touches. One float32 report per bug, the twin alternating (three of them under -m slow),
+"""The parity report against bugs planted in one twin (llama_twins/parity/planted.py): each fails,
+lands far beyond its bound, names the twin that is far from float64 and, for a bug in the model,
+the first block it touches. One float32 report per bug, the twin alternating (three of them under -m slow),
 and one bfloat16 report per bug that hides under bfloat16 rounding in the forward and training
 figures but not in the exact ones (two under -m slow); results/parity.md has every bug in both
 twins and both dtypes, on trained models too. ~10 s a report on two cores."""
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import save_random_checkpoint, small_config
 from llama_twins import parity
-from planted import BLOCK, planted
+from llama_twins.parity.planted import BLOCK, planted
 
 # bug, twin it is planted in, the figure that must fail first, the first block named (None: a
 # bug in the optimizer, which the forward figures do not see), tokens per row, how many times its
@@ -109,6 +109,6 @@ def test_the_weights_figure_counts_in_ulps_of_the_dtype():
     import ml_dtypes
     import numpy as np
 
-    assert parity._ulp(np.array([1.0, 1.5, -3.0], np.float32)).tolist() == [2**-23, 2**-23, 2**-22]
+    assert parity.judgement._ulp(np.array([1.0, 1.5, -3.0], np.float32)).tolist() == [2**-23, 2**-23, 2**-22]
     bf16 = np.array([1.0, 0.05, 0.0], ml_dtypes.bfloat16)
-    assert parity._ulp(bf16).tolist() == [2**-7, 2**-5 * 2**-7, 2**-126 * 2**-7]
+    assert parity.judgement._ulp(bf16).tolist() == [2**-7, 2**-5 * 2**-7, 2**-126 * 2**-7]

@@ -31,11 +31,11 @@ def test_llama_cpp_disagrees_with_a_wrong_rope_theta(smollm2):
 
     model, params = jax_llama.load(smollm2)
     wrong = jax_llama.Llama(model.config.replace(rope_theta=10000.0))
-    tokens, mask = parity._random_batch(model.config, 2, 16, 0)
+    tokens, mask = parity.forward._random_batch(model.config, 2, 16, 0)
     real = mask.astype(bool)
     for m, ok in ((model, True), (wrong, False)):
-        jax_logits = parity._jax_forward(m, params, tokens, mask)[1]
-        logits, greedy = parity._llama_cpp_checks(smollm2, "float32", m, params, tokens, real,
+        jax_logits = parity.forward._jax_forward(m, params, tokens, mask)[1]
+        logits, greedy = parity.references._llama_cpp_checks(smollm2, "float32", m, params, tokens, real,
                                                   8, jax_logits, None)
         assert logits["ok"] is ok and greedy["ok"] is ok, (logits, greedy)
         if not ok:  # measured 0.164, 16x the bound (1.1e-3 with the right theta)

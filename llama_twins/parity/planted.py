@@ -1,5 +1,5 @@
-"""Bugs planted in one twin, for the parity report's negative cases (tests/test_parity.py and
-scripts/parity_calibration.py). Each is a context manager that yields the keyword arguments of
+"""Bugs planted in one twin, for the parity report's negative cases (tests/test_parity_bugs.py,
+tests/test_gpu.py and scripts/parity_calibration.py). Each is a context manager that yields the keyword arguments of
 parity_report (torch_model= or jax_model=) for the broken twin, and patches module attributes for
 the optimizer bugs only while it is open. The float64 reference reads the checkpoint and builds
 its own optimizer, so no bug reaches it."""
@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 
 import numpy as np
-import torch
 
 BLOCK = 1  # the block a weight bug is planted in
 
@@ -34,18 +33,21 @@ def planted(bug: str, twin: str, path, dtype: str = "float32"):
 
     if twin == "torch":
         tmodel = torch_llama.load(path, device="cpu", dtype=dtype)
-        with _torch_bug(bug, tmodel):
+        with torch_bug(bug, tmodel):
             yield {"torch_model": tmodel}
     elif twin == "JAX":
         model, params = jax_llama.load(path, dtype=dtype)
-        with _jax_bug(bug, model, params, path, dtype) as broken:
+        with jax_bug(bug, model, params, path, dtype) as broken:
             yield {"jax_model": broken}
     else:
         raise ValueError(twin)
 
 
 @contextlib.contextmanager
-def _torch_bug(bug: str, tmodel):
+def torch_bug(bug: str, tmodel):
+    """Open `bug` in the torch model `tmodel` itself (its weights or modules changed in place)."""
+    import torch
+
     import torch_llama
     from bridge.formats.hf import to_half_split
     from bridge.rope import rope_inv_freq
@@ -78,7 +80,8 @@ def _torch_bug(bug: str, tmodel):
 
 
 @contextlib.contextmanager
-def _jax_bug(bug: str, model, params, path, dtype):
+def jax_bug(bug: str, model, params, path, dtype):
+    """Open `bug` in the JAX twin loaded from `path`; yields the broken (model, params)."""
     import jax
     import optax
 
