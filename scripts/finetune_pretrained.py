@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 
 RUNS = {  # name: (task, extra flags)
@@ -105,7 +106,6 @@ def main(argv=None) -> int:
         rows = {k: rows[k] for k in RUNS if k in rows}
     result = {"checkpoint": Path(args.checkpoint).name, "cores": os.cpu_count(),
               "targets": TARGETS, "runs": rows}
-    (out / "finetune_pretrained.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Fine-tuning {Path(args.checkpoint).name} (`finetune --init`, its defaults)", "",
              (f"{result['cores']} cores (each run's CPU in its row); `python scripts/finetune_pretrained.py "
               f"{Path(args.checkpoint).name}`. Dev: SST-5 dev (1,101), CFIMDB `split --fraction "
@@ -123,8 +123,7 @@ def main(argv=None) -> int:
             f"{TARGETS[r['task']]:.2f} | {r['wall_s'] / 60:.1f} | "
             f"{sum(speed) / len(speed):.0f} | {r['torch']['same']}/{r['torch']['of']} |"
             if speed else f"| {name} | ... |")
-    (out / "finetune_pretrained.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("finetune_pretrained", result, lines, out), end="")
     try:
         import matplotlib
         matplotlib.use("Agg")

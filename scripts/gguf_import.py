@@ -15,7 +15,6 @@ resource.getrusage of a launcher whose one child it is).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shutil
 import statistics
@@ -26,6 +25,8 @@ import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
+
+from llama_twins import results
 
 ROOT = Path(__file__).resolve().parents[1]
 SDIST = ROOT / ".cache" / "sdist"
@@ -127,7 +128,6 @@ def main() -> int:
               "convert": converts, "largest_tensor_mb": 49152 * 576 * 4 / 1e6}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gguf_import.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# GGUF import ({report['cpu']}, gguf {report['gguf']})", "",
              "| file | tokens | read_gguf s | gguf.GGUFReader s | ratio | tokenizer rebuild s |",
              "|---|---|---|---|---|---|"]
@@ -140,8 +140,7 @@ def main() -> int:
               "| to | median s | peak RSS MB | output MB |", "|---|---|---|---|"]
     lines += [f"| {c['dtype']} | {c['median_s']:.2f} | {c['peak_rss_mb']:.0f} | "
               f"{c['output_mb']:.0f} |" for c in converts]
-    (out / "gguf_import.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("gguf_import", report, lines, out), end="")
     return 0
 
 

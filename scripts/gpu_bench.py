@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from llama_twins import results
+
 DATASHEET_BF16_FLOPS = 989.4e12  # dense bfloat16, H100 / H200 SXM (NVIDIA's datasheet)
 # the shape measured; --preset / --seq-len change it (a smoke run on a CPU), for the jobs too
 PRESET, SEQ_LEN = os.environ.get("GPU_BENCH_SHAPE", "llama3.2-1b,2048").split(",")
@@ -244,8 +246,7 @@ def main(argv=None) -> int:
         print(json.dumps(JOBS[args.job](json.loads(args.args))))
         return 0
     if args.render:
-        source = Path(args.render)
-        source.with_suffix(".md").write_text(markdown(json.loads(source.read_text())))
+        results.regenerate(args.render, lambda data: markdown(data).splitlines())
         return 0
     if (args.preset, args.seq_len) != (PRESET, SEQ_LEN):  # this process and its jobs
         os.environ["GPU_BENCH_SHAPE"] = f"{args.preset},{args.seq_len}"
@@ -254,15 +255,13 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or None
-    report = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit,
-              "date": time.strftime("%Y-%m-%d"), "preset": PRESET, "seq_len": SEQ_LEN,
+    # the commit, the CPU and the date are stamped by llama_twins.results
+    report = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "preset": PRESET,
+              "seq_len": SEQ_LEN,
               "datasheet_bf16_flops": DATASHEET_BF16_FLOPS}
 
     def save():
-        (out / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / f"{args.name}.md").write_text(markdown(report))
+        results.write(args.name, report, lambda data: markdown(data).splitlines(), out)
 
     machine = {}
     if args.machine_from and Path(args.machine_from).is_file():

@@ -13,7 +13,6 @@ a language model and stay behind).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
@@ -91,7 +91,6 @@ def main(argv=None) -> int:
             result["llama.cpp"] = {"skipped": reason}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hand_back.json").write_text(json.dumps(result, indent=2) + "\n")
     hf_row = result["transformers"]
     lines = [f"# Handing {args.checkpoint} back", "",
              f"{result['cpu']}, {result['cores']} cores; `python scripts/hand_back.py "
@@ -107,8 +106,7 @@ def main(argv=None) -> int:
     for i, q in enumerate(QUESTIONS):
         lines.append(f"| {q} | " + " | ".join(repr(a[i]) for a in result["answers"].values())
                      + " |")
-    (out / "hand_back.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("hand_back", result, lines, out), end="")
     ok = (hf_row["tokenizer_and_template_equal"] and all(hf_row["greedy_equal"])
           and all(result["llama.cpp"].get("greedy_equal", [True])))
     return 0 if ok else 1

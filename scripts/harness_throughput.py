@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llama_twins import results
+
 ITEMS = 200
 PROMPTS = 40
 WORDS = ("def class return import self value print list dict string number index object "
@@ -149,7 +151,6 @@ def main(argv=None) -> int:
               "repeats": args.repeats, "rows": rows, "agreement": agreement}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "harness.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [f"lm-eval {lm_eval.__version__}, {cpu}, {os.cpu_count()} cores, {record['date']}; "
              f"`{args.native}` (jax-llama) and `{args.hf}` (hf), batch size {args.batch_size}, "
              f"median of {args.repeats} runs (the first includes JAX's compilations)", "",
@@ -162,8 +163,7 @@ def main(argv=None) -> int:
     lines += ["", f"The two agree: per-choice log-likelihoods within "
               f"{agreement['jl_choice_max_abs_loglikelihood_difference']:.1e} (absolute), "
               f"{agreement['jl_complete_identical_texts']} of {PROMPTS} completions identical."]
-    (out / "harness.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("harness", record, lines, out), end="")
     return 0
 
 

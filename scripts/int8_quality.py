@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llama_twins import results
+
 N_PROMPTS, NEW_TOKENS = 20, 64
 
 
@@ -111,10 +113,10 @@ def random_model_kl(group_size: int, seed: int = 0) -> dict:
 
 
 def markdown(result: dict) -> list[str]:
-    from llama_twins.bench.common import cpu_model
-
+    """The table of a result this script wrote (its JSON), CPU and commit in the line that
+    llama_twins.results adds."""
     p, g, r = result["perplexity"], result["greedy"], result["random"]
-    lines = [f"int8 weight-only quality, `{result['command']}`; {cpu_model()}", "",
+    lines = [f"int8 weight-only quality, `{result['command']}`", "",
              f"**Perplexity of {result['model']} on {p['tokens']:,} held-out tokens** (sliding "
              f"windows of {p['seq_len']}, stride {p['stride']})", "",
              "| weights | perplexity (JAX) | perplexity (torch) | NLL/token (JAX) | NLL/token "
@@ -154,10 +156,9 @@ def main(argv=None) -> int:
                                                          "this script wrote")
     args = parser.parse_args(argv)
     if args.render:
-        result = json.loads(Path(args.render).read_text())
-        lines = markdown(result)
-        Path(args.out, "int8_quality.md").write_text("\n".join(lines) + "\n")
-        print("\n".join(lines))
+        text = results.to_markdown(json.loads(Path(args.render).read_text()), markdown)
+        Path(args.out, "int8_quality.md").write_text(text)
+        print(text, end="")
         return 0
     command = "python scripts/int8_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows, seq_len, stride = perplexities(args.model, args.data, args.group_size, args.seq_len)
@@ -166,12 +167,7 @@ def main(argv=None) -> int:
                              "rows": rows},
               "greedy": greedy_agreement(args.model, args.data, args.prompt_len),
               "random": random_model_kl(args.group_size)}
-    from bridge.atomic import write_text
-    out = Path(args.out)
-    lines = markdown(result)
-    write_text(out / "int8_quality.md", "\n".join(lines) + "\n")
-    write_text(out / "int8_quality.json", json.dumps(result, indent=2) + "\n")
-    print("\n".join(lines))
+    print(results.write("int8_quality", result, markdown, args.out), end="")
     return 0
 
 

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 
 GB = 1e9
@@ -163,7 +164,6 @@ def main() -> None:
     report = {"preset": args.preset, "model_bytes": nbytes, "target_bytes": target,
               "cpu": cpu_model(), "cores": os.cpu_count(), "rows": rows,
               "date": time.strftime("%Y-%m-%d")}
-    (out / "mesh_load_memory.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         "# Loading straight onto a mesh: peak host memory per process", "",
         f"`python scripts/mesh_load_memory.py --out {args.out}`: a random bfloat16 {args.preset} "
@@ -185,8 +185,7 @@ def main() -> None:
                          f"| {m['peak_rss'] / GB:.2f} GB ({m['peak_rss'] / w['peak_rss']:.2f}x) | "
                          f"{m['held_bytes'] / GB:.2f} GB | {m['seconds']:.1f} | "
                          f"{'yes' if m['equal'] else 'NO'} | {ok} |")
-    (out / "mesh_load_memory.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("mesh_load_memory", report, lines, out), end="")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from llama_twins.bench.common import cpu_model
+from llama_twins.results import write
 from llama_twins.parity import FACTOR, parity_report
 from llama_twins.parity.planted import BLOCK, BUGS, DESCRIPTIONS, planted
 
@@ -72,8 +73,7 @@ def main(argv=None) -> int:
         results = data["results"] + results
         meta["seconds"] += data["meta"]["seconds"]
         meta["checkpoints"] = {**data["meta"]["checkpoints"], **meta["checkpoints"]}
-    (out / "parity.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (out / "parity.md").write_text(markdown(meta, results))
+    write("parity", {"meta": meta, "results": results}, markdown(meta, results).splitlines(), out)
     print(markdown(meta, results))
     return 0
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 from llama_twins.parity import parity_memory
 
@@ -95,7 +96,6 @@ def main(argv=None) -> int:
               "estimate_bytes": parity_memory(args.checkpoint), "variants": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "parity_memory.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# `llama-bridge parity` on {Path(args.checkpoint).name}",
              "",
              (f"{result['cpu']}, {result['cores']} cores; `python scripts/parity_memory.py "
@@ -119,8 +119,7 @@ def main(argv=None) -> int:
             value = "-" if c["value"] is None else f"{c['value']:.2e}"
             lines.append(f"| {name} | {c['figure']} | {value} | {c['tolerance']} | {c['ok']} | "
                          f"{c['detail']} |")
-    (out / "parity_memory.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("parity_memory", result, lines, out), end="")
     return 0
 
 

@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 # (K, N) of the benchmark config's projections (llama_twins.bench.common.CONFIG) and its LM head
 SHAPES = [(512, 512), (512, 256), (512, 1376), (1376, 512), (512, 32000)]
@@ -93,7 +92,7 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(measure_jax() if args.worker == "jax" else measure_torch()))
         return 0
-    from bridge.atomic import write_text
+    from llama_twins import results as writer
     from llama_twins.bench.common import cpu_model
 
     results = {}
@@ -114,9 +113,7 @@ def main(argv=None) -> int:
                      f"{t['float32'] * 1e6:.0f} | {t['int8'] * 1e6:.0f} | "
                      f"{t['float32'] / t['int8']:.2f}x | {t['int8_bf16'] * 1e6:.0f} | "
                      f"{t['float32'] / t['int8_bf16']:.2f}x |")
-    write_text(Path(args.out) / "int8_matmul.md", "\n".join(lines) + "\n")
-    write_text(Path(args.out) / "int8_matmul.json", json.dumps(results, indent=2) + "\n")
-    print("\n".join(lines))
+    print(writer.write("int8_matmul", results, lines, args.out), end="")
     return 0
 
 

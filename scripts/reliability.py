@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 
 TINY = ["--steps", "200", "--checkpoint-every", "50", "--eval-every", "100", "--sample-tokens", "0"]
@@ -160,8 +161,8 @@ def main(argv=None) -> int:
     if args.gguf:
         result["smollm2"] = smollm2_row(args.gguf, work)
     out = Path(args.out)
-    (out / "reliability.json").write_text(
-        json.dumps(result, indent=2).replace(str(Path.cwd()) + os.sep, "") + "\n")
+    # paths as seen from the directory the script ran in
+    result = json.loads(json.dumps(result).replace(str(Path.cwd()) + os.sep, ""))
     s, d = result["sigterm"], result["damaged"]
     lines = [f"# What a run loses: signals, damaged checkpoints, a full disk", "",
              f"{result['cpu']}, {result['cores']} cores; `python scripts/reliability.py"
@@ -194,8 +195,7 @@ def main(argv=None) -> int:
     lines += [f"- {what}: `{row['line'].replace(here, '')}`" for what, row in
               (("SIGTERM", s), ("damaged", d), ("full disk", result["full_disk"]),
                ("SmolLM2", result.get("smollm2"))) if row]
-    (out / "reliability.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("reliability", result, lines, out), end="")
     return 0
 
 

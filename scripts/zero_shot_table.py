@@ -14,7 +14,6 @@ the README's fine-tuning results use), made in a temporary directory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from llama_twins import results
 from llama_twins.bench.common import cpu_model
 
 PROMPTS = {"continuation": [], "chat": ["--chat"]}
@@ -73,7 +73,6 @@ def main(argv=None) -> int:
               "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "zero_shot.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"# Zero-shot on {Path(args.checkpoint).name}", "",
              (f"{result['cpu']}, {result['cores']} cores; `python scripts/zero_shot_table.py "
               f"{Path(args.checkpoint).name}`. Continuation: the default template "
@@ -87,8 +86,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['task']} | {r['lines']} | {r['prompt']} | "
                      f"{'yes' if r['calibrate'] else 'no'} | {r['accuracy']:.4f} | {r['predicted']} | "
                      f"{r['wall_s']} | {r['scoring_s']} |")
-    (out / "zero_shot.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(results.write("zero_shot", result, lines, out), end="")
     return 0
 
 

@@ -236,15 +236,11 @@ def throughput_table(rows: dict[str, dict | None], unit: str) -> list[str]:
     return lines
 
 
-def write_results(name: str, lines: list[str], data, directory: str = ".") -> None:
-    """DIRECTORY/NAME.md (the table lines) and DIRECTORY/NAME.json (the figures), each written
-    atomically; the table is printed too. The directory is the caller's choice (--out), by
-    default the current one: never a folder of the installed package."""
-    from pathlib import Path
+def write_results(name: str, lines: list[str], data: dict, directory: str = ".") -> None:
+    """DIRECTORY/NAME.json (the figures, stamped with their provenance) and DIRECTORY/NAME.md (the
+    table lines, made from the JSON) through llama_twins.results.write; the markdown is printed
+    too. The directory is the caller's choice (--out), by default the current one: never a folder
+    of the installed package."""
+    from ..results import write
 
-    from bridge.atomic import write_text
-
-    directory = Path(directory)
-    write_text(directory / f"{name}.md", "\n".join(lines) + "\n")
-    write_text(directory / f"{name}.json", json.dumps(data, indent=2) + "\n")
-    print("\n".join(lines))
+    print(write(name, data, lines, directory), end="")

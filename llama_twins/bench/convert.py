@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     results = [bench_model(p, preset(p, field="presets"), workdir, args.repeats)
                for p in args.presets]
-    write_results("convert", [markdown(results)], results, args.out)
+    write_results("convert", [markdown(results)], {"models": results}, args.out)
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

@@ -407,17 +407,12 @@ def _diagnosis(steps: dict) -> list[str]:
 
 
 def write(result: dict, command: str, directory) -> str:
-    """DIRECTORY/lora_bench.json (the figures and the command) and DIRECTORY/lora_bench.md;
-    returns the markdown."""
-    import json
-    from pathlib import Path
+    """DIRECTORY/lora_bench.json (the figures and the command, stamped by llama_twins.results)
+    and DIRECTORY/lora_bench.md made from it; returns the markdown."""
+    from .. import results
 
-    from bridge.atomic import write_text
-    text = "\n".join(["# LoRA memory", "", f"Reproduce: `{command}`", "", *markdown(result)]) + "\n"
-    write_text(Path(directory) / "lora_bench.json",
-               json.dumps({"command": command, **result}, indent=2) + "\n")
-    write_text(Path(directory) / "lora_bench.md", text)
-    return text
+    lines = ["# LoRA memory", "", f"Reproduce: `{command}`", "", *markdown(result)]
+    return results.write("lora_bench", {"command": command, **result}, lines, directory)
 
 
 def main(argv=None) -> int:

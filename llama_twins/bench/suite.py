@@ -10,7 +10,6 @@ OUT/bench.json; the markdown also goes to stdout, progress to stderr.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
@@ -19,12 +18,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bridge.atomic import write_text
 from bridge.config import LlamaConfig
 from bridge.config import preset as lookup_preset
 from bridge.errors import BridgeError
 from bridge.tensors import count_params
 
+from .. import results
 from . import convert, decode, forward, long, lora, train
 from .common import (CONFIG, IMPLEMENTATIONS, Spec, WorkerFailed, available, describe,
                      missing_note, probe, run_rounds, say, spawn)
@@ -213,10 +212,9 @@ def run_command(args) -> int:
     except WorkerFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    table = markdown(result)
     out = Path(args.out)
-    write_text(out / "bench.json", json.dumps(result, indent=2) + "\n")
-    write_text(out / "bench.md", table)
+    # bench.json stamped with its provenance, bench.md made from it
+    table = results.write("bench", result, lambda data: markdown(data).splitlines(), out)
     if "long" in result["benchmarks"]:
         long.plot(result["benchmarks"]["long"], out / "long.png")
     if "lora" in result["benchmarks"]:  # also on its own, as `python -m llama_twins.bench.lora`
