@@ -6,8 +6,9 @@ on_files adds to the build, as files that exist only in memory (mkdocs' File.gen
 - reference/cli.md: every command and subcommand of llama-bridge, jax-llama and torch-llama, read
   from their argparse parser objects (llama_twins.cli_docs): usage, description, options table;
 - reference/presets.md: bridge.config.PRESETS as a table, with each preset's parameter count;
-- explanation/results.md: every results/*.md as a section, grouped by RESULT_GROUPS, with each
-  heading moved one level down and the plot beside it (results/NAME.png) shown;
+- explanation/results.md: every results/FOLDER/*.md as a section, one group per folder in the
+  order of RESULT_GROUPS, with each heading moved one level down and the plot beside it
+  (results/FOLDER/NAME.png) shown;
 - explanation/results/*.png: the plots, copied from results/ (outside docs/) into the site.
 
 A hand-written file at a generated page's path is an error: the page is generated. on_serve
@@ -30,20 +31,25 @@ if str(ROOT) not in sys.path:  # the packages, when the docs are built from a pl
 log = logging.getLogger("mkdocs.hooks.jax_llama")
 
 RESULTS = ROOT / "results"
-# The results page's order: (section, the results/ files in it, by stem). A results/*.md in no
-# group lands under "Other results" at the end, so a new file is shown before it is placed.
-RESULT_GROUPS: list[tuple[str, list[str]]] = [
-    ("Parity: do the twins agree?", ["parity", "parity_memory"]),
-    ("Conversion and import", ["convert", "gguf_import", "mesh_load_memory", "hand_back"]),
-    ("Speed against transformers", ["bench", "bench_smollm2", "gemm", "long"]),
-    ("Generation and serving", ["generate", "generate_amd", "generate_smollm2", "int8_matmul",
-                                "serve"]),
-    ("Training and fine-tuning", ["train", "finetune_pretrained", "bench_frozen_cache",
-                                  "lora_bench", "bench_smollm2_lora", "bench_smollm2_train_lora",
-                                  "sft_pretrained", "dpo_pretrained"]),
-    ("Classification", ["classify", "classify_lora", "classify_lora_emb", "zero_shot"]),
-    ("Evaluation and quality", ["smollm2_eval", "harness", "int8_quality"]),
-    ("Reliability", ["reliability"]),
+# The results page's order: (section, its folder of results/, the files in it by stem, first
+# to last). A file of the folder not named comes after the named ones, and a folder not here
+# under "Other results" at the end, so a new result is shown before it is placed.
+RESULT_GROUPS: list[tuple[str, str, list[str]]] = [
+    ("Parity: do the twins agree?", "parity", ["parity", "parity_memory"]),
+    ("Conversion and import", "formats", ["convert", "gguf_import", "mesh_load_memory",
+                                          "hand_back"]),
+    ("Speed against transformers", "bench", ["bench", "bench_smollm2", "gemm", "long"]),
+    ("Generation and serving", "decode", ["generate", "generate_amd", "generate_smollm2",
+                                          "int8_matmul", "serve"]),
+    ("Training and fine-tuning", "train", ["train", "finetune_pretrained", "bench_frozen_cache",
+                                           "lora_bench", "bench_smollm2_lora",
+                                           "bench_smollm2_train_lora", "sft_pretrained",
+                                           "dpo_pretrained"]),
+    ("Classification", "classify", ["classify", "classify_lora", "classify_lora_emb",
+                                    "zero_shot"]),
+    ("Evaluation and quality", "quality", ["smollm2_eval", "harness", "int8_quality"]),
+    ("Reliability", "reliability", ["reliability"]),
+    ("On a GPU", "gpu", ["gpu"]),
 ]
 RESULT_IMAGES = "explanation/results"  # where results/*.png land in the site
 
@@ -112,43 +118,52 @@ def _demote(markdown: str) -> tuple[str | None, str]:
     return title, "\n".join(lines).strip()
 
 
-def _result_section(stem: str, shared_titles: set[str]) -> str:
-    markdown = (RESULTS / f"{stem}.md").read_text()
-    title, body = _demote(markdown)
+def _result_section(md: Path, shared_titles: set[str]) -> str:
+    """The section of one result, md = results/FOLDER/NAME.md."""
+    stem, where = md.stem, md.parent.relative_to(ROOT).as_posix()  # results/FOLDER
+    title, body = _demote(md.read_text())
     if title in shared_titles:  # e.g. several "jax-llama bench" reports: tell them apart
         title = f"{title}: {stem}"
     # images beside the .md: served from RESULT_IMAGES, one level below this page
     body = re.sub(r"(!\[[^\]]*\]\()(?!https?://|/)([^)\s]+\.png\))",
                   lambda m: f"{m[1]}results/{Path(m[2]).name}", body)
     heading = f"### {title}" if title else f"### `{stem}`"
-    source = [f"`results/{stem}.md`"]
-    if (RESULTS / f"{stem}.json").exists():
-        source.append(f"figures in `results/{stem}.json`")
+    source = [f"`{where}/{stem}.md`"]
+    if md.with_suffix(".json").exists():
+        source.append(f"figures in `{where}/{stem}.json`")
     parts = [heading, "", f"*From {', '.join(source)}.*", "", body]
-    if (RESULTS / f"{stem}.png").exists() and f"results/{stem}.png" not in body:
+    if md.with_suffix(".png").exists() and f"results/{stem}.png" not in body:
         parts += ["", f"![{title or stem}](results/{stem}.png)"]
     return "\n".join(parts)
 
 
+def _ordered(mds: list[Path], stems: list[str]) -> list[Path]:
+    """mds in the order of `stems`, those not named after them by name."""
+    rank = {stem: i for i, stem in enumerate(stems)}
+    return sorted(mds, key=lambda md: (rank.get(md.stem, len(stems)), md.stem))
+
+
 def results_page() -> str:
-    stems = sorted(p.stem for p in RESULTS.glob("*.md"))
-    placed = {stem for _, group in RESULT_GROUPS for stem in group}
-    groups = [(name, [s for s in group if s in stems]) for name, group in RESULT_GROUPS]
-    groups.append(("Other results", [s for s in stems if s not in placed]))
-    titles = [_demote((RESULTS / f"{stem}.md").read_text())[0] for stem in stems]
+    mds = sorted(RESULTS.glob("*/*.md"))
+    folders = {folder for _, folder, _ in RESULT_GROUPS}
+    groups = [(name, _ordered([md for md in mds if md.parent.name == folder], stems))
+              for name, folder, stems in RESULT_GROUPS]
+    groups.append(("Other results", [md for md in mds if md.parent.name not in folders]))
+    titles = [_demote(md.read_text())[0] for md in mds]
     shared_titles = {t for t in titles if t is not None and titles.count(t) > 1}
     parts = ["# Measured results\n",
              "Every figure this project reports was measured by a script or a command and "
-             "written to `results/`: a `.md` table to read, a `.json` file with every figure "
-             "behind it, and a `.png` plot where one helps. This page renders each `.md` "
-             "(generated at build time from `results/`, so it shows exactly what is there), "
-             "grouped by what it measures; the machine each ran on is named in its header or "
-             "its JSON.\n"]
+             "written to `results/`, one folder per thing measured: a `.json` file with every "
+             "figure behind it, a `.md` table made from it, and a `.png` plot where one helps. "
+             "This page renders each `.md` (generated at build time from `results/`, so it "
+             "shows exactly what is there), a section per folder; each JSON records the "
+             "command, commit, CPU and date it was measured with, and its table ends with "
+             "them (or says it was measured before they were kept).\n"]
     for name, group in groups:
         if not group:
             continue
         parts.append(f"## {name}\n")
-        parts += [_result_section(stem, shared_titles) + "\n" for stem in group]
+        parts += [_result_section(md, shared_titles) + "\n" for md in group]
     return "\n".join(parts)
 
 
@@ -169,7 +184,7 @@ def on_files(files: Files, *, config) -> Files:
                       "file", uri)
             files.remove(existing)
         files.append(File.generated(config, uri, content=generate()))
-    for png in sorted(RESULTS.glob("*.png")):
+    for png in sorted(RESULTS.glob("*/*.png")):  # one flat folder in the site: names unique
         files.append(File.generated(config, f"{RESULT_IMAGES}/{png.name}",
                                     abs_src_path=str(png)))
     return files

@@ -20,7 +20,7 @@ its G query heads without a copy.
            TPU, splash from there where its shapes allow (head_dim a multiple of 128, no cache);
            on an NVIDIA GPU, cudnn from there for float16 / bfloat16 self-attention (head_dim a
            multiple of 8, at most 128): the attention of the 50% MFU train step in
-           results/gpu.md. It never fails for lack of a kernel.
+           results/gpu/gpu.md. It never fails for lack of a kernel.
 
 The mask is described, not built: AttentionMask says which key slot each query sits at (causal:
 a query sees slots up to its own), which slots hold real tokens, and each token's segment (a

@@ -92,7 +92,7 @@ def use_compile_cache(directory: str | os.PathLike | None = None) -> str | None:
     """Turn on JAX's persistent compilation cache, so that a second `jax-llama generate` (or any
     command) of the same model and shapes loads its programs instead of compiling them: on
     SmolLM2-135M a cold `generate` takes about half the time with the cache warm
-    (results/generate_smollm2.md). The directory: `directory`, else $JAX_LLAMA_COMPILE_CACHE, else
+    (results/decode/generate_smollm2.md). The directory: `directory`, else $JAX_LLAMA_COMPILE_CACHE, else
     $XDG_CACHE_HOME/jax-llama/xla (~/.cache/jax-llama/xla); JAX_LLAMA_COMPILE_CACHE=off leaves
     it off. A cache already configured (JAX_COMPILATION_CACHE_DIR, jax.config) is kept as it is.
     Returns the directory in use, or None."""

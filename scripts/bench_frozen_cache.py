@@ -1,10 +1,10 @@
 """Fine-tuning tokens/s with and without the frozen blocks computed once (`finetune
 --train-layers N` as a pretrained --init runs it, against the same with --no-frozen-cache), side
 by side in one run: each in its own process, in alternating rounds, the median tokens/s of the
-epochs of each. Writes results/bench_frozen_cache.{md,json}.
+epochs of each. Writes results/train/bench_frozen_cache.{md,json}.
 
     python scripts/bench_frozen_cache.py CHECKPOINT [--train ../shared/data/sst/train.txt]
-        [--examples 1000] [--rounds 2] [--out results]
+        [--examples 1000] [--rounds 2] [--out results/train]
 
 The training texts are the first --examples lines of --train; the dev texts the next 200.
 """
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--examples", type=int, default=1000)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", default="results")
+    p.add_argument("--out", default="results/train")
     args = p.parse_args(argv)
     lines = Path(args.train).read_text().splitlines()
     labels = args.labels or str(Path(args.train).with_name("labels.json"))

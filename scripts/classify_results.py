@@ -4,7 +4,8 @@ wall and CPU time.
 
     python scripts/classify_results.py [--data ../shared/data] [--out runs/classify]
 
-Writes OUT/classify.md and OUT/classify.json (the repository keeps the last ones in results/). CFIMDB has no dev file: 15% of its train
+Writes OUT/classify.md and OUT/classify.json (the repository keeps the last ones in
+results/classify/). CFIMDB has no dev file: 15% of its train
 file is held out first (`jax-llama split`, seed 0), and nothing held out is trained on, not even
 as unlabeled text. The continued-pretraining language model is trained once, on the texts (labels
 stripped) of SST train and the CFIMDB training part, and used by both tasks, so its time counts

@@ -1,8 +1,8 @@
 """DPO with LoRA from a real pretrained chat model (SmolLM2-135M-Instruct) on the embedded demo
 pairs, in its own ChatML template: held-out pair accuracy and TRL's metrics before and after,
-and greedy answers to fixed prompts side by side. Writes results/dpo_pretrained.{json,md}.
+and greedy answers to fixed prompts side by side. Writes results/train/dpo_pretrained.{json,md}.
 
-    python scripts/dpo_pretrained.py CHECKPOINT [--steps 120] [--lr 2e-4] [--out results]
+    python scripts/dpo_pretrained.py CHECKPOINT [--steps 120] [--lr 2e-4] [--out results/train]
         [--work DIR]
 
 The run is the plain command `jax-llama dpo --init CHECKPOINT --lora-rank 16 ...` (no --data:
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--demo-pairs", type=int, default=1200)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--out", default="results")
+    p.add_argument("--out", default="results/train")
     p.add_argument("--work", default="runs/dpo-pretrained")
     args = p.parse_args(argv)
 

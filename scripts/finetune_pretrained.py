@@ -1,11 +1,11 @@
 """Fine-tuning a real pretrained model for sentiment classification, as a user runs it:
 `jax-llama finetune --init CHECKPOINT` with nothing else (the pretrained recipe's defaults), full
-and LoRA, on SST-5 (dev) and CFIMDB (a 15% held-out split), then the torch twin's classifier on
-the best epoch, which must predict the same labels. Writes results/finetune_pretrained.{json,md}
-and a plot of dev accuracy per epoch (results/finetune_pretrained.png).
+and LoRA, on SST-5 (dev) and CFIMDB (a 15% held-out split), then the torch twin's classifier on the
+best epoch, which must predict the same labels. Writes results/train/finetune_pretrained.{json,md}
+and a plot of dev accuracy per epoch (results/train/finetune_pretrained.png).
 
     python scripts/finetune_pretrained.py CHECKPOINT [--runs sst-full,sst-lora,cfimdb-full,...]
-        [--data ../shared/data] [--work runs/finetune-pretrained] [--out results]
+        [--data ../shared/data] [--work runs/finetune-pretrained] [--out results/train]
 
 Runs already finished in --work (their metrics.jsonl complete) are read, not run again, so the
 table can be built over several sessions.
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data"))
     parser.add_argument("--work", default="runs/finetune-pretrained")
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default="results/train")
     args = parser.parse_args(argv)
     data, work = Path(args.data), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ this process, alternated. Conversion runs `llama-bridge convert` as a command, -
 dtype, and reports the median wall time and the peak RSS of the command (/usr/bin/time-like, from
 resource.getrusage of a launcher whose one child it is).
 
-    python scripts/gguf_import.py --out results        # writes gguf_import.{json,md}
+    python scripts/gguf_import.py --out results/formats        # writes gguf_import.{json,md}
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Each measurement runs in a process of its own (JAX and torch each take the GPU's
 past --job-timeout. Writes OUT/gpu.json (every figure, the command, the commit) and OUT/gpu.md.
 
     python scripts/gpu_bench.py --out DIR [--only machine,train,decode] [--batches 16,8,4]
-    python scripts/gpu_bench.py --render results/gpu.json   # results/gpu.md from it
+    python scripts/gpu_bench.py --render results/gpu/gpu.json   # results/gpu/gpu.md from it
     python scripts/gpu_bench.py --out DIR --preset tiny --seq-len 64 --batches 2 --attention xla
                                                             # a smoke run on a CPU: seconds
 """

@@ -1,9 +1,9 @@
 """Hand a (fine-tuned) checkpoint back: exported `--to hf`, transformers loads it (AutoTokenizer
 and AutoModelForCausalLM) with our logits and our greedy chat answers; exported `--to gguf`,
 llama.cpp (llama-cpp-python, where installed) gives our greedy chat answers. Writes
-results/hand_back.{json,md}.
+results/formats/hand_back.{json,md}.
 
-    python scripts/hand_back.py CHECKPOINT [--out results] [--new-tokens 24]
+    python scripts/hand_back.py CHECKPOINT [--out results/formats] [--new-tokens 24]
 
 CHECKPOINT: any checkpoint the bridge reads with its tokenizer and chat template beside it, e.g.
 a `finetune --init SmolLM2` run's best/ (the backbone; the classifier head files are not part of
@@ -30,7 +30,7 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours.",
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default="results/formats")
     parser.add_argument("--new-tokens", type=int, default=24)
     args = parser.parse_args(argv)
     import torch

@@ -7,7 +7,8 @@ local tasks written to a temporary directory (no download):
 - `jl_complete`: PROMPTS greedy completions of up to 32 tokens, stopping at a blank line
   (generate_until requests).
 
-    python scripts/harness_throughput.py runs/main/model runs/main/hf [--out results] [--repeats 3]
+    python scripts/harness_throughput.py runs/main/model runs/main/hf [--out results/quality]
+        [--repeats 3]
 
 Each model is built once and runs each task `--repeats` times through lm_eval.simple_evaluate
 (the first run includes JAX's compilations; the median is the figure); requests/s = the task's

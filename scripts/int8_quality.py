@@ -1,6 +1,6 @@
 """What int8 weight-only quantisation costs in quality, measured three ways (issue 17, part 2).
 
-    python scripts/int8_quality.py --model runs/main/model --data VAL_DIR [--out results]
+    python scripts/int8_quality.py --model runs/main/model --data VAL_DIR [--out results/quality]
 
 1. Perplexity of `--model` on the held-out text in `--data` (e.g. the validation split of the
    main job's run, written by scripts/embedded_validation.py), float32 against int8 per output
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, help="eval window (default: bridge.evaluation's)")
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default="results/quality")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the table from a JSON "
                                                          "this script wrote")
     args = parser.parse_args(argv)

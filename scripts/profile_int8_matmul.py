@@ -1,7 +1,7 @@
 """Why int8 weights do not speed up decoding on this CPU: the batch-1 matmuls of the benchmark
 config, float32 weights against int8 weights, in each framework's own process.
 
-    python scripts/profile_int8_matmul.py [--out results]
+    python scripts/profile_int8_matmul.py [--out results/decode]
 
 For each weight shape of a decode step (K x N, x of 1 or 8 rows) it times, median of 50 calls:
   JAX    x @ W (float32); jax_llama.model.int8_matmul, what the JAX twin runs (x @ Q * s, Q
@@ -86,7 +86,7 @@ def measure_torch() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default="results/decode")
     parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

@@ -2,7 +2,7 @@
 meets it: a SIGTERM mid-run (the seconds from the signal to the exit, the steps lost, the resumed
 model against an uninterrupted one), a damaged newest checkpoint, a full disk under the
 checkpoints, and - with a real model - how long a preemption notice must be for a SmolLM2 run to
-stop cleanly. Writes results/reliability.{json,md}.
+stop cleanly. Writes results/reliability/reliability.{json,md}.
 
     python scripts/reliability.py [--gguf SmolLM2-135M-Instruct.Q4_1.gguf] [--work runs/reliability]
 
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", help="SmolLM2's GGUF (the row is left out without it)")
     parser.add_argument("--work", default="runs/reliability")
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default="results/reliability")
     args = parser.parse_args(argv)
     work = Path(args.work)
     if work.exists():

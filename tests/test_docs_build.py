@@ -83,8 +83,8 @@ def test_presets_page_lists_every_preset(site):
 
 def test_results_page_renders_every_result_with_its_plot(site):
     html = (site / "explanation/results/index.html").read_text()
-    for md in sorted((ROOT / "results").glob("*.md")):
-        assert f"results/{md.name}" in html, md.name
+    for md in sorted((ROOT / "results").glob("*/*.md")):
+        assert f"results/{md.parent.name}/{md.name}" in html, md.name
         if md.with_suffix(".png").exists():
             assert f'src="{md.stem}.png"' in html, md.stem  # the page's URL is explanation/results/
             assert (site / "explanation/results" / f"{md.stem}.png").is_file(), md.stem

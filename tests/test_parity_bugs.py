@@ -1,9 +1,9 @@
 """The parity report against bugs planted in one twin (llama_twins/parity/planted.py): each fails,
 lands far beyond its bound, names the twin that is far from float64 and, for a bug in the model,
-the first block it touches. One float32 report per bug, the twin alternating (three of them under -m slow),
-and one bfloat16 report per bug that hides under bfloat16 rounding in the forward and training
-figures but not in the exact ones (two under -m slow); results/parity.md has every bug in both
-twins and both dtypes, on trained models too. ~10 s a report on two cores."""
+the first block it touches. One float32 report per bug, the twin alternating (three of them under
+-m slow), and one bfloat16 report per bug that hides under bfloat16 rounding in the forward and
+training figures but not in the exact ones (two under -m slow); results/parity/parity.md has every
+bug in both twins and both dtypes, on trained models too. ~10 s a report on two cores."""
 
 import pytest
 
@@ -15,7 +15,7 @@ from llama_twins.parity.planted import BLOCK, planted
 # bug in the optimizer, which the forward figures do not see), tokens per row, how many times its
 # bound the figure must at least be. A RoPE theta 1% off turns a token at position p by ~1e-4 p
 # radians more or less, and the near-uniform attention of a random-init model hides most of it:
-# 9.6x its bound over 64 tokens here, 8x over the default 16 (results/parity.md: 10^4x on the
+# 9.6x its bound over 64 tokens here, 8x over the default 16 (results/parity/parity.md: 10^4x on the
 # trained models, whose attention is not near-uniform).
 # Three run by default (a weight, a layout and an optimizer bug, in both twins between them); the
 # other three under -m slow, to keep the default suite's time.
@@ -109,6 +109,7 @@ def test_the_weights_figure_counts_in_ulps_of_the_dtype():
     import ml_dtypes
     import numpy as np
 
-    assert parity.judgement._ulp(np.array([1.0, 1.5, -3.0], np.float32)).tolist() == [2**-23, 2**-23, 2**-22]
+    ulp = parity.judgement._ulp
+    assert ulp(np.array([1.0, 1.5, -3.0], np.float32)).tolist() == [2**-23, 2**-23, 2**-22]
     bf16 = np.array([1.0, 0.05, 0.0], ml_dtypes.bfloat16)
-    assert parity.judgement._ulp(bf16).tolist() == [2**-7, 2**-5 * 2**-7, 2**-126 * 2**-7]
+    assert ulp(bf16).tolist() == [2**-7, 2**-5 * 2**-7, 2**-126 * 2**-7]

@@ -66,7 +66,8 @@ def test_write_stamps_the_json_and_makes_the_markdown_from_it(tmp_path, monkeypa
     assert data["cpu"]["flags"] == ["avx2", "avx512f", "avx512_bf16"]
     assert data["date"].endswith("+00:00")
     assert (tmp_path / "x.md").read_text() == markdown
-    assert markdown.startswith("# x\n\nrate 12.5 tok/s\n\nMeasured by `python scripts/x.py --fast` ")
+    assert markdown.startswith("# x\n\nrate 12.5 tok/s\n\n"
+                               "Measured by `python scripts/x.py --fast` ")
     assert "on AMD EPYC 9654 96-Core Processor (AuthenticAMD family 25 model 17; avx2, " \
            "avx512f, avx512_bf16)" in markdown
 

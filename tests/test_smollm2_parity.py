@@ -35,8 +35,8 @@ def test_llama_cpp_disagrees_with_a_wrong_rope_theta(smollm2):
     real = mask.astype(bool)
     for m, ok in ((model, True), (wrong, False)):
         jax_logits = parity.forward._jax_forward(m, params, tokens, mask)[1]
-        logits, greedy = parity.references._llama_cpp_checks(smollm2, "float32", m, params, tokens, real,
-                                                  8, jax_logits, None)
+        logits, greedy = parity.references._llama_cpp_checks(smollm2, "float32", m, params,
+                                                             tokens, real, 8, jax_logits, None)
         assert logits["ok"] is ok and greedy["ok"] is ok, (logits, greedy)
         if not ok:  # measured 0.164, 16x the bound (1.1e-3 with the right theta)
             assert logits["value"] > 10 * parity.LLAMA_CPP_LOGITS["float32"]

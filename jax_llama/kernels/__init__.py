@@ -11,7 +11,7 @@
 
 At decode time a projection multiplies a few rows by a weight it reads once, so its speed is how
 fast the weight streams in. XLA:CPU converts an int8 weight to float32 in a pass of its own (a
-float copy written and read back: results/int8_matmul.md); matvec.cc reads a block of a weight's
+float copy written and read back: results/decode/int8_matmul.md); matvec.cc reads a block of a weight's
 rows in strips of columns, converts each weight in a register and multiplies it into float32
 sums held in registers. Its own helper threads share every call of 64 KB or more with the
 caller, and spin between the calls of a decode step rather than sleep (XLA's threads took about
@@ -21,7 +21,7 @@ LM head through matvec_rows, and attention of a few float32 queries over the KV 
 attend_cache: one call a layer that reads the layer in place, where XLA ran a dozen small
 operations (the layer sliced and transposed, two batched matmuls, the softmax's passes).
 On SmolLM2 at batch 1 (a 2-core AMD EPYC, every row alternating with llama.cpp's;
-results/generate_smollm2.md): float32 0.88x llama.cpp's F32 (XLA alone 0.65x), int8 1.05x its
+results/decode/generate_smollm2.md): float32 0.88x llama.cpp's F32 (XLA alone 0.65x), int8 1.05x its
 Q8_0 (XLA's int8 matmul 0.25x).
 
 The source is compiled on first use with the system's C++ compiler for this CPU (`-march=native`,

@@ -69,10 +69,10 @@ TOLERANCES = {
 # The judgement against float64 (see the module docstring). FACTOR: how many times the smaller
 # error against float64 the twins may differ by. Two correct implementations differ by at most the
 # sum of their errors (the triangle inequality), (1 + r) times the smaller one when the larger is r
-# times it. On the correct checkpoints of the calibration (results/parity.md) r was at most 1.7
-# between the twins, which compute RoPE's frequencies identically, and 3.2 for transformers, whose
-# frequencies are computed in float32 (on the trained 6-layer model); FACTOR = 6 allows r up to 5,
-# while a bug in one twin puts it r = 10 - 10^9 times farther off than the other.
+# times it. On the correct checkpoints of the calibration (results/parity/parity.md) r was at most
+# 1.7 between the twins, which compute RoPE's frequencies identically, and 3.2 for transformers,
+# whose frequencies are computed in float32 (on the trained 6-layer model); FACTOR = 6 allows r up
+# to 5, while a bug in one twin puts it r = 10 - 10^9 times farther off than the other.
 FACTOR = 6.0
 # (floor, ceiling) per dtype and kind of figure, in the figure's units. The floor is the least
 # bound: an error against float64 can be near zero by chance (a scalar such as the loss, or a sum

@@ -22,7 +22,7 @@ REFERENCES = ("transformers", "llama.cpp")
 # bits of mantissa) and a BF16 file's products take BF16 activations. Measured on SmolLM2-135M
 # (30 layers, logits up to ~36): F32 1.2e-3, BF16 0.12 against JAX's bfloat16 run; the
 # bounds sit ~8x and ~2x above, far below a wrong RoPE or q/k row order (O(1)). See
-# results/parity_memory.md.
+# results/parity/parity_memory.md.
 LLAMA_CPP_LOGITS = {"float32": 1e-2, "bfloat16": 0.25}
 
 
