@@ -94,4 +94,3 @@ def test_a_result_without_stamps_says_so():
         "Provenance: measured before provenance was kept (recorded: cpu AMD EPYC)."
     assert results.provenance_line({"command": "x", "date": "2026-01-01"}) == \
         "Measured by `x` at an unrecorded commit on an unrecorded CPU, 2026-01-01."
-

@@ -10,6 +10,7 @@ import numpy as np
 
 from .judgement import _compare, _check, _f64, _kl, _log_softmax
 
+
 def _random_batch(config, batch: int, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, attention_mask), both int32 (B, S): uniform random ids from `seed`; with B > 1 the
     last row is left-padded (id 0, mask 0) over its first quarter, so padding is exercised."""

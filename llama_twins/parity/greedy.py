@@ -11,6 +11,7 @@ from bridge.sampling import Sampler
 
 from .judgement import NEAR_TIE, _check, _f64
 
+
 def greedy_parity(path: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                   stop_ids: Sequence[int] = (), dtype: str | None = None,
                   adapter: str | None = None) -> dict:

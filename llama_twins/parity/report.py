@@ -17,6 +17,7 @@ from .references import REFERENCES, _import_error, _llama_cpp_checks, _transform
 from .training import (ADAMW_EPS, ADAMW_STEPS, _float64_recipe, _optimizer_check,
                        _training_checks)
 
+
 def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 16,
                   new_tokens: int = 16, reference: str | None = None, seed: int = 0,
                   torch_model=None, jax_model=None, reference_f64: bool = True,
