@@ -9,6 +9,7 @@ Face, Meta, llama2.c), conversion, atomic writes and the one error type.
 from .config import PRESETS, LlamaConfig, RopeScaling
 from .errors import BridgeError
 from .formats import open_checkpoint, write_native
+from . import gguf  # noqa: F401  (enters GGUF's tokenizer and template readers: bridge.gguf)
 from .rope import rope_inv_freq
 from .tensors import canonical_shapes, count_params
 

@@ -1,8 +1,7 @@
-"""GGUF, llama.cpp's single-file format: read (float tensors as stored, every quantised type that
-gguf.quants dequantises as float32) and write (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; the
-K-quants q2_k ... q6_k by llama.cpp's own quantiser, bridge.formats.gguf_quantize) LLaMA models,
-through llama.cpp's own `gguf` package (the container, and the rounding of every type it
-quantises from gguf.quants).
+"""Writing a LLaMA model as a GGUF file (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; the K-quants
+q2_k ... q6_k by llama.cpp's own quantiser, bridge.gguf.quantize), through llama.cpp's own `gguf`
+package (the container, and the rounding of every type it quantises from gguf.quants); and the
+conventions a read takes back (bridge.gguf.read): the tensor name table, the file types, our keys.
 
 What llama.cpp reads, and so what is written (facts from llama.cpp's converter and loader):
   - architecture "llama" and its keys: llama.context_length, embedding_length, block_count,
@@ -20,7 +19,7 @@ What llama.cpp reads, and so what is written (facts from llama.cpp's converter a
   - 1-D tensors (norms, rope_freqs) in F32 whatever the file type; the output projection in Q8_0
     under a quantised type (OUTPUT_QTYPE); a matrix whose row length is not whole blocks of its
     type falls back to F16, as llama.cpp's converter and quantiser do (_tensor_type).
-The tokenizer keys come from bridge.gguf_tokenizer.
+The tokenizer keys come from bridge.gguf.vocab.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import numpy as np
 from ..atomic import atomic_file
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
-from .base import Spec, check_specs
+from ..formats.base import Spec, check_specs
 
 ARCH = "llama"
 # --dtype for a GGUF target -> (gguf.GGMLQuantizationType name: the matrices' type before the
@@ -168,7 +167,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
     """
     import gguf
 
-    from ..gguf_tokenizer import vocab_keys
+    from .vocab import vocab_keys
 
     ordered = check_specs(config, specs, "tensors to write")
     warn = warn or _stderr
@@ -177,7 +176,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
         if len(stored) == 1 else "f32"
     file_type, quantise = gguf_dtype(dtype or lossless), None
     if FILE_TYPES[file_type][2] == LLAMA_CPP:
-        from .gguf_quantize import input_beside, quantize_with_llama_cpp, require_llama_cpp
+        from .quantize import input_beside, quantize_with_llama_cpp, require_llama_cpp
         require_llama_cpp(file_type)
         if tokenizer is None:
             # llama.cpp's quantiser runs without one, but llama.cpp loads no model without it:
