@@ -36,7 +36,8 @@ TEMPLATE_FILE = "chat_template.jinja"  # the file name transformers saves a temp
 # Model files that carry their own template, as (holds(path), template(path) -> ChatTemplate or
 # None). GGUF's enters when `bridge` is imported (bridge.gguf): the GGUF wing builds on this
 # module, so this module knows it only through this list.
-MODEL_FILE_TEMPLATES: list[tuple[Callable[[Path], bool], Callable[[Path], "ChatTemplate | None"]]] = []
+MODEL_FILE_TEMPLATES: list[tuple[Callable[[Path], bool],
+                                 Callable[[Path], ChatTemplate | None]]] = []
 ROLES = ("system", "user", "assistant")
 
 # Meta's Llama-3-Instruct format. The generation block is the reply and its <|eot_id|>: what the

@@ -1,6 +1,6 @@
 """The architecture as a contract: imports only point down (bridge <- the twins <- llama_twins,
-and inside bridge from layer to layer), the twins never import each other, nothing imports in a circle, and the twins export the same
-names wherever a concept exists in both.
+and inside bridge from layer to layer), the twins never import each other, nothing imports in a
+circle, and the twins export the same names wherever a concept exists in both.
 
 The layering contracts live in pyproject.toml ([tool.importlinter]); `lint-imports` checks them
 from the code's own import statements (function-level imports included), and the planted
@@ -49,7 +49,8 @@ def test_a_planted_back_arrow_fails_and_names_the_import(tmp_path):
     twin.write_text(twin.read_text() + "\nfrom jax_llama.generate import sample  # noqa\n")
     # inside bridge: the tokenizer kinds reaching up into the GGUF wing that builds on them
     kinds = tmp_path / "bridge" / "tokenizer" / "kinds.py"
-    kinds.write_text(kinds.read_text() + "\n\ndef _planted():\n    from ..gguf.container import is_gguf\n")
+    kinds.write_text(kinds.read_text()
+                     + "\n\ndef _planted():\n    from ..gguf.container import is_gguf\n")
     result = lint_imports(tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Contracts: 0 kept, 4 broken." in result.stdout, result.stdout

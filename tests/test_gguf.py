@@ -18,7 +18,7 @@ from bridge.convert import convert
 from bridge.errors import BridgeError
 from bridge.formats import detect_format, open_checkpoint
 from bridge.gguf import read as gguf_module
-from bridge.gguf.write import NAMES, OUR_KEY, llama3_rope_freqs
+from bridge.gguf.conventions import NAMES, OUR_KEY, llama3_rope_freqs
 from bridge.gguf.container import read_gguf
 from bridge.rope import rope_inv_freq
 from bridge.tensors import canonical_shapes

@@ -17,7 +17,7 @@ import jax_llama
 from bridge.convert import convert
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
-from bridge.gguf.write import FILE_TYPES, NAMES, gguf_name
+from bridge.gguf.conventions import FILE_TYPES, NAMES, gguf_name
 from conftest import SCALING, TOKENIZER_FILES, jax_logits, random_tokens, small_config
 from test_gguf import expected_metadata, fields, refused, run_cli, save
 

@@ -7,8 +7,10 @@
     vocab.py          a tokenizer -> the tokenizer.ggml.* keys (export)
     read.py           a LLaMA GGUF as a checkpoint: LlamaConfig, canonical tensors, its tokenizer
                       and chat template as files
-    write.py          a checkpoint as a GGUF: llama.cpp's tensor names and keys, the float and
-                      32-element block types
+    conventions.py    what a write makes and a read takes back: llama.cpp's tensor names, the
+                      file types, our own keys, the rope_freqs formula
+    write.py          a checkpoint as a GGUF: the float and 32-element block types here, the
+                      K-quants through quantize.py
     quantize.py       the K-quants, by llama.cpp's own quantiser
 
 The wing stands above what it builds on - the tokenizer kinds (bridge.tokenizer), chat templates

@@ -69,7 +69,7 @@ def quantize_with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, dtyp
                             stage: Callable[[str], object] | None = None,
                             name: str | os.PathLike | None = None) -> None:
     """llama.cpp's quantiser: the GGUF file `src` into `dst` (written in place, not atomically:
-    pass a temporary) as file type `dtype` (our name, a FILE_TYPES key of bridge.gguf.write),
+    pass a temporary) as file type `dtype` (our name, a FILE_TYPES key of bridge.gguf.conventions),
     llama.cpp's LLAMA_FTYPE_<ftype_name>. `allow_requantize` lets it take
     quantised tensors (dequantised, then quantised again). Its log is silenced: its warnings
     (fallbacks for rows that are not whole blocks) go to `warn`, its error ends the BridgeError

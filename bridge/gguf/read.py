@@ -1,7 +1,8 @@
 """Reading a LLaMA GGUF file: its llama.* keys as a LlamaConfig, its tensors as canonical arrays
 (float types as stored, every quantised type that gguf.quants dequantises as float32, one tensor
 at a time), its vocabulary as tokenizer files (bridge.gguf.tokenizer) and its chat template. The
-container is read by bridge.gguf.container; names and key conventions are bridge.gguf.write's.
+container is read by bridge.gguf.container; names and key conventions are
+bridge.gguf.conventions'.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
-from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..formats.base import Checkpoint, check_specs
 from .container import GGUFFile, TensorInfo, read_gguf
+from .conventions import (ARCH, OUR_BOS, OUR_EOS, OUR_KEY, ROPE_FREQS, canonical_name,
+                          llama3_rope_freqs)
 from .tokenizer import tokenizer_files
-from .write import ARCH, OUR_BOS, OUR_EOS, OUR_KEY, ROPE_FREQS, canonical_name, llama3_rope_freqs
 
 # Read as stored: GGML float type -> numpy dtype. Every other type is read through
 # gguf.quants.dequantize into float32 when gguf can dequantise it (Q4_0 ... Q8_0, the K-quants,

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ..errors import BridgeError
 from ..tokenizer.bos_eos import BosEos
-from ..tokenizer.kinds import (LLAMA3_SPECIALS, HFTokenizer, Llama2Tokenizer, Llama3Tokenizer, Tokenizer,
-                               _byte_level_chars)
+from ..tokenizer.kinds import (LLAMA3_SPECIALS, HFTokenizer, Llama2Tokenizer, Llama3Tokenizer,
+                               Tokenizer, _byte_level_chars)
 from ..tokenizer.stops import EOG_NAMES, fim_ids, llama_cpp_stop_ids
 from .container import read_gguf
 from .pretokenizers import NOT_REBUILT, PRE_TOKENIZERS, Pre, split_patterns
