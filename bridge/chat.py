@@ -21,6 +21,7 @@ from datetime import datetime
 from functools import cached_property
 from itertools import groupby, pairwise
 from pathlib import Path
+from typing import Callable
 
 import jinja2
 import numpy as np
@@ -30,10 +31,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .atomic import write_text
 from .errors import BridgeError
-from .formats.base import CHAT_TEMPLATE_FILE
-from .formats.gguf_file import is_gguf
 
-TEMPLATE_FILE = CHAT_TEMPLATE_FILE  # the file name transformers saves a template under
+TEMPLATE_FILE = "chat_template.jinja"  # the file name transformers saves a template under
+# Model files that carry their own template, as (holds(path), template(path) -> ChatTemplate or
+# None). GGUF's enters when `bridge` is imported (bridge.gguf): the GGUF wing builds on this
+# module, so this module knows it only through this list.
+MODEL_FILE_TEMPLATES: list[tuple[Callable[[Path], bool],
+                                 Callable[[Path], ChatTemplate | None]]] = []
 ROLES = ("system", "user", "assistant")
 
 # Meta's Llama-3-Instruct format. The generation block is the reply and its <|eot_id|>: what the
@@ -218,15 +222,6 @@ def _config_template(path: Path) -> ChatTemplate | None:
     return None if source is None else ChatTemplate(source, str(path))
 
 
-def _gguf_template(path: Path) -> ChatTemplate | None:
-    """A GGUF file's own template (its tokenizer.chat_template key), or None."""
-    from .formats.gguf_file import read_gguf
-    from .formats.gguf_read import gguf_chat_template
-
-    source = gguf_chat_template(read_gguf(path).fields, path)
-    return None if source is None else ChatTemplate(source, f"{path}: tokenizer.chat_template")
-
-
 def find_template(checkpoint: str | Path | None, tokenizer, choice: str | None = None
                   ) -> ChatTemplate:
     """The chat template to use. choice "llama3" / "llama2": that built-in; another choice: the
@@ -252,8 +247,9 @@ def own_template(checkpoint: str | Path | None) -> ChatTemplate | None:
     """The checkpoint's own chat template (a directory's chat_template.jinja, else the
     chat_template of its tokenizer_config.json; a .gguf file's tokenizer.chat_template), or
     None when it carries none."""
-    if checkpoint is not None and is_gguf(checkpoint):
-        return _gguf_template(Path(checkpoint))
+    for holds, template in MODEL_FILE_TEMPLATES if checkpoint is not None else ():
+        if holds(Path(checkpoint)):
+            return template(Path(checkpoint))
     if checkpoint is not None and Path(checkpoint).is_dir():
         directory = Path(checkpoint)
         if (directory / TEMPLATE_FILE).is_file():

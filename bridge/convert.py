@@ -88,15 +88,15 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
         raise BridgeError(f"unknown format {to!r}; known: {', '.join(FORMATS)}", field="to")
     if to == "gguf" and dtype is not None:
         # The GGUF writer casts each tensor itself (norms stay float32 whatever the file type).
-        from .formats.gguf import FILE_TYPES, LLAMA_CPP, gguf_dtype
+        from .gguf.conventions import FILE_TYPES, LLAMA_CPP, gguf_dtype
         options["dtype"], dtype = gguf_dtype(dtype), None
         if FILE_TYPES[options["dtype"]][2] == LLAMA_CPP:  # refused now, before the source is read
-            from .formats.gguf_quantize import require_llama_cpp
+            from .gguf.quantize import require_llama_cpp
             require_llama_cpp(options["dtype"])
             if not progress:  # quiet: no line for llama.cpp's stage either
                 options["stage"] = lambda line: None
     if dtype is not None and dtype not in DTYPE_NAMES:
-        from .formats.gguf import DTYPE_ALIASES, FILE_TYPES
+        from .gguf.conventions import DTYPE_ALIASES, FILE_TYPES
         if dtype in FILE_TYPES and dtype not in DTYPE_ALIASES.values():  # q8_0 ... q6_k
             raise BridgeError(f"{dtype} is a GGUF quantisation; only the gguf format holds it "
                               f"(got to={to!r})", field="dtype")

@@ -40,7 +40,7 @@ def describe_tokenizer(path) -> dict | None:
     """The checkpoint's tokenizer: kind, BOS / EOS tokens, whether an encoded text gets them and
     what decided that (bridge.tokenizer.bos_eos); None without a tokenizer, {"error": ...} for
     one that does not load."""
-    from .formats.gguf_file import is_gguf
+    from .gguf.container import is_gguf
     from .tokenizer import find_tokenizer
 
     path = Path(path)

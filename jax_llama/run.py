@@ -39,7 +39,7 @@ from bridge.config import LlamaConfig
 from bridge.data_dirs import check_out_apart
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
-from bridge.formats.gguf_file import is_gguf
+from bridge.gguf.container import is_gguf
 from bridge.lora import LoraConfig
 from bridge.merge import merge_lora as merge_checkpoint
 from bridge.tokenizer import load_tokenizer, train_tokenizer

@@ -16,7 +16,7 @@ from bridge.config import DEFAULT_PRESET, preset
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 from bridge.formats import FORMATS, open_checkpoint
-from bridge.formats.gguf import FILE_TYPES as GGUF_FILE_TYPES, LLAMA_CPP
+from bridge.gguf.conventions import FILE_TYPES as GGUF_FILE_TYPES, LLAMA_CPP
 
 from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_quantize_arguments,
                        command_main)

@@ -4,7 +4,7 @@ tokenizer, and converting it to a native checkpoint, on the real SmolLM2-135M-In
 sdist in .cache/sdist, when there).
 
 Opening is timed side by side with gguf's own GGUFReader (the incumbent: what transformers' GGUF
-loading and our reader before bridge.formats.gguf_file used), each the median of --repeats runs in
+loading and our reader before bridge.gguf.container used), each the median of --repeats runs in
 this process, alternated. Conversion runs `llama-bridge convert` as a command, --repeats times per
 dtype, and reports the median wall time and the peak RSS of the command (/usr/bin/time-like, from
 resource.getrusage of a launcher whose one child it is).
@@ -73,8 +73,8 @@ def median_time(fn, repeats: int) -> float:
 def open_times(path: Path, repeats: int) -> dict:
     import gguf
 
-    from bridge.formats.gguf_file import read_gguf
-    from bridge.tokenizer.gguf import tokenizer_from_gguf
+    from bridge.gguf.container import read_gguf
+    from bridge.gguf.tokenizer import tokenizer_from_gguf
 
     ours, theirs = [], []
     for _ in range(repeats):  # alternated, so that a slow spell of the machine hits both

@@ -1,6 +1,6 @@
-"""The architecture as a contract: imports only point down (bridge <- the twins <- llama_twins),
-the twins never import each other, nothing imports in a circle, and the twins export the same
-names wherever a concept exists in both.
+"""The architecture as a contract: imports only point down (bridge <- the twins <- llama_twins,
+and inside bridge from layer to layer), the twins never import each other, nothing imports in a
+circle, and the twins export the same names wherever a concept exists in both.
 
 The layering contracts live in pyproject.toml ([tool.importlinter]); `lint-imports` checks them
 from the code's own import statements (function-level imports included), and the planted
@@ -35,7 +35,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
 def test_import_contracts_hold():
     result = lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 3 kept, 0 broken." in result.stdout
+    assert "Contracts: 4 kept, 0 broken." in result.stdout
 
 
 def test_a_planted_back_arrow_fails_and_names_the_import(tmp_path):
@@ -47,11 +47,16 @@ def test_a_planted_back_arrow_fails_and_names_the_import(tmp_path):
     config.write_text(config.read_text() + "\n\ndef _planted():\n    import llama_twins.parity\n")
     twin = tmp_path / "torch_llama" / "generate.py"
     twin.write_text(twin.read_text() + "\nfrom jax_llama.generate import sample  # noqa\n")
+    # inside bridge: the tokenizer kinds reaching up into the GGUF wing that builds on them
+    kinds = tmp_path / "bridge" / "tokenizer" / "kinds.py"
+    kinds.write_text(kinds.read_text()
+                     + "\n\ndef _planted():\n    from ..gguf.container import is_gguf\n")
     result = lint_imports(tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "Contracts: 0 kept, 3 broken." in result.stdout, result.stdout
+    assert "Contracts: 0 kept, 4 broken." in result.stdout, result.stdout
     assert "bridge.config -> llama_twins.parity" in result.stdout
     assert "torch_llama.generate -> jax_llama.generate" in result.stdout
+    assert "bridge.tokenizer.kinds -> bridge.gguf.container" in result.stdout
 
 
 def test_no_module_imports_itself_through_a_circle():

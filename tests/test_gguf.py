@@ -17,9 +17,9 @@ from bridge.config import RopeScaling
 from bridge.convert import convert
 from bridge.errors import BridgeError
 from bridge.formats import detect_format, open_checkpoint
-from bridge.formats import gguf_read as gguf_module
-from bridge.formats.gguf import NAMES, OUR_KEY, llama3_rope_freqs
-from bridge.formats.gguf_file import read_gguf
+from bridge.gguf import read as gguf_module
+from bridge.gguf.conventions import NAMES, OUR_KEY, llama3_rope_freqs
+from bridge.gguf.container import read_gguf
 from bridge.rope import rope_inv_freq
 from bridge.tensors import canonical_shapes
 from bridge.tokenizer import ByteTokenizer, _byte_level_chars, load_tokenizer
@@ -164,7 +164,7 @@ def test_q8_0_falls_back_to_f16_for_rows_not_whole_blocks(tmp_path):
     fallback), named on the warning; every other matrix Q8_0."""
     config = CFG.replace(ffn_dim=80)
     warnings = []
-    from bridge.formats.gguf import write_gguf
+    from bridge.gguf.write import write_gguf
     src = open_checkpoint(save(tmp_path / "src", config))
     write_gguf(tmp_path / "m.gguf", config, src.specs, src.tensor, dtype="q8_0",
                warn=warnings.append)
@@ -269,7 +269,7 @@ def rewrite(src: Path, dst: Path, drop: str = "\0", tensors=None, arch=None, add
 # -- tokenizers ----------------------------------------------------------------------------------
 
 def test_our_container_reader_reads_what_gguf_reads(tmp_path, llama2):
-    """bridge.formats.gguf_file against gguf.GGUFReader: every key's value, every tensor's name,
+    """bridge.gguf.container against gguf.GGUFReader: every key's value, every tensor's name,
     type, shape and bytes - on a file of ours with the real LLaMA 2 vocabulary and on SmolLM2
     (llama.cpp's converter wrote it; where it is installed)."""
     ours = tokenizer_model(tmp_path, SHARED / "tokenizers/llama2/tokenizer.model", 32000)

@@ -18,7 +18,7 @@ import pytest
 import jax_llama
 from bridge.chat import TEMPLATE_FILE, find_template
 from bridge.convert import convert
-from bridge.formats.gguf_file import read_gguf
+from bridge.gguf.container import read_gguf
 from bridge.prompts import encode_prompts
 from bridge.tokenizer import find_tokenizer, load_tokenizer
 from conftest import small_config

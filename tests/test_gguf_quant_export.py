@@ -17,7 +17,7 @@ import jax_llama
 from bridge.convert import convert
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
-from bridge.formats.gguf import FILE_TYPES, NAMES, gguf_name
+from bridge.gguf.conventions import FILE_TYPES, NAMES, gguf_name
 from conftest import SCALING, TOKENIZER_FILES, jax_logits, random_tokens, small_config
 from test_gguf import expected_metadata, fields, refused, run_cli, save
 
@@ -82,7 +82,7 @@ def test_types_keys_and_bits(tmp_path, dtype, tied):
 def test_rows_not_whole_blocks_fall_back_to_f16(tmp_path, dtype):
     """ffn 80: w2's rows of 80 are not blocks of 32, so F16 (llama.cpp's fallback for every
     32-block type), named in a warning; the rest keep the rules."""
-    from bridge.formats.gguf import write_gguf
+    from bridge.gguf.write import write_gguf
 
     config = CFG.replace(ffn_dim=80)
     src = open_checkpoint(save(tmp_path / "src", config))
@@ -145,7 +145,7 @@ def test_llama_cpp_quantises_our_f32_file_to_the_same_bits(tmp_path):
     Q8_0 for the output, as we do; ffn 80: ffn_down in F16 on both sides). With rows of 256 the
     one difference is the output, Q6_K there and Q8_0 here (gguf.quants writes no Q6_K)."""
     pytest.importorskip("llama_cpp")
-    from bridge.formats.gguf_quantize import quantize_with_llama_cpp
+    from bridge.gguf.quantize import quantize_with_llama_cpp
 
     for config in (CFG.replace(ffn_dim=80, tie_embeddings=True),
                    CFG.replace(dim=256, ffn_dim=96, rope_scaling=SCALING)):
@@ -326,7 +326,7 @@ def test_a_failing_llama_cpp_leaves_nothing(tmp_path, capsys, monkeypatch):
     """llama.cpp's quantiser failing (here made to, after writing half a file; and for real, on
     a truncated input): exit 2 with its reason, nothing at DST, neither temporary left."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    from bridge.formats.gguf_quantize import quantize_with_llama_cpp
+    from bridge.gguf.quantize import quantize_with_llama_cpp
 
     tok = TOKENIZER_FILES["llama2"]
     if not tok.is_file():

@@ -1,4 +1,4 @@
-"""GGUF vocabularies rebuilt to tokenize as llama.cpp does (bridge.tokenizer.gguf): llama.cpp's own
+"""GGUF vocabularies rebuilt to tokenize as llama.cpp does (bridge.gguf.tokenizer): llama.cpp's own
 tokenizer suite (its ggml-vocab-*.gguf files with .inp texts and .out ids, encoded as
 test-tokenizer-0 does: add_special false, parse_special false), the pre-tokenizer table against
 llama-vocab.cpp itself, the real SmolLM2 vocabulary against transformers' GGUF tokenizer and
@@ -15,10 +15,10 @@ import gguf
 import pytest
 
 from bridge.errors import BridgeError
-from bridge.gguf_pretokenizers import NOT_REBUILT, PRE_TOKENIZERS
-from bridge.formats.gguf_file import read_gguf
-from bridge.gguf_tokenizer import vocab_keys
-from bridge.tokenizer.gguf import tokenizer_files, tokenizer_from_gguf
+from bridge.gguf.pretokenizers import NOT_REBUILT, PRE_TOKENIZERS
+from bridge.gguf.container import read_gguf
+from bridge.gguf.vocab import vocab_keys
+from bridge.gguf.tokenizer import tokenizer_files, tokenizer_from_gguf
 from bridge.hf_tokenizer import hf_tokenizer_files
 from bridge.tokenizer import _byte_level_chars, find_tokenizer, load_tokenizer
 from conftest import SDIST_DIR, SHARED
@@ -93,7 +93,7 @@ def _c_strings(code: str) -> list[str]:
 
 
 def test_the_pre_tokenizer_table_is_llama_vocab_cpps(llama_vocab_cpp):
-    """Every name, flag and regex of bridge.gguf_pretokenizers as llama-vocab.cpp has it, and
+    """Every name, flag and regex of bridge.gguf.pretokenizers as llama-vocab.cpp has it, and
     every name it knows in the table or in NOT_REBUILT: an update of llama.cpp shows up here."""
     src = llama_vocab_cpp
     ctor = src[src.index("llm_tokenizer_bpe(const llama_vocab & vocab) {"):]

@@ -6,7 +6,9 @@ tensors (bridge.formats.base.Checkpoint) and writes one from (specs, fetch):
   meta     directory: params.json + consolidated.NN.pth (one per model-parallel rank)
   llama2c  file: llama2.c's .bin export (v0 / v1 headers) or its .pt training checkpoint
   gguf     file: llama.cpp's GGUF (float tensors, and every quantised type gguf dequantises;
-           written in F32 ... Q8_0, Q4_0 ... Q5_1 and llama.cpp's K-quants), llama.cpp's names
+           written in F32 ... Q8_0, Q4_0 ... Q5_1 and llama.cpp's K-quants), llama.cpp's names;
+           its wing (container, tokenizer, quantiser) is the package bridge.gguf, which builds on
+           this package's base and is named here, not imported
 
 Detection looks only at file names and small headers; the format modules are imported when used.
 """
@@ -31,20 +33,20 @@ __all__ = ["FORMATS", "Checkpoint", "NativeCheckpoint", "detect_format", "open_c
            "write_checkpoint", "write_native"]
 
 FORMATS = ("native", "hf", "meta", "llama2c", "gguf")
-# format -> ((module, reader class), (module, writer function))
+# format -> ((module, reader class), (module, writer function)); a module relative to bridge
 _MODULES = {
-    "native": (("native", "NativeCheckpoint"), ("native", "write_native")),
-    "hf": (("hf", "HFCheckpoint"), ("hf", "write_hf")),
-    "meta": (("meta", "MetaCheckpoint"), ("meta", "write_meta")),
-    "llama2c": (("llama2c", "Llama2cCheckpoint"), ("llama2c", "write_llama2c")),
-    "gguf": (("gguf_read", "GGUFCheckpoint"), ("gguf", "write_gguf")),
+    "native": (("formats.native", "NativeCheckpoint"), ("formats.native", "write_native")),
+    "hf": (("formats.hf", "HFCheckpoint"), ("formats.hf", "write_hf")),
+    "meta": (("formats.meta", "MetaCheckpoint"), ("formats.meta", "write_meta")),
+    "llama2c": (("formats.llama2c", "Llama2cCheckpoint"), ("formats.llama2c", "write_llama2c")),
+    "gguf": (("gguf.read", "GGUFCheckpoint"), ("gguf.write", "write_gguf")),
 }
 _SHARDED = ("native", "hf")  # formats that honour max_shard_size
 
 
 def _member(fmt: str, index: int):
     module, name = _MODULES[fmt][index]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return getattr(importlib.import_module(f"..{module}", __package__), name)
 
 
 def detect_format(path: str | os.PathLike) -> str:

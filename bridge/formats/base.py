@@ -14,6 +14,7 @@ from typing import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
+from ..chat import TEMPLATE_FILE
 from ..config import LlamaConfig
 from ..errors import BridgeError
 from ..quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes, quantized_names
@@ -30,9 +31,8 @@ def check_inside(file: Path, directory: Path) -> Path:
 
 FLOAT_DTYPES = {np.dtype(t) for t in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16)}
 # Files that travel with the weights between directory formats (tokenizers, generation defaults).
-CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the file name transformers saves a template under
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "generation_config.json", CHAT_TEMPLATE_FILE)
+                   "special_tokens_map.json", "generation_config.json", TEMPLATE_FILE)
 
 Spec = tuple[tuple[int, ...], np.dtype]  # (canonical shape, numpy dtype)
 

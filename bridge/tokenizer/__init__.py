@@ -16,10 +16,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..errors import BridgeError
-from ..formats.gguf_file import is_gguf
 from .bos_eos import BosEos, bos_eos_as_transformers, bos_eos_post_processor
 from .kinds import (EXPECTED, LLAMA3_PATTERN, LLAMA3_SPECIALS, ByteTokenizer, HFTokenizer,
                     Llama2Tokenizer, Llama3Tokenizer, Tokenizer, _byte_level_chars, _hf_from_file,
@@ -29,6 +28,17 @@ __all__ = ["LLAMA3_PATTERN", "LLAMA3_SPECIALS", "BosEos", "ByteTokenizer", "HFTo
            "Llama2Tokenizer", "Llama3Tokenizer", "Tokenizer", "_byte_level_chars", "_split_long_runs",
            "_split_on_specials", "bos_eos_as_transformers", "detect_tokenizer_kind",
            "find_tokenizer", "load_tokenizer", "train_tokenizer"]
+
+
+# Model files that carry their own vocabulary, as (holds(path), tokenizer(path)). GGUF's enters
+# when `bridge` is imported (bridge.gguf): the GGUF wing builds on the kinds here, so this package
+# knows it only through this list.
+MODEL_FILE_TOKENIZERS: list[tuple[Callable[[Path], bool], Callable[[Path], Tokenizer]]] = []
+
+
+def _model_file_tokenizer(path: Path) -> Callable[[Path], Tokenizer] | None:
+    """The reader of the vocabulary a model file carries (a GGUF file's), or None."""
+    return next((read for holds, read in MODEL_FILE_TOKENIZERS if holds(path)), None)
 
 
 # -- finding, detecting, loading, training -------------------------------------------------------
@@ -75,7 +85,7 @@ def detect_tokenizer_kind(path: str | Path) -> str:
     tokenizer.json / tokenizer.model; for a GGUF file, the kind its vocabulary is rebuilt as);
     BridgeError naming the file for anything else."""
     file = _tokenizer_file(path)
-    if is_gguf(file):
+    if _model_file_tokenizer(file):
         return load_tokenizer(file).kind
     return _detect(file, file.read_bytes())
 
@@ -83,12 +93,11 @@ def detect_tokenizer_kind(path: str | Path) -> str:
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """A Tokenizer from a file or a checkpoint directory; the kind is detected from contents.
     A GGUF file (a model, or a vocabulary-only file) gives its tokenizer.ggml.* vocabulary,
-    rebuilt to tokenize as llama.cpp does (bridge.tokenizer.gguf)."""
+    rebuilt to tokenize as llama.cpp does (bridge.gguf.tokenizer)."""
     file = _tokenizer_file(path)
-    if is_gguf(file):
-        from .gguf import gguf_file_tokenizer
-
-        return gguf_file_tokenizer(file)
+    read = _model_file_tokenizer(file)
+    if read:
+        return read(file)
     data = file.read_bytes()
     kind = _detect(file, data)
     if kind == "hf":
@@ -108,7 +117,7 @@ def find_tokenizer(checkpoint: str | Path, tokenizer: str | Path | None = None) 
         raise BridgeError(f"{checkpoint}: no such file or directory")
     if tokenizer:
         return load_tokenizer(tokenizer)
-    if path.is_file() and is_gguf(path):
+    if path.is_file() and _model_file_tokenizer(path):
         return load_tokenizer(path)
     directory = path if path.is_dir() else path.parent
     for name in ("tokenizer.json", "tokenizer.model"):

@@ -23,7 +23,7 @@ One departure, on purpose: a tokenizer.model whose tokenizer_config.json (if any
 `add_bos_token` gets BOS whenever its vocabulary has one, as Meta's reference code encodes for
 LLaMA 2 and 3 and as transformers 4.x's LlamaTokenizer did (its `add_bos_token=True` default);
 transformers 5.25 converts such a file with a template that adds nothing. A `.gguf` file's
-tokenizer follows llama.cpp instead (bridge.tokenizer.gguf).
+tokenizer follows llama.cpp instead (bridge.gguf.tokenizer).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The four kinds of tokenizer this project meets, behind one Tokenizer interface: LLaMA 3
 (tiktoken ranks), LLaMA 2 (SentencePiece), Hugging Face tokenizer.json, and raw UTF-8 bytes.
 Finding and loading them is bridge.tokenizer's; a GGUF vocabulary becomes one of them in
-bridge.tokenizer.gguf.
+bridge.gguf.tokenizer.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import BridgeError
-from ..gguf_pretokenizers import fim_ids, llama_cpp_stop_ids
+from .stops import fim_ids, llama_cpp_stop_ids
 from .bos_eos import (BosEos, added_tokens, bos_eos_as_transformers, bos_eos_post_processor,
                       post_processor_json)
 
@@ -203,7 +203,7 @@ class Llama2Tokenizer(Tokenizer):
     # Set where the vocabulary comes from a GGUF file, to tokenize as llama.cpp does: it cuts the
     # text at these user-defined tokens before SentencePiece runs (which then puts its "\u2581"
     # before each piece), and drops the ASCII whitespace after a token of `_rstrip` and before
-    # one of `_lstrip` (bridge.tokenizer.gguf). A saved tokenizer.model does not keep them.
+    # one of `_lstrip` (bridge.gguf.tokenizer). A saved tokenizer.model does not keep them.
     _user_defined: dict[str, int] = {}
     _lstrip: frozenset[int] = frozenset()
     _rstrip: frozenset[int] = frozenset()

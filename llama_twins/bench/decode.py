@@ -277,7 +277,7 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work) -> tup
 
     from bridge.convert import convert
     from bridge.formats import open_checkpoint
-    from bridge.formats.gguf_file import is_gguf, read_gguf
+    from bridge.gguf.container import is_gguf, read_gguf
 
     work = Path(work)
     say(f"converting {source} to native float32, HF and GGUF for the decode rows")
@@ -315,7 +315,7 @@ def gguf_file_type(path) -> str:
     """A GGUF file's general.file_type as llama.cpp names it: F32, Q8_0, Q4_1, ..."""
     import gguf
 
-    from bridge.formats.gguf_file import read_gguf
+    from bridge.gguf.container import read_gguf
     name = gguf.LlamaFileType(read_gguf(path).fields["general.file_type"]).name
     return name.removeprefix("MOSTLY_").removeprefix("ALL_")
 

@@ -1,7 +1,7 @@
 """GGUF K-quants (q2_k ... q6_k) by llama.cpp's own quantiser, llama-cpp-python's
 `llama_model_quantize`: gguf.quants has numpy quantisers for the 32-element block types only.
 
-bridge.formats.gguf writes the model losslessly first, into a file beside the destination's
+bridge.gguf.write writes the model losslessly first, into a file beside the destination's
 temporary; llama.cpp reads it and writes the temporary, choosing each tensor's type by its own
 rules (src/llama-quant.cpp, llama_tensor_get_type_impl: e.g. Q6_K for the output and for some
 layers' attn_v / ffn_down under q4_k_m, a 32-block type where rows are not whole 256-blocks);
@@ -69,7 +69,7 @@ def quantize_with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, dtyp
                             stage: Callable[[str], object] | None = None,
                             name: str | os.PathLike | None = None) -> None:
     """llama.cpp's quantiser: the GGUF file `src` into `dst` (written in place, not atomically:
-    pass a temporary) as file type `dtype` (our name, a FILE_TYPES key of bridge.formats.gguf),
+    pass a temporary) as file type `dtype` (our name, a FILE_TYPES key of bridge.gguf.conventions),
     llama.cpp's LLAMA_FTYPE_<ftype_name>. `allow_requantize` lets it take
     quantised tensors (dequantised, then quantised again). Its log is silenced: its warnings
     (fallbacks for rows that are not whole blocks) go to `warn`, its error ends the BridgeError

@@ -1,11 +1,11 @@
 """A GGUF file's tokenizer.ggml.* keys as the tokenizer llama.cpp runs (import; the export is
-bridge.gguf_tokenizer's).
+bridge.gguf.vocab's).
 
 The tokenizer encodes text as llama.cpp's llama_tokenize(add_special=false,
 parse_special=allow_special) does (llama-cpp-python 0.3.36's llama-vocab.cpp), checked against
 llama.cpp's own tokenizer suite (tests/test_gguf_vocab.py):
     "gpt2" / "gemma4"  a `tokenizers` BPE (kind "hf", saved as tokenizer.json +
-            tokenizer_config.json): the pre-tokenizer's splits from bridge.gguf_pretokenizers,
+            tokenizer_config.json): the pre-tokenizer's splits from bridge.gguf.pretokenizers,
             GGUF's merges in rank order, control tokens as special added tokens and user-defined
             ones as plain added tokens; LLaMA 3's own vocabulary as tiktoken's ranks instead.
     "llama" a SentencePiece BPE model (kind "llama2", saved as tokenizer.model).
@@ -19,9 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import BridgeError
-from ..gguf_pretokenizers import EOG_NAMES, fim_ids, llama_cpp_stop_ids
-from .bos_eos import BosEos
-from .kinds import LLAMA3_SPECIALS, Tokenizer, _byte_level_chars
+from ..tokenizer.bos_eos import BosEos
+from ..tokenizer.kinds import (LLAMA3_SPECIALS, HFTokenizer, Llama2Tokenizer, Llama3Tokenizer,
+                               Tokenizer, _byte_level_chars)
+from ..tokenizer.stops import EOG_NAMES, fim_ids, llama_cpp_stop_ids
+from .container import read_gguf
+from .pretokenizers import NOT_REBUILT, PRE_TOKENIZERS, Pre, split_patterns
 
 # llama.cpp's token types (gguf.TokenType), the same numbers as SentencePiece's piece types.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -52,8 +55,6 @@ _HOW_TO = "pass --tokenizer FILE / tokenizer=..."
 def gguf_file_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of a GGUF file (a model, or a vocabulary-only file such as llama.cpp's
     ggml-vocab-*.gguf); BridgeError naming the file when it has none we rebuild."""
-    from ..formats.gguf_file import read_gguf
-
     path = Path(path)
     tokenizer, note = tokenizer_from_gguf(read_gguf(path).fields, path)
     if tokenizer is None:
@@ -63,7 +64,7 @@ def gguf_file_tokenizer(path: str | Path) -> Tokenizer:
 
 def tokenizer_from_gguf(fields: dict, where: str | Path) -> tuple[Tokenizer | None, str | None]:
     """The tokenizer that llama.cpp runs for the tokenizer.ggml.* keys among `fields` (a GGUF
-    file's metadata, bridge.formats.gguf_file), and a one-line note for inspect; (None, why)
+    file's metadata, bridge.gguf.container), and a one-line note for inspect; (None, why)
     where it is not rebuilt."""
     return _rebuild(fields, Path(where))
 
@@ -76,8 +77,6 @@ def tokenizer_files(fields: dict, directory: Path, where: Path) -> tuple[list[Pa
 
 
 def _rebuild(fields: dict, where: Path) -> tuple[Tokenizer | None, str | None]:
-    from ..gguf_pretokenizers import NOT_REBUILT, PRE_TOKENIZERS
-
     model = fields.get("tokenizer.ggml.model")
     if model is None:
         return None, "no tokenizer in the file (no tokenizer.ggml.* keys)"
@@ -106,8 +105,6 @@ class _Vocab:
     """The tokenizer.ggml.* keys, checked, with the token classes llama.cpp gives them."""
 
     def __init__(self, fields: dict, model: str, pre: str, where: Path):
-        from ..gguf_pretokenizers import PRE_TOKENIZERS
-
         self.fields, self.model, self.pre, self.where = fields, model, pre, where
         tokens = self._list("tokenizer.ggml.tokens", str)
         types = self._list("tokenizer.ggml.token_type", int, [NORMAL] * len(tokens))
@@ -158,8 +155,6 @@ class _Vocab:
         return default if default is not None and default < len(self.tokens) else None
 
     def _flag(self, key: str, default: bool) -> bool:
-        from ..gguf_pretokenizers import PRE_TOKENIZERS, Pre
-
         value = self.fields.get(f"tokenizer.ggml.{key}", default)
         if not isinstance(value, bool):
             raise BridgeError(f"{self.where}: tokenizer.ggml.{key} is {value!r}, not a boolean")
@@ -218,8 +213,6 @@ class _Vocab:
     # -- the three rebuilds
 
     def tiktoken(self) -> Tokenizer:
-        from .kinds import Llama3Tokenizer
-
         to_byte = {c: b for b, c in enumerate(_byte_level_chars())}
         n = len(self.tokens) - len(LLAMA3_SPECIALS)
         return self._finish(Llama3Tokenizer({bytes(to_byte[c] for c in t): rank
@@ -231,8 +224,6 @@ class _Vocab:
         byte fallback where there are byte pieces; and llama.cpp's cuts at user-defined tokens
         (Llama2Tokenizer._user_defined), which a saved tokenizer.model does not keep."""
         from sentencepiece import sentencepiece_model_pb2 as pb
-
-        from .kinds import Llama2Tokenizer
 
         scores = self._list("tokenizer.ggml.scores", (int, float), [0.0] * len(self.tokens))
         if len(scores) < len(self.tokens):
@@ -272,9 +263,6 @@ class _Vocab:
         user-defined ones as plain added tokens (matched in any text, as llama.cpp does)."""
         from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
         from tokenizers import Tokenizer as RustTokenizer
-
-        from ..gguf_pretokenizers import split_patterns
-        from .kinds import HFTokenizer
 
         merges = self._merges()
         tok = RustTokenizer(models.BPE(self.vocab, merges, ignore_merges=pre.ignore_merges,

@@ -1,8 +1,6 @@
-"""GGUF, llama.cpp's single-file format: read (float tensors as stored, every quantised type that
-gguf.quants dequantises as float32) and write (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; the
-K-quants q2_k ... q6_k by llama.cpp's own quantiser, bridge.formats.gguf_quantize) LLaMA models,
-through llama.cpp's own `gguf` package (the container, and the rounding of every type it
-quantises from gguf.quants).
+"""Writing a LLaMA model as a GGUF file (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; the K-quants
+q2_k ... q6_k by llama.cpp's own quantiser, bridge.gguf.quantize), through llama.cpp's own `gguf`
+package (the container, and the rounding of every type it quantises from gguf.quants).
 
 What llama.cpp reads, and so what is written (facts from llama.cpp's converter and loader):
   - architecture "llama" and its keys: llama.context_length, embedding_length, block_count,
@@ -20,14 +18,14 @@ What llama.cpp reads, and so what is written (facts from llama.cpp's converter a
   - 1-D tensors (norms, rope_freqs) in F32 whatever the file type; the output projection in Q8_0
     under a quantised type (OUTPUT_QTYPE); a matrix whose row length is not whole blocks of its
     type falls back to F16, as llama.cpp's converter and quantiser do (_tensor_type).
-The tokenizer keys come from bridge.gguf_tokenizer.
+The names, file types and keys are bridge.gguf.conventions'; the tokenizer keys come from
+bridge.gguf.vocab.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -37,109 +35,12 @@ import ml_dtypes
 import numpy as np
 
 from ..atomic import atomic_file
-from ..config import LlamaConfig, RopeScaling
+from ..config import LlamaConfig
 from ..errors import BridgeError
-from .base import Spec, check_specs
+from ..formats.base import Spec, check_specs
+from .conventions import (ARCH, FILE_TYPES, LLAMA_CPP, OUR_BOS, OUR_EOS, OUR_KEY, OUTPUT_QTYPE,
+                          ROPE_FREQS, gguf_dtype, gguf_name, llama3_rope_freqs)
 
-ARCH = "llama"
-# --dtype for a GGUF target -> (gguf.GGMLQuantizationType name: the matrices' type before the
-# per-tensor rules of _tensor_type; gguf.LlamaFileType name: general.file_type, and the name of
-# llama_cpp.LLAMA_FTYPE_<it>; who quantises: GGUF_PY = gguf.quants' numpy quantisers, here, one
-# tensor at a time; LLAMA_CPP = llama.cpp's own quantiser, on a lossless file written first, since
-# gguf.quants has no K-quant quantisers). The type of each file type is llama.cpp's
-# llama_ftype_get_default_type (src/llama-quant.cpp, llama-cpp-python 0.3.36). Left out: Q2_K_S
-# and the IQ types (llama.cpp wants an importance matrix for most), TQ and MXFP4 (other models).
-GGUF_PY, LLAMA_CPP = "gguf", "llama.cpp"
-FILE_TYPES = {
-    "f32": ("F32", "ALL_F32", GGUF_PY), "f16": ("F16", "MOSTLY_F16", GGUF_PY),
-    "bf16": ("BF16", "MOSTLY_BF16", GGUF_PY), "q8_0": ("Q8_0", "MOSTLY_Q8_0", GGUF_PY),
-    "q4_0": ("Q4_0", "MOSTLY_Q4_0", GGUF_PY), "q4_1": ("Q4_1", "MOSTLY_Q4_1", GGUF_PY),
-    "q5_0": ("Q5_0", "MOSTLY_Q5_0", GGUF_PY), "q5_1": ("Q5_1", "MOSTLY_Q5_1", GGUF_PY),
-    "q2_k": ("Q2_K", "MOSTLY_Q2_K", LLAMA_CPP), "q3_k_s": ("Q3_K", "MOSTLY_Q3_K_S", LLAMA_CPP),
-    "q3_k_m": ("Q3_K", "MOSTLY_Q3_K_M", LLAMA_CPP), "q3_k_l": ("Q3_K", "MOSTLY_Q3_K_L", LLAMA_CPP),
-    "q4_k_s": ("Q4_K", "MOSTLY_Q4_K_S", LLAMA_CPP), "q4_k_m": ("Q4_K", "MOSTLY_Q4_K_M", LLAMA_CPP),
-    "q5_k_s": ("Q5_K", "MOSTLY_Q5_K_S", LLAMA_CPP), "q5_k_m": ("Q5_K", "MOSTLY_Q5_K_M", LLAMA_CPP),
-    "q6_k": ("Q6_K", "MOSTLY_Q6_K", LLAMA_CPP)}
-# The output projection (output.weight, or token_embd.weight when the embeddings are tied) under a
-# quantised file type: llama.cpp's quantiser gives it Q6_K when its rows are whole 256-blocks,
-# else Q8_0, and keeps Q8_0 as Q8_0 (src/llama-quant.cpp, llama_tensor_get_type_impl, the OUTPUT /
-# TOKEN_EMBD branch). gguf.quants cannot write Q6_K, so the types it quantises take Q8_0 there:
-# llama.cpp's own fallback for it, more bits than Q6_K rather than fewer.
-OUTPUT_QTYPE = "Q8_0"
-DTYPE_ALIASES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-GGUF_DTYPES = tuple(FILE_TYPES) + tuple(DTYPE_ALIASES)
-ROPE_FREQS = "rope_freqs.weight"
-OUR_KEY = "llama_bridge.rope_scaling."  # + RopeScaling field name
-# The config's own token ids (LlamaConfig.bos_id / eos_ids: what the checkpoint declares, e.g. a
-# base LLaMA 3's single EOS where its tokenizer also knows EOT and EOM), kept for the round trip;
-# a file without them takes BOS and EOS from the tokenizer.ggml.* keys.
-OUR_BOS, OUR_EOS = "llama_bridge.bos_id", "llama_bridge.eos_ids"
-# Canonical name -> GGUF name ({i} the layer); w1 is the gate, w3 the up, w2 the down projection.
-NAMES = {
-    "tok_embeddings.weight": "token_embd.weight",
-    "layers.{i}.attention_norm.weight": "blk.{i}.attn_norm.weight",
-    "layers.{i}.attention.wq.weight": "blk.{i}.attn_q.weight",
-    "layers.{i}.attention.wk.weight": "blk.{i}.attn_k.weight",
-    "layers.{i}.attention.wv.weight": "blk.{i}.attn_v.weight",
-    "layers.{i}.attention.wo.weight": "blk.{i}.attn_output.weight",
-    "layers.{i}.ffn_norm.weight": "blk.{i}.ffn_norm.weight",
-    "layers.{i}.feed_forward.w1.weight": "blk.{i}.ffn_gate.weight",
-    "layers.{i}.feed_forward.w3.weight": "blk.{i}.ffn_up.weight",
-    "layers.{i}.feed_forward.w2.weight": "blk.{i}.ffn_down.weight",
-    "norm.weight": "output_norm.weight",
-    "output.weight": "output.weight",
-}
-_LAYER = re.compile(r"(layers|blk)\.(\d+)\.")
-
-
-def _translate(name: str, table: dict[str, str]) -> str | None:
-    m = _LAYER.match(name)
-    pattern = name if m is None else name.replace(m.group(0), f"{m.group(1)}.{{i}}.", 1)
-    out = table.get(pattern)
-    return None if out is None else out.format(i=m.group(2) if m else "")
-
-
-def gguf_name(name: str) -> str:
-    """llama.cpp's name for a canonical tensor name."""
-    out = _translate(name, NAMES)
-    if out is None:
-        raise BridgeError(f"tensor {name!r}: no GGUF name for it")
-    return out
-
-
-def canonical_name(name: str) -> str | None:
-    """The canonical name of a llama.cpp tensor name; None for a name we do not map."""
-    return _translate(name, {v: k for k, v in NAMES.items()})
-
-
-def gguf_dtype(dtype: str) -> str:
-    """Our name of a GGUF file type (a FILE_TYPES key: f32 ... q6_k) from any spelling --dtype
-    accepts for a GGUF target."""
-    name = DTYPE_ALIASES.get(dtype, dtype)
-    if name not in FILE_TYPES:
-        raise BridgeError(f"GGUF holds {', '.join(FILE_TYPES)} (or float32 / float16 / bfloat16), "
-                          f"got {dtype!r}", field="dtype")
-    return name
-
-
-def llama3_rope_freqs(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
-    """rope_freqs.weight, float32 (H/2,): the divisor of each RoPE frequency, by llama.cpp's
-    formula (float32 throughout, as its converter computes it in torch): 1 above the band, factor
-    below it, 1 / ((1 - smooth) / factor + smooth) inside."""
-    f32 = np.float32
-    freqs = f32(1) / (f32(theta) ** (np.arange(0, head_dim, 2, dtype=f32) / f32(head_dim)))
-    wavelen = (f32(1) / freqs) * f32(2 * math.pi)  # torch's scalar / tensor is reciprocal * scalar
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    old = f32(s.original_max_position_embeddings)
-    smooth = ((f32(1) / wavelen) * old - f32(s.low_freq_factor)) \
-        / f32(s.high_freq_factor - s.low_freq_factor)
-    inside = f32(1) / ((f32(1) - smooth) / f32(s.factor) + smooth)
-    return np.where(wavelen < f32(high_wavelen), f32(1),
-                    np.where(wavelen > f32(low_wavelen), f32(s.factor), inside)).astype(f32)
-
-
-# -- writing ---------------------------------------------------------------------------------------
 
 def _stderr(message: str) -> None:
     from tqdm import tqdm
@@ -168,7 +69,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
     """
     import gguf
 
-    from ..gguf_tokenizer import vocab_keys
+    from .vocab import vocab_keys
 
     ordered = check_specs(config, specs, "tensors to write")
     warn = warn or _stderr
@@ -177,7 +78,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
         if len(stored) == 1 else "f32"
     file_type, quantise = gguf_dtype(dtype or lossless), None
     if FILE_TYPES[file_type][2] == LLAMA_CPP:
-        from .gguf_quantize import input_beside, quantize_with_llama_cpp, require_llama_cpp
+        from .quantize import input_beside, quantize_with_llama_cpp, require_llama_cpp
         require_llama_cpp(file_type)
         if tokenizer is None:
             # llama.cpp's quantiser runs without one, but llama.cpp loads no model without it:

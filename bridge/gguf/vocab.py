@@ -5,7 +5,7 @@ Export, as llama.cpp's converter writes them:
             from the model; pre "default".
     llama3  "gpt2" (byte-level BPE), pre "llama-bpe": the 128,000 ranks as GPT-2 byte-level
             strings, merges, the 256 special tokens as CONTROL.
-    hf      "gpt2" for a byte-level BPE tokenizer.json, pre the name bridge.gguf_pretokenizers
+    hf      "gpt2" for a byte-level BPE tokenizer.json, pre the name bridge.gguf.pretokenizers
             gives its splits (the one it was rebuilt from GGUF with, where it was); others (a
             SentencePiece-style BPE with byte fallback) are refused by name.
     bytes   "gpt2", pre "gpt-2", no merges: id b is byte b.
@@ -14,16 +14,18 @@ construction serves both exports. Ids up to the model's vocab_size that the toke
 use become "[PAD{i}]" (UNUSED), as llama.cpp pads them. BOS, EOS, EOT / EOM (LLaMA 3), UNK, pad
 ids; add_bos_token / add_eos_token as the tokenizer's add_bos / add_eos.
 
-Import (the keys as the tokenizer llama.cpp runs) is bridge.tokenizer.gguf's.
+Import (the keys as the tokenizer llama.cpp runs) is bridge.gguf.tokenizer's.
 """
 
 from __future__ import annotations
 
 import json
 
-from .errors import BridgeError
-from .tokenizer import Tokenizer
-from .tokenizer.gguf import (BYTE, CONTROL, GGUF_PRE_KEY, NORMAL, UNKNOWN, UNUSED, USER_DEFINED,
+from ..errors import BridgeError
+from ..hf_tokenizer import _from_bytes, _from_hf, _from_tiktoken
+from ..tokenizer import Tokenizer
+from .pretokenizers import PRE_TOKENIZERS, split_patterns
+from .tokenizer import (BYTE, CONTROL, GGUF_PRE_KEY, NORMAL, UNKNOWN, UNUSED, USER_DEFINED,
                              _pad)
 
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -78,8 +80,6 @@ def _sentencepiece_keys(tokenizer: Tokenizer, vocab_size: int) -> list[tuple[str
 
 
 def _byte_level_keys(tokenizer: Tokenizer, vocab_size: int) -> list[tuple[str, object]]:
-    from .hf_tokenizer import _from_bytes, _from_hf, _from_tiktoken
-
     build = {"llama3": _from_tiktoken, "hf": _from_hf, "bytes": _from_bytes}[tokenizer.kind]
     spec = json.loads(build(tokenizer).to_str())
     model = spec["model"]
@@ -111,9 +111,7 @@ def _pre_name(pre_tokenizer: dict | None, ignore_merges: bool, has_merges: bool,
               stored: str | None = None) -> str:
     """llama.cpp's name for the pre-tokenizer (the splits that cut text before BPE): `stored`
     (the name a tokenizer rebuilt from GGUF came with) where it still describes it, else the
-    first name of bridge.gguf_pretokenizers with the same splits and ignore_merges."""
-    from .gguf_pretokenizers import PRE_TOKENIZERS, split_patterns
-
+    first name of bridge.gguf.pretokenizers with the same splits and ignore_merges."""
     splits = _splits(pre_tokenizer)
     fits = [name for name, pre in PRE_TOKENIZERS.items() if pre.byte_level and
             split_patterns(pre) == splits and pre.ignore_merges == ignore_merges]
@@ -125,14 +123,12 @@ def _pre_name(pre_tokenizer: dict | None, ignore_merges: bool, has_merges: bool,
         return "gpt-2"
     raise BridgeError(f"a byte-level BPE whose pre-tokenizer llama.cpp has no name for "
                       f"({json.dumps(pre_tokenizer)[:120]}); GGUF export takes the splits of "
-                      f"bridge.gguf_pretokenizers", field="tokenizer")
+                      f"bridge.gguf.pretokenizers", field="tokenizer")
 
 
 def _splits(pre_tokenizer: dict | None) -> tuple[str, ...] | None:
     """A tokenizer.json pre-tokenizer as the regexes it splits by, in Oniguruma's form (the
     case-insensitive (?i:'s|..) as llama.cpp's '[sS]|..); None if something else happens."""
-    from .gguf_pretokenizers import PRE_TOKENIZERS, split_patterns
-
     parts = (pre_tokenizer or {}).get("pretokenizers", [pre_tokenizer or {}])
     gpt2 = split_patterns(PRE_TOKENIZERS["gpt-2"])[0]
     out = []

@@ -1,7 +1,8 @@
 """Reading a LLaMA GGUF file: its llama.* keys as a LlamaConfig, its tensors as canonical arrays
 (float types as stored, every quantised type that gguf.quants dequantises as float32, one tensor
-at a time), its vocabulary as a tokenizer (bridge.gguf_tokenizer) and its chat template. The
-container is read by bridge.formats.gguf_file; names and key conventions are bridge.formats.gguf's.
+at a time), its vocabulary as tokenizer files (bridge.gguf.tokenizer) and its chat template. The
+container is read by bridge.gguf.container; names and key conventions are
+bridge.gguf.conventions'.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
-from .base import CHAT_TEMPLATE_FILE, Checkpoint, check_specs
-from .gguf import ARCH, OUR_BOS, OUR_EOS, OUR_KEY, ROPE_FREQS, canonical_name, llama3_rope_freqs
-from .gguf_file import GGUFFile, TensorInfo, read_gguf
+from ..formats.base import Checkpoint, check_specs
+from .container import GGUFFile, TensorInfo, read_gguf
+from .conventions import (ARCH, OUR_BOS, OUR_EOS, OUR_KEY, ROPE_FREQS, canonical_name,
+                          llama3_rope_freqs)
+from .tokenizer import tokenizer_files
 
 # Read as stored: GGML float type -> numpy dtype. Every other type is read through
 # gguf.quants.dequantize into float32 when gguf can dequantise it (Q4_0 ... Q8_0, the K-quants,
@@ -99,8 +103,6 @@ class GGUFCheckpoint(Checkpoint):
         """The GGUF vocabulary as tokenizer files (and its chat template as chat_template.jinja)
         in a directory of our own, removed with this object; or none, with a note saying why.
         Built when first asked for: reading the config or the weights does not need it."""
-        from ..tokenizer.gguf import tokenizer_files
-
         directory = Path(tempfile.mkdtemp(prefix="llama-bridge-gguf-tokenizer-"))
         weakref.finalize(self, _remove_tree, directory)
         files, note = tokenizer_files(self._file.fields, directory, self.path)
@@ -110,10 +112,16 @@ class GGUFCheckpoint(Checkpoint):
             self.warnings = (f"{self.path}: {note}",)  # a vocabulary is there, not for us
         template = gguf_chat_template(self._file.fields, self.path)
         if template is not None:  # the chat template travels as transformers saves one
-            files.append(directory / CHAT_TEMPLATE_FILE)
+            files.append(directory / TEMPLATE_FILE)
             files[-1].write_text(template, encoding="utf-8")
             self._notes.append("chat template: tokenizer.chat_template")
         return files
+
+
+def gguf_file_template(path: Path) -> ChatTemplate | None:
+    """A GGUF file's own chat template (its tokenizer.chat_template key), or None."""
+    source = gguf_chat_template(read_gguf(path).fields, path)
+    return None if source is None else ChatTemplate(source, f"{path}: tokenizer.chat_template")
 
 
 def gguf_chat_template(fields: dict, where: Path) -> str | None:
