@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# What one worker measures, run with the tree's code first on sys.path (PYTHONPATH): only names
+# What one worker measures, run with PYTHONPATH set to the tree: only names
 # both sides of a restructuring keep (jax_llama.load / quantize / generate, the train step).
 WORKER = r'''
 import json, sys, time
