@@ -4,7 +4,7 @@ config, float32 weights against int8 weights, in each framework's own process.
     python scripts/profile_int8_matmul.py [--out results]
 
 For each weight shape of a decode step (K x N, x of 1 or 8 rows) it times, median of 50 calls:
-  JAX    x @ W (float32); jax_llama.model.int8_matmul, what the JAX twin runs (x @ Q * s, Q
+  JAX    x @ W (float32); jax_llama.projections.int8_matmul, what the JAX twin runs (x @ Q * s, Q
          converted to float32 64 rows at a time in a loop, or whole for small weights); and an
          elementwise int8 -> float32 convert of the whole weight alone
   torch  F.linear (float32); torch_llama.model.int8_linear on float32 x (Q converted per call);
@@ -45,7 +45,7 @@ def measure_jax() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_llama.model import int8_matmul
+    from jax_llama.projections import int8_matmul
 
     f32 = jax.jit(lambda x, w: x @ w)
     int8 = jax.jit(lambda x, q, s: int8_matmul(x, q, s, jnp.float32))
