@@ -9,6 +9,11 @@ Axis legend (used in einsum strings, shape comments and variable suffixes):
 Parameters live in `param_dtype`, activations in `dtype`; RMSNorm statistics, RoPE rotation,
 attention softmax and logits are float32 whatever `dtype` is. Attention itself is one call,
 jax_llama.attention.attend, whichever implementation runs it (`attention=`).
+
+This file says what the model computes. How a projection x @ W runs (float or int8 weights, a
+LoRA adapter, the CPU decode kernels) and how attention reads the KV cache are the
+implementation the model is handed, jax_llama.projections (`project`, `attend_cache`, `Embed`),
+chosen per model by one field, `kernels` (auto, xla or kernels).
 """
 
 from __future__ import annotations
@@ -161,7 +166,6 @@ def _init(config: LlamaConfig, residual: bool = False):
     return nn.initializers.normal(stddev=std)
 
 
-
 # --8<-- [start:attention]
 class Attention(nn.Module):
     """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V.
@@ -183,13 +187,13 @@ class Attention(nn.Module):
         mask: which key each query may attend (causal, padding, segments); None is plain causal
         attention over these S tokens. With a cache (already reserved for these tokens), the new
         keys and values go into slots [index - S, index) of `layer` and the queries read all T
-        slots of that layer (attend_layer): each step writes in place and reads once, with no
+        slots of that layer (attend_cache): each step writes in place and reads once, with no
         copy."""
         c = self.config
         N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
         B, S, D = x_BSD.shape
         x_MD = x_BSD.reshape(B * S, D)  # projections as plain 2-D matmuls (faster on XLA:CPU)
-        q_MF, k_MF, v_MF = project(self, x_MD, {"wq": N * H, "wk": K * H, "wv": K * H}, _init(c))
+        q_MF, k_MF, v_MF = project(self, x_MD, _init(c), wq=N * H, wk=K * H, wv=K * H)
         q_BSNH = q_MF.reshape(B, S, N, H)
         k_BSKH, v_BSKH = k_MF.reshape(B, S, K, H), v_MF.reshape(B, S, K, H)
         q_BSNH = rotate(q_BSNH, cos_BSh, sin_BSh)
@@ -210,7 +214,7 @@ class Attention(nn.Module):
         else:
             out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
-        (out_MD,) = project(self, out_MNH, {"wo": D}, _init(c, residual=True))
+        (out_MD,) = project(self, out_MNH, _init(c, residual=True), wo=D)  # W_o [head_1; ...]
         return out_MD.reshape(B, S, D), cache
 # --8<-- [end:attention]
 
@@ -229,8 +233,9 @@ class FeedForward(nn.Module):
     def __call__(self, x_BSD):
         c = self.config
         x_MD = x_BSD.reshape(-1, x_BSD.shape[-1])  # M = B * S tokens: plain 2-D matmuls
-        gate_MF, up_MF = project(self, x_MD, {"w1": c.ffn_dim, "w3": c.ffn_dim}, _init(c))
-        (out_MD,) = project(self, nn.silu(gate_MF) * up_MF, {"w2": c.dim}, _init(c, residual=True))
+        gate_MF, up_MF = project(self, x_MD, _init(c), w1=c.ffn_dim, w3=c.ffn_dim)
+        hidden_MF = nn.silu(gate_MF) * up_MF                      # silu(W1 x) * W3 x
+        (out_MD,) = project(self, hidden_MF, _init(c, residual=True), w2=c.dim)  # W2 (...)
         return out_MD.reshape(x_BSD.shape)
 # --8<-- [end:feed_forward]
 
@@ -272,6 +277,8 @@ class Llama(nn.Module):
     time does not grow with depth. remat: recompute each block's activations in the backward pass.
     attention: xla, chunked, cudnn, splash or auto (jax_llama.attention). lora: LoRA adapters on the
     projections it targets (bridge.lora.LoraConfig; jax_llama.lora adds, saves and merges them).
+    kernels: auto, xla or kernels - whether the projections and the attention over the cache of
+    a decode step run on the CPU decode kernels (jax_llama.projections).
     """
 
     config: LlamaConfig
@@ -361,7 +368,7 @@ class Llama(nn.Module):
         if c.tie_embeddings:
             logits_MV = embed.attend(h_MD)
         else:
-            (logits_MV,) = project(self, h_MD, {"output": c.vocab_size}, _init(c))
+            (logits_MV,) = project(self, h_MD, _init(c), output=c.vocab_size)
         # --8<-- [end:lm_head]
         logits_BSV = logits_MV.reshape(B, P, c.vocab_size).astype(jnp.float32)
         return LlamaOutput(logits=logits_BSV, hidden=h_BSD, cache=cache)

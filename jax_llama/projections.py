@@ -114,12 +114,13 @@ class Linear(nn.Module):
         return out + b(a(x_MD)) * jnp.asarray(self.lora.scale, self.dtype)
 
 
-def project(module: nn.Module, x_MD, features: dict[str, int], kernel_init) -> list[jax.Array]:
-    """[x @ W for each projection named in `features` (name -> outputs)], all reading the same x
-    (q, k, v; gate, up; or one alone), as Linears named so under `module`, in its dtypes, with
-    an adapter where its LoRA targets one. Ones without adapters that the decode kernels serve
-    (module.kernels allowing; a few rows on CPU, all float32 or all int8) are one kernel call,
-    their weights read by the same threads (the same numbers to float32 rounding)."""
+def project(module: nn.Module, x_MD, kernel_init, **features: int) -> list[jax.Array]:
+    """[x @ W for each projection named in `features` (name=outputs)], all reading the same x
+    (q, k, v; gate, up; or one alone), as Linears named so under `module`, in its dtypes
+    (initialised by kernel_init), with an adapter where its LoRA targets one. Ones without
+    adapters that the decode kernels serve (module.kernels allowing; a few rows on CPU, all
+    float32 or all int8) are one kernel call, their weights read by the same threads (the same
+    numbers to float32 rounding)."""
     params = [module.variables.get("params", {}).get(name, {}) for name in features]
     weights = [(p.get("kernel"), p.get("scale")) for p in params]
     lora = module.lora
@@ -192,7 +193,7 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     groups of in / G consecutive inputs (bridge.quantize). Per channel (G = 1) the scale
     multiplies the output, (x @ Q) * s, so the int8 weights are never scaled element by element;
     group-wise, each group's weights are dequantised in float32 and rounded once to `dtype`.
-    torch_llama.model.int8_linear computes the same, in the same order."""
+    torch_llama.projections.int8_linear computes the same, in the same order."""
     G = scale_GO.shape[0]
     I, O = q_IO.shape
     K = math.gcd(I, INT8_BLOCK_ROWS)  # rows per block: 64, or fewer where 64 does not divide I

@@ -422,7 +422,7 @@ def test_the_decode_loop_holds_int8_weights_and_one_dequantised_matrix_at_a_time
 def test_the_torch_projection_follows_scales_written_in_place(dtype):
     """The per-channel scales are kept converted to the activations' dtype between calls; a load
     writing weight_scale in place (or a new tensor) must still take effect at the next call."""
-    from torch_llama.model import Linear
+    from torch_llama.projections import Linear
 
     torch.manual_seed(0)
     layer = Linear(16, 8).to(dtype)
