@@ -10,9 +10,10 @@ x @ W and for cached attention, chosen per model by one field, `Llama.kernels`:
     kernels  as auto, but a model whose kernels cannot run here is refused (the reason named).
 
 Both give the same numbers to float32 rounding (the kernels' sums run in another order), and the
-same greedy tokens on SmolLM2. The choice is the model's, never the environment's inside a trace:
-`implementation(kernels)` reads JAX_LLAMA_KERNELS and the backend once, when the model is made
-and when it first runs.
+same greedy tokens (tests/test_kernels.py decodes both ways). `implementation(kernels)` is the
+one place that turns the choice into "kernels" or "xla" - from the backend, the device count and
+JAX_LLAMA_KERNELS - when a model is made (init, load) and while it traces; whether one call is
+served (its rows, dtypes, shapes) jax_llama.kernels' `usable` says.
 
 Storage is the other thing a projection's params can say: a `scale` beside the `kernel` (or the
 tied embedding) means int8 weights (jax_llama.quantize), multiplied by int8_matmul or by the

@@ -445,9 +445,11 @@ def cmd_predict(args) -> int:
 
     clf = _kernels(args, lambda: load_classifier(
         args.classifier if not (Path(args.classifier) / "best").is_dir()
-        else Path(args.classifier) / "best", attention=args.attention, kernels=args.kernels))
+        else Path(args.classifier) / "best", attention=args.attention, kernels=args.kernels),
+        say=False)
     args.label_words = clf.labels
     dataset = _read_task(args, args.data, require_labels=False)
+    _say_kernels(args)
     predictions, _, cut = predict(clf, dataset.texts, args.batch_size, progress=True)
     _cut_note(args.data, cut, len(dataset.examples), clf.max_len)
     _report_predictions(args, dataset, predictions, "classifier")
@@ -671,10 +673,11 @@ def _add_kernels_argument(p) -> None:
                         "makes it xla)")
 
 
-def _kernels(args, load: Callable[[], tuple]):
+def _kernels(args, load: Callable[[], tuple], say: bool = True):
     """load() (of a model with `kernels=args.kernels`), --kernels checked first - where the
     kernels are compiled, the first time on this machine, which the library's log says on
-    stderr - and once it is loaded, what its decode steps run on said on stderr."""
+    stderr - and once it is loaded, what its decode steps run on said on stderr (later, by
+    _say_kernels, with say=False: a command that still checks its input first)."""
     import logging
 
     from jax_llama import kernels
@@ -692,9 +695,14 @@ def _kernels(args, load: Callable[[], tuple]):
     loaded = load()
     why = ("" if which == "kernels" or args.kernels == "xla"
            else f": {kernels.unavailable_reason()}")
-    print(f"projections and cached attention: {which} (--kernels {args.kernels}{why})",
-          file=sys.stderr, flush=True)
+    args.kernels_note = f"projections and cached attention: {which} (--kernels {args.kernels}{why})"
+    if say:
+        _say_kernels(args)
     return loaded
+
+
+def _say_kernels(args) -> None:
+    print(args.kernels_note, file=sys.stderr, flush=True)
 
 
 def _add_task_arguments(p, labels: bool = True) -> None:

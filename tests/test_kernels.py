@@ -531,3 +531,25 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     assert out["lanes"] == ISAS[arch]
     assert out["worst"] <= 1.0  # every output within I * eps32 * sum |x w| of the float64 product
     assert out["attention"] <= 2e-6  # as test_attention_over_the_cache_equals_softmax_..._float64
+
+
+def test_the_generate_command_names_its_kernels_and_gives_the_same_text(tmp_path, capsys):
+    """--kernels is said on stderr (one line, after the model is loaded); xla and kernels write
+    the same greedy text; a bad name is one error line naming the flag, before any weight is
+    read."""
+    from conftest import save_random_checkpoint, small_config
+    from llama_twins import jax_cli
+    save_random_checkpoint(tmp_path / "m", small_config(vocab_size=259), tokenizer=True)
+    out = {}
+    for choice in ("kernels", "xla"):
+        assert jax_cli.main(["generate", str(tmp_path / "m"), "--prompt", "hi",
+                             "--max-new-tokens", "6", "--kernels", choice]) == 0
+        captured = capsys.readouterr()
+        out[choice] = captured.out
+        assert captured.err.splitlines() == [
+            f"projections and cached attention: {choice} (--kernels {choice})"]
+    assert out["kernels"] == out["xla"] and out["xla"].strip()
+    assert jax_cli.main(["generate", str(tmp_path / "m"), "--prompt", "hi",
+                         "--kernels", "fast"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --kernels: 'fast': expected one of auto, xla, kernels"]
