@@ -286,10 +286,11 @@ def cmd_serve(args) -> int:
     template = find_template(args.checkpoint, tokenizer, args.chat_template)
     model, params = load_quantized(args, lambda: load(
         args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-        kernels=args.kernels))
+        kernels=args.kernels), say=False)
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_context)
     name = args.model_name or Path(args.checkpoint.rstrip("/")).name
     server = Server(engine, model, params, tokenizer, template, name, args.api_key)
+    _say_kernels(args)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (batches of up to "
           f"{args.max_batch}, context {engine.max_len}{', API key required' if args.api_key else ''})",
           file=sys.stderr, flush=True)
@@ -300,12 +301,13 @@ def cmd_serve(args) -> int:
     return EXIT_OK
 
 
-def load_quantized(args, load: Callable[[], tuple]) -> tuple:
-    """load() -> (model, params), quantised to int8 when --quantize asks for it."""
+def load_quantized(args, load: Callable[[], tuple], say: bool = True) -> tuple:
+    """load() -> (model, params), quantised to int8 when --quantize asks for it; --kernels said
+    as _kernels says it."""
     from jax_llama.quantize import quantize
 
     quantization = requested_quantization(args)  # refused here, before any weight is read
-    model, params = _kernels(args, load)
+    model, params = _kernels(args, load, say)
     if quantization is None:
         return model, params
     return model, quantize(params, quantization.group_size, quantization.method)
