@@ -21,10 +21,11 @@ from .checkpoint import load, save
 from .classify import Classifier, load_classifier, predict
 from .eval import evaluate
 from .generate import generate
+from .heads import LlamaClassifier, last_real_index
 from .lora import adapter_of, add_lora, merge_lora, save_adapter
-from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, LlamaOutput,
-                    RMSNorm, apply_rope, check_inputs, init, last_real_index, resolve_dtype,
-                    rope_cos_sin)
+from .inputs import check_inputs
+from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaOutput, RMSNorm, apply_rope,
+                    init, resolve_dtype, rope_cos_sin)
 from .quantize import quantize
 from .train import TrainConfig, decay_mask, make_optimizer, make_train_step
 

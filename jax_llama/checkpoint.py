@@ -25,6 +25,7 @@ from bridge.tensors import canonical_shapes
 
 from .attention import choose
 from .model import Llama, resolve_dtype
+from .projections import implementation
 
 
 def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None, bool]:
@@ -237,11 +238,14 @@ def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config:
 
 
 def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, remat: bool = False,
-         attention: str = "auto", adapter: str | os.PathLike | None = None, mesh=None):
+         attention: str = "auto", adapter: str | os.PathLike | None = None, mesh=None,
+         kernels: str = "auto"):
     """(Llama module, params) from a checkpoint of any supported format.
 
     dtype None keeps the stored dtype (float32 when tensors are mixed); otherwise a dtype or its
     name, used for the params and for compute. attention: the implementation (jax_llama.attention).
+    kernels: how projections and cached attention run, auto, xla or kernels
+    (jax_llama.projections).
     adapter: a PEFT LoRA adapter directory, merged into the weights as they are read (a plain
     model; jax_llama.add_lora keeps an adapter separate, for training it further).
     mesh: build the params already sharded on it by the training rules (jax_llama.sharding),
@@ -249,6 +253,7 @@ def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, rema
     those parts alone; Meta and llama2.c files, and a merged adapter, read each tensor whole.
     """
     choose(attention, 1, 1)
+    implementation(kernels)  # a bad name, or kernels that cannot run here, refused as early
     ckpt = open_checkpoint(path)
     if ckpt.quantization is not None:
         if adapter is not None:
@@ -271,5 +276,5 @@ def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, rema
         params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
                                      shapes=checkpoint_shapes(ckpt.config, ckpt.quantization))
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
-                  attention=attention)
+                  attention=attention, kernels=kernels)
     return model, params

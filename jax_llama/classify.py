@@ -48,7 +48,8 @@ from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .data import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
-from .model import Blocks, KVCache, LlamaClassifier, init
+from .heads import Blocks, LlamaClassifier
+from .model import KVCache, init
 from .run_state import (Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until,
                         setup_differences)
 from .tracking import Tracker, TrackingSpec
@@ -128,15 +129,17 @@ def new_classifier(config: LlamaConfig, labels: list[str], tokenizer: Tokenizer,
     return Classifier(model, params, labels, tokenizer, max_len, output)
 
 
-def load_classifier(path: str | Path, dtype=None, attention: str = "auto") -> Classifier:
-    """A classifier directory written by `finetune` (or Classifier.save)."""
-    model_lm, lm_params = load_checkpoint(path, dtype=dtype, attention=attention)
+def load_classifier(path: str | Path, dtype=None, attention: str = "auto",
+                    kernels: str = "auto") -> Classifier:
+    """A classifier directory written by `finetune` (or Classifier.save); attention and kernels
+    as in jax_llama.load."""
+    model_lm, lm_params = load_checkpoint(path, dtype=dtype, attention=attention, kernels=kernels)
     meta, weight, bias = read_head(path, model_lm.config)
     dtype = model_lm.dtype
     backbone, output = backbone_params(lm_params)
     head = {"kernel": jnp.asarray(weight.T, dtype), "bias": jnp.asarray(bias, dtype)}
     model = LlamaClassifier(model_lm.config, len(meta["labels"]), float(meta.get("dropout", 0.0)),
-                            dtype=dtype, param_dtype=dtype, attention=attention)
+                            dtype=dtype, param_dtype=dtype, attention=attention, kernels=kernels)
     return Classifier(model, {"llama": backbone, "classifier": head}, list(meta["labels"]),
                       find_tokenizer(str(path), None), int(meta["max_len"]), output,
                       own_template(path))
@@ -190,7 +193,8 @@ class FrozenFeatures:
     def compute(cls, clf: Classifier, rows: list[list[int]], first_layer: int,
                 batch_size: int = 64, desc: str = "frozen blocks") -> FrozenFeatures:
         m = clf.model
-        lower = Blocks(m.config, 0, first_layer, m.dtype, m.param_dtype, m.attention, m.lora)
+        lower = Blocks(m.config, 0, first_layer, m.dtype, m.param_dtype, m.attention, m.lora,
+                       m.kernels)
         run = jax.jit(lambda params, tokens, mask: lower.apply({"params": params}, tokens, mask))
         lengths = np.array([len(r) for r in rows])
         features: list[np.ndarray | None] = [None] * len(rows)

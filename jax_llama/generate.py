@@ -27,7 +27,8 @@ from bridge.inputs import pad_rows
 from bridge.sampling import Generation, Sampler, check_generation
 
 from .data import bucket
-from .model import KVCache, check_inputs
+from .inputs import check_inputs
+from .model import KVCache
 
 _MAX_STOP_IDS = 8  # stop ids travel as a fixed-size array so that their number does not recompile
 

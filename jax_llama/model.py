@@ -9,6 +9,11 @@ Axis legend (used in einsum strings, shape comments and variable suffixes):
 Parameters live in `param_dtype`, activations in `dtype`; RMSNorm statistics, RoPE rotation,
 attention softmax and logits are float32 whatever `dtype` is. Attention itself is one call,
 jax_llama.attention.attend, whichever implementation runs it (`attention=`).
+
+This file says what the model computes. How a projection x @ W runs (float or int8 weights, a
+LoRA adapter, the CPU decode kernels) and how attention reads the KV cache are the
+implementation the model is handed, jax_llama.projections (`project`, `attend_cache`, `Embed`),
+chosen per model by one field, `kernels` (auto, xla or kernels).
 """
 
 from __future__ import annotations
@@ -20,17 +25,16 @@ import flax.linen as nn
 from flax import struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bridge.config import LlamaConfig, RopeScaling
 from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
-from bridge.inputs import check_inputs as _check_inputs
 from bridge.lora import LoraConfig
 from bridge.rope import rope_inv_freq
 
-from . import kernels
 from .attention import AttentionMask, attend, choose
+from .inputs import check_inputs
+from .projections import Embed, attend_cache, implementation, project
 
 Dtype = Any
 
@@ -162,155 +166,6 @@ def _init(config: LlamaConfig, residual: bool = False):
     return nn.initializers.normal(stddev=std)
 
 
-class Linear(nn.Module):
-    """A bias-free projection x @ kernel (LLaMA has no biases), kernel (in, out) in param_dtype;
-    or, when its params also hold a `scale` (jax_llama.quantize), an int8 kernel and float32
-    scales (G, out), multiplied by int8_matmul. A few float32 rows on CPU (decoding) go through
-    jax_llama.kernels instead, float32 or int8 (the same numbers to float32 rounding).
-
-    With `lora`, a low-rank adapter is added: x @ kernel + scale * dropout(x) @ A @ B, with A
-    (in, r) and B (r, out) in float32 whatever the kernel's dtype (`lora_A/kernel`,
-    `lora_B/kernel`: the canonical `lora_A.weight` and `lora_B.weight` transposed). A starts
-    Kaiming-uniform as PEFT starts it, B at zero, so a fresh adapter changes nothing. Dropout
-    applies when the call is given a 'dropout' rng (training) and lora.dropout > 0."""
-
-    features: int
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Any = nn.initializers.normal(0.02)
-    lora: LoraConfig | None = None
-
-    @nn.compact
-    def __call__(self, x_MD):
-        x_MD = x_MD.astype(self.dtype)
-        if self.has_variable("params", "scale"):  # int8 weights (jax_llama.quantize)
-            kernel, scale = (self.get_variable("params", n) for n in ("kernel", "scale"))
-            if kernels.usable(x_MD, kernel, scale):  # a few rows on CPU: decoding
-                out = kernels.matvec(x_MD, kernel, scale).astype(self.dtype)
-            else:
-                out = int8_matmul(x_MD, kernel, scale, self.dtype)
-        else:
-            kernel = self.param("kernel", self.kernel_init, (x_MD.shape[-1], self.features),
-                                self.param_dtype)
-            if kernels.usable(x_MD, kernel):  # float32, a few rows on CPU: decoding
-                out = kernels.matvec(x_MD, kernel)
-            else:
-                out = jnp.dot(x_MD, kernel.astype(self.dtype))
-        if self.lora is None:
-            return out
-        r = self.lora.rank
-        # U(-1/sqrt(in), 1/sqrt(in)): torch's kaiming_uniform_(a=sqrt(5)), PEFT's init of A
-        a = nn.Dense(r, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
-                     kernel_init=nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
-                     name="lora_A")
-        b = nn.Dense(self.features, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
-                     kernel_init=nn.initializers.zeros, name="lora_B")
-        if self.lora.dropout > 0 and self.has_rng("dropout"):
-            x_MD = nn.Dropout(self.lora.dropout, deterministic=False)(x_MD)
-        return out + b(a(x_MD)) * jnp.asarray(self.lora.scale, self.dtype)
-
-
-class Embed(nn.Embed):
-    """The token embedding `embedding` (vocab, dim): nn.Embed's lookup, and its `attend` (x @
-    embedding^T) as the LM head of a tied model. When its params also hold a `scale` (vocab, G)
-    (jax_llama.quantize of a tied model), the table is int8: a token's row is Q[t] * s[t] in
-    float32, rounded once to dtype (bridge.quantize.dequantize_weight's numbers), and the head
-    multiplies by Q as an int8 Linear does. For a few rows on CPU either head goes through the
-    decode kernels' matvec_rows."""
-
-    def setup(self):
-        super().setup()
-        self.scale_VG = self.get_variable("params", "scale")  # None: a float table
-
-    def __call__(self, tokens):
-        if self.scale_VG is None:
-            return super().__call__(tokens)
-        q_D, s_G = jnp.take(self.embedding, tokens, axis=0), jnp.take(self.scale_VG, tokens, axis=0)
-        rows = q_D.reshape(*q_D.shape[:-1], s_G.shape[-1], -1).astype(jnp.float32) * s_G[..., None]
-        return rows.reshape(q_D.shape).astype(self.dtype)
-
-    def attend(self, x_MD):
-        x_MD = x_MD.astype(self.dtype)
-        if self.scale_VG is None:
-            if kernels.usable_rows(x_MD, self.embedding):  # float32, a few rows on CPU
-                return kernels.matvec_rows(x_MD, self.embedding)
-            return super().attend(x_MD)
-        if kernels.usable_rows(x_MD, self.embedding, self.scale_VG):
-            return kernels.matvec_rows(x_MD, self.embedding, self.scale_VG).astype(self.dtype)
-        return int8_matmul(x_MD, self.embedding.T, self.scale_VG.T, self.dtype)
-
-
-def int8_matmul(x_MI, q_IO, scale_GO, dtype):
-    """x @ (Q * s) for int8 Q (in, out) and float32 scales s (G, out), one row of scales per G
-    groups of in / G consecutive inputs (bridge.quantize). Per channel (G = 1) the scale
-    multiplies the output, (x @ Q) * s, so the int8 weights are never scaled element by element;
-    group-wise, each group's weights are dequantised in float32 and rounded once to `dtype`.
-    torch_llama.model.int8_linear computes the same, in the same order."""
-    G = scale_GO.shape[0]
-    I, O = q_IO.shape
-    K = math.gcd(I, INT8_BLOCK_ROWS)  # rows per block: 64, or fewer where 64 does not divide I
-    if G == 1 and K >= INT8_BLOCK_ROWS // 4 and I > K:
-        return _int8_dot_by_blocks(x_MI, q_IO, K, dtype).astype(dtype) * scale_GO[0].astype(dtype)
-    # The weight is made to depend on x, so that it is dequantised only once x exists, right
-    # before its matmul. Independent of x it is a constant of any loop around the model (the
-    # decode loop) and XLA hoists its conversion out of the loop, or schedules every weight's
-    # conversion first: either way a float copy of every weight lives beside the int8 one, more
-    # memory than the float model. (An optimization barrier does not hold on XLA:CPU: it is
-    # expanded away before scheduling.) Where x[0, 0] is NaN, the output is NaN either way.
-    q_IO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), q_IO.dtype), q_IO)
-    if G == 1:
-        return jnp.dot(x_MI, q_IO.astype(dtype)) * scale_GO[0].astype(dtype)
-    w_GiO = q_IO.reshape(G, I // G, O).astype(jnp.float32) * scale_GO[:, None, :]
-    return jnp.dot(x_MI, w_GiO.reshape(I, O).astype(dtype))
-
-
-# Rows of an int8 weight converted at a time by _int8_dot_by_blocks (at most).
-INT8_BLOCK_ROWS = 64
-
-
-def _int8_dot_by_blocks(x_MI, q_IO, K: int, dtype):
-    """x @ Q.astype(dtype), converting K rows of Q at a time in a loop, each block's
-    product added to the output. XLA:CPU does not fuse an int8 -> float conversion into a
-    matmul: converted whole, Q's float copy is written to memory and read back, 8 bytes of traffic
-    a weight beside the int8 byte, slower than the float32 model (results/decode/int8_matmul.md). A block
-    of 64 rows stays in cache. Its conversion depends on the loop index, so XLA cannot hoist it
-    out of the decode loop either: only one block's float copy exists at a time. The products
-    are summed in float32 (bfloat16 too), as one matmul accumulates."""
-    I, O = q_IO.shape
-
-    def add_block(i, acc_MO):
-        q_KO = jax.lax.dynamic_slice_in_dim(q_IO, i * K, K, axis=0).astype(dtype)
-        x_MK = jax.lax.dynamic_slice_in_dim(x_MI, i * K, K, axis=x_MI.ndim - 1)
-        return acc_MO + jnp.dot(x_MK, q_KO, preferred_element_type=jnp.float32)
-
-    return jax.lax.fori_loop(0, I // K, add_block,
-                             jnp.zeros((*x_MI.shape[:-1], O), jnp.float32))
-
-
-def _dense(module: nn.Module, features: int, name: str, residual: bool = False) -> Linear:
-    """A projection in the parent module's dtypes, with an adapter when LoRA targets it."""
-    lora = module.lora if module.lora is not None and name in module.lora.targets else None
-    return Linear(features, dtype=module.dtype, param_dtype=module.param_dtype,
-                  kernel_init=_init(module.config, residual), lora=lora, name=name)
-
-
-def _projections(module: nn.Module, x_MD, features: dict[str, int]) -> list[jax.Array]:
-    """x @ each projection named in `features` (name -> outputs), all reading the same x (q, k, v;
-    gate, up). Ones without adapters that the decode kernels serve (a few rows on CPU, all float32
-    or all int8: jax_llama.kernels) are one kernel call, their weights read by the same threads;
-    else each is its own Linear (the same numbers to float32 rounding)."""
-    params = [module.variables.get("params", {}).get(name, {}) for name in features]
-    weights = [(p.get("kernel"), p.get("scale")) for p in params]
-    adapted = module.lora is not None and any(n in module.lora.targets for n in features)
-    x = x_MD.astype(module.dtype)
-    if not adapted and all(w is not None and kernels.usable(x, w, s) for w, s in weights):
-        if all(s is None for _, s in weights):
-            return kernels.matvec_f32(x, [w for w, _ in weights])
-        if all(s is not None for _, s in weights):
-            return [y.astype(module.dtype) for y in kernels.matvec_int8(x, weights)]
-    return [_dense(module, f, name)(x_MD) for name, f in features.items()]
-
-
 # --8<-- [start:attention]
 class Attention(nn.Module):
     """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V.
@@ -322,6 +177,7 @@ class Attention(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention: str = "auto"
     lora: LoraConfig | None = None
+    kernels: str = "auto"  # how projections and cached attention run (jax_llama.projections)
 
     @nn.compact
     def __call__(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
@@ -331,13 +187,13 @@ class Attention(nn.Module):
         mask: which key each query may attend (causal, padding, segments); None is plain causal
         attention over these S tokens. With a cache (already reserved for these tokens), the new
         keys and values go into slots [index - S, index) of `layer` and the queries read all T
-        slots of that layer (attend_layer): each step writes in place and reads once, with no
+        slots of that layer (attend_cache): each step writes in place and reads once, with no
         copy."""
         c = self.config
         N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
         B, S, D = x_BSD.shape
         x_MD = x_BSD.reshape(B * S, D)  # projections as plain 2-D matmuls (faster on XLA:CPU)
-        q_MF, k_MF, v_MF = _projections(self, x_MD, {"wq": N * H, "wk": K * H, "wv": K * H})
+        q_MF, k_MF, v_MF = project(self, x_MD, _init(c), wq=N * H, wk=K * H, wv=K * H)
         q_BSNH = q_MF.reshape(B, S, N, H)
         k_BSKH, v_BSKH = k_MF.reshape(B, S, K, H), v_MF.reshape(B, S, K, H)
         q_BSNH = rotate(q_BSNH, cos_BSh, sin_BSh)
@@ -354,25 +210,12 @@ class Attention(nn.Module):
             k_LBKTH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None].astype(cache.k.dtype), start)
             v_LBKTH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None].astype(cache.v.dtype), start)
             cache = cache.replace(k=k_LBKTH, v=v_LBKTH)
-            out_BKGSH = self.attend_layer(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
+            out_BKGSH = attend_cache(self, q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
         else:
             out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
-        return _dense(self, c.dim, "wo", residual=True)(out_MNH).reshape(B, S, D), cache
-
-    def attend_layer(self, q_BKGSH, k_LBKTH, v_LBKTH, layer, mask: AttentionMask):
-        """The queries' attention over layer `layer` of the cache (L, B, K, T, H). A few float32
-        queries on a CPU, where `attention` means xla, are one kernel call that reads the layer
-        in place (jax_llama.kernels.attend_cache: XLA ran a dozen small operations a layer);
-        else the layer's slice goes through `attend`."""
-        S, T, H = q_BKGSH.shape[3], k_LBKTH.shape[3], q_BKGSH.shape[4]
-        if (choose(self.attention, S, T, False, H) == "xla"
-                and kernels.usable_attention(q_BKGSH, k_LBKTH, mask)):
-            return kernels.attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
-        k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
-        v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False)
-        return attend(q_BKGSH, k_BKTH.astype(self.dtype), v_BKTH.astype(self.dtype), mask,
-                      self.attention)
+        (out_MD,) = project(self, out_MNH, _init(c, residual=True), wo=D)  # W_o [head_1; ...]
+        return out_MD.reshape(B, S, D), cache
 # --8<-- [end:attention]
 
 
@@ -384,14 +227,16 @@ class FeedForward(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     lora: LoraConfig | None = None
+    kernels: str = "auto"  # how projections and cached attention run (jax_llama.projections)
 
     @nn.compact
     def __call__(self, x_BSD):
         c = self.config
         x_MD = x_BSD.reshape(-1, x_BSD.shape[-1])  # M = B * S tokens: plain 2-D matmuls
-        gate_MF, up_MF = _projections(self, x_MD, {"w1": c.ffn_dim, "w3": c.ffn_dim})
-        return _dense(self, c.dim, "w2", residual=True)(nn.silu(gate_MF) * up_MF).reshape(
-            x_BSD.shape)
+        gate_MF, up_MF = project(self, x_MD, _init(c), w1=c.ffn_dim, w3=c.ffn_dim)
+        hidden_MF = nn.silu(gate_MF) * up_MF                      # silu(W1 x) * W3 x
+        (out_MD,) = project(self, hidden_MF, _init(c, residual=True), w2=c.dim)  # W2 (...)
+        return out_MD.reshape(x_BSD.shape)
 # --8<-- [end:feed_forward]
 
 
@@ -404,6 +249,7 @@ class Block(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention: str = "auto"
     lora: LoraConfig | None = None
+    kernels: str = "auto"  # how projections and cached attention run (jax_llama.projections)
 
     @nn.compact
     def __call__(self, carry, layer, cos_BSh, sin_BSh, mask: AttentionMask | None):
@@ -412,11 +258,12 @@ class Block(nn.Module):
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         x_BSD, cache = carry
         attended, cache = Attention(c, **kw, attention=self.attention, lora=self.lora,
-                                    name="attention")(
+                                    kernels=self.kernels, name="attention")(
             RMSNorm(c.norm_eps, **kw, name="attention_norm")(x_BSD), cos_BSh, sin_BSh, mask,
             cache, layer)
         h = x_BSD + attended
-        out = h + FeedForward(c, **kw, lora=self.lora, name="feed_forward")(
+        out = h + FeedForward(c, **kw, lora=self.lora, kernels=self.kernels,
+                                 name="feed_forward")(
             RMSNorm(c.norm_eps, **kw, name="ffn_norm")(h))
         return (out, cache), None
 # --8<-- [end:block]
@@ -430,6 +277,8 @@ class Llama(nn.Module):
     time does not grow with depth. remat: recompute each block's activations in the backward pass.
     attention: xla, chunked, cudnn, splash or auto (jax_llama.attention). lora: LoRA adapters on the
     projections it targets (bridge.lora.LoraConfig; jax_llama.lora adds, saves and merges them).
+    kernels: auto, xla or kernels - whether the projections and the attention over the cache of
+    a decode step run on the CPU decode kernels (jax_llama.projections).
     """
 
     config: LlamaConfig
@@ -439,6 +288,7 @@ class Llama(nn.Module):
     remat: bool = False
     attention: str = "auto"
     lora: LoraConfig | None = None
+    kernels: str = "auto"  # how projections and cached attention run (jax_llama.projections)
 
     def __call__(self, tokens_BS, positions=None, attention_mask=None, segment_ids=None):
         """tokens (B, S) int -> logits (B, S, V) float32 (see run for the arguments)."""
@@ -489,11 +339,12 @@ class Llama(nn.Module):
                                                                  c.rope_scaling))
 
         # --8<-- [start:embedding]
-        embed = Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), name="tok_embeddings")
+        embed = Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), kernels=self.kernels,
+                      name="tok_embeddings")
         carry = (embed(tokens_BS), cache)
         # --8<-- [end:embedding]
         block = nn.remat(Block, prevent_cse=not self.scan_layers) if self.remat else Block
-        kw_blocks = dict(kw, attention=self.attention, lora=self.lora)
+        kw_blocks = dict(kw, attention=self.attention, lora=self.lora, kernels=self.kernels)
         if self.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0},
                             split_rngs={"params": True, "dropout": True},
@@ -517,123 +368,11 @@ class Llama(nn.Module):
         if c.tie_embeddings:
             logits_MV = embed.attend(h_MD)
         else:
-            logits_MV = _dense(self, c.vocab_size, "output")(h_MD)
+            (logits_MV,) = project(self, h_MD, _init(c), output=c.vocab_size)
         # --8<-- [end:lm_head]
         logits_BSV = logits_MV.reshape(B, P, c.vocab_size).astype(jnp.float32)
         return LlamaOutput(logits=logits_BSV, hidden=h_BSD, cache=cache)
 # --8<-- [end:model]
-
-
-def last_real_index(attention_mask_BS) -> jax.Array:
-    """(B,) index of each row's last real token, wherever the padding is (left, right or both)."""
-    mask_BS = jnp.asarray(attention_mask_BS).astype(bool)
-    return mask_BS.shape[1] - 1 - jnp.argmax(mask_BS[:, ::-1], axis=1)
-
-
-class Blocks(nn.Module):
-    """Blocks [first, last) of a Llama, under the names Llama gives them (with tok_embeddings
-    when first is 0, and the final norm when last is n_layers), so that a whole Llama's params
-    apply. What a classifier with frozen lower blocks runs: their output once for every text
-    (jax_llama.classify), then at each step only the blocks above."""
-
-    config: LlamaConfig
-    first: int
-    last: int
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-    attention: str = "auto"
-    lora: LoraConfig | None = None
-
-    @nn.compact
-    def __call__(self, x, attention_mask):
-        """x: tokens (B, S) when first is 0, else the hidden states (B, S, D) entering block
-        `first`; attention_mask (B, S), 1 on real tokens (positions count them, as in Llama.run)
-        -> the hidden states (B, S, D) leaving block last - 1, normed when it is the last."""
-        c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        if not 0 <= self.first < self.last <= c.n_layers:
-            raise BridgeError(f"blocks [{self.first}, {self.last}) of {c.n_layers}",
-                              field="layers")
-        valid_BS = jnp.asarray(attention_mask).astype(bool)
-        mask = AttentionMask.causal(valid_BS.shape[1], valid_BS, None)
-        cos_BSh, sin_BSh = rope_cos_sin(default_positions(valid_BS), rope_inv_freq(
-            c.head_dim, c.rope_theta, c.rope_scaling))
-        if self.first == 0:
-            x = Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c),
-                      name="tok_embeddings")(x)
-        for i in range(self.first, self.last):
-            (x, _), _ = Block(c, **kw, attention=self.attention, lora=self.lora,
-                              name=f"layers_{i}")((x, None), i, cos_BSh, sin_BSh, mask)
-        return RMSNorm(c.norm_eps, **kw, name="norm")(x) if self.last == c.n_layers else x
-
-
-# --8<-- [start:classifier]
-class LlamaClassifier(nn.Module):
-    """A Llama backbone and a classification head: the final hidden state of each row's last real
-    token, dropout, a linear layer to n_classes, log-softmax.
-
-    The backbone's parameters sit under `llama` (the LM head's `output` kernel, unused here, is
-    not created); the head's under `classifier` (kernel (D, C) and bias (C,)).
-
-    first_layer > 0: the inputs are the hidden states (B, S, D) entering that block (computed
-    once by Blocks(0, first_layer), the blocks below being frozen), and only the blocks from
-    there up run, with the same params.
-    """
-
-    config: LlamaConfig
-    n_classes: int
-    dropout: float = 0.0
-    dtype: Dtype = jnp.float32
-    param_dtype: Dtype = jnp.float32
-    scan_layers: bool = False
-    remat: bool = False
-    attention: str = "auto"
-    lora: LoraConfig | None = None
-    first_layer: int = 0
-
-    @nn.compact
-    def __call__(self, tokens_BS, attention_mask, deterministic: bool = True):
-        """tokens (B, S) int (or, with first_layer, hidden states (B, S, D)), attention_mask
-        (B, S) with at least one real token per row -> log-probabilities (B, C) float32.
-        Training (deterministic=False) needs a 'dropout' rng."""
-        if self.first_layer == 0:
-            h_BSD = Llama(self.config, self.dtype, self.param_dtype, self.scan_layers, self.remat,
-                          self.attention, self.lora, name="llama").run(
-                tokens_BS, attention_mask=attention_mask, lm_head=False).hidden
-        else:
-            if self.scan_layers:
-                raise BridgeError("needs one parameter set per block (not scan_layers)",
-                                  field="first_layer")
-            h_BSD = Blocks(self.config, self.first_layer, self.config.n_layers, self.dtype,
-                           self.param_dtype, self.attention, self.lora, name="llama")(
-                tokens_BS, attention_mask)
-        h_BD = h_BSD[jnp.arange(h_BSD.shape[0]), last_real_index(attention_mask)]
-        h_BD = nn.Dropout(self.dropout)(h_BD, deterministic=deterministic)
-        logits_BC = nn.Dense(self.n_classes, dtype=self.dtype, param_dtype=self.param_dtype,
-                             kernel_init=nn.initializers.normal(0.02), name="classifier")(h_BD)
-        return jax.nn.log_softmax(logits_BC.astype(jnp.float32), axis=-1)
-# --8<-- [end:classifier]
-
-
-def check_inputs(tokens, vocab_size: int, positions=None, attention_mask=None,
-                 segment_ids=None) -> None:
-    """bridge.inputs.check_inputs on JAX values: shapes always, token values only where they are
-    on the host already (a numpy array, or a concrete array on the CPU): never a traced value,
-    and never a copy off an accelerator."""
-    _check_inputs(jnp.shape(tokens), jnp.issubdtype(jnp.result_type(tokens), jnp.integer),
-                  vocab_size, ids=tokens if _on_host(tokens) else None,
-                  positions_shape=None if positions is None else jnp.shape(positions),
-                  mask_shape=None if attention_mask is None else jnp.shape(attention_mask),
-                  segments_shape=None if segment_ids is None else jnp.shape(segment_ids),
-                  segments_integer=segment_ids is None
-                  or jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer))
-
-
-def _on_host(x) -> bool:
-    """Values readable without a transfer: numpy data, or a concrete array on the CPU."""
-    if isinstance(x, (np.ndarray, np.generic, list, tuple)):
-        return True
-    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-            and all(device.platform == "cpu" for device in x.devices()))
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -643,14 +382,17 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 def init(config: LlamaConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32,
          scan_layers: bool = False, remat: bool = False, attention: str = "auto",
-         lora: LoraConfig | None = None):
-    """A Llama module and freshly initialised params (with fresh LoRA adapters given `lora`).
+         lora: LoraConfig | None = None, kernels: str = "auto"):
+    """A Llama module and freshly initialised params (with fresh LoRA adapters given `lora`;
+    `kernels`: how its decode steps run, jax_llama.projections).
 
     Traceable: `jax.eval_shape(lambda: init(cfg)[1])` gives the shapes without allocating.
     """
     choose(attention, 1, 1)  # a bad name, or one the backend lacks, is refused before anything
+    implementation(kernels)  # likewise
     model = Llama(config, dtype=resolve_dtype(dtype), param_dtype=resolve_dtype(param_dtype),
-                  scan_layers=scan_layers, remat=remat, attention=attention, lora=lora)
+                  scan_layers=scan_layers, remat=remat, attention=attention, lora=lora,
+                  kernels=kernels)
     tokens = jnp.zeros((1, 1), dtype=jnp.int32)
     params = jax.jit(model.init)(jax.random.key(seed), tokens)["params"]
     return model, params

@@ -245,7 +245,8 @@ def cmd_generate(args) -> int:
 
     def load_model():
         model, params = load_quantized(args, lambda: load(
-            args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter))
+            args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
+            kernels=args.kernels))
         return (model, params), model.config
 
     if args.compare_torch and args.quantize:
@@ -284,10 +285,12 @@ def cmd_serve(args) -> int:
     tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
     template = find_template(args.checkpoint, tokenizer, args.chat_template)
     model, params = load_quantized(args, lambda: load(
-        args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter))
+        args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
+        kernels=args.kernels), say=False)
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_context)
     name = args.model_name or Path(args.checkpoint.rstrip("/")).name
     server = Server(engine, model, params, tokenizer, template, name, args.api_key)
+    _say_kernels(args)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (batches of up to "
           f"{args.max_batch}, context {engine.max_len}{', API key required' if args.api_key else ''})",
           file=sys.stderr, flush=True)
@@ -298,12 +301,13 @@ def cmd_serve(args) -> int:
     return EXIT_OK
 
 
-def load_quantized(args, load: Callable[[], tuple]) -> tuple:
-    """load() -> (model, params), quantised to int8 when --quantize asks for it."""
+def load_quantized(args, load: Callable[[], tuple], say: bool = True) -> tuple:
+    """load() -> (model, params), quantised to int8 when --quantize asks for it; --kernels said
+    as _kernels says it."""
     from jax_llama.quantize import quantize
 
     quantization = requested_quantization(args)  # refused here, before any weight is read
-    model, params = load()
+    model, params = _kernels(args, load, say)
     if quantization is None:
         return model, params
     return model, quantize(params, quantization.group_size, quantization.method)
@@ -441,10 +445,13 @@ def cmd_finetune(args) -> int:
 def cmd_predict(args) -> int:
     from jax_llama.classify import load_classifier, predict
 
-    clf = load_classifier(args.classifier if not (Path(args.classifier) / "best").is_dir()
-                          else Path(args.classifier) / "best", attention=args.attention)
+    clf = _kernels(args, lambda: load_classifier(
+        args.classifier if not (Path(args.classifier) / "best").is_dir()
+        else Path(args.classifier) / "best", attention=args.attention, kernels=args.kernels),
+        say=False)
     args.label_words = clf.labels
     dataset = _read_task(args, args.data, require_labels=False)
+    _say_kernels(args)
     predictions, _, cut = predict(clf, dataset.texts, args.batch_size, progress=True)
     _cut_note(args.data, cut, len(dataset.examples), clf.max_len)
     _report_predictions(args, dataset, predictions, "classifier")
@@ -468,7 +475,8 @@ def cmd_zero_shot(args) -> int:
             find_template(args.checkpoint, tokenizer, None if args.chat == "own" else args.chat))
     args.label_words = labels = read_labels(args.labels)
     dataset = _read_task(args, args.data, require_labels=False)
-    model, params = load(args.checkpoint, dtype="float32", attention=args.attention)
+    model, params = _kernels(args, lambda: load(args.checkpoint, dtype="float32",
+                                                attention=args.attention, kernels=args.kernels))
     started = time.time()
     predictions, scores, cut = zero_shot(model, params, tokenizer, dataset.texts, labels,
                                          args.template, args.max_len, args.batch_size, progress=True,
@@ -513,7 +521,8 @@ def cmd_eval(args) -> int:
 
     def load_model():
         return load_quantized(args, lambda: load(args.checkpoint, dtype=args.dtype,
-                                                 attention=args.attention))
+                                                 attention=args.attention,
+                                                 kernels=args.kernels))
 
     return run_eval(args, load_model, lambda loaded, documents, **kw: evaluate(*loaded, documents,
                                                                                **kw))
@@ -656,6 +665,48 @@ def _add_attention_argument(p) -> None:
                         "long ones)")
 
 
+def _add_kernels_argument(p) -> None:
+    # Checked by the library (jax_llama.projections.implementation), whose errors name kernels.
+    p.add_argument("--kernels", default="auto",
+                   help="how projections and attention over the KV cache run: kernels (the CPU "
+                        "decode kernels, jax_llama/kernels/matvec.cc, built on first use: up to 8 "
+                        "float32 rows, float32 or int8 weights), xla (XLA's matmuls only), auto "
+                        "(default: kernels where they can run, else xla; JAX_LLAMA_KERNELS=0 "
+                        "makes it xla)")
+
+
+def _kernels(args, load: Callable[[], tuple], say: bool = True):
+    """load() (of a model with `kernels=args.kernels`), --kernels checked first - where the
+    kernels are compiled, the first time on this machine, which the library's log says on
+    stderr - and once it is loaded, what its decode steps run on said on stderr (later, by
+    _say_kernels, with say=False: a command that still checks its input first)."""
+    import logging
+
+    from jax_llama import kernels
+    from jax_llama.projections import implementation
+
+    log = logging.getLogger("jax_llama.kernels")
+    handler, level = logging.StreamHandler(sys.stderr), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        which = implementation(args.kernels)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    loaded = load()
+    why = ("" if which == "kernels" or args.kernels == "xla"
+           else f": {kernels.unavailable_reason()}")
+    args.kernels_note = f"projections and cached attention: {which} (--kernels {args.kernels}{why})"
+    if say:
+        _say_kernels(args)
+    return loaded
+
+
+def _say_kernels(args) -> None:
+    print(args.kernels_note, file=sys.stderr, flush=True)
+
+
 def _add_task_arguments(p, labels: bool = True) -> None:
     if labels:
         p.add_argument("--labels", required=True, help="labels.json: the label words, in index order")
@@ -739,6 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "text streams as it is produced")
     add_generate_arguments(p)
     _add_attention_argument(p)
+    _add_kernels_argument(p)
     p.add_argument("--compare-torch", action="store_true",
                    help="decode greedily with both twins and report where they first differ")
     p = add_command(sub, "serve", cmd_serve,
@@ -769,6 +821,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "info", "debug"),
                    help="uvicorn's (default warning)")
     _add_attention_argument(p)
+    _add_kernels_argument(p)
 
     p = add_command(sub, "finetune", cmd_finetune,
                     help="fine-tune a LLaMA as a sequence classifier, end to end (head on the "
@@ -846,6 +899,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p)
     _add_attention_argument(p)
+    _add_kernels_argument(p)
 
     p = add_command(sub, "predict", cmd_predict,
                     help="a fine-tuned classifier's predictions, and accuracy when the file has "
@@ -855,12 +909,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p, labels=False)
     _add_attention_argument(p)
+    _add_kernels_argument(p)
 
     p = add_command(sub, "eval", cmd_eval,
                     help="sliding-window perplexity, NLL per token and bits per byte of text "
                          "files, per file and overall")
     add_eval_arguments(p)
     _add_attention_argument(p)
+    _add_kernels_argument(p)
 
     p = add_command(sub, "split", cmd_split,
                     help="hold out a random fraction of a data file's lines")

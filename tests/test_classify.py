@@ -21,11 +21,12 @@ from conftest import SHARED, save_random_checkpoint, small_config
 from jax_llama import classify
 from llama_twins import jax_cli
 from jax_llama import data
-from jax_llama.model import Llama, LlamaClassifier
-from jax_llama.model import last_real_index as jax_last_real_index
+from jax_llama.heads import LlamaClassifier
+from jax_llama.heads import last_real_index as jax_last_real_index
+from jax_llama.model import Llama
 from jax_llama.train import (TrainConfig, init_state, jit_train_step, lm_loss, lr_schedule,
                              make_optimizer, make_train_step)
-from torch_llama.model import last_real_index as torch_last_real_index
+from torch_llama.heads import last_real_index as torch_last_real_index
 
 SHARED_DATA = SHARED / "data"
 LABELS = ["negative", "neutral", "positive"]

@@ -311,6 +311,34 @@ def test_a_cached_decode_step_reads_each_layer_with_one_attention_call():
     assert "jax_llama_decode_attention" not in jaxpr(attention="chunked")
 
 
+def test_the_models_kernels_field_chooses_how_a_decode_step_runs(monkeypatch):
+    """kernels="xla" keeps every projection and the cached attention on XLA, "kernels" and
+    "auto" (here, where they load) run them on the decode kernels; a bad name, and "kernels"
+    where they cannot run, are refused naming the field; JAX_LLAMA_KERNELS=0 makes auto xla."""
+    import jax_llama
+    from bridge.config import PRESETS
+    from bridge.errors import BridgeError
+    from jax_llama.model import KVCache
+    from jax_llama.projections import implementation
+    config = PRESETS["tiny"]
+    tokens = jnp.zeros((1, 1), jnp.int32)
+
+    def calls(kernels):
+        model, params = jax_llama.init(config, seed=0, kernels=kernels)
+        cache = KVCache.create(config, 1, 16)
+        return str(jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens, cache=cache,
+                                                        method="run"))(params)).count("ffi_call")
+    assert calls("xla") == 0
+    assert calls("kernels") == calls("auto") == 5 * config.n_layers + 1
+    assert implementation("auto") == implementation("kernels") == "kernels"
+    with pytest.raises(BridgeError, match="kernels.*one of auto, xla, kernels"):
+        jax_llama.init(config, kernels="fast")
+    monkeypatch.setenv("JAX_LLAMA_KERNELS", "0")
+    assert implementation("auto") == implementation("xla") == "xla"
+    with pytest.raises(BridgeError, match="kernels.*JAX_LLAMA_KERNELS=0"):
+        implementation("kernels")
+
+
 def test_rows_do_not_depend_on_how_many_rows_share_the_call():
     """A row's output is the same bits whether it is decoded alone or beside 7 others (its sum
     runs in the same order whatever the row blocking): batch 1 and batch 8 decode the same."""
@@ -398,7 +426,8 @@ def test_usable_only_for_what_the_kernels_serve():
 
 def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
     """Greedy tokens of a small model, float32 and int8, batch 1 and 3, in two processes: one
-    with the kernels, one with JAX_LLAMA_KERNELS=0 (XLA's matmuls)."""
+    with the kernels, one with JAX_LLAMA_KERNELS=0 (XLA's matmuls); and in each, the same model
+    with kernels="xla"."""
     script = (
         "import json, jax_llama\n"
         "from bridge.config import PRESETS\n"
@@ -410,6 +439,8 @@ def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
         "    for batch in (1, 3):\n"
         "        prompts = [[5, 9, 2, 7][: 2 + b] for b in range(batch)]\n"
         "        out[f'{name}/{batch}'] = generate(model, p, prompts, 12).tokens\n"
+        "        out[f'{name}/{batch}/xla'] = generate(model.clone(kernels='xla'), p, prompts,\n"
+        "                                              12).tokens\n"
         "print(json.dumps(out))\n")
     runs = {}
     for flag in ("1", "0"):
@@ -418,6 +449,7 @@ def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
         runs[flag] = __import__("json").loads(done.stdout.strip().splitlines()[-1])
     assert runs["1"].pop("kernels") is True and runs["0"].pop("kernels") is False
     assert runs["1"] == runs["0"]
+    assert all(tokens == runs["1"][key.removesuffix("/xla")] for key, tokens in runs["1"].items())
 
 
 def test_a_failed_build_says_why_and_leaves_nothing(tmp_path, monkeypatch):
@@ -499,3 +531,25 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     assert out["lanes"] == ISAS[arch]
     assert out["worst"] <= 1.0  # every output within I * eps32 * sum |x w| of the float64 product
     assert out["attention"] <= 2e-6  # as test_attention_over_the_cache_equals_softmax_..._float64
+
+
+def test_the_generate_command_names_its_kernels_and_gives_the_same_text(tmp_path, capsys):
+    """--kernels is said on stderr (one line, after the model is loaded); xla and kernels write
+    the same greedy text; a bad name is one error line naming the flag, before any weight is
+    read."""
+    from conftest import save_random_checkpoint, small_config
+    from llama_twins import jax_cli
+    save_random_checkpoint(tmp_path / "m", small_config(vocab_size=259), tokenizer=True)
+    out = {}
+    for choice in ("kernels", "xla"):
+        assert jax_cli.main(["generate", str(tmp_path / "m"), "--prompt", "hi",
+                             "--max-new-tokens", "6", "--kernels", choice]) == 0
+        captured = capsys.readouterr()
+        out[choice] = captured.out
+        assert captured.err.splitlines() == [
+            f"projections and cached attention: {choice} (--kernels {choice})"]
+    assert out["kernels"] == out["xla"] and out["xla"].strip()
+    assert jax_cli.main(["generate", str(tmp_path / "m"), "--prompt", "hi",
+                         "--kernels", "fast"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --kernels: 'fast': expected one of auto, xla, kernels"]

@@ -23,7 +23,8 @@ from llama_twins import bridge_cli, jax_cli, torch_cli
 # small_config's dims: 48 model, 80 ffn; 16 divides both
 CONFIG = small_config()
 # inputs of 128 and 160: the JAX twin's per-channel int8 matmul converts the weight in blocks of
-# jax_llama.model.INT8_BLOCK_ROWS (64) rows, or 32 where 64 does not divide (160), summed in a loop
+# jax_llama.projections.INT8_BLOCK_ROWS (64) rows, or 32 where 64 does not divide (160), summed in a
+# loop
 BLOCKED = small_config(dim=128, n_heads=4, n_kv_heads=2, ffn_dim=160)
 
 
@@ -196,7 +197,7 @@ def test_an_int8_tied_embedding_looks_up_its_dequantised_rows_in_both_twins(tmp_
     tmodel = torch_llama.load(tmp_path / "q", device="cpu")
     assert tmodel.tok_embeddings.weight.dtype == torch.int8
     # the lookup alone, both twins: the rows of Q * s, bit for bit
-    embed = jax_llama.model.Embed(config.vocab_size, config.dim)
+    embed = jax_llama.projections.Embed(config.vocab_size, config.dim)
     rows = embed.apply({"params": params["tok_embeddings"]}, tokens)
     np.testing.assert_array_equal(np.asarray(rows), table[tokens])
     with torch.no_grad():
@@ -421,7 +422,7 @@ def test_the_decode_loop_holds_int8_weights_and_one_dequantised_matrix_at_a_time
 def test_the_torch_projection_follows_scales_written_in_place(dtype):
     """The per-channel scales are kept converted to the activations' dtype between calls; a load
     writing weight_scale in place (or a new tensor) must still take effect at the next call."""
-    from torch_llama.model import Linear
+    from torch_llama.projections import Linear
 
     torch.manual_seed(0)
     layer = Linear(16, 8).to(dtype)
@@ -441,7 +442,7 @@ def test_the_int8_matmul_by_blocks_is_the_whole_matmul():
     in another order (float32 rounding only); the scaled result is what int8_matmul returns."""
     import jax.numpy as jnp
 
-    from jax_llama.model import INT8_BLOCK_ROWS, _int8_dot_by_blocks, int8_matmul
+    from jax_llama.projections import INT8_BLOCK_ROWS, _int8_dot_by_blocks, int8_matmul
 
     rng = np.random.default_rng(0)
     I, O = 3 * INT8_BLOCK_ROWS, 40

@@ -23,10 +23,11 @@ from .checkpoint import load, save
 from .classify import Classifier, load_classifier, predict
 from .eval import evaluate
 from .generate import generate
-from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaClassifier, LlamaOutput,
-                    RMSNorm, apply_rope, check_inputs, init, last_real_index, resolve_device,
-                    resolve_dtype, rope_cos_sin)
+from .heads import LlamaClassifier, last_real_index
+from .inputs import check_inputs
 from .lora import adapter_of, add_lora, merge_lora, save_adapter
+from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaOutput, RMSNorm,
+                    apply_rope, init, resolve_device, resolve_dtype, rope_cos_sin)
 from .optim import (AdamW, clip_by_global_norm, cosine_decay_schedule, decay_mask, linear_schedule,
                     warmup_cosine_decay_schedule)
 from .quantize import quantize

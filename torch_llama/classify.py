@@ -16,7 +16,7 @@ from bridge.inputs import length_batches, pad_rows
 from bridge.tokenizer import Tokenizer, find_tokenizer
 
 from .checkpoint import load
-from .model import LlamaClassifier
+from .heads import LlamaClassifier
 
 
 @dataclass

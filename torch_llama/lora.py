@@ -18,7 +18,9 @@ import torch
 from bridge.errors import BridgeError
 from bridge.lora import EMBEDDING, INT8_TABLE, MODULES, Adapter, LoraConfig, write_peft
 
-from .model import Linear, Llama, LlamaClassifier
+from .heads import LlamaClassifier
+from .model import Llama
+from .projections import Linear
 
 
 def _backbone(model) -> Llama:

@@ -8,15 +8,16 @@ parameters; RMSNorm statistics, RoPE rotation and logits are float32. `model(tok
 logits; `model.run(...)` gives a LlamaOutput (logits, hidden states, cache) and, with a KVCache,
 appends its tokens to the cache and attends over everything cached so far (generation).
 
-Each projection is a Linear, which can carry a LoRA adapter (torch_llama.lora adds them).
+Each projection is a Linear and the embedding an Embedding (torch_llama.projections: float or
+int8 storage, and a LoRA adapter slot that torch_llama.lora fills); the attention mask and its
+additive bias are torch_llama.attention's; the classifier head is in torch_llama.heads.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,11 +25,12 @@ from torch import nn
 from bridge.config import LlamaConfig, RopeScaling
 from bridge.dtypes import dtype_name
 from bridge.errors import BridgeError
-from bridge.formats.torch_files import to_numpy
-from bridge.inputs import check_inputs as _check_inputs
 from bridge.lora import LoraConfig
-from bridge.quantize import Quantization, quantize_weight
 from bridge.rope import rope_inv_freq
+
+from .attention import AttentionMask
+from .inputs import check_inputs
+from .projections import Embedding, Linear
 
 
 # --8<-- [start:rmsnorm]
@@ -97,46 +99,6 @@ def default_positions(valid_BS: torch.Tensor, segments_BS: torch.Tensor | None =
     return (seen_BS - 1 - before_BS).clamp(min=0)
 
 
-@dataclass
-class AttentionMask:
-    """Query s may attend key slot t when t <= q_slots[s] (causal), valid[b, t] (a real token)
-    and q_segments[b, s] == k_segments[b, t] (same document); None fields are not restrictions
-    (jax_llama.attention.AttentionMask's twin, which builds the dense mask only for the
-    implementations that need it; SDPA here always does)."""
-
-    q_slots: torch.Tensor                      # (S,) int64: the key slot each query occupies
-    valid: torch.Tensor | None = None          # (B, T) bool
-    q_segments: torch.Tensor | None = None     # (B, S)
-    k_segments: torch.Tensor | None = None     # (B, T)
-    # additive() of this mask by (T, dtype): every layer of a forward pass attends with the same
-    # mask, so it is built once (a decode step makes a new mask; it is not kept across steps)
-    _biases: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @classmethod
-    def causal(cls, S: int, valid_BS=None, segments_BS=None, device=None) -> "AttentionMask":
-        """S tokens attending to themselves (no cache): query s at slot s."""
-        return cls(q_slots=torch.arange(S, device=device), valid=valid_BS,
-                   q_segments=segments_BS, k_segments=segments_BS)
-
-    def dense(self, T: int) -> torch.Tensor:
-        """The (B or 1, S, T) boolean mask."""
-        k_slots = torch.arange(T, device=self.q_slots.device)
-        allowed = (k_slots[None, :] <= self.q_slots[:, None])[None]
-        if self.valid is not None:
-            allowed = allowed & self.valid[:, None, :]
-        if self.q_segments is not None:
-            allowed = allowed & (self.q_segments[:, :, None] == self.k_segments[:, None, :])
-        return allowed
-
-    def additive(self, T: int, dtype: torch.dtype) -> torch.Tensor:
-        """dense(T) as SDPA's additive bias (B or 1, 1, S, T) in `dtype` (_additive), built
-        once per mask."""
-        key = (T, dtype)
-        if key not in self._biases:
-            self._biases[key] = _additive(self.dense(T)[:, None], dtype)
-        return self._biases[key]
-
-
 # -- the key/value cache for generation ----------------------------------------------------------
 
 @dataclass
@@ -201,127 +163,6 @@ class LlamaOutput:
 
 
 # -- the transformer -----------------------------------------------------------------------------
-
-class Int8Weight:
-    """What a module whose `weight` (out, in) can be int8 shares (Linear, Embedding): Q as a
-    frozen int8 `weight` beside float32 scales (out, G), the buffer `weight_scale`."""
-
-    def quantize(self, quantization: Quantization, name: str = "weight") -> None:
-        """Replace W by int8 Q (a frozen `weight`) and float32 scales (`weight_scale`, a buffer):
-        bridge.quantize.quantize_weight's numbers, the JAX twin's."""
-        q_OI, scale_OG = quantize_weight(to_numpy(self.weight.detach()), quantization.group_size,
-                                         name)
-        self.make_int8(scale_OG.shape[1])
-        with torch.no_grad():
-            self.weight.copy_(torch.from_numpy(q_OI))
-            self.weight_scale.copy_(torch.from_numpy(scale_OG))
-
-    def _scale_in(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The per-channel scales (G = 1) as an (out,) vector in `dtype`, what torch's int8
-        kernel multiplies by: converted once, not at every call (a decode step makes one call per
-        projection), and again whenever weight_scale changes (a load writes it in place, .to()
-        replaces it). None for group-wise scales."""
-        scale = self.weight_scale
-        if scale.shape[1] != 1:
-            return None
-        try:
-            key = (dtype, scale.data_ptr(), scale._version)
-        except RuntimeError:  # an inference tensor keeps no version: convert every call
-            return scale[:, 0].to(dtype)
-        if getattr(self, "_scale_key", None) != key:
-            self._scale_vec, self._scale_key = scale[:, 0].to(dtype), key
-        return self._scale_vec
-
-    def make_int8(self, groups: int) -> None:
-        """Turn W into an (uninitialised) int8 weight with `groups` scales per row, on W's
-        device (meta included): what loading a quantised checkpoint fills."""
-        device = self.weight.device
-        self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=torch.int8, device=device),
-                                   requires_grad=False)
-        self.register_buffer("weight_scale", torch.empty(self.weight.shape[0], groups,
-                                                         dtype=torch.float32, device=device))
-
-
-class Linear(Int8Weight, nn.Linear):
-    """x W^T without bias (W (out, in) keeps nn.Linear's name, `weight`), plus, once add_adapter
-    is called, a LoRA update scale * B A dropout(x) with A (rank, in) and B (out, rank) in
-    float32 as `lora_A.weight` and `lora_B.weight`: the canonical adapter names."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-        self.lora: LoraConfig | None = None
-
-    def add_adapter(self, lora: LoraConfig) -> None:
-        """A as PEFT initialises it (nn.Linear's Kaiming-uniform, U(+-1/sqrt(in))), B zero: the
-        output is unchanged until B trains. Drawn on the CPU, so that a seed gives the same A on
-        every device, then moved to W's device."""
-        a = nn.Linear(self.in_features, lora.rank, bias=False, device="cpu", dtype=torch.float32)
-        b = nn.Linear(lora.rank, self.out_features, bias=False, device="cpu", dtype=torch.float32)
-        nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
-        nn.init.zeros_(b.weight)
-        self.lora_A, self.lora_B = a.to(self.weight.device), b.to(self.weight.device)
-        self.lora_dropout = nn.Dropout(lora.dropout)  # active in train() only
-        self.lora = lora
-
-    def merge_adapter(self) -> None:
-        """W + scale * B A, summed in float32 (float64 for float64 W) and rounded once to W's
-        dtype (bridge.lora.merge_weight's arithmetic); then a plain projection again."""
-        wide = torch.promote_types(self.weight.dtype, torch.float32)
-        with torch.no_grad():
-            update = self.lora.scale * (self.lora_B.weight.to(wide) @ self.lora_A.weight.to(wide))
-            self.weight.copy_(self.weight.to(wide) + update)
-        del self.lora_A, self.lora_B, self.lora_dropout
-        self.lora = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.int8:
-            y = int8_linear(x, self.weight, self.weight_scale, self._scale_in(x.dtype))
-        else:
-            y = super().forward(x)
-        if self.lora is None:
-            return y
-        # The float32 adapters run in x's dtype, as the projection itself does.
-        a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
-        return y + F.linear(F.linear(self.lora_dropout(x), a), b) * self.lora.scale
-
-
-def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor,
-                scale_O: torch.Tensor | None = None) -> torch.Tensor:
-    """x Q^T scaled, for int8 Q (out, in) and float32 scales (out, G) (bridge.quantize), in x's
-    dtype: jax_llama.model.int8_matmul's twin. Per channel (G = 1), (x Q^T) * s - through
-    torch's int8 weight kernel when x is bfloat16 on a CPU or CUDA device, which reads the int8
-    weight as it multiplies; group-wise, each group dequantised in float32, rounded once.
-    scale_O: the per-channel scales already in x's dtype (Linear keeps them), else converted."""
-    O, I = q_OI.shape
-    G = scale_OG.shape[1]
-    if G == 1:
-        scale_O = scale_OG[:, 0].to(x.dtype) if scale_O is None else scale_O
-        if x.dtype == torch.bfloat16 and x.device.type in ("cpu", "cuda"):
-            y = torch._weight_int8pack_mm(x.reshape(-1, I), q_OI, scale_O)
-            return y.reshape(*x.shape[:-1], O)
-        return F.linear(x, q_OI.to(x.dtype)) * scale_O
-    w_OGi = q_OI.view(O, G, I // G).to(torch.float32) * scale_OG[..., None]
-    return F.linear(x, w_OGi.view(O, I).to(x.dtype))
-
-
-class Embedding(Int8Weight, nn.Embedding):
-    """The token embedding (vocab, dim) as `weight`: a lookup, and the LM head of a tied model
-    (`head`, x W^T). Int8 once quantised (torch_llama.quantize of a tied model): a token's row is
-    Q[t] * s[t] in float32 (bridge.quantize.dequantize_weight's numbers), and the head multiplies
-    by Q as an int8 Linear does; jax_llama.model.Embed is the twin."""
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype != torch.int8:
-            return super().forward(tokens)
-        q_D, s_G = self.weight[tokens], self.weight_scale[tokens]
-        rows = q_D.view(*q_D.shape[:-1], s_G.shape[-1], -1).to(torch.float32) * s_G[..., None]
-        return rows.view(q_D.shape)
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype != torch.int8:
-            return F.linear(h, self.weight.to(h.dtype))
-        return int8_linear(h, self.weight, self.weight_scale, self._scale_in(h.dtype))
-
 
 # --8<-- [start:attention]
 class Attention(nn.Module):
@@ -492,65 +333,6 @@ class Llama(nn.Module):
             self._inv_freq_on[device] = torch.from_numpy(self._inv_freq).to(device)
         return self._inv_freq_on[device]
 # --8<-- [end:model]
-
-
-def last_real_index(attention_mask_BS) -> torch.Tensor:
-    """(B,) index of each row's last real token, wherever the padding is (left, right or both)."""
-    mask_BS = torch.as_tensor(attention_mask_BS).bool()
-    return mask_BS.shape[1] - 1 - mask_BS.flip(1).int().argmax(1)
-
-
-# --8<-- [start:classifier]
-class LlamaClassifier(nn.Module):
-    """A Llama backbone and a classification head: the final hidden state of each row's last real
-    token, dropout, a linear layer to n_classes, log-softmax (jax_llama.LlamaClassifier's twin).
-
-    The head's tensors are `classifier.weight` (C, D) and `classifier.bias` (C,); the backbone is
-    `llama`, whose state_dict keys are the canonical names.
-    """
-
-    def __init__(self, config: LlamaConfig, n_classes: int, dropout: float = 0.0):
-        super().__init__()
-        self.config, self.n_classes = config, n_classes
-        self.llama = Llama(config)
-        self.dropout = nn.Dropout(dropout)
-        self.classifier = nn.Linear(config.dim, n_classes)
-        nn.init.normal_(self.classifier.weight, std=0.02)
-        nn.init.zeros_(self.classifier.bias)
-
-    def forward(self, tokens_BS: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """tokens (B, S) int, attention_mask (B, S) with at least one real token per row ->
-        log-probabilities (B, C) float32."""
-        h_BSD = self.llama.run(tokens_BS, attention_mask=attention_mask, lm_head=False).hidden
-        last_B = last_real_index(attention_mask).to(h_BSD.device)
-        h_BD = self.dropout(h_BSD[torch.arange(h_BSD.shape[0], device=h_BSD.device), last_B])
-        return F.log_softmax(self.classifier(h_BD).float(), dim=-1)
-# --8<-- [end:classifier]
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where allowed, the dtype's most negative finite value elsewhere: a query with every key
-    masked (a padding query) then gets a uniform distribution instead of the NaN of -inf."""
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-def check_inputs(tokens: torch.Tensor, vocab_size: int, positions=None, attention_mask=None,
-                 segment_ids=None) -> None:
-    """bridge.inputs.check_inputs on torch values (the same rules as jax_llama.check_inputs):
-    shapes always, token values only where they are on the host already (a CPU tensor) - never
-    a copy off an accelerator, which would stall every decode step."""
-    integer = _is_integer(tokens)
-    _check_inputs(tokens.shape, integer, vocab_size,
-                  ids=tokens.detach().numpy() if integer and tokens.device.type == "cpu" else None,
-                  positions_shape=None if positions is None else np.shape(positions),
-                  mask_shape=None if attention_mask is None else np.shape(attention_mask),
-                  segments_shape=None if segment_ids is None else np.shape(segment_ids),
-                  segments_integer=segment_ids is None or _is_integer(torch.as_tensor(segment_ids)))
-
-
-def _is_integer(x: torch.Tensor) -> bool:
-    return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

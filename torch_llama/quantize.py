@@ -18,7 +18,8 @@ from torch import nn
 from bridge.errors import BridgeError
 from bridge.quantize import Quantization, check_quantizable
 
-from .model import Int8Weight, Linear, Llama
+from .model import Llama
+from .projections import Int8Weight, Linear
 
 
 def quantize(model: Llama, group_size: int | None = None, method: str = "int8") -> Llama:

@@ -15,10 +15,10 @@ float copy written and read back: results/decode/int8_matmul.md); matvec.cc read
 rows in strips of columns, converts each weight in a register and multiplies it into float32
 sums held in registers. Its own helper threads share every call of 64 KB or more with the
 caller, and spin between the calls of a decode step rather than sleep (XLA's threads took about
-as long to wake as a SmolLM2 projection takes to read). jax_llama.model runs every projection of
-up to 8 rows through it, float32 or int8 (q, k and v in one call, gate and up in another), a tied
-LM head through matvec_rows, and attention of a few float32 queries over the KV cache through
-attend_cache: one call a layer that reads the layer in place, where XLA ran a dozen small
+as long to wake as a SmolLM2 projection takes to read). jax_llama.projections runs every
+projection of up to 8 rows through it (a model's `kernels` allowing), float32 or int8 (q, k and
+v in one call, gate and up in another), a tied LM head through matvec_rows, and attention of a
+few float32 queries over the KV cache through attend_cache: one call a layer that reads the layer in place, where XLA ran a dozen small
 operations (the layer sliced and transposed, two batched matmuls, the softmax's passes).
 On SmolLM2 at batch 1 (a 2-core AMD EPYC, every row alternating with llama.cpp's;
 results/decode/generate_smollm2.md): float32 0.88x llama.cpp's F32 (XLA alone 0.65x), int8 1.05x its
@@ -28,8 +28,9 @@ The source is compiled on first use with the system's C++ compiler for this CPU 
 AVX-512, AVX2 or plain C++) against the XLA FFI headers jaxlib ships, into a cache keyed by the
 source, jaxlib and the CPU (`$JAX_LLAMA_KERNEL_CACHE`, default ~/.cache/jax_llama/kernels), and
 registered with jax.ffi. Where that cannot be done (no compiler, not a CPU backend, several
-devices) `usable` says False, the reason is logged once, and jax_llama.model uses XLA's matmul:
-the kernels are an accelerator, never a requirement. `JAX_LLAMA_KERNELS=0` turns them off;
+devices) `usable` says False, the reason is logged once, and jax_llama.projections uses XLA's
+matmul: the kernels are an accelerator, never a requirement (a model with kernels="kernels" is
+refused instead). `JAX_LLAMA_KERNELS=0` turns them off (kernels="auto" is then xla);
 `JAX_LLAMA_KERNEL_THREADS=N` sets the threads a call may use (the caller and N - 1 helpers;
 default: the CPUs this process may run on, at most 8).
 
@@ -135,7 +136,8 @@ def _load() -> str | None:
     try:
         path = library_path()
         if not path.is_file():
-            log.info("jax_llama: compiling the decode kernels into %s", path)
+            log.info("jax_llama: compiling the decode kernels into %s (their first use with this "
+                     "source, jaxlib and CPU)", path)
             build(path)
         lib = ctypes.cdll.LoadLibrary(str(path))
         for name, symbol in TARGETS.items():

@@ -49,8 +49,8 @@ class Spec:
     hf_weights: str | None = None  # decode: the same weights as an HF checkpoint (transformers)
     gguf: str | None = None        # decode: the GGUF file a llama.cpp worker runs
     stream: bool = False           # decode: JAX streams each token through the CLI's Streamer
-    kernels: bool = True           # decode: JAX's int8 projections through jax_llama.kernels
-                                   # (its default); False: XLA's matmul (JAX_LLAMA_KERNELS=0)
+    kernels: bool = True           # decode: JAX's model with kernels="auto" (True, its default)
+                                   # or "xla" (False: XLA's matmuls), as --kernels sets it
     warmup: int = 2           # untimed runs first: the first compiles (JAX) or warms caches
     repeats: int = 3          # timed runs per worker process
 

@@ -18,7 +18,7 @@ With --weights CKPT (a real model, any format the bridge reads) every row decode
 instead, beside a row of JAX streaming each token through the CLI's Streamer (what `jax-llama
 generate` does with one prompt) and, where llama-cpp-python imports, llama.cpp at batch 1 on the
 same weights as F32 and Q8_0 GGUF files (and on CKPT itself when it is a GGUF of another type),
-and JAX's float32 and int8 rows without its decode kernels (XLA's matmuls). Every one of those
+and JAX's float32 and int8 rows without its decode kernels (`--kernels xla`: XLA's matmuls). Every one of those
 rows runs once a round, llama.cpp's too, so rows compared with each other are measured over the
 same stretches of time. --cold-start adds a cold `jax-llama generate` with and without the persistent compilation cache.
 Writes DIR/generate_weights.{md,json}.
@@ -44,13 +44,15 @@ def prompt(spec: Spec) -> list[int]:
 
 
 def jax_runner(spec: Spec):
-    os.environ["JAX_LLAMA_KERNELS"] = "1" if spec.kernels else "0"  # read when the model traces
+    os.environ["JAX_LLAMA_KERNELS"] = "1"  # whatever the caller set: the rows choose below
     import jax_llama
     from jax_llama.generate import generate
+    kernels = "auto" if spec.kernels else "xla"  # the model's `kernels`, as --kernels sets it
     if spec.weights:
-        model, params = jax_llama.load(spec.weights, dtype=spec.dtype)
+        model, params = jax_llama.load(spec.weights, dtype=spec.dtype, kernels=kernels)
     else:
-        model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype, param_dtype=spec.dtype)
+        model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype, param_dtype=spec.dtype,
+                                       kernels=kernels)
     if spec.quantize:
         params = jax_llama.quantize(params, method=spec.quantize)
     if not spec.stream:
@@ -155,9 +157,11 @@ def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
     return result
 
 
-# JAX's rows without jax_llama.kernels: XLA's matmuls, what the kernels replace
-JAX_INT8_XLA = f"{JAX} int8 XLA"
-JAX_XLA = f"{JAX} XLA"
+# JAX's rows without jax_llama.kernels (`--kernels xla`: XLA's matmuls, what the kernels replace);
+# the other JAX rows run --kernels auto, the decode kernels wherever they serve. (Results written
+# before the flag had a name call these rows "jax-llama XLA" and "jax-llama int8 XLA".)
+JAX_INT8_XLA = f"{JAX} int8 --kernels xla"
+JAX_XLA = f"{JAX} --kernels xla"
 
 
 def int8_variants(spec: Spec) -> dict[str, Spec]:

@@ -1,0 +1,236 @@
+"""How the model's projections and its attention over the KV cache run: XLA, or the decode kernels.
+
+jax_llama.model says what the LLaMA computes; this module is the implementation it is handed for
+x @ W and for cached attention, chosen per model by one field, `Llama.kernels`:
+
+    auto     the decode kernels (jax_llama.kernels) wherever they serve the shapes - up to 8
+             float32 rows on a single CPU device, float32 or int8 weights - else XLA. What every
+             command ran before the choice had a name; JAX_LLAMA_KERNELS=0 makes it xla.
+    xla      XLA's matmuls and jax_llama.attention.attend only.
+    kernels  as auto, but a model whose kernels cannot run here is refused (the reason named).
+
+Both give the same numbers to float32 rounding (the kernels' sums run in another order), and the
+same greedy tokens (tests/test_kernels.py decodes both ways). `implementation(kernels)` is the
+one place that turns the choice into "kernels" or "xla" - from the backend, the device count and
+JAX_LLAMA_KERNELS - when a model is made (init, load) and while it traces; whether one call is
+served (its rows, dtypes, shapes) jax_llama.kernels' `usable` says.
+
+Storage is the other thing a projection's params can say: a `scale` beside the `kernel` (or the
+tied embedding) means int8 weights (jax_llama.quantize), multiplied by int8_matmul or by the
+kernels. A LoRA adapter (bridge.lora.LoraConfig) adds its low-rank path to the projections it
+targets.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from bridge.errors import BridgeError
+from bridge.lora import LoraConfig
+
+from . import kernels as decode_kernels
+from .attention import AttentionMask, attend, choose
+
+log = logging.getLogger(__name__)
+Dtype = Any
+
+KERNELS = ("auto", "xla", "kernels")
+
+
+def implementation(kernels: str = "auto") -> str:
+    """The implementation a model with `kernels` (auto, xla or kernels) runs its decode steps on:
+    "kernels" or "xla". auto is "kernels" where they can run in this process (a single CPU device,
+    a C++ compiler, JAX_LLAMA_KERNELS not 0), else "xla"; "kernels" where they cannot raises
+    BridgeError naming why. Building the kernels the first time is logged (jax_llama.kernels)."""
+    if kernels not in KERNELS:
+        raise BridgeError(f"{kernels!r}: expected one of {', '.join(KERNELS)}", field="kernels")
+    if kernels == "xla":
+        return "xla"
+    reason = decode_kernels.unavailable_reason()
+    if reason is None:
+        return "kernels"
+    if kernels == "kernels":
+        raise BridgeError(f"the decode kernels cannot run here: {reason}", field="kernels")
+    return "xla"
+
+
+def _kernels_on(kernels: str) -> bool:
+    """Whether a module with this choice may call the kernels (each call still asks `usable`)."""
+    return implementation(kernels) == "kernels"
+
+
+class Linear(nn.Module):
+    """A bias-free projection x @ kernel (LLaMA has no biases), kernel (in, out) in param_dtype;
+    or, when its params also hold a `scale` (jax_llama.quantize), an int8 kernel and float32
+    scales (G, out), multiplied by int8_matmul. A few float32 rows on CPU (decoding) go through
+    jax_llama.kernels instead when `kernels` allows, float32 or int8 (the same numbers to float32
+    rounding).
+
+    With `lora`, a low-rank adapter is added: x @ kernel + scale * dropout(x) @ A @ B, with A
+    (in, r) and B (r, out) in float32 whatever the kernel's dtype (`lora_A/kernel`,
+    `lora_B/kernel`: the canonical `lora_A.weight` and `lora_B.weight` transposed). A starts
+    Kaiming-uniform as PEFT starts it, B at zero, so a fresh adapter changes nothing. Dropout
+    applies when the call is given a 'dropout' rng (training) and lora.dropout > 0."""
+
+    features: int
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Any = nn.initializers.normal(0.02)
+    lora: LoraConfig | None = None
+    kernels: str = "auto"
+
+    @nn.compact
+    def __call__(self, x_MD):
+        x_MD = x_MD.astype(self.dtype)
+        if self.has_variable("params", "scale"):  # int8 weights (jax_llama.quantize)
+            kernel, scale = (self.get_variable("params", n) for n in ("kernel", "scale"))
+            if _kernels_on(self.kernels) and decode_kernels.usable(x_MD, kernel, scale):
+                out = decode_kernels.matvec(x_MD, kernel, scale).astype(self.dtype)
+            else:
+                out = int8_matmul(x_MD, kernel, scale, self.dtype)
+        else:
+            kernel = self.param("kernel", self.kernel_init, (x_MD.shape[-1], self.features),
+                                self.param_dtype)
+            if _kernels_on(self.kernels) and decode_kernels.usable(x_MD, kernel):
+                out = decode_kernels.matvec(x_MD, kernel)  # float32, a few rows on CPU
+            else:
+                out = jnp.dot(x_MD, kernel.astype(self.dtype))
+        if self.lora is None:
+            return out
+        r = self.lora.rank
+        # U(-1/sqrt(in), 1/sqrt(in)): torch's kaiming_uniform_(a=sqrt(5)), PEFT's init of A
+        a = nn.Dense(r, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
+                     kernel_init=nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"),
+                     name="lora_A")
+        b = nn.Dense(self.features, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
+                     kernel_init=nn.initializers.zeros, name="lora_B")
+        if self.lora.dropout > 0 and self.has_rng("dropout"):
+            x_MD = nn.Dropout(self.lora.dropout, deterministic=False)(x_MD)
+        return out + b(a(x_MD)) * jnp.asarray(self.lora.scale, self.dtype)
+
+
+def project(module: nn.Module, x_MD, kernel_init, **features: int) -> list[jax.Array]:
+    """[x @ W for each projection named in `features` (name=outputs)], all reading the same x
+    (q, k, v; gate, up; or one alone), as Linears named so under `module`, in its dtypes
+    (initialised by kernel_init), with an adapter where its LoRA targets one. Ones without
+    adapters that the decode kernels serve (module.kernels allowing; a few rows on CPU, all
+    float32 or all int8) are one kernel call, their weights read by the same threads (the same
+    numbers to float32 rounding)."""
+    params = [module.variables.get("params", {}).get(name, {}) for name in features]
+    weights = [(p.get("kernel"), p.get("scale")) for p in params]
+    lora = module.lora
+    adapted = lora is not None and any(n in lora.targets for n in features)
+    x = x_MD.astype(module.dtype)
+    if (not adapted and _kernels_on(module.kernels)
+            and all(w is not None and decode_kernels.usable(x, w, s) for w, s in weights)):
+        if all(s is None for _, s in weights):
+            return decode_kernels.matvec_f32(x, [w for w, _ in weights])
+        if all(s is not None for _, s in weights):
+            return [y.astype(module.dtype) for y in decode_kernels.matvec_int8(x, weights)]
+    return [Linear(f, dtype=module.dtype, param_dtype=module.param_dtype, kernel_init=kernel_init,
+                   lora=lora if lora is not None and name in lora.targets else None,
+                   kernels=module.kernels, name=name)(x_MD)
+            for name, f in features.items()]
+
+
+def attend_cache(module: nn.Module, q_BKGSH, k_LBKTH, v_LBKTH, layer, mask: AttentionMask):
+    """The queries' attention over layer `layer` of the cache (L, B, K, T, H), in module's
+    `attention` implementation and dtype. A few float32 queries on a CPU, where `attention`
+    means xla and module.kernels allows, are one kernel call that reads the layer in place
+    (jax_llama.kernels.attend_cache: XLA ran a dozen small operations a layer); else the layer's
+    slice goes through jax_llama.attention.attend."""
+    S, T, H = q_BKGSH.shape[3], k_LBKTH.shape[3], q_BKGSH.shape[4]
+    if (_kernels_on(module.kernels) and choose(module.attention, S, T, False, H) == "xla"
+            and decode_kernels.usable_attention(q_BKGSH, k_LBKTH, mask)):
+        return decode_kernels.attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
+    k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
+    v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False)
+    return attend(q_BKGSH, k_BKTH.astype(module.dtype), v_BKTH.astype(module.dtype), mask,
+                  module.attention)
+
+
+class Embed(nn.Embed):
+    """The token embedding `embedding` (vocab, dim): nn.Embed's lookup, and its `attend` (x @
+    embedding^T) as the LM head of a tied model. When its params also hold a `scale` (vocab, G)
+    (jax_llama.quantize of a tied model), the table is int8: a token's row is Q[t] * s[t] in
+    float32, rounded once to dtype (bridge.quantize.dequantize_weight's numbers), and the head
+    multiplies by Q as an int8 Linear does. For a few rows on CPU either head goes through the
+    decode kernels' matvec_rows when `kernels` allows."""
+
+    kernels: str = "auto"
+
+    def setup(self):
+        super().setup()
+        self.scale_VG = self.get_variable("params", "scale")  # None: a float table
+
+    def __call__(self, tokens):
+        if self.scale_VG is None:
+            return super().__call__(tokens)
+        q_D, s_G = jnp.take(self.embedding, tokens, axis=0), jnp.take(self.scale_VG, tokens, axis=0)
+        rows = q_D.reshape(*q_D.shape[:-1], s_G.shape[-1], -1).astype(jnp.float32) * s_G[..., None]
+        return rows.reshape(q_D.shape).astype(self.dtype)
+
+    def attend(self, x_MD):
+        x_MD = x_MD.astype(self.dtype)
+        on = _kernels_on(self.kernels)
+        if self.scale_VG is None:
+            if on and decode_kernels.usable_rows(x_MD, self.embedding):  # float32, a few rows
+                return decode_kernels.matvec_rows(x_MD, self.embedding)
+            return super().attend(x_MD)
+        if on and decode_kernels.usable_rows(x_MD, self.embedding, self.scale_VG):
+            return decode_kernels.matvec_rows(x_MD, self.embedding, self.scale_VG).astype(
+                self.dtype)
+        return int8_matmul(x_MD, self.embedding.T, self.scale_VG.T, self.dtype)
+
+
+def int8_matmul(x_MI, q_IO, scale_GO, dtype):
+    """x @ (Q * s) for int8 Q (in, out) and float32 scales s (G, out), one row of scales per G
+    groups of in / G consecutive inputs (bridge.quantize). Per channel (G = 1) the scale
+    multiplies the output, (x @ Q) * s, so the int8 weights are never scaled element by element;
+    group-wise, each group's weights are dequantised in float32 and rounded once to `dtype`.
+    torch_llama.projections.int8_linear computes the same, in the same order."""
+    G = scale_GO.shape[0]
+    I, O = q_IO.shape
+    K = math.gcd(I, INT8_BLOCK_ROWS)  # rows per block: 64, or fewer where 64 does not divide I
+    if G == 1 and K >= INT8_BLOCK_ROWS // 4 and I > K:
+        return _int8_dot_by_blocks(x_MI, q_IO, K, dtype).astype(dtype) * scale_GO[0].astype(dtype)
+    # The weight is made to depend on x, so that it is dequantised only once x exists, right
+    # before its matmul. Independent of x it is a constant of any loop around the model (the
+    # decode loop) and XLA hoists its conversion out of the loop, or schedules every weight's
+    # conversion first: either way a float copy of every weight lives beside the int8 one, more
+    # memory than the float model. (An optimization barrier does not hold on XLA:CPU: it is
+    # expanded away before scheduling.) Where x[0, 0] is NaN, the output is NaN either way.
+    q_IO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), q_IO.dtype), q_IO)
+    if G == 1:
+        return jnp.dot(x_MI, q_IO.astype(dtype)) * scale_GO[0].astype(dtype)
+    w_GiO = q_IO.reshape(G, I // G, O).astype(jnp.float32) * scale_GO[:, None, :]
+    return jnp.dot(x_MI, w_GiO.reshape(I, O).astype(dtype))
+
+
+# Rows of an int8 weight converted at a time by _int8_dot_by_blocks (at most).
+INT8_BLOCK_ROWS = 64
+
+
+def _int8_dot_by_blocks(x_MI, q_IO, K: int, dtype):
+    """x @ Q.astype(dtype), converting K rows of Q at a time in a loop, each block's
+    product added to the output. XLA:CPU does not fuse an int8 -> float conversion into a
+    matmul: converted whole, Q's float copy is written to memory and read back, 8 bytes of traffic
+    a weight beside the int8 byte, slower than the float32 model (results/int8_matmul.md). A block
+    of 64 rows stays in cache. Its conversion depends on the loop index, so XLA cannot hoist it
+    out of the decode loop either: only one block's float copy exists at a time. The products
+    are summed in float32 (bfloat16 too), as one matmul accumulates."""
+    I, O = q_IO.shape
+
+    def add_block(i, acc_MO):
+        q_KO = jax.lax.dynamic_slice_in_dim(q_IO, i * K, K, axis=0).astype(dtype)
+        x_MK = jax.lax.dynamic_slice_in_dim(x_MI, i * K, K, axis=x_MI.ndim - 1)
+        return acc_MO + jnp.dot(x_MK, q_KO, preferred_element_type=jnp.float32)
+
+    return jax.lax.fori_loop(0, I // K, add_block,
+                             jnp.zeros((*x_MI.shape[:-1], O), jnp.float32))
