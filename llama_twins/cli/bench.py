@@ -12,6 +12,7 @@ def cmd_bench(args) -> int:
 
 
 def add_commands(sub) -> None:
+    """The subparser of bench."""
     p = add_command(sub, "bench", cmd_bench,
                     help="benchmarks side by side with transformers on the same config: forward, "
                          "train step, decode, conversion, compile time",

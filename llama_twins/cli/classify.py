@@ -240,6 +240,7 @@ def _add_task_arguments(p, labels: bool = True) -> None:
 
 
 def add_commands(sub) -> None:
+    """The subparsers of finetune, zero-shot and predict."""
     p = add_command(sub, "finetune", cmd_finetune,
                     help="fine-tune a LLaMA as a sequence classifier, end to end (head on the "
                          "last real token)")
@@ -328,6 +329,7 @@ def add_commands(sub) -> None:
 
 
 def add_split_command(sub) -> None:
+    """The subparser of split (jax-llama lists it after eval)."""
     p = add_command(sub, "split", cmd_split,
                     help="hold out a random fraction of a data file's lines")
     p.add_argument("file", help="a data file, one example a line")

@@ -20,6 +20,7 @@ def cmd_eval(args) -> int:
 
 
 def add_commands(sub) -> None:
+    """The subparser of eval."""
     p = add_command(sub, "eval", cmd_eval,
                     help="sliding-window perplexity, NLL per token and bits per byte of text "
                          "files, per file and overall")

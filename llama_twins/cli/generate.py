@@ -39,6 +39,7 @@ def cmd_generate(args) -> int:
 
 
 def add_commands(sub) -> None:
+    """The subparser of generate."""
     p = add_command(sub, "generate", cmd_generate,
                     help="continue prompts with a KV cache (greedy, temperature, top-k, top-p); "
                          "text streams as it is produced")

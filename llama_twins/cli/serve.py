@@ -47,6 +47,7 @@ def cmd_serve(args) -> int:
 
 
 def add_commands(sub) -> None:
+    """The subparser of serve."""
     p = add_command(sub, "serve", cmd_serve,
                     help="an OpenAI-compatible HTTP server (/v1/chat/completions, "
                          "/v1/completions, /v1/models, /health); requests arriving together "

@@ -266,6 +266,7 @@ def _add_run_arguments(p, corpus: str, defaults: dict[str, str] | None = None) -
 
 
 def add_commands(sub) -> None:
+    """The subparsers of train, sft and dpo, with the run options they share."""
     p = add_command(sub, "train", cmd_train,
                     help="train (or fine-tune from --init) a LLaMA with optax AdamW; with no "
                          "--data, on the Python standard library's sources")
