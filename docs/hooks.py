@@ -4,7 +4,7 @@ time, so that no fact is written twice by hand.
 on_files adds to the build, as files that exist only in memory (mkdocs' File.generated):
 
 - reference/cli.md: every command and subcommand of llama-bridge, jax-llama and torch-llama, read
-  from their argparse parser objects (llama_twins.cli_docs): usage, description, options table;
+  from their argparse parser objects (llama_twins.cli.docs): usage, description, options table;
 - reference/presets.md: bridge.config.PRESETS as a table, with each preset's parameter count;
 - explanation/results.md: every results/FOLDER/*.md as a section, one group per folder in the
   order of RESULT_GROUPS, with each heading moved one level down and the plot beside it
@@ -57,12 +57,12 @@ RESULT_IMAGES = "explanation/results"  # where results/*.png land in the site
 # -- reference/cli.md ---------------------------------------------------------------------------
 
 def cli_page() -> str:
-    from llama_twins.cli_docs import build_parsers, command_reference
+    from llama_twins.cli.docs import build_parsers, command_reference
 
     parsers = build_parsers()
     parts = ["# Command-line reference\n",
              "Generated at build time from the commands' own argparse parsers "
-             "(`llama_twins.cli_docs`), so it lists exactly the options each command accepts. "
+             "(`llama_twins.cli.docs`), so it lists exactly the options each command accepts. "
              "Every option states its default; `tests/test_cli_help.py` fails on one that does "
              "not. Exit codes: [errors and exit codes](errors.md).\n"]
     for prog in ("llama-bridge", "jax-llama", "torch-llama"):
@@ -75,7 +75,7 @@ def cli_page() -> str:
 def presets_page() -> str:
     from bridge.config import DEFAULT_PRESET, PRESETS
     from bridge.tensors import count_params
-    from llama_twins.cli_docs import markdown_table
+    from llama_twins.cli.docs import markdown_table
 
     def params(n: int) -> str:
         return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"

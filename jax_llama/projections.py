@@ -221,7 +221,7 @@ def _int8_dot_by_blocks(x_MI, q_IO, K: int, dtype):
     """x @ Q.astype(dtype), converting K rows of Q at a time in a loop, each block's
     product added to the output. XLA:CPU does not fuse an int8 -> float conversion into a
     matmul: converted whole, Q's float copy is written to memory and read back, 8 bytes of traffic
-    a weight beside the int8 byte, slower than the float32 model (results/int8_matmul.md). A block
+    a weight beside the int8 byte, slower than the float32 model (results/decode/int8_matmul.md). A block
     of 64 rows stays in cache. Its conversion depends on the loop index, so XLA cannot hoist it
     out of the decode loop either: only one block's float copy exists at a time. The products
     are summed in float32 (bfloat16 too), as one matmul accumulates."""

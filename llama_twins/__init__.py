@@ -3,7 +3,7 @@
 The parity report (parity/) and the round-trip demo (demo.py), which load a checkpoint into
 jax_llama and torch_llama at once; the benchmark suite (bench/), which runs each twin and
 transformers in worker processes of their own; and the three commands that drive everything:
-`llama-bridge` (bridge_cli.py), `jax-llama` (jax_cli.py) and `torch-llama` (torch_cli.py), with
-what they share in commands.py. Imports point down only: llama_twins -> jax_llama | torch_llama
--> bridge (pyproject.toml's import-linter contracts, checked by tests/test_architecture.py).
+`llama-bridge`, `jax-llama` and `torch-llama` (cli/: one module per family of subcommands,
+each parser beside its handlers), with `jax-llama serve`'s OpenAI-compatible app (server/).
+Imports point down only: llama_twins -> jax_llama | torch_llama -> bridge (pyproject.toml's import-linter contracts, checked by tests/test_architecture.py).
 """

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
             order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
             for name in order:
                 out = Path(tmp) / f"run-{r}-{len(runs[name])}-{VARIANTS[name] != []}"
-                command = [sys.executable, "-m", "llama_twins.jax_cli", "finetune", "--init",
+                command = [sys.executable, "-m", "llama_twins.cli.main", "finetune", "--init",
                            args.checkpoint, "--train", str(train), "--dev", str(dev), "--labels",
                            labels, "--epochs", str(args.epochs), "--out", str(out),
                            *VARIANTS[name]]

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     if not (work / "preference.json").exists():
         print("$ " + " ".join(command), file=sys.stderr, flush=True)
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "llama_twins.jax_cli", *command[1:]], check=True)
+        subprocess.run([sys.executable, "-m", "llama_twins.cli.main", *command[1:]], check=True)
         seconds = time.perf_counter() - started
     scores = json.loads((work / "preference.json").read_text())
     metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]

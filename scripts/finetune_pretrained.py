@@ -39,7 +39,7 @@ def task_files(task: str, data: Path, work: Path) -> tuple[Path, Path, Path]:
         return data / "sst/train.txt", data / "sst/dev.txt", data / "sst/labels.json"
     split = work / "cfimdb-split"
     if not (split / "heldout.txt").is_file():
-        subprocess.run([sys.executable, "-m", "llama_twins.jax_cli", "split",
+        subprocess.run([sys.executable, "-m", "llama_twins.cli.main", "split",
                         str(data / "cfimdb/train.txt"), "--fraction", "0.15", "--seed", "0",
                         "--out", str(split)], check=True)
     return split / "train.txt", split / "heldout.txt", data / "cfimdb/labels.json"
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         task, flags = RUNS[name]
         train, dev, labels = task_files(task, data, work)
         run = work / name
-        command = [sys.executable, "-m", "llama_twins.jax_cli", "finetune", "--init",
+        command = [sys.executable, "-m", "llama_twins.cli.main", "finetune", "--init",
                    args.checkpoint, "--train", str(train), "--dev", str(dev), "--labels",
                    str(labels), "--out", str(run), *flags]
         wall = None

@@ -28,7 +28,7 @@ if command -v nvidia-smi >/dev/null \
 fi
 STAGES=${*:-env tests train decode chat}
 status=0
-JAX_LLAMA=($PY -c 'import sys; from llama_twins.jax_cli import main; sys.exit(main())')
+JAX_LLAMA=($PY -c 'import sys; from llama_twins.cli.main import main; sys.exit(main())')
 
 for stage in $STAGES; do
     echo "== $stage $(date -u +%H:%M:%S)" >&2

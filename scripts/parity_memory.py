@@ -44,7 +44,7 @@ VARIANTS = {  # name: (dtype, reference, float64 run)
 
 def run(checkpoint: str, dtype: str, reference: str | None, f64: bool) -> dict:
     """One report in a child process: exit code, wall seconds, peak RSS, its figures (--json)."""
-    command = [sys.executable, "-m", "llama_twins.bridge_cli", "parity", checkpoint,
+    command = [sys.executable, "-m", "llama_twins.cli.bridge_main", "parity", checkpoint,
                "--dtype", dtype, "--json"]
     command += ["--reference", reference] if reference else []
     command += [] if f64 else ["--no-reference-f64"]

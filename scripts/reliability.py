@@ -30,7 +30,7 @@ TINY = ["--steps", "200", "--checkpoint-every", "50", "--eval-every", "100", "--
 
 
 def jax_llama(*args, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "llama_twins.jax_cli", *map(str, args)],
+    return subprocess.Popen([sys.executable, "-m", "llama_twins.cli.main", *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 

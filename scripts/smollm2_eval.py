@@ -145,11 +145,11 @@ def main(argv=None) -> int:
               "seq_len": args.seq_len, "stride": args.stride, "ppl_rtol": PPL_RTOL, "texts": {}}
     for name, data in texts.items():
         sides = {
-            "jax-llama": [py, "-m", "llama_twins.jax_cli", "eval", str(native), "--data", str(data)],
-            "torch-llama": [py, "-m", "llama_twins.torch_cli", "eval", str(native), "--data",
+            "jax-llama": [py, "-m", "llama_twins.cli.main", "eval", str(native), "--data", str(data)],
+            "torch-llama": [py, "-m", "llama_twins.cli.torch_main", "eval", str(native), "--data",
                             str(data)],
             "transformers": [py, "scripts/eval_transformers.py", str(hf), "--data", str(data)],
-            "jax-llama int8": [py, "-m", "llama_twins.jax_cli", "eval", str(native), "--data",
+            "jax-llama int8": [py, "-m", "llama_twins.cli.main", "eval", str(native), "--data",
                                str(data), "--quantize", "int8"],
         }
         rows = {}

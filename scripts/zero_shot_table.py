@@ -31,7 +31,7 @@ PROMPTS = {"continuation": [], "chat": ["--chat"]}
 
 
 def zero_shot(checkpoint: str, data: Path, labels: Path, flags: list[str]) -> dict:
-    command = [sys.executable, "-m", "llama_twins.jax_cli", "zero-shot", checkpoint,
+    command = [sys.executable, "-m", "llama_twins.cli.main", "zero-shot", checkpoint,
                "--data", str(data), "--labels", str(labels), *flags]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     data = Path(args.data)
     with tempfile.TemporaryDirectory(prefix="zero-shot-") as tmp:
-        subprocess.run([sys.executable, "-m", "llama_twins.jax_cli", "split",
+        subprocess.run([sys.executable, "-m", "llama_twins.cli.main", "split",
                         str(data / "cfimdb/train.txt"), "--fraction", "0.15", "--seed", "0",
                         "--out", tmp], check=True, capture_output=True)
         tasks = {"SST-5 dev": (data / "sst/dev.txt", data / "sst/labels.json"),

@@ -13,14 +13,14 @@ import pytest
 from conftest import TEST_XLA_FLAGS, XLA_CACHE_ENV
 
 import llama_twins
-from llama_twins import jax_cli
+from llama_twins.cli import main as jax_cli
 
 IMPLEMENTATIONS = ("jax-llama", "torch_llama", "transformers")
 
 
 def bench(out, *options, env=None, cwd=None):
     out_option = [] if out is None else ["--out", str(out)]
-    return subprocess.run([sys.executable, "-m", "llama_twins.jax_cli", "bench", "--quick",
+    return subprocess.run([sys.executable, "-m", "llama_twins.cli.main", "bench", "--quick",
                            *out_option, *options], capture_output=True, text=True, timeout=600,
                           env={**without_xla_cache(os.environ), **(env or {})}, cwd=cwd)
 

@@ -301,7 +301,7 @@ def test_inspect_shows_the_decision_and_where_it_came_from(layouts, tmp_path_fac
     """A random model with SmolLM2's tokenizer as transformers saves it, then the same files
     with add_bos_token true stamped in as the old rule did: inspect says no BOS, and why."""
     from conftest import save_random_checkpoint, small_config
-    from llama_twins import bridge_cli
+    from llama_twins.cli import bridge_main as bridge_cli
 
     ckpt = save_random_checkpoint(tmp_path / "ckpt", small_config(vocab_size=49152))
     _variant(_base(layouts, "smollm2", tmp_path_factory, request), ckpt, "as saved", {})
@@ -371,8 +371,8 @@ def test_smollm2_as_a_hugging_face_directory_scores_as_transformers(smollm2, tmp
     from bridge.chat import find_template
     from bridge.convert import convert
     from jax_llama.serving import Engine
-    from llama_twins import jax_cli
-    from llama_twins.serve import Server, serve_in_thread
+    from llama_twins.cli import main as jax_cli
+    from llama_twins.server import Server, serve_in_thread
 
     directory = tmp_path / "hf"
     convert(smollm2, directory, to="hf")

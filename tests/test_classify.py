@@ -19,7 +19,7 @@ from bridge.inputs import pad_rows
 from bridge.tokenizer import ByteTokenizer, train_tokenizer
 from conftest import SHARED, save_random_checkpoint, small_config
 from jax_llama import classify
-from llama_twins import jax_cli
+from llama_twins.cli import main as jax_cli
 from jax_llama import data
 from jax_llama.heads import LlamaClassifier
 from jax_llama.heads import last_real_index as jax_last_real_index

@@ -13,7 +13,7 @@ from bridge.convert import convert
 from bridge.errors import BridgeError
 from conftest import small_config
 from jax_llama.train import TrainConfig
-from llama_twins import bridge_cli, jax_cli, torch_cli
+from llama_twins.cli import bridge_main as bridge_cli, main as jax_cli, torch_main as torch_cli
 
 
 def test_demo_runs_as_installed_console_script(tmp_path):
@@ -75,7 +75,7 @@ def test_bad_input_gives_one_line_and_exit_2(argv, message, capsys):
 
 def test_bad_input_from_a_subprocess_has_no_traceback(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"dim": 48, "n_layers": 2, "n_heads": 5, "n_kv_heads": 5}))
-    result = subprocess.run([sys.executable, "-m", "llama_twins.bridge_cli", "inspect", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "llama_twins.cli.bridge_main", "inspect", str(tmp_path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: {tmp_path}/config.json: LlamaConfig.dim: must be "

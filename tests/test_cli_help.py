@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from llama_twins.cli_docs import build_parsers, command_reference, help_problems, walk
+from llama_twins.cli.docs import build_parsers, command_reference, help_problems, walk
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_train_defaults_are_train_configs():
     """The training flags' help states TrainConfig's defaults, written beside TRAIN_OPTIONS (the
     CLI does not import JAX for --help); they must be TrainConfig's own."""
     from jax_llama.train import TrainConfig
-    from llama_twins.jax_cli import TRAIN_OPTIONS
+    from llama_twins.cli.train import TRAIN_OPTIONS
 
     fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     assert {name: default for name, _, default, _ in TRAIN_OPTIONS} == {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_llama
-from llama_twins import bridge_cli as cli
+from llama_twins.cli import bridge_main as cli
 from bridge.convert import convert, parse_size
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint

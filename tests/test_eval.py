@@ -23,7 +23,7 @@ from bridge.evaluation import Text, Window, plan_windows, read_texts, tokenize, 
 from bridge.tokenizer import ByteTokenizer
 from conftest import real_tokenizer, save_random_checkpoint, small_config
 from jax_llama.eval import evaluate as jax_evaluate
-from llama_twins import jax_cli, torch_cli
+from llama_twins.cli import main as jax_cli, torch_main as torch_cli
 from torch_llama.eval import evaluate as torch_evaluate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from bridge.rope import rope_inv_freq
 from bridge.tensors import canonical_shapes
 from bridge.tokenizer import ByteTokenizer, _byte_level_chars, load_tokenizer
 from conftest import SCALING, SHARED, jax_logits, random_tokens, small_config, smollm2_path
-from llama_twins import bridge_cli as cli
+from llama_twins.cli import bridge_main as cli
 
 Q = gguf.GGMLQuantizationType
 # Row lengths 64 and 96 are whole Q8_0 blocks of 32; head_dim 16; GQA 4 / 2.

@@ -22,7 +22,7 @@ from bridge.gguf.container import read_gguf
 from bridge.prompts import encode_prompts
 from bridge.tokenizer import find_tokenizer, load_tokenizer
 from conftest import small_config
-from llama_twins import bridge_cli, jax_cli, torch_cli
+from llama_twins.cli import bridge_main as bridge_cli, main as jax_cli, torch_main as torch_cli
 
 VOCAB_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
               "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id",

@@ -174,7 +174,7 @@ def test_generate_until_matches_hf_greedy_text_cut_at_the_stop(ours, theirs):
 
 
 def test_loglikelihood_rolling_is_jax_llama_eval(ours, checkpoints, tmp_path, capsys):
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     long = " ".join(WORDS * 12)  # 1,200 bytes: ten windows of 128 tokens
     short = "A short text fits in one window."

@@ -538,7 +538,7 @@ def test_the_generate_command_names_its_kernels_and_gives_the_same_text(tmp_path
     the same greedy text; a bad name is one error line naming the flag, before any weight is
     read."""
     from conftest import save_random_checkpoint, small_config
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
     save_random_checkpoint(tmp_path / "m", small_config(vocab_size=259), tokenizer=True)
     out = {}
     for choice in ("kernels", "xla"):

@@ -239,7 +239,7 @@ def test_bad_lora_settings_name_the_field(kw, field):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "llama_twins.jax_cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "llama_twins.cli.main", *map(str, args)],
                           capture_output=True, text=True, timeout=300)
 
 

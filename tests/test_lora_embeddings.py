@@ -19,7 +19,7 @@ from bridge.lora import EMBEDDING, LoraConfig, adapter_shapes, read_peft
 from bridge.merge import merge_lora as merge_checkpoint
 from conftest import random_tokens, small_config, torch_logits
 from jax_llama.lora import add_lora, adapter_of, count, merge_lora, save_adapter, split, trainable_for
-from llama_twins import jax_cli
+from llama_twins.cli import main as jax_cli
 from test_classify import synthetic_lines
 from test_lora import _batch, _steps, with_random_b
 

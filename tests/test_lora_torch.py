@@ -14,7 +14,8 @@ from bridge.lora import LoraConfig, adapter_shapes, read_peft, write_peft
 from bridge.tensors import canonical_shapes
 from bridge.tokenizer import ByteTokenizer
 from conftest import random_tokens, small_config, torch_logits, torch_model
-from llama_twins import float64, torch_cli
+from llama_twins import float64
+from llama_twins.cli import torch_main as torch_cli
 
 CONFIG = small_config()
 LORA = LoraConfig(rank=4, alpha=12.0)  # scale 3; rank 4 is none of the model's sizes

@@ -17,7 +17,7 @@ from conftest import with_host_devices
 from bridge.formats import open_checkpoint
 
 HERE = Path(__file__).parent
-CLI = [sys.executable, "-c", "import sys; from llama_twins.jax_cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from llama_twins.cli.main import main; sys.exit(main())"]
 LIMIT = 240  # seconds any one process may take; the test kills every process past it
 
 
@@ -139,7 +139,7 @@ def test_mesh_loading_reads_parts_and_equals_a_plain_load(tmp_path):
      "--coordinator: expected HOST:PORT (got 'nowhere')"),
 ])
 def test_bad_process_flags_are_one_line(tmp_path, capsys, corpus, flags, message):
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     assert jax_cli.main(run_args(corpus, tmp_path / "run", "data=1") + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()

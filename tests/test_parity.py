@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_llama
-from llama_twins import bridge_cli
+from llama_twins.cli import bridge_main as bridge_cli
 from llama_twins import parity
 from bridge.convert import convert
 from bridge.errors import BridgeError

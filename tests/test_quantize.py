@@ -18,7 +18,7 @@ from bridge.formats import open_checkpoint
 from bridge.quantize import Quantization, dequantize_weight, quantize_weight
 from conftest import (jax_logits, random_tokens, save_random_checkpoint, small_config, torch_logits,
                       torch_model)
-from llama_twins import bridge_cli, jax_cli, torch_cli
+from llama_twins.cli import bridge_main as bridge_cli, main as jax_cli, torch_main as torch_cli
 
 # small_config's dims: 48 model, 80 ffn; 16 divides both
 CONFIG = small_config()

@@ -344,7 +344,7 @@ def history(out: Path) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def straight_finetune(task_files, tmp_path_factory):
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     out = tmp_path_factory.mktemp("finetune") / "run"
     assert jax_cli.main(finetune_argv(task_files, out)) == 0
@@ -381,7 +381,7 @@ def sigterm(batch):
 
 def test_finetune_stopped_by_sigterm_resumes_bitwise(task_files, straight_finetune, tmp_path,
                                                      monkeypatch, capsys):
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     needs_main_thread()
     out = tmp_path / "run"
@@ -400,7 +400,7 @@ def test_finetune_stopped_by_sigterm_resumes_bitwise(task_files, straight_finetu
 
 def test_finetune_resumes_past_a_damaged_checkpoint(task_files, straight_finetune, tmp_path,
                                                     capsys):
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     out = tmp_path / "run"
     assert jax_cli.main(finetune_argv(task_files, out)) == 0
@@ -414,7 +414,7 @@ def test_finetune_resumes_past_a_damaged_checkpoint(task_files, straight_finetun
 
 def test_finetune_resume_with_another_setup_is_refused(task_files, straight_finetune, tmp_path,
                                                        capsys):
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     out = tmp_path / "run"
     shutil.copytree(straight_finetune, out)
@@ -429,7 +429,7 @@ def poisoned(batch):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_finetune_non_finite_step(task_files, tmp_path, monkeypatch, capsys, policy):
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     out = tmp_path / "run"
     finetune_steps(monkeypatch, {5: poisoned, 12: poisoned})

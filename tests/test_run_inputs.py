@@ -14,7 +14,7 @@ from bridge.errors import BridgeError
 from bridge.evaluation import data_files
 from bridge.tokenizer import ByteTokenizer
 from jax_llama import data
-from llama_twins import jax_cli as cli
+from llama_twins.cli import main as cli
 
 WORDS = "the a cat dog sat ran on under mat log red big small quietly".split()
 

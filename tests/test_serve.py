@@ -1,4 +1,4 @@
-"""`jax-llama serve` (llama_twins.serve over jax_llama.serving's batching engine), through the real
+"""`jax-llama serve` (llama_twins.server over jax_llama.serving's batching engine), through the real
 `openai` client and raw HTTP: chat and completions, streamed and not, stop strings, n, seed,
 logprobs and echo; concurrent requests decoded together and each equal to `generate` alone; a
 client that leaves mid-stream frees its row; every bad input answered with an OpenAI-style error,
@@ -27,7 +27,7 @@ from jax_llama.serving import Engine, Request, prompt_logprobs
 openai = pytest.importorskip("openai", reason="the openai client is not installed (.[test])")
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (.[serve])")
 httpx = pytest.importorskip("httpx")
-from llama_twins.serve import Server, serve_in_thread
+from llama_twins.server import Server, serve_in_thread
 
 CONFIG = small_config(vocab_size=259, max_seq_len=256)
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -392,7 +392,7 @@ def test_int8_weights_decode_in_the_engine_as_generate_decodes_them(checkpoint):
     (["serve", "CKPT", "--max-batch", "0"], "error: --max-batch: must be a positive integer"),
 ])
 def test_serve_refuses_bad_arguments_in_one_line(checkpoint, capsys, argv, message):
-    from llama_twins import jax_cli
+    from llama_twins.cli import main as jax_cli
 
     argv = [str(checkpoint) if a == "CKPT" else a for a in argv]
     assert jax_cli.main(argv) == 2

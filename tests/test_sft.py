@@ -15,7 +15,7 @@ from bridge.tokenizer import load_tokenizer
 from conftest import interrupted_at, small_config
 from jax_llama.sft import demo_chats, example_batches, exact_match, load_chats, SftSpec
 from jax_llama.train import lm_loss
-from llama_twins import jax_cli, torch_cli
+from llama_twins.cli import main as jax_cli, torch_main as torch_cli
 
 
 def random_examples(n=7, vocab=97, seed=0) -> list[Example]:

@@ -13,7 +13,7 @@ import pytest
 
 from bridge.tokenizer import ByteTokenizer
 from conftest import interrupted_at
-from llama_twins import jax_cli
+from llama_twins.cli import main as jax_cli
 
 needs_tensorboardX = pytest.mark.skipif(importlib.util.find_spec("tensorboardX") is None,
                                         reason="tensorboardX is not installed (pip install "

@@ -138,7 +138,7 @@ def test_sharded_step_equals_the_single_device_step(flags):
 
 
 def cli(*args, **popen):
-    return subprocess.Popen([sys.executable, "-m", "llama_twins.jax_cli", "train", *map(str, args)],
+    return subprocess.Popen([sys.executable, "-m", "llama_twins.cli.main", "train", *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -199,7 +199,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corp
 def test_diverging_run_names_the_step_and_the_cli_exits_1(tmp_path, corpus, capsys, poison, step):
     """A NaN weight in the --init checkpoint makes the very first loss NaN; lr 1e30 makes the
     first update blow the weights up, so the second loss is not finite."""
-    from llama_twins import jax_cli as cli
+    from llama_twins.cli import main as cli
     extra = ["--lr", "1e30"]
     if poison == "init":
         _, params = jax_llama.init(TINY, seed=0)
@@ -245,7 +245,7 @@ def test_mesh_specs(mesh, message):
 
 
 def test_cli_unknown_preset_lists_valid_ones(capsys):
-    from llama_twins import jax_cli as cli
+    from llama_twins.cli import main as cli
     assert cli.main(["train", "--preset", "llama5"]) == 2
     err = capsys.readouterr().err
     assert "unknown preset 'llama5'; valid: llama2-7b" in err and "tiny" in err
@@ -258,7 +258,7 @@ def test_cli_unknown_preset_lists_valid_ones(capsys):
 ])
 def test_cli_attention_the_backend_lacks_is_one_line_and_exit_2(implementation, message, tmp_path,
                                                                 capsys):
-    from llama_twins import jax_cli as cli
+    from llama_twins.cli import main as cli
     out = tmp_path / "run"
     assert cli.main(["train", "--preset", "tiny", "--steps", "1", "--attention", implementation,
                      "--out", str(out)]) == 2
@@ -271,7 +271,7 @@ def test_packed_long_context_run_from_the_command_line(tmp_path, corpus, capsys)
     """--pack with chunked attention at 1,024 tokens a row (several of its blocks): a tiny model
     trained from scratch gets the context it is trained at (the preset's max_seq_len is 256),
     packed rows keep each document to itself, and a resume must keep --pack."""
-    from llama_twins import jax_cli as cli
+    from llama_twins.cli import main as cli
     argv = ["train", "--preset", "tiny", "--data", *[str(corpus / f"doc{i}.txt") for i in range(4)],
             "--tokenizer", str(corpus / "tokenizer"), "--seq-len", "1024", "--batch-size", "2",
             "--steps", "2", "--eval-every", "2", "--checkpoint-every", "2",

@@ -33,7 +33,7 @@ from bridge.tensors import canonical_shapes
 from .common import WorkerFailed, say, write_results
 
 MB = 10**6
-BRIDGE = [sys.executable, "-m", "llama_twins.bridge_cli"]  # `llama-bridge`, whatever PATH holds
+BRIDGE = [sys.executable, "-m", "llama_twins.cli.bridge_main"]  # `llama-bridge`, whatever PATH holds
 
 
 def synthetic_hf(config: LlamaConfig, directory: Path, seed: int = 0) -> None:

@@ -355,7 +355,7 @@ def cold_start(checkpoint: str, runs: int = 2) -> dict:
     import tempfile
     import time
 
-    command = [sys.executable, "-m", "llama_twins.jax_cli", "generate", checkpoint, "--chat",
+    command = [sys.executable, "-m", "llama_twins.cli.main", "generate", checkpoint, "--chat",
                "--prompt", "What is the capital of France?", "--max-new-tokens", "16"]
     base = {k: v for k, v in os.environ.items()
             if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_LLAMA_COMPILE_CACHE")}

@@ -39,7 +39,7 @@ def start(checkpoint: str, max_batch: int):
     from bridge.tokenizer import find_tokenizer
     from jax_llama.serving import Engine
 
-    from ..serve import Server, serve_in_thread
+    from ..server import Server, serve_in_thread
 
     tokenizer = find_tokenizer(checkpoint)
     model, params = jax_llama.load(checkpoint)

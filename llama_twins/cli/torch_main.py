@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .commands import (add_command, add_eval_arguments, add_generate_arguments, command_main,
+from .common import (add_command, add_eval_arguments, add_generate_arguments, command_main,
                        generation_inputs, requested_quantization, run_eval, run_generation)
 
 

@@ -18,7 +18,7 @@ from bridge.errors import BridgeError
 from bridge.formats import FORMATS, open_checkpoint
 from bridge.gguf.conventions import FILE_TYPES as GGUF_FILE_TYPES, LLAMA_CPP
 
-from .commands import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_quantize_arguments,
+from .common import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_quantize_arguments,
                        command_main)
 
 
@@ -126,7 +126,7 @@ def cmd_merge_lora(args) -> int:
 
 def cmd_demo(args) -> int:
     """Init in JAX, save, load in torch and compare logits; then back from torch to JAX."""
-    from . import demo  # imports jax and torch: only this command pays for them
+    from .. import demo  # imports jax and torch: only this command pays for them
 
     config = preset(args.preset)
     if args.out is not None:
@@ -137,7 +137,7 @@ def cmd_demo(args) -> int:
 
 def cmd_parity(args) -> int:
     """The parity report (llama_twins.parity): exit 0 when every figure is within its bound, else 1."""
-    from .parity import format_parity_report, parity_report  # imports jax and torch when run
+    from ..parity import format_parity_report, parity_report  # imports jax and torch when run
 
     report = parity_report(args.path, dtype=args.dtype, batch=args.batch, seq_len=args.seq_len,
                            new_tokens=args.new_tokens, reference=args.reference, seed=args.seed,

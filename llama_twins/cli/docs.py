@@ -14,9 +14,9 @@ from typing import Callable, Iterator
 
 # prog -> where its parser is built (imported lazily: the parsers import only argparse-level code)
 PARSERS: dict[str, str] = {
-    "llama-bridge": "llama_twins.bridge_cli",
-    "jax-llama": "llama_twins.jax_cli",
-    "torch-llama": "llama_twins.torch_cli",
+    "llama-bridge": "llama_twins.cli.bridge_main",
+    "jax-llama": "llama_twins.cli.main",
+    "torch-llama": "llama_twins.cli.torch_main",
 }
 
 

@@ -1,0 +1,30 @@
+"""`jax-llama eval`: sliding-window perplexity, NLL per token and bits per byte of text files
+(the report and its flags are shared with `torch-llama eval`, in common.py)."""
+
+from __future__ import annotations
+
+from .common import add_command, add_eval_arguments, run_eval
+from .options import add_attention_argument, add_kernels_argument, load_quantized
+
+
+def cmd_eval(args) -> int:
+    from jax_llama.checkpoint import load
+    from jax_llama.eval import evaluate
+
+    def load_model():
+        return load_quantized(args, lambda: load(args.checkpoint, dtype=args.dtype,
+                                                 attention=args.attention,
+                                                 kernels=args.kernels))
+
+    return run_eval(args, load_model, lambda loaded, documents, **kw: evaluate(*loaded, documents,
+                                                                               **kw))
+
+
+def add_commands(sub) -> None:
+    """The subparser of eval."""
+    p = add_command(sub, "eval", cmd_eval,
+                    help="sliding-window perplexity, NLL per token and bits per byte of text "
+                         "files, per file and overall")
+    add_eval_arguments(p)
+    add_attention_argument(p)
+    add_kernels_argument(p)

@@ -1,0 +1,51 @@
+"""`jax-llama generate`: continue prompts with the JAX twin (or, with --compare-torch, greedily
+with both twins side by side)."""
+
+from __future__ import annotations
+
+from bridge.errors import BridgeError
+
+from .common import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_generate_arguments,
+                     generation_inputs, report_warnings, run_generation)
+from .options import add_attention_argument, add_kernels_argument, load_quantized
+
+
+def cmd_generate(args) -> int:
+    import warnings
+
+    from jax_llama.checkpoint import load
+    from jax_llama.generate import generate
+
+    def load_model():
+        model, params = load_quantized(args, lambda: load(
+            args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
+            kernels=args.kernels))
+        return (model, params), model.config
+
+    if args.compare_torch and args.quantize:
+        raise BridgeError("not with --quantize (it compares the float twins)", field="compare_torch")
+    (model, params), tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
+    if args.compare_torch:
+        from ..parity import format_greedy_parity, greedy_parity
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = greedy_parity(args.checkpoint, prompts, args.max_new_tokens, stops, args.dtype,
+                                   args.adapter)
+        report_warnings(caught)
+        print(format_greedy_parity(report, tokenizer.decode))
+        return EXIT_OK if report["identical"] else EXIT_CHECK_FAILED
+    return run_generation(lambda prompts, stream: generate(
+        model, params, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
+        tokenizer, texts, prompts)
+
+
+def add_commands(sub) -> None:
+    """The subparser of generate."""
+    p = add_command(sub, "generate", cmd_generate,
+                    help="continue prompts with a KV cache (greedy, temperature, top-k, top-p); "
+                         "text streams as it is produced")
+    add_generate_arguments(p)
+    add_attention_argument(p)
+    add_kernels_argument(p)
+    p.add_argument("--compare-torch", action="store_true",
+                   help="decode greedily with both twins and report where they first differ")
