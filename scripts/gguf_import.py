@@ -27,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 
 from llama_twins import results
+from llama_twins.bench.common import timed
 
 ROOT = Path(__file__).resolve().parents[1]
 SDIST = ROOT / ".cache" / "sdist"
@@ -62,12 +63,7 @@ def vocab_files(tmp: Path) -> list[Path]:
 
 
 def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed(fn, warmup=0, repeats=repeats))
 
 
 def open_times(path: Path, repeats: int) -> dict:

@@ -17,20 +17,15 @@ import json
 import statistics
 import subprocess
 import sys
-import time
+
+from llama_twins.bench.common import timed as bench_timed
 
 B, K, G, H = 2, 4, 2, 64
 
 
 def measure(framework: str, S: int, block: int) -> dict:
     def timed(run) -> float:
-        run()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return statistics.median(bench_timed(run, warmup=1, repeats=3))
 
     if framework == "torch":
         import torch

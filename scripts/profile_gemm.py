@@ -15,9 +15,8 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 
-from llama_twins.bench.common import write_results
+from llama_twins.bench.common import timed, write_results
 
 M = 2048
 SHAPES = {  # name: (M, K, N, calls per forward pass of the 8-layer config)
@@ -48,14 +47,7 @@ def measure(framework: str) -> dict[str, float]:
             import torch
             x, w = torch.from_numpy(a), torch.from_numpy(b)
             call = lambda: torch.matmul(x, w)  # noqa: E731
-        for _ in range(3):
-            call()
-        times = []
-        for _ in range(20):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        out[name] = 2 * m * k * n / statistics.median(times) / 1e9
+        out[name] = 2 * m * k * n / statistics.median(timed(call, warmup=3, repeats=20)) / 1e9
     return out
 
 

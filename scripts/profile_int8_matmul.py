@@ -20,7 +20,8 @@ import json
 import statistics
 import subprocess
 import sys
-import time
+
+from llama_twins.bench.common import timed
 
 # (K, N) of the benchmark config's projections (llama_twins.bench.common.CONFIG) and its LM head
 SHAPES = [(512, 512), (512, 256), (512, 1376), (1376, 512), (512, 32000)]
@@ -28,13 +29,7 @@ ROWS = (1, 8)
 
 
 def median_seconds(fn, repeats: int = 50) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed(fn, warmup=1, repeats=repeats))
 
 
 def measure_jax() -> dict:
