@@ -42,19 +42,27 @@ def report_with(bug, twin, checkpoint, dtype, seq_len=16):
                                     **kwargs)
 
 
-@pytest.mark.parametrize("bug, twin, figure, block, seq_len, beyond", CASES)
-def test_a_planted_bug_fails_naming_its_twin_and_block(bug, twin, figure, block, seq_len, beyond,
-                                                       checkpoint):
-    report = report_with(bug, twin, checkpoint, "float32", seq_len)
+def assert_named(report: dict, twin: str, figure: str, block, beyond: float) -> dict:
+    """The report fails, blames `twin` and `block`, and its `figure` lands `beyond` times past
+    its bound (far beyond it, not at its edge) with the culprit that many times further off
+    than the other twin; returns the checks by figure."""
     rows = {c["figure"]: c for c in report["checks"]}
     assert not report["passed"]
     assert report["culprit"] == {"torch vs JAX": twin}
     assert report["first_divergence"] == {"torch vs JAX": block}
     key = rows[figure]
     assert not key["ok"] and key["culprit"] == twin
-    assert key["value"] > beyond * key["tolerance"]  # far beyond the bound, not at its edge
+    assert key["value"] > beyond * key["tolerance"]
     other = "torch" if twin == "JAX" else "JAX"
-    assert key["errors"][twin] > beyond * key["errors"][other]  # the culprit is the one far off
+    assert key["errors"][twin] > beyond * key["errors"][other]
+    return rows
+
+
+@pytest.mark.parametrize("bug, twin, figure, block, seq_len, beyond", CASES)
+def test_a_planted_bug_fails_naming_its_twin_and_block(bug, twin, figure, block, seq_len, beyond,
+                                                       checkpoint):
+    report = report_with(bug, twin, checkpoint, "float32", seq_len)
+    assert_named(report, twin, figure, block, beyond)
     if block is None:  # an optimizer bug: the model itself agrees
         assert all(c["ok"] for c in report["checks"] if c["kind"] != "adamw")
 
@@ -91,15 +99,8 @@ BFLOAT16_CASES = [
 def test_in_bfloat16_a_bug_below_rounding_still_fails_naming_its_twin_and_block(
         bug, twin, figure, block, checkpoint):
     report = report_with(bug, twin, checkpoint, "bfloat16")
-    rows = {c["figure"]: c for c in report["checks"]}
-    assert not report["passed"]
-    assert report["culprit"] == {"torch vs JAX": twin}
-    assert report["first_divergence"] == {"torch vs JAX": block}
+    rows = assert_named(report, twin, figure, block, beyond=100)
     key = rows[figure]
-    assert not key["ok"] and key["culprit"] == twin
-    assert key["value"] > 100 * key["tolerance"]
-    other = "torch" if twin == "JAX" else "JAX"
-    assert key["errors"][twin] > 100 * key["errors"][other]
     if bug == "weight":  # the tensor is named, and the full-training figure did not see it
         assert key["detail"].endswith(f"first tensor off: layers.{BLOCK}.feed_forward.w2.weight")
         assert rows["parameters after 10 AdamW steps"]["ok"]
