@@ -16,10 +16,10 @@ def cmd_generate(args) -> int:
     from jax_llama.checkpoint import load
     from jax_llama.generate import generate
 
-    def load_model():
+    def load_model(checkpoint):
         model, params = load_quantized(args, lambda: load(
-            args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-            kernels=args.kernels))
+            checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
+            kernels=args.kernels), checkpoint=checkpoint)
         return (model, params), model.config
 
     if args.compare_torch and args.quantize:

@@ -13,12 +13,13 @@ from bridge.errors import BridgeError
 from .common import requested_quantization
 
 
-def load_quantized(args, load: Callable[[], tuple], say: bool = True) -> tuple:
+def load_quantized(args, load: Callable[[], tuple], say: bool = True, checkpoint=None) -> tuple:
     """load() -> (model, params), quantised to int8 when --quantize asks for it; --kernels said
-    as with_kernels says it."""
+    as with_kernels says it. `checkpoint`: args.checkpoint already opened, if it is."""
     from jax_llama.quantize import quantize
 
-    quantization = requested_quantization(args)  # refused here, before any weight is read
+    # refused here, before any weight is read
+    quantization = requested_quantization(args, checkpoint)
     model, params = with_kernels(args, load, say)
     if quantization is None:
         return model, params
