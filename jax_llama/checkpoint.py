@@ -23,9 +23,9 @@ from bridge.lora import read_peft
 from bridge.quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes
 from bridge.tensors import canonical_shapes
 
-from .attention import choose
-from .model import Llama, resolve_dtype
-from .projections import implementation
+from .model.attention import choose
+from .model.llama import Llama, resolve_dtype
+from .model.projections import implementation
 
 
 def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None, bool]:
@@ -244,9 +244,10 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
     dtype None keeps the stored dtype (float32 when tensors are mixed); otherwise a dtype or its
-    name, used for the params and for compute. attention: the implementation (jax_llama.attention).
+    name, used for the params and for compute. attention: the implementation
+    (jax_llama.model.attention).
     kernels: how projections and cached attention run, auto, xla or kernels
-    (jax_llama.projections).
+    (jax_llama.model.projections).
     adapter: a PEFT LoRA adapter directory, merged into the weights as they are read (a plain
     model; jax_llama.add_lora keeps an adapter separate, for training it further).
     mesh: build the params already sharded on it by the training rules (jax_llama.sharding),

@@ -38,7 +38,7 @@ from bridge.tokenizer import find_tokenizer
 from ..checkpoint import load
 from ..data import bucket
 from ..eval import evaluate, token_log_probs
-from ..generate import _MAX_STOP_IDS, generate
+from ..inference.generate import _MAX_STOP_IDS, generate
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ def cmd_generate(args) -> int:
     import warnings
 
     from jax_llama.checkpoint import load
-    from jax_llama.generate import generate
+    from jax_llama.inference.generate import generate
 
     def load_model(checkpoint):
         model, params = load_quantized(args, lambda: load(

@@ -19,7 +19,7 @@ def cmd_serve(args) -> int:
     from bridge.formats import open_checkpoint
     from bridge.tokenizer import find_tokenizer
     from jax_llama.checkpoint import load
-    from jax_llama.serving import Engine
+    from jax_llama.inference.serving import Engine
 
     from ..server import Server, app
 
