@@ -237,9 +237,9 @@ def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config:
     return params
 
 
-def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool = False, remat: bool = False,
-         attention: str = "auto", adapter: str | os.PathLike | None = None, mesh=None,
-         kernels: str = "auto"):
+def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool = False,
+         remat: bool = False, attention: str = "auto", adapter: str | os.PathLike | None = None,
+         mesh=None, kernels: str = "auto"):
     """(Llama module, params) from a checkpoint of any supported format: a path, or a checkpoint
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 

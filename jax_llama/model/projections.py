@@ -1,7 +1,7 @@
 """How the model's projections and its attention over the KV cache run: XLA, or the decode kernels.
 
-jax_llama.model says what the LLaMA computes; this module is the implementation it is handed for
-x @ W and for cached attention, chosen per model by one field, `Llama.kernels`:
+jax_llama.model.llama says what the LLaMA computes; this module is the implementation it is handed
+for x @ W and for cached attention, chosen per model by one field, `Llama.kernels`:
 
     auto     the decode kernels (jax_llama.model.kernels) wherever they serve the shapes - up to 8
              float32 rows on a single CPU device, float32 or int8 weights - else XLA. What every

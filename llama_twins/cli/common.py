@@ -237,8 +237,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
 def run_eval(args, load: Callable[[object], object], evaluate: Callable[..., dict]) -> int:
     """What both eval commands do, refusing bad input before the weights are read: read the data,
     open the checkpoint (once) and find its tokenizer, check the windows against its config,
-    tokenize, then load(checkpoint) -> model and evaluate(model, documents, seq_len=, stride=, batch_size=, progress=)
-    -> the report, printed as a table or (--json) one JSON object."""
+    tokenize, then load(checkpoint) -> model and evaluate(model, documents, seq_len=, stride=,
+    batch_size=, progress=) -> the report, printed as a table or (--json) one JSON object."""
     import json
 
     from bridge.evaluation import format_report, read_texts, tokenize, window_settings
