@@ -143,6 +143,15 @@ def test_generate_opens_the_gguf_once(tiny, capsys, monkeypatch):
     capsys.readouterr()
 
 
+def test_generate_opens_the_safetensors_once(tiny, capsys, monkeypatch):
+    """The same for a native directory: its weights are read from one opening of
+    model.safetensors (it was one per tensor), besides the one that reads its header."""
+    native = tiny.parent / "native"
+    argv = ["generate", str(native), "--chat", "--prompt", "hi", "--max-new-tokens", "2"]
+    assert opens_of(native / "model.safetensors", monkeypatch, lambda: jax_cli.main(argv)) <= 2
+    capsys.readouterr()
+
+
 def test_eval_scores_without_a_bos(tiny, data, capsys):
     assert jax_cli.main(["eval", str(tiny), "--data", str(data / "text.txt"), "--seq-len", "64",
                          "--json"]) == 0
