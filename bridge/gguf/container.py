@@ -47,7 +47,7 @@ class GGUFFile:
     and tensor entries, in file order; `raw(t)` is a tensor's bytes.
 
     The file is opened once: the memory map it was parsed from stays open as long as this object
-    (or a view of it) lives, and every tensor is a view of it - a model's 272 tensors cost no
+    (or a view of it) lives, and every tensor is a view of it - SmolLM2's 272 tensors cost no
     more opens of the file than its metadata did."""
 
     path: Path
