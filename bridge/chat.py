@@ -15,6 +15,7 @@ which marks the text the model is trained to produce.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -222,13 +223,13 @@ def _config_template(path: Path) -> ChatTemplate | None:
     return None if source is None else ChatTemplate(source, str(path))
 
 
-def find_template(checkpoint: str | Path | None, tokenizer, choice: str | None = None
-                  ) -> ChatTemplate:
+def find_template(checkpoint, tokenizer, choice: str | None = None) -> ChatTemplate:
     """The chat template to use. choice "llama3" / "llama2": that built-in; another choice: the
     jinja file it names. No choice: the checkpoint's own (a directory's chat_template.jinja, else
     the chat_template of its tokenizer_config.json; a .gguf file's tokenizer.chat_template), else
     the built-in for the tokenizer: llama3 when
-    it has <|start_header_id|>, llama2 otherwise."""
+    it has <|start_header_id|>, llama2 otherwise. `checkpoint`: a path, a checkpoint already
+    opened (own_template says how it is read) or None."""
     if choice in BUILTIN:
         return ChatTemplate(BUILTIN[choice], choice)
     if choice is not None:
@@ -243,10 +244,17 @@ def find_template(checkpoint: str | Path | None, tokenizer, choice: str | None =
     return ChatTemplate(BUILTIN[kind], kind)
 
 
-def own_template(checkpoint: str | Path | None) -> ChatTemplate | None:
+def own_template(checkpoint) -> ChatTemplate | None:
     """The checkpoint's own chat template (a directory's chat_template.jinja, else the
     chat_template of its tokenizer_config.json; a .gguf file's tokenizer.chat_template), or
-    None when it carries none."""
+    None when it carries none. `checkpoint`: a path, or a checkpoint already opened
+    (bridge.formats.open_checkpoint), whose file's own template then comes from what opening it
+    read: the file is not read again."""
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        found = checkpoint.own_template()
+        if found is not None or not checkpoint.path.is_dir():
+            return found
+        checkpoint = checkpoint.path
     for holds, template in MODEL_FILE_TEMPLATES if checkpoint is not None else ():
         if holds(Path(checkpoint)):
             return template(Path(checkpoint))

@@ -20,12 +20,12 @@ from bridge.sampling import Generation, Sampler
 from .checkpoint import load, save
 from .classify import Classifier, load_classifier, predict
 from .eval import evaluate
-from .generate import generate
-from .heads import LlamaClassifier, last_real_index
+from .inference.generate import generate
 from .lora import adapter_of, add_lora, merge_lora, save_adapter
-from .inputs import check_inputs
 from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaOutput, RMSNorm, apply_rope,
                     init, resolve_dtype, rope_cos_sin)
+from .model.heads import LlamaClassifier, last_real_index
+from .model.inputs import check_inputs
 from .quantize import quantize
 from .train import TrainConfig, decay_mask, make_optimizer, make_train_step
 

@@ -17,15 +17,15 @@ import numpy as np
 
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
-from bridge.formats import open_checkpoint, write_native
+from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
 from bridge.lora import read_peft
 from bridge.quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes
 from bridge.tensors import canonical_shapes
 
-from .attention import choose
-from .model import Llama, resolve_dtype
-from .projections import implementation
+from .model.attention import choose
+from .model.llama import Llama, resolve_dtype
+from .model.projections import implementation
 
 
 def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None, bool]:
@@ -237,15 +237,17 @@ def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config:
     return params
 
 
-def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, remat: bool = False,
-         attention: str = "auto", adapter: str | os.PathLike | None = None, mesh=None,
-         kernels: str = "auto"):
-    """(Llama module, params) from a checkpoint of any supported format.
+def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool = False,
+         remat: bool = False, attention: str = "auto", adapter: str | os.PathLike | None = None,
+         mesh=None, kernels: str = "auto"):
+    """(Llama module, params) from a checkpoint of any supported format: a path, or a checkpoint
+    already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
     dtype None keeps the stored dtype (float32 when tensors are mixed); otherwise a dtype or its
-    name, used for the params and for compute. attention: the implementation (jax_llama.attention).
+    name, used for the params and for compute. attention: the implementation
+    (jax_llama.model.attention).
     kernels: how projections and cached attention run, auto, xla or kernels
-    (jax_llama.projections).
+    (jax_llama.model.projections).
     adapter: a PEFT LoRA adapter directory, merged into the weights as they are read (a plain
     model; jax_llama.add_lora keeps an adapter separate, for training it further).
     mesh: build the params already sharded on it by the training rules (jax_llama.sharding),
@@ -254,7 +256,7 @@ def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, rema
     """
     choose(attention, 1, 1)
     implementation(kernels)  # a bad name, or kernels that cannot run here, refused as early
-    ckpt = open_checkpoint(path)
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     if ckpt.quantization is not None:
         if adapter is not None:
             raise BridgeError(f"{ckpt.path} holds int8 weights, which an adapter cannot be "

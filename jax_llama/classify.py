@@ -43,13 +43,13 @@ from bridge.lora import LoraConfig
 from bridge.resources import available_memory
 from bridge.tokenizer import Tokenizer, find_tokenizer
 
-from .attention import choose
+from .model.attention import choose
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from .data import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
-from .heads import Blocks, LlamaClassifier
-from .model import KVCache, init
+from .model.heads import Blocks, LlamaClassifier
+from .model.llama import KVCache, init
 from .run_state import (Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until,
                         setup_differences)
 from .tracking import Tracker, TrackingSpec

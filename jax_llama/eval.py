@@ -18,7 +18,7 @@ import numpy as np
 
 from bridge.evaluation import DEFAULT_BATCH_SIZE, Document, WindowBatch, run_evaluation
 
-from .model import Llama
+from .model.llama import Llama
 
 
 def token_log_probs(model: Llama, params, tokens_BS, targets_BS) -> tuple[jax.Array, jax.Array]:

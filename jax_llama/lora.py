@@ -22,8 +22,8 @@ from bridge.errors import BridgeError
 from bridge.lora import INT8_TABLE, Adapter, LoraConfig, adapter_shapes, write_peft
 
 from .checkpoint import has_adapters, params_from_tensors, tensor_specs
-from .heads import LlamaClassifier
-from .model import Llama
+from .model.heads import LlamaClassifier
+from .model.llama import Llama
 
 ADAPTER_KEYS = ("lora_A", "lora_B")
 

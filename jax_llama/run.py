@@ -45,13 +45,13 @@ from bridge.merge import merge_lora as merge_checkpoint
 from bridge.tokenizer import load_tokenizer, train_tokenizer
 
 from . import data as data_lib
-from .attention import choose as choose_attention
+from .model.attention import choose as choose_attention
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
 from . import dpo as dpo_lib
 from . import sft as sft_lib
 from .lora import add_lora, count, merge_lora, save_adapter, trainable_for
-from .model import Llama, init
+from .model.llama import Llama, init
 from .perf import measure_matmul_peak, train_flops_per_token
 from .run_state import (Checkpoints, NonFinite, RunStopped, StopSignals, all_processes_reach,
                         keep_metrics_until, setup_differences)
@@ -79,7 +79,7 @@ class RunSpec:
     sample_tokens: int = 64
     strip_labels: bool = False         # data files are `LABEL ||| TEXT` lines: train on the texts
     pack: bool = False                 # rows of whole documents with segment ids, not windows
-    attention: str = "auto"            # the attention implementation (jax_llama.attention)
+    attention: str = "auto"            # the attention implementation (jax_llama.model.attention)
     lora: LoraConfig | None = None     # train LoRA adapters only; the base stays frozen, held in
                                        # the compute dtype (train.dtype)
     sft: sft_lib.SftSpec | None = None  # supervised fine-tuning on chats instead of a corpus
@@ -455,7 +455,7 @@ class ChatInputs:
         assistant message."""
         from bridge.sampling import Sampler
 
-        from .generate import generate
+        from .inference.generate import generate
 
         chats = self.eval_chats[:limit]
         longest = max(len(self.tokenizer.encode(m[-1]["content"])) for _, m in chats)
@@ -590,7 +590,7 @@ class PreferenceInputs:
         if replies:
             from bridge.sampling import Sampler
 
-            from .generate import generate
+            from .inference.generate import generate
 
             shown = self.eval_pairs[:4]
             new = max(len(p.chosen) for p in shown) + 4
@@ -659,7 +659,7 @@ def replay_chats(spec: RunSpec, tokenizer, template) -> list[tuple[str, list[dic
     (greedy), so a resumed run trains on the same chats."""
     from bridge.prompts import stop_ids as tokenizer_stops
 
-    from .generate import generate
+    from .inference.generate import generate
 
     sft = spec.sft
     if not spec.init:
@@ -734,7 +734,7 @@ def _sample(model, params, tokenizer, val_tokens, seq_len: int, n_new: int, seed
     KV-cache generator."""
     from bridge.sampling import Sampler
 
-    from .generate import generate
+    from .inference.generate import generate
 
     if n_new <= 0:
         return ""

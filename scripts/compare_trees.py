@@ -29,7 +29,7 @@ import json, sys, time
 import numpy as np
 kind, gguf = sys.argv[1], sys.argv[2]
 import jax, jax_llama
-from jax_llama.generate import generate
+from jax_llama.inference.generate import generate
 
 def best(run, repeats=3):
     run()  # compiles

@@ -44,7 +44,7 @@ def measure(framework: str, S: int, block: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_llama import attention
+    from jax_llama.model import attention
     if block:
         attention.QUERY_BLOCK = attention.KEY_BLOCK = block
     block = attention.QUERY_BLOCK

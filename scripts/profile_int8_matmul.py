@@ -4,9 +4,9 @@ config, float32 weights against int8 weights, in each framework's own process.
     python scripts/profile_int8_matmul.py [--out results/decode]
 
 For each weight shape of a decode step (K x N, x of 1 or 8 rows) it times, median of 50 calls:
-  JAX    x @ W (float32); jax_llama.projections.int8_matmul, what the JAX twin runs (x @ Q * s, Q
-         converted to float32 64 rows at a time in a loop, or whole for small weights); and an
-         elementwise int8 -> float32 convert of the whole weight alone
+  JAX    x @ W (float32); jax_llama.model.projections.int8_matmul, what the JAX twin runs
+         (x @ Q * s, Q converted to float32 64 rows at a time in a loop, or whole for small
+         weights); and an elementwise int8 -> float32 convert of the whole weight alone
   torch  F.linear (float32); torch_llama.projections.int8_linear on float32 x (Q converted per call);
          the same on bfloat16 x (torch._weight_int8pack_mm, torch's int8 weight kernel)
 An int8 matmul can only win if the convert is fused into the matmul's read of the weight; the
@@ -37,7 +37,7 @@ def measure_jax() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jax_llama.projections import int8_matmul
+    from jax_llama.model.projections import int8_matmul
 
     f32 = jax.jit(lambda x, w: x @ w)
     int8 = jax.jit(lambda x, q, s: int8_matmul(x, q, s, jnp.float32))

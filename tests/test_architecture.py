@@ -46,7 +46,8 @@ def test_a_planted_back_arrow_fails_and_names_the_import(tmp_path):
     config = tmp_path / "bridge" / "config.py"
     config.write_text(config.read_text() + "\n\ndef _planted():\n    import llama_twins.parity\n")
     twin = tmp_path / "torch_llama" / "generate.py"
-    twin.write_text(twin.read_text() + "\nfrom jax_llama.generate import sample  # noqa\n")
+    twin.write_text(twin.read_text()
+                    + "\nfrom jax_llama.inference.generate import sample  # noqa\n")
     # inside bridge: the tokenizer kinds reaching up into the GGUF wing that builds on them
     kinds = tmp_path / "bridge" / "tokenizer" / "kinds.py"
     kinds.write_text(kinds.read_text()
@@ -55,7 +56,7 @@ def test_a_planted_back_arrow_fails_and_names_the_import(tmp_path):
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Contracts: 0 kept, 4 broken." in result.stdout, result.stdout
     assert "bridge.config -> llama_twins.parity" in result.stdout
-    assert "torch_llama.generate -> jax_llama.generate" in result.stdout
+    assert "torch_llama.generate -> jax_llama.inference.generate" in result.stdout
     assert "bridge.tokenizer.kinds -> bridge.gguf.container" in result.stdout
 
 

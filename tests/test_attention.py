@@ -19,9 +19,9 @@ import jax_llama
 import torch_llama
 from bridge.errors import BridgeError
 from conftest import ATTENTION_KINDS, cached_logits, random_tokens, small_config, torch_logits
-from jax_llama import attention
-from jax_llama.attention import AttentionMask, attend
-from jax_llama.generate import generate
+from jax_llama.model import attention
+from jax_llama.model.attention import AttentionMask, attend
+from jax_llama.inference.generate import generate
 from jax_llama.model import KVCache, default_positions
 
 

@@ -370,7 +370,7 @@ def test_smollm2_as_a_hugging_face_directory_scores_as_transformers(smollm2, tmp
     import jax_llama
     from bridge.chat import find_template
     from bridge.convert import convert
-    from jax_llama.serving import Engine
+    from jax_llama.inference.serving import Engine
     from llama_twins.cli import main as jax_cli
     from llama_twins.server import Server, serve_in_thread
 

@@ -194,11 +194,11 @@ def test_failure_midway_leaves_nothing(native, tmp_path, monkeypatch):
     from bridge.formats import native as native_format
     calls = []
 
-    def failing_read(info):
+    def failing_read(info, *files):
         if len(calls) == 5:
             raise OSError("read error")
         calls.append(info)
-        return real_read(info)
+        return real_read(info, *files)
     real_read = native_format.read_tensor
     monkeypatch.setattr(native_format, "read_tensor", failing_read)
     with pytest.raises(OSError):

@@ -18,7 +18,7 @@ from bridge.sampling import Sampler
 from conftest import save_random_checkpoint, small_config
 from test_classify import synthetic_lines
 from llama_twins.cli import main as jax_cli
-from jax_llama.generate import generate as jax_generate
+from jax_llama.inference.generate import generate as jax_generate
 from torch_llama.generate import generate as torch_generate
 
 WORDS = "the a cat dog sat ran on under mat log red big small quietly".split()

@@ -387,7 +387,7 @@ this is not python
 ```
 
 ```python
---8<-- "jax_llama/model.py:rmsnorm"
+--8<-- "jax_llama/model/llama.py:rmsnorm"
 ```
 '''
 
@@ -434,9 +434,10 @@ def test_planted_python_error_names_block_and_smollm2_skips(tmp_path):
 
 def test_planted_snippet_without_its_section_fails(tmp_path):
     page = tmp_path / "planted.md"
-    page.write_text('    --8<-- "jax_llama/model.py:rmsnorm"\n--8<-- "jax_llama/model.py:nothing"\n'
+    page.write_text('    --8<-- "jax_llama/model/llama.py:rmsnorm"\n'
+                    '--8<-- "jax_llama/model/llama.py:nothing"\n'
                     '--8<-- "jax_llama/nothing.py"\n')
     assert snippet_errors(page) == [
-        "planted.md:2: jax_llama/model.py has no [start:nothing] marker",
-        "planted.md:2: jax_llama/model.py has no [end:nothing] marker",
+        "planted.md:2: jax_llama/model/llama.py has no [start:nothing] marker",
+        "planted.md:2: jax_llama/model/llama.py has no [end:nothing] marker",
         "planted.md:3: jax_llama/nothing.py does not exist"]

@@ -19,7 +19,7 @@ from bridge.tokenizer import load_tokenizer
 from conftest import (ATTENTION_KINDS, SHARED, cached_logits, random_tokens, save_random_checkpoint,
                       small_config)
 from llama_twins.cli import main as jax_cli
-from jax_llama.generate import compilations, first_max, generate, top_p_mask
+from jax_llama.inference.generate import compilations, first_max, generate, top_p_mask
 
 LLAMA3 = SHARED / "tokenizers" / "llama3" / "tokenizer.model"
 

@@ -108,6 +108,50 @@ def test_generate_in_both_twins(tiny, capsys):
     assert capsys.readouterr().out == jax_text
 
 
+def opens_of(path: Path, monkeypatch, run) -> int:
+    """How many times run() opens `path` - through open() / io.open (which pathlib, numpy's
+    memmap and our GGUF reader go through) or os.open."""
+    import builtins
+    import io
+    import os
+
+    opened = []
+
+    def counting(real):
+        def open_(file, *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and Path(file) == path:
+                opened.append(file)
+            return real(file, *args, **kwargs)
+        return open_
+
+    for module, name in ((builtins, "open"), (io, "open"), (os, "open")):
+        monkeypatch.setattr(module, name, counting(getattr(module, name)))
+    run()
+    monkeypatch.undo()
+    return len(opened)
+
+
+def test_generate_opens_the_gguf_once(tiny, capsys, monkeypatch):
+    """A command reads its checkpoint once and hands on what it read: the weights, config,
+    tokenizer and chat template of `generate --chat` come from one opening of the .gguf (it was
+    279 - one per tensor, and once each for the tokenizer, the template and --quantize's check)."""
+    argv = ["generate", str(tiny), "--chat", "--prompt", "hi", "--max-new-tokens", "2"]
+    assert opens_of(tiny, monkeypatch, lambda: load_tokenizer(tiny)) >= 1  # the count sees them
+    assert opens_of(tiny, monkeypatch, lambda: jax_cli.main(argv)) <= 2
+    assert opens_of(tiny, monkeypatch,
+                    lambda: torch_cli.main(argv + ["--device", "cpu", "--quantize", "int8"])) <= 2
+    capsys.readouterr()
+
+
+def test_generate_opens_the_safetensors_once(tiny, capsys, monkeypatch):
+    """The same for a native directory: its weights are read from one opening of
+    model.safetensors (it was one per tensor), besides the one that reads its header."""
+    native = tiny.parent / "native"
+    argv = ["generate", str(native), "--chat", "--prompt", "hi", "--max-new-tokens", "2"]
+    assert opens_of(native / "model.safetensors", monkeypatch, lambda: jax_cli.main(argv)) <= 2
+    capsys.readouterr()
+
+
 def test_eval_scores_without_a_bos(tiny, data, capsys):
     assert jax_cli.main(["eval", str(tiny), "--data", str(data / "text.txt"), "--seq-len", "64",
                          "--json"]) == 0

@@ -21,8 +21,8 @@ import torch
 import jax_llama
 import torch_llama
 from conftest import cached_logits, random_tokens, small_config
-from jax_llama.attention import AttentionMask, attend
-from jax_llama.generate import generate
+from jax_llama.model.attention import AttentionMask, attend
+from jax_llama.inference.generate import generate
 from llama_twins.parity.planted import torch_bug
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""The decode kernels (jax_llama.kernels): few-row matmuls on XLA:CPU through the XLA FFI.
+"""The decode kernels (jax_llama.model.kernels): few-row matmuls on XLA:CPU through the XLA FFI.
 
 Each output is a float32 sum over the inputs (in blocks of 64, the blocks' sums added in order;
 for the rows kernel, vector lanes added by a fixed tree), so the kernels are checked against a
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_llama import kernels
+from jax_llama.model import kernels
 
 
 
@@ -161,7 +161,7 @@ def test_outputs_do_not_depend_on_the_helper_threads():
     thread count is read once per process, so each count runs in a subprocess of its own."""
     script = (
         "import sys, numpy as np, jax\n"
-        "from jax_llama import kernels\n"
+        "from jax_llama.model import kernels\n"
         "rng = np.random.default_rng(0)\n"
         "x = rng.standard_normal((3, 576)).astype(np.float32)\n"
         "w = rng.standard_normal((576, 1536)).astype(np.float32)\n"
@@ -208,7 +208,7 @@ def test_decoding_makes_one_call_per_shared_input(tied):
 
 def attention_float64(q, k, v, q_slots, valid):
     """softmax(q k^T / sqrt(H) + mask) v in float64: q (B, K, G, S, H), k and v (B, K, T, H); a
-    query that may see no slot averages them all (jax_llama.attention's xla)."""
+    query that may see no slot averages them all (jax_llama.model.attention's xla)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     T, H = k.shape[2], q.shape[-1]
     scores = np.einsum("bkgsh,bkth->bkgst", q, k) / np.sqrt(H)
@@ -227,7 +227,7 @@ ATTENTION_SHAPES = [(3, 1, 3, 3, 1, 144, 64), (2, 2, 2, 4, 3, 37, 20), (2, 8, 1,
 
 
 def attention_case(shape, seed=0):
-    from jax_llama.attention import AttentionMask
+    from jax_llama.model.attention import AttentionMask
     L, B, K, G, S, T, H = shape
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, K, G, S, H)).astype(np.float32)
@@ -266,7 +266,7 @@ def test_attention_rows_do_not_depend_on_the_batch():
     q, k, v, mask = attention_case((2, 4, 3, 3, 1, 130, 64), seed=5)
     f = jax.jit(kernels.attend_cache)
     together = np.asarray(f(q, k, v, 1, mask))
-    from jax_llama.attention import AttentionMask
+    from jax_llama.model.attention import AttentionMask
     for b in range(4):
         alone = AttentionMask(q_slots=mask.q_slots, valid=mask.valid[b:b + 1])
         got = np.asarray(f(q[b:b + 1], k[:, b:b + 1], v[:, b:b + 1], 1, alone))[0]
@@ -274,7 +274,7 @@ def test_attention_rows_do_not_depend_on_the_batch():
 
 
 def test_attention_gradient_is_xlas_and_what_it_serves():
-    from jax_llama.attention import AttentionMask, attend
+    from jax_llama.model.attention import AttentionMask, attend
     q, k, v, mask = attention_case((2, 2, 2, 2, 1, 40, 16), seed=6)
     g = np.random.default_rng(7).standard_normal(q.shape).astype(np.float32)
     got = jax.grad(lambda q, k, v: jnp.sum(kernels.attend_cache(q, k, v, 1, mask) * g),
@@ -319,7 +319,7 @@ def test_the_models_kernels_field_chooses_how_a_decode_step_runs(monkeypatch):
     from bridge.config import PRESETS
     from bridge.errors import BridgeError
     from jax_llama.model import KVCache
-    from jax_llama.projections import implementation
+    from jax_llama.model.projections import implementation
     config = PRESETS["tiny"]
     tokens = jnp.zeros((1, 1), jnp.int32)
 
@@ -431,8 +431,8 @@ def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
     script = (
         "import json, jax_llama\n"
         "from bridge.config import PRESETS\n"
-        "from jax_llama import kernels\n"
-        "from jax_llama.generate import generate\n"
+        "from jax_llama.model import kernels\n"
+        "from jax_llama.inference.generate import generate\n"
         "model, params = jax_llama.init(PRESETS['tiny'], seed=0)\n"
         "out = {'kernels': kernels.unavailable_reason() is None}\n"
         "for name, p in (('f32', params), ('int8', jax_llama.quantize(params))):\n"
@@ -486,7 +486,7 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     subprocess each, with a kernel cache of its own."""
     script = (
         "import json, numpy as np, jax\n"
-        "from jax_llama import kernels\n"
+        "from jax_llama.model import kernels\n"
         "rng = np.random.default_rng(0)\n"
         "worst = 0.0\n"
         "for M, I, O in [(1, 576, 576), (3, 1536, 72), (5, 17, 13), (2, 2048, 2048)]:\n"
@@ -505,7 +505,7 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "        worst = max(worst, float((abs(got - want) / (I * 1.2e-7 * mag + 1e-30)).max()))\n"
         "        alone = np.asarray(f(x[-1:], *args))[0]\n"
         "        assert np.array_equal(alone, np.asarray(got[-1], np.float32)), (f, M, I, O)\n"
-        "from jax_llama.attention import AttentionMask\n"
+        "from jax_llama.model.attention import AttentionMask\n"
         "attention = 0.0\n"
         "for B, K, G, S, T, H in [(2, 3, 3, 1, 144, 64), (1, 2, 2, 3, 37, 20)]:\n"
         "    q = rng.standard_normal((B, K, G, S, H)).astype(np.float32)\n"

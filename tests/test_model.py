@@ -12,7 +12,7 @@ import torch_llama
 from bridge.errors import BridgeError
 from bridge.rope import rope_inv_freq
 from conftest import ATTENTION_KINDS, SCALING, random_tokens, small_config, torch_logits, torch_model
-from jax_llama.attention import AttentionMask
+from jax_llama.model.attention import AttentionMask
 from jax_llama.checkpoint import params_from_tensors, tensor_specs
 from llama_twins import float64  # the independent float64 LLaMA, written from canonical tensors
 

@@ -23,8 +23,8 @@ from llama_twins.cli import bridge_main as bridge_cli, main as jax_cli, torch_ma
 # small_config's dims: 48 model, 80 ffn; 16 divides both
 CONFIG = small_config()
 # inputs of 128 and 160: the JAX twin's per-channel int8 matmul converts the weight in blocks of
-# jax_llama.projections.INT8_BLOCK_ROWS (64) rows, or 32 where 64 does not divide (160), summed in a
-# loop
+# jax_llama.model.projections.INT8_BLOCK_ROWS (64) rows, or 32 where 64 does not divide (160),
+# summed in a loop
 BLOCKED = small_config(dim=128, n_heads=4, n_kv_heads=2, ffn_dim=160)
 
 
@@ -197,7 +197,7 @@ def test_an_int8_tied_embedding_looks_up_its_dequantised_rows_in_both_twins(tmp_
     tmodel = torch_llama.load(tmp_path / "q", device="cpu")
     assert tmodel.tok_embeddings.weight.dtype == torch.int8
     # the lookup alone, both twins: the rows of Q * s, bit for bit
-    embed = jax_llama.projections.Embed(config.vocab_size, config.dim)
+    embed = jax_llama.model.projections.Embed(config.vocab_size, config.dim)
     rows = embed.apply({"params": params["tok_embeddings"]}, tokens)
     np.testing.assert_array_equal(np.asarray(rows), table[tokens])
     with torch.no_grad():
@@ -400,7 +400,7 @@ def test_the_decode_loop_holds_int8_weights_and_one_dequantised_matrix_at_a_time
     from bridge.sampling import Sampler
     from jax_llama.perf import matmul_params
 
-    generate = importlib.import_module("jax_llama.generate")
+    generate = importlib.import_module("jax_llama.inference.generate")
     config = small_config(n_layers=8)
     model, params = jax_llama.init(config)
     stops = np.full((8,), -1, np.int32)
@@ -442,7 +442,7 @@ def test_the_int8_matmul_by_blocks_is_the_whole_matmul():
     in another order (float32 rounding only); the scaled result is what int8_matmul returns."""
     import jax.numpy as jnp
 
-    from jax_llama.projections import INT8_BLOCK_ROWS, _int8_dot_by_blocks, int8_matmul
+    from jax_llama.model.projections import INT8_BLOCK_ROWS, _int8_dot_by_blocks, int8_matmul
 
     rng = np.random.default_rng(0)
     I, O = 3 * INT8_BLOCK_ROWS, 40

@@ -1,8 +1,9 @@
-"""`jax-llama serve` (llama_twins.server over jax_llama.serving's batching engine), through the real
-`openai` client and raw HTTP: chat and completions, streamed and not, stop strings, n, seed,
-logprobs and echo; concurrent requests decoded together and each equal to `generate` alone; a
-client that leaves mid-stream frees its row; every bad input answered with an OpenAI-style error,
-the server still serving; the API key; lm-eval's local-completions model against the server."""
+"""`jax-llama serve` (llama_twins.server over jax_llama.inference.serving's batching engine),
+through the real `openai` client and raw HTTP: chat and completions, streamed and not, stop
+strings, n, seed, logprobs and echo; concurrent requests decoded together and each equal to
+`generate` alone; a client that leaves mid-stream frees its row; every bad input answered with an
+OpenAI-style error, the server still serving; the API key; lm-eval's local-completions model
+against the server."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from conftest import small_config
 import jax_llama
 from bridge.chat import find_template
 from bridge.tokenizer import ByteTokenizer, find_tokenizer
-from jax_llama.generate import generate
-from jax_llama.serving import Engine, Request, prompt_logprobs
+from jax_llama.inference.generate import generate
+from jax_llama.inference.serving import Engine, Request, prompt_logprobs
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (.[test])")
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (.[serve])")

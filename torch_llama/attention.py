@@ -1,6 +1,6 @@
 """The attention mask of the torch twin: which key slot each query may attend (causal, padding,
 packed segments), and SDPA's additive bias built from it once per forward pass
-(jax_llama.attention.AttentionMask's twin)."""
+(jax_llama.model.attention.AttentionMask's twin)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 class AttentionMask:
     """Query s may attend key slot t when t <= q_slots[s] (causal), valid[b, t] (a real token)
     and q_segments[b, s] == k_segments[b, t] (same document); None fields are not restrictions
-    (jax_llama.attention.AttentionMask's twin, which builds the dense mask only for the
+    (jax_llama.model.attention.AttentionMask's twin, which builds the dense mask only for the
     implementations that need it; SDPA here always does)."""
 
     q_slots: torch.Tensor                      # (S,) int64: the key slot each query occupies

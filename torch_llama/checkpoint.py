@@ -10,7 +10,7 @@ import torch
 
 from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
-from bridge.formats import open_checkpoint, write_native
+from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
 from bridge.lora import read_peft
@@ -20,9 +20,10 @@ from .model import Llama, resolve_device, resolve_dtype
 from .quantize import int8_weights, quantization_of
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=None,
+def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "auto", dtype=None,
          adapter: str | os.PathLike | None = None) -> Llama:
-    """A Llama in eval mode from a checkpoint of any supported format.
+    """A Llama in eval mode from a checkpoint of any supported format: a path, or a checkpoint
+    already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
     dtype None keeps the stored dtype (float32 when tensors are mixed). Tensors are read and moved
     to the device one at a time; the module is built on the meta device so nothing is allocated
@@ -30,7 +31,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "auto", dtype=Non
     the checkpoint's config before any weight is read, then merged into each weight as it
     streams in, in the model's dtype as merge_lora merges: a plain model.
     """
-    ckpt = open_checkpoint(path)
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     if ckpt.quantization is not None and adapter is not None:
         raise BridgeError(f"{ckpt.path} holds int8 weights, which an adapter cannot be merged "
                           f"into: merge it into the float model, then quantise", field="adapter")

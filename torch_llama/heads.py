@@ -1,5 +1,5 @@
 """What reads a torch Llama's hidden states besides its LM head: the classifier
-(jax_llama.heads' twin)."""
+(jax_llama.model.heads' twin)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """How the torch twin's projections store and multiply their weights: float, or int8 with
 float32 scales (torch_llama.quantize), and the LoRA adapter slot of a projection
 (torch_llama.lora). torch_llama.model builds its projections from Linear and its embedding from
-Embedding; jax_llama.projections is the twin.
+Embedding; jax_llama.model.projections is the twin.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ class Linear(Int8Weight, nn.Linear):
 def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor,
                 scale_O: torch.Tensor | None = None) -> torch.Tensor:
     """x Q^T scaled, for int8 Q (out, in) and float32 scales (out, G) (bridge.quantize), in x's
-    dtype: jax_llama.projections.int8_matmul's twin. Per channel (G = 1), (x Q^T) * s - through
-    torch's int8 weight kernel when x is bfloat16 on a CPU or CUDA device, which reads the int8
-    weight as it multiplies; group-wise, each group dequantised in float32, rounded once.
+    dtype: jax_llama.model.projections.int8_matmul's twin. Per channel (G = 1), (x Q^T) * s -
+    through torch's int8 weight kernel when x is bfloat16 on a CPU or CUDA device, which reads
+    the int8 weight as it multiplies; group-wise, each group dequantised in float32, rounded once.
     scale_O: the per-channel scales already in x's dtype (Linear keeps them), else converted."""
     O, I = q_OI.shape
     G = scale_OG.shape[1]
@@ -123,7 +123,7 @@ class Embedding(Int8Weight, nn.Embedding):
     """The token embedding (vocab, dim) as `weight`: a lookup, and the LM head of a tied model
     (`head`, x W^T). Int8 once quantised (torch_llama.quantize of a tied model): a token's row is
     Q[t] * s[t] in float32 (bridge.quantize.dequantize_weight's numbers), and the head multiplies
-    by Q as an int8 Linear does; jax_llama.projections.Embed is the twin."""
+    by Q as an int8 Linear does; jax_llama.model.projections.Embed is the twin."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != torch.int8:

@@ -14,11 +14,12 @@ from typing import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
-from ..chat import TEMPLATE_FILE
+from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..config import LlamaConfig
 from ..errors import BridgeError
 from ..quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes, quantized_names
 from ..tensors import LAYER_SUFFIXES, canonical_shapes
+from ..tokenizer import Tokenizer
 
 
 def check_inside(file: Path, directory: Path) -> Path:
@@ -60,6 +61,19 @@ class Checkpoint:
     def tensor(self, name: str) -> np.ndarray:
         """One tensor by canonical name, in canonical layout, as a fresh numpy array."""
         raise NotImplementedError
+
+    # What a single-file checkpoint carries besides its weights, from what opening it read (so a
+    # command that opened it hands it on rather than reading the file again): bridge.tokenizer's
+    # find_tokenizer and bridge.chat's find_template take an opened checkpoint. None: the format
+    # carries none, and they look beside the weights (a directory's tokenizer and template files).
+
+    def own_tokenizer(self) -> Tokenizer | None:
+        """The vocabulary the checkpoint file itself holds (a GGUF file's), or None."""
+        return None
+
+    def own_template(self) -> ChatTemplate | None:
+        """The chat template the checkpoint file itself holds (a GGUF file's), or None."""
+        return None
 
     def tensor_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """tensor(name)[index] as a fresh array. This reads the whole tensor; the safetensors

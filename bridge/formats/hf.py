@@ -26,7 +26,7 @@ from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
 from .base import Checkpoint, Spec, check_specs, find_extra_files, payload_bytes
 from .native import read_json
-from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, read_tensor, read_tensor_infos,
+from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, OpenFiles, read_tensor, read_tensor_infos,
                               read_tensor_slice, write_safetensors_dir)
 
 
@@ -205,6 +205,7 @@ class HFCheckpoint(Checkpoint):
         self.config, self.notes = config_from_hf(read_json(self.path / "config.json"),
                                                  self.path / "config.json")
         self.infos: dict = {}  # canonical name -> TensorInfo
+        self._open_files = OpenFiles()
         derivable = []
         for name, info in read_tensor_infos(self.path).items():
             canonical = canonical_name(name)
@@ -237,7 +238,7 @@ class HFCheckpoint(Checkpoint):
     def tensor(self, name: str) -> np.ndarray:
         if name not in self.specs:
             raise BridgeError(f"{self.path}: no tensor {name!r}")
-        array = read_tensor(self.infos[name])
+        array = read_tensor(self.infos[name], self._open_files)
         heads = _heads_to_permute(name, self.config)
         return array if heads is None else from_half_split(array, heads)
 

@@ -19,7 +19,7 @@ from ..errors import BridgeError
 from ..quantize import Quantization
 from .base import (Checkpoint, Spec, check_inside, check_specs, find_extra_files,
                    payload_bytes)
-from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, read_tensor, read_tensor_infos,
+from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, OpenFiles, read_tensor, read_tensor_infos,
                               read_tensor_slice, write_safetensors_dir)
 
 CONFIG_FILE = "config.json"
@@ -65,6 +65,7 @@ class NativeCheckpoint(Checkpoint):
         except BridgeError as e:
             raise BridgeError(f"{config_path}: {e}") from None
         self.infos = read_tensor_infos(self.path)
+        self._open_files = OpenFiles()
         try:
             self.specs = check_specs(self.config,
                                      {n: (i.shape, i.dtype) for n, i in self.infos.items()},
@@ -81,7 +82,7 @@ class NativeCheckpoint(Checkpoint):
     def tensor(self, name: str) -> np.ndarray:
         if name not in self.infos:
             raise BridgeError(f"{self.path}: no tensor '{name}'")
-        return read_tensor(self.infos[name])
+        return read_tensor(self.infos[name], self._open_files)
 
     def tensor_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         if name not in self.infos:

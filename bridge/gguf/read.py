@@ -21,10 +21,11 @@ from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
 from ..formats.base import Checkpoint, check_specs
+from ..tokenizer import Tokenizer
 from .container import GGUFFile, TensorInfo, read_gguf
 from .conventions import (ARCH, OUR_BOS, OUR_EOS, OUR_KEY, ROPE_FREQS, canonical_name,
                           llama3_rope_freqs)
-from .tokenizer import tokenizer_files
+from .tokenizer import gguf_tokenizer, tokenizer_files
 
 # Read as stored: GGML float type -> numpy dtype. Every other type is read through
 # gguf.quants.dequantize into float32 when gguf can dequantise it (Q4_0 ... Q8_0, the K-quants,
@@ -93,6 +94,15 @@ class GGUFCheckpoint(Checkpoint):
             raise BridgeError(f"{self.path}: no tensor {name!r}")
         return _as_array(self._file, *self._tensors[name])
 
+    def own_tokenizer(self) -> Tokenizer:
+        """The file's vocabulary, rebuilt to tokenize as llama.cpp does, from the keys read on
+        opening; BridgeError naming the file when there is none we rebuild."""
+        return gguf_tokenizer(self._file.fields, self.path)
+
+    def own_template(self) -> ChatTemplate | None:
+        """The file's tokenizer.chat_template, from the keys read on opening; None without one."""
+        return _template(self._file.fields, self.path)
+
     @property
     def notes(self) -> list[str]:
         self.extra_files  # the tokenizer's note comes with its files
@@ -120,7 +130,11 @@ class GGUFCheckpoint(Checkpoint):
 
 def gguf_file_template(path: Path) -> ChatTemplate | None:
     """A GGUF file's own chat template (its tokenizer.chat_template key), or None."""
-    source = gguf_chat_template(read_gguf(path).fields, path)
+    return _template(read_gguf(path).fields, path)
+
+
+def _template(fields: dict, path: Path) -> ChatTemplate | None:
+    source = gguf_chat_template(fields, path)
     return None if source is None else ChatTemplate(source, f"{path}: tokenizer.chat_template")
 
 

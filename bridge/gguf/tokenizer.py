@@ -56,9 +56,15 @@ def gguf_file_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of a GGUF file (a model, or a vocabulary-only file such as llama.cpp's
     ggml-vocab-*.gguf); BridgeError naming the file when it has none we rebuild."""
     path = Path(path)
-    tokenizer, note = tokenizer_from_gguf(read_gguf(path).fields, path)
+    return gguf_tokenizer(read_gguf(path).fields, path)
+
+
+def gguf_tokenizer(fields: dict, where: str | Path) -> Tokenizer:
+    """gguf_file_tokenizer from the file's keys already read (bridge.gguf.container), `where`
+    naming the file in the error."""
+    tokenizer, note = tokenizer_from_gguf(fields, where)
     if tokenizer is None:
-        raise BridgeError(f"{path}: {note}")
+        raise BridgeError(f"{where}: {note}")
     return tokenizer
 
 

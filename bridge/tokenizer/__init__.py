@@ -14,6 +14,7 @@ rest of `bridge` keeps to numpy.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -108,22 +109,30 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tok
 
 
-def find_tokenizer(checkpoint: str | Path, tokenizer: str | Path | None = None) -> Tokenizer:
+def find_tokenizer(checkpoint, tokenizer: str | Path | None = None) -> Tokenizer:
     """The tokenizer of a checkpoint: the file `tokenizer` when given, else a GGUF file's own
     vocabulary, else the tokenizer.json / tokenizer.model beside the weights (in the checkpoint
-    directory, or the file's directory)."""
-    path = Path(checkpoint)
+    directory, or the file's directory).
+
+    `checkpoint` is a path, or a checkpoint already opened (bridge.formats.open_checkpoint),
+    whose own vocabulary then comes from what opening it read: the file is not read again."""
+    opened = not isinstance(checkpoint, (str, os.PathLike))
+    path = Path(checkpoint.path if opened else checkpoint)
     if not path.exists():
-        raise BridgeError(f"{checkpoint}: no such file or directory")
+        raise BridgeError(f"{path}: no such file or directory")
     if tokenizer:
         return load_tokenizer(tokenizer)
-    if path.is_file() and _model_file_tokenizer(path):
+    if opened:
+        own = checkpoint.own_tokenizer()
+        if own is not None:
+            return own
+    elif path.is_file() and _model_file_tokenizer(path):
         return load_tokenizer(path)
     directory = path if path.is_dir() else path.parent
     for name in ("tokenizer.json", "tokenizer.model"):
         if (directory / name).is_file():
             return load_tokenizer(directory / name)
-    raise BridgeError(f"{checkpoint}: no tokenizer.json or tokenizer.model beside the weights",
+    raise BridgeError(f"{path}: no tokenizer.json or tokenizer.model beside the weights",
                       hint=("tokenizer", "PATH", "pass {}"))
 
 

@@ -31,13 +31,14 @@ from tqdm import tqdm
 
 from bridge.errors import BridgeError
 from bridge.evaluation import Document, window_settings
+from bridge.formats import open_checkpoint
 from bridge.sampling import Sampler
 from bridge.tokenizer import find_tokenizer
 
 from ..checkpoint import load
 from ..data import bucket
 from ..eval import evaluate, token_log_probs
-from ..generate import _MAX_STOP_IDS, generate
+from ..inference.generate import _MAX_STOP_IDS, generate
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,9 @@ class JaxLlamaLM(TemplateLM):
                         batch_size, DEFAULT_BATCH_SIZE)
             batch_size = DEFAULT_BATCH_SIZE
         self.batch_size = _int_arg(batch_size, "batch_size")
-        self.tokenizer_ = find_tokenizer(pretrained, tokenizer)
-        self.model, self.params = load(pretrained, dtype=dtype)
+        checkpoint = open_checkpoint(pretrained)  # once: its tokenizer and weights from it
+        self.tokenizer_ = find_tokenizer(checkpoint, tokenizer)
+        self.model, self.params = load(checkpoint, dtype=dtype)
         config = self.model.config
         self.max_length = (config.max_seq_len if max_length is None
                            else _int_arg(max_length, "max_length"))

@@ -46,7 +46,7 @@ def prompt(spec: Spec) -> list[int]:
 def jax_runner(spec: Spec):
     os.environ["JAX_LLAMA_KERNELS"] = "1"  # whatever the caller set: the rows choose below
     import jax_llama
-    from jax_llama.generate import generate
+    from jax_llama.inference.generate import generate
     kernels = "auto" if spec.kernels else "xla"  # the model's `kernels`, as --kernels sets it
     if spec.weights:
         model, params = jax_llama.load(spec.weights, dtype=spec.dtype, kernels=kernels)
@@ -157,9 +157,10 @@ def measure(impl: str, spec: Spec) -> dict[str, list[float]]:
     return result
 
 
-# JAX's rows without jax_llama.kernels (`--kernels xla`: XLA's matmuls, what the kernels replace);
-# the other JAX rows run --kernels auto, the decode kernels wherever they serve. (Results written
-# before the flag had a name call these rows "jax-llama XLA" and "jax-llama int8 XLA".)
+# JAX's rows without jax_llama.model.kernels (`--kernels xla`: XLA's matmuls, what the kernels
+# replace); the other JAX rows run --kernels auto, the decode kernels wherever they serve.
+# (Results written before the flag had a name call these rows "jax-llama XLA" and
+# "jax-llama int8 XLA".)
 JAX_INT8_XLA = f"{JAX} int8 --kernels xla"
 JAX_XLA = f"{JAX} --kernels xla"
 

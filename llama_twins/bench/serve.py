@@ -37,7 +37,7 @@ def start(checkpoint: str, max_batch: int):
     import jax_llama
     from bridge.chat import find_template
     from bridge.tokenizer import find_tokenizer
-    from jax_llama.serving import Engine
+    from jax_llama.inference.serving import Engine
 
     from ..server import Server, serve_in_thread
 

@@ -104,14 +104,15 @@ def add_quantize_arguments(p: argparse.ArgumentParser,
                         "(default: one per output channel)")
 
 
-def requested_quantization(args):
+def requested_quantization(args, checkpoint=None):
     """The bridge.quantize.Quantization to apply to the loaded model (--quantize on a float
     checkpoint), checked against the checkpoint's dims before any weight is read; None when the
-    model runs as it is stored."""
+    model runs as it is stored. `checkpoint`: args.checkpoint already opened, else it is opened
+    here."""
     from bridge.formats import open_checkpoint
     from bridge.quantize import Quantization, check_quantizable
 
-    ckpt = open_checkpoint(args.checkpoint)
+    ckpt = open_checkpoint(args.checkpoint) if checkpoint is None else checkpoint
     if not quantization_request(args, ckpt.quantization):
         return None
     quantization = Quantization(args.quantize, args.group_size)
@@ -135,24 +136,27 @@ def quantization_request(args, checkpoint_quantization) -> bool:
     return True
 
 
-def generation_inputs(args, load: Callable[[], tuple]) -> tuple:
+def generation_inputs(args, load: Callable[[object], tuple]) -> tuple:
     """What both generate commands check and prepare, in an order that refuses bad input before
     the weights are read: (model, tokenizer, texts, prompt ids, sampler, stop ids), with
-    load() -> (model, its LlamaConfig)."""
+    load(checkpoint) -> (model, its LlamaConfig). The checkpoint is opened once, here: its
+    tokenizer, chat template, config and weights all come from that one opening."""
+    from bridge.formats import open_checkpoint
     from bridge.prompts import encode_prompts, stop_ids
     from bridge.sampling import Sampler
     from bridge.tokenizer import find_tokenizer
 
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
-    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
+    checkpoint = open_checkpoint(args.checkpoint)
+    tokenizer = find_tokenizer(checkpoint, args.tokenizer)
     template = None
     if args.chat or args.chat_template:
         from bridge.chat import find_template
-        template = find_template(args.checkpoint, tokenizer, args.chat_template)
+        template = find_template(checkpoint, tokenizer, args.chat_template)
     elif args.system:
         raise BridgeError("a system message needs --chat", field="system")
     texts = read_prompts(args)
-    model, config = load()
+    model, config = load(checkpoint)
     prompts = encode_prompts(tokenizer, texts, config.max_seq_len, template, args.truncate,
                              system=args.system)
     return model, tokenizer, texts, prompts, sampler, stop_ids(tokenizer, args.stop)
@@ -230,11 +234,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     add_quantize_arguments(p)
 
 
-def run_eval(args, load: Callable[[], object], evaluate: Callable[..., dict]) -> int:
+def run_eval(args, load: Callable[[object], object], evaluate: Callable[..., dict]) -> int:
     """What both eval commands do, refusing bad input before the weights are read: read the data,
-    find the tokenizer, check the windows against the checkpoint's config, tokenize, then
-    load() -> model and evaluate(model, documents, seq_len=, stride=, batch_size=, progress=)
-    -> the report, printed as a table or (--json) one JSON object."""
+    open the checkpoint (once) and find its tokenizer, check the windows against its config,
+    tokenize, then load(checkpoint) -> model and evaluate(model, documents, seq_len=, stride=,
+    batch_size=, progress=) -> the report, printed as a table or (--json) one JSON object."""
     import json
 
     from bridge.evaluation import format_report, read_texts, tokenize, window_settings
@@ -244,14 +248,15 @@ def run_eval(args, load: Callable[[], object], evaluate: Callable[..., dict]) ->
     if args.batch_size < 1:
         raise BridgeError(f"must be a positive integer (got {args.batch_size})", field="batch_size")
     texts = read_texts(args.data)
-    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
-    config = open_checkpoint(args.checkpoint).config
+    checkpoint = open_checkpoint(args.checkpoint)
+    tokenizer = find_tokenizer(checkpoint, args.tokenizer)
+    config = checkpoint.config
     if tokenizer.vocab_size > config.vocab_size:
         raise BridgeError(f"{tokenizer.vocab_size} ids do not fit the vocabulary of "
                           f"{args.checkpoint} ({config.vocab_size})", field="tokenizer")
     seq_len, stride = window_settings(config.max_seq_len, args.seq_len, args.stride)
     documents = tokenize(texts, tokenizer)
-    model = load()
+    model = load(checkpoint)
     report = evaluate(model, documents, seq_len=seq_len, stride=stride,
                       batch_size=args.batch_size, progress=True)
     report = {"checkpoint": str(args.checkpoint), "dtype": args.dtype or "as stored",

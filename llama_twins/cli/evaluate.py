@@ -11,10 +11,10 @@ def cmd_eval(args) -> int:
     from jax_llama.checkpoint import load
     from jax_llama.eval import evaluate
 
-    def load_model():
-        return load_quantized(args, lambda: load(args.checkpoint, dtype=args.dtype,
-                                                 attention=args.attention,
-                                                 kernels=args.kernels))
+    def load_model(checkpoint):
+        return load_quantized(args, lambda: load(checkpoint, dtype=args.dtype,
+                                                 attention=args.attention, kernels=args.kernels),
+                              checkpoint=checkpoint)
 
     return run_eval(args, load_model, lambda loaded, documents, **kw: evaluate(*loaded, documents,
                                                                                **kw))

@@ -14,12 +14,12 @@ def cmd_generate(args) -> int:
     import warnings
 
     from jax_llama.checkpoint import load
-    from jax_llama.generate import generate
+    from jax_llama.inference.generate import generate
 
-    def load_model():
+    def load_model(checkpoint):
         model, params = load_quantized(args, lambda: load(
-            args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-            kernels=args.kernels))
+            checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
+            kernels=args.kernels), checkpoint=checkpoint)
         return (model, params), model.config
 
     if args.compare_torch and args.quantize:

@@ -13,12 +13,13 @@ from bridge.errors import BridgeError
 from .common import requested_quantization
 
 
-def load_quantized(args, load: Callable[[], tuple], say: bool = True) -> tuple:
+def load_quantized(args, load: Callable[[], tuple], say: bool = True, checkpoint=None) -> tuple:
     """load() -> (model, params), quantised to int8 when --quantize asks for it; --kernels said
-    as with_kernels says it."""
+    as with_kernels says it. `checkpoint`: args.checkpoint already opened, if it is."""
     from jax_llama.quantize import quantize
 
-    quantization = requested_quantization(args)  # refused here, before any weight is read
+    # refused here, before any weight is read
+    quantization = requested_quantization(args, checkpoint)
     model, params = with_kernels(args, load, say)
     if quantization is None:
         return model, params
@@ -95,7 +96,8 @@ def add_nonfinite_arguments(p) -> None:
 
 
 def add_attention_argument(p) -> None:
-    # Checked by the library (jax_llama.attention.choose), which also knows what the backend has.
+    # Checked by the library (jax_llama.model.attention.choose), which also knows what the
+    # backend has.
     p.add_argument("--attention", default="auto",
                    help="attention implementation: xla (scores materialised), chunked (flash-style, "
                         "memory linear in the sequence), cudnn (NVIDIA GPUs), splash (TPUs), auto "
@@ -104,12 +106,14 @@ def add_attention_argument(p) -> None:
 
 
 def add_kernels_argument(p) -> None:
-    # Checked by the library (jax_llama.projections.implementation), whose errors name kernels.
+    # Checked by the library (jax_llama.model.projections.implementation), whose errors
+    # name kernels.
     p.add_argument("--kernels", default="auto",
                    help="how projections and attention over the KV cache run: kernels (the CPU "
-                        "decode kernels, jax_llama/kernels/matvec.cc, built on first use: up to 8 "
-                        "float32 rows, float32 or int8 weights), xla (XLA's matmuls only), auto "
-                        "(default: kernels where they can run, else xla; JAX_LLAMA_KERNELS=0 "
+                        "decode kernels, jax_llama/model/kernels/matvec.cc, built on first use: "
+                        "up to 8 float32 rows, float32 or int8 weights), xla (XLA's matmuls "
+                        "only), auto (default: kernels where they can run, else xla; "
+                        "JAX_LLAMA_KERNELS=0 "
                         "makes it xla)")
 
 
@@ -120,10 +124,10 @@ def with_kernels(args, load: Callable[[], tuple], say: bool = True):
     say_kernels, with say=False: a command that still checks its input first)."""
     import logging
 
-    from jax_llama import kernels
-    from jax_llama.projections import implementation
+    from jax_llama.model import kernels
+    from jax_llama.model.projections import implementation
 
-    log = logging.getLogger("jax_llama.kernels")
+    log = logging.getLogger("jax_llama.model.kernels")
     handler, level = logging.StreamHandler(sys.stderr), log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)

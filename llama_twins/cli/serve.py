@@ -16,9 +16,10 @@ from .options import add_attention_argument, add_kernels_argument, load_quantize
 def cmd_serve(args) -> int:
     """Load the model, start the batching engine, serve until interrupted."""
     from bridge.chat import find_template
+    from bridge.formats import open_checkpoint
     from bridge.tokenizer import find_tokenizer
     from jax_llama.checkpoint import load
-    from jax_llama.serving import Engine
+    from jax_llama.inference.serving import Engine
 
     from ..server import Server, app
 
@@ -29,11 +30,12 @@ def cmd_serve(args) -> int:
                           field="serve") from None
     if not 0 < args.port < 65536:
         raise BridgeError(f"must be in 1..65535 (got {args.port})", field="port")
-    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
-    template = find_template(args.checkpoint, tokenizer, args.chat_template)
+    checkpoint = open_checkpoint(args.checkpoint)  # opened once: tokenizer, template, weights
+    tokenizer = find_tokenizer(checkpoint, args.tokenizer)
+    template = find_template(checkpoint, tokenizer, args.chat_template)
     model, params = load_quantized(args, lambda: load(
-        args.checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-        kernels=args.kernels), say=False)
+        checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
+        kernels=args.kernels), say=False, checkpoint=checkpoint)
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_context)
     name = args.model_name or Path(args.checkpoint.rstrip("/")).name
     server = Server(engine, model, params, tokenizer, template, name, args.api_key)

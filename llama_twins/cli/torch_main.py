@@ -14,9 +14,9 @@ def cmd_generate(args) -> int:
 
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
-    def load_model():
-        model = load_quantized(args, lambda: load(args.checkpoint, device=device, dtype=args.dtype,
-                                                  adapter=args.adapter))
+    def load_model(checkpoint):
+        model = load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype,
+                                                  adapter=args.adapter), checkpoint)
         return model, model.config
 
     model, tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
@@ -25,11 +25,13 @@ def cmd_generate(args) -> int:
         tokenizer, texts, prompts)
 
 
-def load_quantized(args, load):
-    """load() -> the model, quantised to int8 in place when --quantize asks for it."""
+def load_quantized(args, load, checkpoint=None):
+    """load() -> the model, quantised to int8 in place when --quantize asks for it;
+    `checkpoint`: args.checkpoint already opened, if it is."""
     from torch_llama import quantize
 
-    quantization = requested_quantization(args)  # refused here, before any weight is read
+    # refused here, before any weight is read
+    quantization = requested_quantization(args, checkpoint)
     model = load()
     if quantization is None:
         return model
@@ -42,8 +44,9 @@ def cmd_eval(args) -> int:
 
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
-    def load_model():
-        return load_quantized(args, lambda: load(args.checkpoint, device=device, dtype=args.dtype))
+    def load_model(checkpoint):
+        return load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype),
+                              checkpoint)
 
     return run_eval(args, load_model, evaluate)
 

@@ -25,7 +25,7 @@ def _rope_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
     import jax.numpy as jnp
     import torch
 
-    import jax_llama.model as jm
+    import jax_llama.model.llama as jm
     import torch_llama.model as tm
     from bridge.rope import rope_inv_freq
 
@@ -100,7 +100,7 @@ def _norm_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
     import jax.numpy as jnp
     import torch
 
-    import jax_llama.model as jm
+    import jax_llama.model.llama as jm
     import torch_llama.model as tm
 
     eps = config.norm_eps

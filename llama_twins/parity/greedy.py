@@ -32,7 +32,7 @@ def compare_greedy(model, params, tmodel, prompts: Sequence[Sequence[int]], max_
                    stop_ids: Sequence[int] = ()) -> dict:
     """greedy_parity on models already loaded: a Flax Llama with its params, a torch_llama.Llama."""
     import torch_llama
-    from jax_llama.generate import generate as jax_generate
+    from jax_llama.inference.generate import generate as jax_generate
 
     a = jax_generate(model, params, prompts, max_new_tokens, Sampler(), stop_ids).tokens
     b = torch_llama.generate(tmodel, prompts, max_new_tokens, Sampler(), stop_ids).tokens

@@ -87,7 +87,7 @@ def _llama_cpp_checks(path, dtype: str, model, params, tokens, real, n_new: int,
     rows = [logits]
     if n_new > 0:
         import jax_llama  # noqa: F401  (the JAX twin's greedy run, as in the twins' check)
-        from jax_llama.generate import generate as jax_generate
+        from jax_llama.inference.generate import generate as jax_generate
 
         mine = jax_generate(model, params, prompts, n_new, Sampler(), ()).tokens
         allowed, notes, ok, firsts = NEAR_TIE * bound * scale, [], True, []

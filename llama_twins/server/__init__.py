@@ -1,4 +1,5 @@
-"""`jax-llama serve`: an OpenAI-compatible HTTP server over jax_llama.serving's batching engine.
+"""`jax-llama serve`: an OpenAI-compatible HTTP server over jax_llama.inference.serving's
+batching engine.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the
 model's own chat template), and vLLM's /tokenizer_info, /tokenize and /detokenize, through which

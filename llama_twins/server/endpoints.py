@@ -1,6 +1,6 @@
 """The endpoints' logic (Server): a checked request becomes prompts for the batching engine
-(jax_llama.serving.Engine), its tokens become OpenAI's answers, whole or streamed as Server-Sent
-Events; stop strings are cut on the text (bridge.prompts.TextStream)."""
+(jax_llama.inference.serving.Engine), its tokens become OpenAI's answers, whole or streamed as
+Server-Sent Events; stop strings are cut on the text (bridge.prompts.TextStream)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from .requests import (CHAT, COMPLETION, DEFAULT_MAX_TOKENS, ApiError, Sampling,
 
 
 class Server:
-    """The endpoints' logic over an engine (jax_llama.serving.Engine), a tokenizer and a chat
-    template; the HTTP app (app()) only moves JSON in and out."""
+    """The endpoints' logic over an engine (jax_llama.inference.serving.Engine), a tokenizer and a
+    chat template; the HTTP app (app()) only moves JSON in and out."""
 
     def __init__(self, engine, model, params, tokenizer, template, name: str,
                  api_key: str | None = None):
@@ -114,7 +114,7 @@ class Server:
     async def _generate(self, ids: list[int], max_tokens: int, s: Sampling, seed: int,
                         top_logprobs: int) -> AsyncIterator[tuple[str, Any]]:
         """Events of one choice: ("token", Token) ... then ("finish", reason)."""
-        from jax_llama.serving import Request
+        from jax_llama.inference.serving import Request
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -228,7 +228,7 @@ class Server:
         return {"text": text, "logprobs": logprobs, "finish_reason": reason}, produced
 
     def _prompt_logprobs(self, ids, n_top):
-        from jax_llama.serving import prompt_logprobs
+        from jax_llama.inference.serving import prompt_logprobs
         return prompt_logprobs(self.model, self.params, ids, n_top)
 
     def _legacy_logprobs(self, entries) -> dict:

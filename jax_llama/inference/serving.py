@@ -31,9 +31,9 @@ import numpy as np
 from bridge.errors import BridgeError
 from bridge.inputs import pad_rows
 
-from .data import bucket
+from ..data import bucket
+from ..model.llama import KVCache
 from .generate import first_max, top_p_mask
-from .model import KVCache
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 

@@ -1,7 +1,7 @@
 """Attention implementations behind one function: attend(q, k, v, mask, implementation).
 
-Axis legend as in jax_llama.model; here q is grouped as (B, K, G, S, H) so that each kv head serves
-its G query heads without a copy.
+Axis legend as in jax_llama.model.llama; here q is grouped as (B, K, G, S, H) so that each kv head
+serves its G query heads without a copy.
 
   xla      the scores (B, K, G, S, T) materialised whole, softmax, weighted sum: the reference.
   chunked  blockwise attention with an online softmax (flash-style): query blocks of Q positions

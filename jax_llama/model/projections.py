@@ -1,19 +1,19 @@
 """How the model's projections and its attention over the KV cache run: XLA, or the decode kernels.
 
-jax_llama.model says what the LLaMA computes; this module is the implementation it is handed for
-x @ W and for cached attention, chosen per model by one field, `Llama.kernels`:
+jax_llama.model.llama says what the LLaMA computes; this module is the implementation it is handed
+for x @ W and for cached attention, chosen per model by one field, `Llama.kernels`:
 
-    auto     the decode kernels (jax_llama.kernels) wherever they serve the shapes - up to 8
+    auto     the decode kernels (jax_llama.model.kernels) wherever they serve the shapes - up to 8
              float32 rows on a single CPU device, float32 or int8 weights - else XLA. What every
              command ran before the choice had a name; JAX_LLAMA_KERNELS=0 makes it xla.
-    xla      XLA's matmuls and jax_llama.attention.attend only.
+    xla      XLA's matmuls and jax_llama.model.attention.attend only.
     kernels  as auto, but a model whose kernels cannot run here is refused (the reason named).
 
 Both give the same numbers to float32 rounding (the kernels' sums run in another order), and the
 same greedy tokens (tests/test_kernels.py decodes both ways). `implementation(kernels)` is the
 one place that turns the choice into "kernels" or "xla" - from the backend, the device count and
 JAX_LLAMA_KERNELS - when a model is made (init, load) and while it traces; whether one call is
-served (its rows, dtypes, shapes) jax_llama.kernels' `usable` says.
+served (its rows, dtypes, shapes) jax_llama.model.kernels' `usable` says.
 
 Storage is the other thing a projection's params can say: a `scale` beside the `kernel` (or the
 tied embedding) means int8 weights (jax_llama.quantize), multiplied by int8_matmul or by the
@@ -47,7 +47,8 @@ def implementation(kernels: str = "auto") -> str:
     """The implementation a model with `kernels` (auto, xla or kernels) runs its decode steps on:
     "kernels" or "xla". auto is "kernels" where they can run in this process (a single CPU device,
     a C++ compiler, JAX_LLAMA_KERNELS not 0), else "xla"; "kernels" where they cannot raises
-    BridgeError naming why. Building the kernels the first time is logged (jax_llama.kernels)."""
+    BridgeError naming why. Building the kernels the first time is logged
+    (jax_llama.model.kernels)."""
     if kernels not in KERNELS:
         raise BridgeError(f"{kernels!r}: expected one of {', '.join(KERNELS)}", field="kernels")
     if kernels == "xla":
@@ -69,8 +70,8 @@ class Linear(nn.Module):
     """A bias-free projection x @ kernel (LLaMA has no biases), kernel (in, out) in param_dtype;
     or, when its params also hold a `scale` (jax_llama.quantize), an int8 kernel and float32
     scales (G, out), multiplied by int8_matmul. A few float32 rows on CPU (decoding) go through
-    jax_llama.kernels instead when `kernels` allows, float32 or int8 (the same numbers to float32
-    rounding).
+    jax_llama.model.kernels instead when `kernels` allows, float32 or int8 (the same numbers to
+    float32 rounding).
 
     With `lora`, a low-rank adapter is added: x @ kernel + scale * dropout(x) @ A @ B, with A
     (in, r) and B (r, out) in float32 whatever the kernel's dtype (`lora_A/kernel`,
@@ -143,8 +144,8 @@ def attend_cache(module: nn.Module, q_BKGSH, k_LBKTH, v_LBKTH, layer, mask: Atte
     """The queries' attention over layer `layer` of the cache (L, B, K, T, H), in module's
     `attention` implementation and dtype. A few float32 queries on a CPU, where `attention`
     means xla and module.kernels allows, are one kernel call that reads the layer in place
-    (jax_llama.kernels.attend_cache: XLA ran a dozen small operations a layer); else the layer's
-    slice goes through jax_llama.attention.attend."""
+    (jax_llama.model.kernels.attend_cache: XLA ran a dozen small operations a layer); else the
+    layer's slice goes through jax_llama.model.attention.attend."""
     S, T, H = q_BKGSH.shape[3], k_LBKTH.shape[3], q_BKGSH.shape[4]
     if (_kernels_on(module.kernels) and choose(module.attention, S, T, False, H) == "xla"
             and decode_kernels.usable_attention(q_BKGSH, k_LBKTH, mask)):

@@ -17,7 +17,7 @@ from bridge.lora import LoraConfig
 from bridge.rope import rope_inv_freq
 
 from .attention import AttentionMask
-from .model import Block, Llama, RMSNorm, _init, default_positions, rope_cos_sin
+from .llama import Block, Llama, RMSNorm, _init, default_positions, rope_cos_sin
 from .projections import Embed
 
 Dtype = Any

@@ -15,7 +15,7 @@ float copy written and read back: results/decode/int8_matmul.md); matvec.cc read
 rows in strips of columns, converts each weight in a register and multiplies it into float32
 sums held in registers. Its own helper threads share every call of 64 KB or more with the
 caller, and spin between the calls of a decode step rather than sleep (XLA's threads took about
-as long to wake as a SmolLM2 projection takes to read). jax_llama.projections runs every
+as long to wake as a SmolLM2 projection takes to read). jax_llama.model.projections runs every
 projection of up to 8 rows through it (a model's `kernels` allowing), float32 or int8 (q, k and
 v in one call, gate and up in another), a tied LM head through matvec_rows, and attention of a
 few float32 queries over the KV cache through attend_cache: one call a layer that reads the layer in place, where XLA ran a dozen small
@@ -28,7 +28,7 @@ The source is compiled on first use with the system's C++ compiler for this CPU 
 AVX-512, AVX2 or plain C++) against the XLA FFI headers jaxlib ships, into a cache keyed by the
 source, jaxlib and the CPU (`$JAX_LLAMA_KERNEL_CACHE`, default ~/.cache/jax_llama/kernels), and
 registered with jax.ffi. Where that cannot be done (no compiler, not a CPU backend, several
-devices) `usable` says False, the reason is logged once, and jax_llama.projections uses XLA's
+devices) `usable` says False, the reason is logged once, and jax_llama.model.projections uses XLA's
 matmul: the kernels are an accelerator, never a requirement (a model with kernels="kernels" is
 refused instead). `JAX_LLAMA_KERNELS=0` turns them off (kernels="auto" is then xla);
 `JAX_LLAMA_KERNEL_THREADS=N` sets the threads a call may use (the caller and N - 1 helpers;
@@ -331,7 +331,7 @@ def usable_attention(q_BKGSH, k_LBKTH, mask) -> bool:
 
 
 def _attention_reference(q_BKGSH, k_LBKTH, v_LBKTH, layer, q_slots_S, valid_BT):
-    from jax_llama.attention import AttentionMask, attend  # the model's own xla attention
+    from ..attention import AttentionMask, attend  # the model's own xla attention
     k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
     v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False)
     return attend(q_BKGSH, k_BKTH, v_BKTH, AttentionMask(q_slots=q_slots_S, valid=valid_BT), "xla")
@@ -365,7 +365,7 @@ _attend_cache.defvjp(_attention_fwd, _attention_bwd)
 def attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask):
     """softmax(q k^T / sqrt(H) + mask) v over layer `layer` of a KV cache, read in place: q
     (B, K, G, S, H), caches (L, B, K, T, H) -> (B, K, G, S, H) float32, as
-    jax_llama.attention.attend(..., "xla") on the layer's slice to float32 rounding (its
+    jax_llama.model.attention.attend(..., "xla") on the layer's slice to float32 rounding (its
     gradient is that function's). Call only where `usable_attention` said True."""
     _check()
     B, T = q_BKGSH.shape[0], k_LBKTH.shape[3]
@@ -378,4 +378,4 @@ def attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask):
 def _check():
     reason = unavailable_reason()
     if reason is not None:
-        raise RuntimeError(f"jax_llama.kernels: {reason}")
+        raise RuntimeError(f"jax_llama.model.kernels: {reason}")

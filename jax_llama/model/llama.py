@@ -8,12 +8,12 @@ Axis legend (used in einsum strings, shape comments and variable suffixes):
 
 Parameters live in `param_dtype`, activations in `dtype`; RMSNorm statistics, RoPE rotation,
 attention softmax and logits are float32 whatever `dtype` is. Attention itself is one call,
-jax_llama.attention.attend, whichever implementation runs it (`attention=`).
+jax_llama.model.attention.attend, whichever implementation runs it (`attention=`).
 
 This file says what the model computes. How a projection x @ W runs (float or int8 weights, a
 LoRA adapter, the CPU decode kernels) and how attention reads the KV cache are the
-implementation the model is handed, jax_llama.projections (`project`, `attend_cache`, `Embed`),
-chosen per model by one field, `kernels` (auto, xla or kernels).
+implementation the model is handed, jax_llama.model.projections (`project`, `attend_cache`,
+`Embed`), chosen per model by one field, `kernels` (auto, xla or kernels).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def _init(config: LlamaConfig, residual: bool = False):
 # --8<-- [start:attention]
 class Attention(nn.Module):
     """Grouped-query attention: N query heads share K kv heads in groups of G, without copying K/V.
-    `attention` names the implementation (jax_llama.attention: xla, chunked, cudnn, splash,
+    `attention` names the implementation (jax_llama.model.attention: xla, chunked, cudnn, splash,
     auto)."""
 
     config: LlamaConfig
@@ -177,7 +177,7 @@ class Attention(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention: str = "auto"
     lora: LoraConfig | None = None
-    kernels: str = "auto"  # how projections and cached attention run (jax_llama.projections)
+    kernels: str = "auto"  # how projections and cached attention run (jax_llama.model.projections)
 
     @nn.compact
     def __call__(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
@@ -227,7 +227,7 @@ class FeedForward(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     lora: LoraConfig | None = None
-    kernels: str = "auto"  # how projections and cached attention run (jax_llama.projections)
+    kernels: str = "auto"  # how projections and cached attention run (jax_llama.model.projections)
 
     @nn.compact
     def __call__(self, x_BSD):
@@ -249,7 +249,7 @@ class Block(nn.Module):
     param_dtype: Dtype = jnp.float32
     attention: str = "auto"
     lora: LoraConfig | None = None
-    kernels: str = "auto"  # how projections and cached attention run (jax_llama.projections)
+    kernels: str = "auto"  # how projections and cached attention run (jax_llama.model.projections)
 
     @nn.compact
     def __call__(self, carry, layer, cos_BSh, sin_BSh, mask: AttentionMask | None):
@@ -275,10 +275,11 @@ class Llama(nn.Module):
 
     scan_layers: run the blocks with nn.scan (parameters stacked on a leading L axis), so compile
     time does not grow with depth. remat: recompute each block's activations in the backward pass.
-    attention: xla, chunked, cudnn, splash or auto (jax_llama.attention). lora: LoRA adapters on the
-    projections it targets (bridge.lora.LoraConfig; jax_llama.lora adds, saves and merges them).
+    attention: xla, chunked, cudnn, splash or auto (jax_llama.model.attention). lora: LoRA adapters
+    on the projections it targets (bridge.lora.LoraConfig; jax_llama.lora adds, saves and merges
+    them).
     kernels: auto, xla or kernels - whether the projections and the attention over the cache of
-    a decode step run on the CPU decode kernels (jax_llama.projections).
+    a decode step run on the CPU decode kernels (jax_llama.model.projections).
     """
 
     config: LlamaConfig
@@ -288,7 +289,7 @@ class Llama(nn.Module):
     remat: bool = False
     attention: str = "auto"
     lora: LoraConfig | None = None
-    kernels: str = "auto"  # how projections and cached attention run (jax_llama.projections)
+    kernels: str = "auto"  # how projections and cached attention run (jax_llama.model.projections)
 
     def __call__(self, tokens_BS, positions=None, attention_mask=None, segment_ids=None):
         """tokens (B, S) int -> logits (B, S, V) float32 (see run for the arguments)."""
@@ -384,7 +385,7 @@ def init(config: LlamaConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=j
          scan_layers: bool = False, remat: bool = False, attention: str = "auto",
          lora: LoraConfig | None = None, kernels: str = "auto"):
     """A Llama module and freshly initialised params (with fresh LoRA adapters given `lora`;
-    `kernels`: how its decode steps run, jax_llama.projections).
+    `kernels`: how its decode steps run, jax_llama.model.projections).
 
     Traceable: `jax.eval_shape(lambda: init(cfg)[1])` gives the shapes without allocating.
     """
