@@ -15,7 +15,7 @@ from bridge.data_dirs import check_out_apart
 from bridge.errors import BridgeError
 
 from .common import EXIT_CHECK_FAILED, EXIT_OK, add_command
-from .options import (add_attention_argument, add_kernels_argument, add_lora_arguments,
+from .options import (add_attention_argument, add_lora_arguments,
                       add_nonfinite_arguments, add_tracking_arguments, lora_config, say_kernels,
                       tracking_spec, with_kernels)
 
@@ -299,7 +299,7 @@ def add_commands(sub) -> None:
     add_tracking_arguments(p)
     p.add_argument("--skip-malformed", action="store_true",
                    help="skip malformed lines (counted) instead of stopping at the first")
-    add_attention_argument(p)
+    add_attention_argument(p, kernels=False)
 
     p = add_command(sub, "zero-shot", cmd_zero_shot,
                     help="classify by prompting: the log-likelihood of each label word after a "
@@ -322,7 +322,6 @@ def add_commands(sub) -> None:
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p)
     add_attention_argument(p)
-    add_kernels_argument(p)
 
     p = add_command(sub, "predict", cmd_predict,
                     help="a fine-tuned classifier's predictions, and accuracy when the file has "
@@ -332,7 +331,6 @@ def add_commands(sub) -> None:
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p, labels=False)
     add_attention_argument(p)
-    add_kernels_argument(p)
 
 
 def add_split_command(sub) -> None:

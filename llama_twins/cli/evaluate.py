@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from .common import add_command, add_eval_arguments, run_eval
-from .options import add_attention_argument, add_kernels_argument, load_quantized
+from .options import add_attention_argument, load_quantized
 
 
 def cmd_eval(args) -> int:
@@ -27,4 +27,3 @@ def add_commands(sub) -> None:
                          "files, per file and overall")
     add_eval_arguments(p)
     add_attention_argument(p)
-    add_kernels_argument(p)

@@ -7,7 +7,7 @@ from bridge.errors import BridgeError
 
 from .common import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_generate_arguments,
                      generation_inputs, report_warnings, run_generation)
-from .options import add_attention_argument, add_kernels_argument, load_quantized
+from .options import add_attention_argument, load_quantized
 
 
 def cmd_generate(args) -> int:
@@ -46,6 +46,5 @@ def add_commands(sub) -> None:
                          "text streams as it is produced")
     add_generate_arguments(p)
     add_attention_argument(p)
-    add_kernels_argument(p)
     p.add_argument("--compare-torch", action="store_true",
                    help="decode greedily with both twins and report where they first differ")

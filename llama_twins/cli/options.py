@@ -95,26 +95,23 @@ def add_nonfinite_arguments(p) -> None:
                         "(default 10)")
 
 
-def add_attention_argument(p) -> None:
-    # Checked by the library (jax_llama.model.attention.choose), which also knows what the
-    # backend has.
+def add_attention_argument(p, kernels: bool = True) -> None:
+    """--attention, and with `kernels` --kernels: how a model's attention runs, and how its
+    projections and attention over the KV cache run when it decodes. The library checks both
+    (jax_llama.model.attention.choose, jax_llama.model.projections.implementation), and its
+    errors name the flag."""
     p.add_argument("--attention", default="auto",
                    help="attention implementation: xla (scores materialised), chunked (flash-style, "
                         "memory linear in the sequence), cudnn (NVIDIA GPUs), splash (TPUs), auto "
                         "(default: xla for short sequences; for long ones chunked - splash on a "
                         "TPU, cudnn on a GPU in bfloat16 / float16)")
-
-
-def add_kernels_argument(p) -> None:
-    # Checked by the library (jax_llama.model.projections.implementation), whose errors
-    # name kernels.
-    p.add_argument("--kernels", default="auto",
-                   help="how projections and attention over the KV cache run: kernels (the CPU "
-                        "decode kernels, jax_llama/model/kernels/matvec.cc, built on first use: "
-                        "up to 8 float32 rows, float32 or int8 weights), xla (XLA's matmuls "
-                        "only), auto (default: kernels where they can run, else xla; "
-                        "JAX_LLAMA_KERNELS=0 "
-                        "makes it xla)")
+    if kernels:
+        p.add_argument("--kernels", default="auto",
+                       help="how projections and attention over the KV cache run: kernels (the "
+                            "CPU decode kernels, jax_llama/model/kernels/matvec.cc, built on first "
+                            "use: up to 8 float32 rows, float32 or int8 weights), xla (XLA's "
+                            "matmuls only), auto (default: kernels where they can run, else xla; "
+                            "JAX_LLAMA_KERNELS=0 makes it xla)")
 
 
 def with_kernels(args, load: Callable[[], tuple], say: bool = True):

@@ -10,7 +10,7 @@ from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 
 from .common import EXIT_OK, add_command, add_quantize_arguments
-from .options import add_attention_argument, add_kernels_argument, load_quantized, say_kernels
+from .options import add_attention_argument, load_quantized, say_kernels
 
 
 def cmd_serve(args) -> int:
@@ -80,4 +80,3 @@ def add_commands(sub) -> None:
                                                                "info", "debug"),
                    help="uvicorn's (default warning)")
     add_attention_argument(p)
-    add_kernels_argument(p)

@@ -254,7 +254,7 @@ def _add_run_arguments(p, corpus: str, defaults: dict[str, str] | None = None) -
                    help="with --multi-host: seconds to wait for the other processes (default 300)")
     add_lora_arguments(p)
     add_tracking_arguments(p)
-    add_attention_argument(p)
+    add_attention_argument(p, kernels=False)
     add_nonfinite_arguments(p)
     for name, kind, default, text in TRAIN_OPTIONS:
         shown = f"{default:g}" if kind is float and default is not None else str(default)
