@@ -27,7 +27,7 @@ from .inputs import check_inputs
 from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaOutput, RMSNorm, apply_rope,
                     init, resolve_dtype, rope_cos_sin)
 from .quantize import quantize
-from .train import TrainConfig, decay_mask, make_optimizer, make_train_step
+from .training.step import TrainConfig, decay_mask, make_optimizer, make_train_step
 
 __all__ = ["Attention", "Block", "Classifier", "FeedForward", "Generation", "KVCache", "Llama",
            "LlamaClassifier", "LlamaConfig", "LlamaOutput", "LoraConfig", "PRESETS", "RMSNorm",

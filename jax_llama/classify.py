@@ -1,7 +1,7 @@
 """Sequence classification with a LLaMA: fine-tuning end to end, prediction, and zero-shot prompting.
 
 Fine-tuning trains `LlamaClassifier` (backbone + head on the last real token) with the same optax
-AdamW and the same compiled step as pretraining (jax_llama.train: make_optimizer's clipping,
+AdamW and the same compiled step as pretraining (jax_llama.training.step: make_optimizer's clipping,
 warmup + cosine, decay mask and gradient accumulation; jit_train_step with classifier_loss). Batches are padded to a power-of-two length and built from examples of
 similar length, so there are few compilations and little padding. The backbone comes from any
 checkpoint the bridge reads, or is initialised at random with a BPE trained on the training texts.
@@ -46,14 +46,14 @@ from bridge.tokenizer import Tokenizer, find_tokenizer
 from .attention import choose
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
-from .data import bucket
+from .training.data import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
 from .heads import Blocks, LlamaClassifier
 from .model import KVCache, init
-from .run_state import (Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until,
+from .training.state import (Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until,
                         setup_differences)
-from .tracking import Tracker, TrackingSpec
-from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
+from .training.tracking import Tracker, TrackingSpec
+from .training.step import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 
 
 
@@ -301,7 +301,7 @@ def recipe(pretrained: bool, lora: bool, **given) -> dict:
 
 
 def trainable_layers(model: LlamaClassifier, train_layers: int | None):
-    """The `trainable` labelling (params -> True/False tree, see jax_llama.train.make_optimizer)
+    """The `trainable` labelling (params -> True/False tree, see jax_llama.training.step.make_optimizer)
     of a run: LoRA's (jax_llama.lora.trainable_for) when the model has adapters, every leaf
     otherwise; with train_layers, only within the top `train_layers` blocks, the final norm and
     the head. None when everything trains."""
@@ -370,7 +370,7 @@ def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConf
 
 @dataclass(frozen=True)
 class RunControl:
-    """How a fine-tuning run meets interruptions (jax_llama.run_state, as `train` does): resume
+    """How a fine-tuning run meets interruptions (jax_llama.training.state, as `train` does): resume
     from out/checkpoints, checkpoint at the end of each epoch (and when stopped by a signal),
     and the policy for a step that is not finite."""
 

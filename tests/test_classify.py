@@ -20,11 +20,11 @@ from bridge.tokenizer import ByteTokenizer, train_tokenizer
 from conftest import SHARED, save_random_checkpoint, small_config
 from jax_llama import classify
 from llama_twins.cli import main as jax_cli
-from jax_llama import data
+from jax_llama.training import data
 from jax_llama.heads import LlamaClassifier
 from jax_llama.heads import last_real_index as jax_last_real_index
 from jax_llama.model import Llama
-from jax_llama.train import (TrainConfig, init_state, jit_train_step, lm_loss, lr_schedule,
+from jax_llama.training.step import (TrainConfig, init_state, jit_train_step, lm_loss, lr_schedule,
                              make_optimizer, make_train_step)
 from torch_llama.heads import last_real_index as torch_last_real_index
 

@@ -63,8 +63,8 @@ def cmd_finetune(args) -> int:
     from bridge.tokenizer import find_tokenizer, load_tokenizer, train_tokenizer
     from jax_llama.checkpoint import load
     from jax_llama.classify import FinetuneConfig, RunControl, finetune, new_classifier, recipe
-    from jax_llama.run_state import RunStopped
-    from jax_llama.train import TrainingDiverged
+    from jax_llama.training.state import RunStopped
+    from jax_llama.training.step import TrainingDiverged
 
     # the recipe: from scratch, or a pretrained backbone's (jax_llama.classify), flags over it
     chosen = recipe(bool(args.init), args.lora_rank is not None, epochs=args.epochs,

@@ -125,7 +125,7 @@ def batch_loss(model, params, batch: dict, spec: DpoSpec, key=None):
 
 
 def train_loss(model, spec: DpoSpec):
-    """batch_loss as a jax_llama.train Loss with aux metrics (make_train_step(has_aux=True))."""
+    """batch_loss as a jax_llama.training.step Loss with aux metrics (make_train_step(has_aux=True))."""
     return lambda params, batch, key: batch_loss(model, params, batch, spec, key)
 
 
@@ -137,7 +137,7 @@ class Reference:
     holds `params`, a copy of the starting weights (None once dropped)."""
 
     def __init__(self, model, params=None):
-        from .lora import split
+        from ..lora import split
 
         self.lora = model.lora is not None
         if self.lora and model.lora.train_embeddings:
@@ -227,7 +227,7 @@ def _wrong(kind: str, answer: str) -> str:
 
 
 def demo_pairs(n: int, seed: int) -> list[tuple[str, dict]]:
-    """`n` conversational pairs over the SFT demo's word questions (jax_llama.sft.demo_chats,
+    """`n` conversational pairs over the SFT demo's word questions (jax_llama.training.sft.demo_chats,
     DEMO_KINDS): the right answer chosen, a wrong one of the same form rejected (the list in the
     other order, the word spelled backwards, only its first letter in capitals). A model that
     has not learnt the tasks finds either about as likely; one that has prefers the right one."""
@@ -247,7 +247,7 @@ def demo_pairs(n: int, seed: int) -> list[tuple[str, dict]]:
 
 
 def split_pairs(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:
-    """(train, held out): jax_llama.sft.hold_out's seeded split of the pairs."""
+    """(train, held out): jax_llama.training.sft.hold_out's seeded split of the pairs."""
     from .sft import hold_out
 
     return hold_out(records, eval_fraction, seed, f"{len(records)} pair; at least two are needed "

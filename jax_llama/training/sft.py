@@ -2,7 +2,7 @@
 chat template, the loss on the assistant's tokens only, whole conversations packed into rows.
 
 The rendering and the mask are bridge.chat's (framework-neutral); here the examples become the
-batches of jax_llama.run's training loop, and a held-out set is scored by exact match of greedy
+batches of jax_llama.training.loop's training loop, and a held-out set is scored by exact match of greedy
 replies. With no data, `demo_chats` makes a small instruction task with exact answers, so that
 the command shows learning on any machine with nothing downloaded.
 """

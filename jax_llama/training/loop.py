@@ -8,7 +8,7 @@ A run directory holds:
                   leaves a half-written one
   metrics.jsonl   one line per step (loss, grad norm, lr, tokens/s) and per evaluation
   tensorboard/, wandb/   the same scalars for TensorBoard / Weights & Biases, when asked for
-                  (jax_llama.tracking)
+                  (jax_llama.training.tracking)
   loss.png        the loss curves against the unigram baseline
   model/          the final model as a native checkpoint with its tokenizer, ready for the bridge
                   (a LoRA run: the base with the adapter merged in)
@@ -45,19 +45,19 @@ from bridge.merge import merge_lora as merge_checkpoint
 from bridge.tokenizer import load_tokenizer, train_tokenizer
 
 from . import data as data_lib
-from .attention import choose as choose_attention
-from .checkpoint import load as load_checkpoint
-from .checkpoint import save as save_native
+from ..attention import choose as choose_attention
+from ..checkpoint import load as load_checkpoint
+from ..checkpoint import save as save_native
 from . import dpo as dpo_lib
 from . import sft as sft_lib
-from .lora import add_lora, count, merge_lora, save_adapter, trainable_for
-from .model import Llama, init
-from .perf import measure_matmul_peak, train_flops_per_token
-from .run_state import (Checkpoints, NonFinite, RunStopped, StopSignals, all_processes_reach,
+from ..lora import add_lora, count, merge_lora, save_adapter, trainable_for
+from ..model import Llama, init
+from ..perf import measure_matmul_peak, train_flops_per_token
+from .state import (Checkpoints, NonFinite, RunStopped, StopSignals, all_processes_reach,
                         keep_metrics_until, setup_differences)
 from .sharding import check_batch, global_batch, make_mesh
 from .tracking import Tracker, TrackingSpec
-from .train import (TrainConfig, TrainingDiverged, init_state, jit_eval_step, jit_train_step,
+from .step import (TrainConfig, TrainingDiverged, init_state, jit_eval_step, jit_train_step,
                     lm_loss, make_optimizer, place_state)
 
 __all__ = ["RunSpec", "RunStopped", "TrainingDiverged", "train"]
@@ -87,7 +87,7 @@ class RunSpec:
     tracking: TrackingSpec = field(default_factory=TrackingSpec)  # TensorBoard / W&B as well;
                                        # not part of the setup a resume must match
     on_nan: str = "stop"               # a step whose loss or gradients are not finite: stop
-                                       # the run, or skip its update (jax_llama.run_state)
+                                       # the run, or skip its update (jax_llama.training.state)
     max_skipped: int = 10              # with on_nan="skip": stop once this many were skipped
 
 
@@ -367,7 +367,7 @@ def _check_mesh_splits(config: LlamaConfig, mesh) -> None:
     rules would leave every parameter whole on every device, which is not what it asks for."""
     from bridge.tensors import canonical_shapes
 
-    from .checkpoint import _flax_path
+    from ..checkpoint import _flax_path
     from .sharding import spec_for
 
     for axis in ("fsdp", "tensor"):
@@ -455,7 +455,7 @@ class ChatInputs:
         assistant message."""
         from bridge.sampling import Sampler
 
-        from .generate import generate
+        from ..generate import generate
 
         chats = self.eval_chats[:limit]
         longest = max(len(self.tokenizer.encode(m[-1]["content"])) for _, m in chats)
@@ -546,7 +546,7 @@ class PreferenceInputs:
         return self.tokenizer.pad_id or 0
 
     def start_reference(self, model, params, tc: TrainConfig, local_batch: int) -> None:
-        """The reference policy of the starting weights (see jax_llama.dpo.Reference) and the
+        """The reference policy of the starting weights (see jax_llama.training.dpo.Reference) and the
         held-out pairs' reference log-probs; with precompute_ref, every training pair's too,
         and the reference's copy of the weights is then dropped."""
         dpo = self.spec.dpo
@@ -576,7 +576,7 @@ class PreferenceInputs:
         return {**rows, "ref_logps": ref.astype(np.float32)}
 
     def evaluate(self, model, params, replies: bool = False) -> dict:
-        """Held-out loss, rewards and pair accuracy (jax_llama.dpo.evaluate); with replies, the
+        """Held-out loss, rewards and pair accuracy (jax_llama.training.dpo.evaluate); with replies, the
         model's greedy answers to the first four held-out prompts as well."""
         fn = self._logps.get(id(model))
         if fn is None:
@@ -590,7 +590,7 @@ class PreferenceInputs:
         if replies:
             from bridge.sampling import Sampler
 
-            from .generate import generate
+            from ..generate import generate
 
             shown = self.eval_pairs[:4]
             new = max(len(p.chosen) for p in shown) + 4
@@ -659,7 +659,7 @@ def replay_chats(spec: RunSpec, tokenizer, template) -> list[tuple[str, list[dic
     (greedy), so a resumed run trains on the same chats."""
     from bridge.prompts import stop_ids as tokenizer_stops
 
-    from .generate import generate
+    from ..generate import generate
 
     sft = spec.sft
     if not spec.init:
@@ -734,7 +734,7 @@ def _sample(model, params, tokenizer, val_tokens, seq_len: int, n_new: int, seed
     KV-cache generator."""
     from bridge.sampling import Sampler
 
-    from .generate import generate
+    from ..generate import generate
 
     if n_new <= 0:
         return ""

@@ -1,6 +1,6 @@
 """What keeps a training run alive through what real machines do to it: checkpoints that are
 verified before they are trusted, a stop on SIGTERM / SIGINT that loses no step, and the policy
-for a step whose loss or gradients are not finite. Every training loop (jax_llama.run for train,
+for a step whose loss or gradients are not finite. Every training loop (jax_llama.training.loop for train,
 sft and dpo; jax_llama.classify for finetune) uses these, so each behaves the same.
 
 Checkpoints are orbax's (each written into a temporary directory and renamed, so a kill never
@@ -278,7 +278,7 @@ ON_NAN = ("stop", "skip")
 class NonFinite:
     """`--on-nan`: stop at the first step whose loss or gradient norm is not finite (the state
     after it is never saved), or skip such steps (the step drops its update on the device: see
-    jax_llama.train.make_train_step) and stop once `max_skipped` of them have been skipped."""
+    jax_llama.training.step.make_train_step) and stop once `max_skipped` of them have been skipped."""
 
     def __init__(self, policy: str = "stop", max_skipped: int = 10):
         if policy not in ON_NAN:
