@@ -50,15 +50,10 @@ from .training.data import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
 from .heads import Blocks, LlamaClassifier
 from .model import KVCache, init
-from .training.state import (Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until,
-                        setup_differences)
+from .training.state import (Checkpoints, NonFinite, RunStopped, StopSignals, check_resumable,
+                             keep_metrics_until, say)
 from .training.tracking import Tracker, TrackingSpec
 from .training.step import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
-
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- the classifier
@@ -236,11 +231,11 @@ def frozen_features(clf: Classifier, train_rows: list[list[int]], dev_rows: list
     need = FrozenFeatures.nbytes(clf, train_rows) + FrozenFeatures.nbytes(clf, dev_rows)
     have = available_memory()
     if have is not None and need > have // 4:
-        _say(f"the frozen blocks' output would take {need / 1e9:.1f} GB of the "
+        say(f"the frozen blocks' output would take {need / 1e9:.1f} GB of the "
              f"{have / 1e9:.1f} GB available: computed at every step instead")
         return None
     low = n - train_layers
-    _say(f"the {low} frozen blocks run once for every text ({need / 1e9:.2f} GB kept); each "
+    say(f"the {low} frozen blocks run once for every text ({need / 1e9:.2f} GB kept); each "
          f"step runs the top {train_layers}")
     return (FrozenFeatures.compute(clf, train_rows, low, desc="frozen blocks (train)"),
             FrozenFeatures.compute(clf, dev_rows, low, desc="frozen blocks (dev)"))
@@ -387,17 +382,6 @@ def _run_record(clf: Classifier, fc: FinetuneConfig, train: Dataset, dev: Datase
             "train": str(train.path), "dev": str(dev.path)}
 
 
-def _check_resumable(out: Path, record: dict) -> None:
-    saved_path = out / "finetune.json"
-    if not saved_path.is_file():
-        raise BridgeError(f"{out} holds no fine-tuning run to resume (no finetune.json)",
-                          field="resume")
-    diffs = setup_differences(json.loads(saved_path.read_text()), record)
-    if diffs:
-        raise BridgeError(f"{out} was fine-tuned with a different setup ({'; '.join(diffs)})",
-                          field="resume")
-
-
 def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, out: Path,
              on_epoch: Callable[[dict], None] | None = None,
              tracking: TrackingSpec = TrackingSpec(), control: RunControl = RunControl()) -> dict:
@@ -413,14 +397,14 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
     nonfinite = NonFinite(control.on_nan, control.max_skipped)
     setup = _run_record(clf, fc, train, dev)
     if control.resume:
-        _check_resumable(out, setup)
+        check_resumable(out, setup, "finetune.json", "fine-tuning run", "fine-tuned")
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     train_rows, train_cut = encode_texts(clf.tokenizer, train.texts, clf.max_len)
     dev_rows, dev_cut = encode_texts(clf.tokenizer, dev.texts, clf.max_len)
     for name, cut, n in (("train", train_cut, len(train_rows)), ("dev", dev_cut, len(dev_rows))):
         if cut:
-            _say(f"{name}: {cut} of {n} texts longer than {clf.max_len} tokens were truncated "
+            say(f"{name}: {cut} of {n} texts longer than {clf.max_len} tokens were truncated "
                  f"from the left")
     per_epoch = math.ceil(len(train_rows) / fc.batch_size)
     tc = fc.train_config(per_epoch * fc.epochs)
@@ -436,7 +420,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
         state, meta, done = restored
         best, history, carried = meta["best"], meta["history"], meta["epoch_losses"]
         started -= meta["seconds"]
-        _say(f"resumed {out} at step {done} (epoch {done // per_epoch + 1}, batch "
+        say(f"resumed {out} at step {done} (epoch {done // per_epoch + 1}, batch "
              f"{done % per_epoch + 1} of {per_epoch})")
     else:
         write_text(out / "finetune.json", json.dumps(setup, indent=2) + "\n")

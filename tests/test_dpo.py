@@ -16,6 +16,7 @@ from conftest import save_random_checkpoint, small_config
 from bridge.errors import BridgeError
 from bridge.preference import Pair, encode_pair, encode_pairs, pair_rows, read_pairs
 from jax_llama.training import dpo as dpo_lib
+from jax_llama.training.spec import DpoSpec
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "rug", "red", "blue", "big", "small", "quickly", "slowly", "and", "then", "it", "was", "here", "there"]
 SPECIALS = ["<pad>", "<s>", "</s>"]
@@ -71,7 +72,7 @@ def jax_side(config, paths, pairs, seq_len, loss, smoothing, beta=0.1):
     rows = pair_rows(pairs, seq_len, pad_id=0)
     ref = dpo_lib.sequence_logps(model, reference, rows)
     batch = {**rows, "ref_logps": ref}
-    spec = dpo_lib.DpoSpec(beta=beta, loss=loss, label_smoothing=smoothing)
+    spec = DpoSpec(beta=beta, loss=loss, label_smoothing=smoothing)
     (value, metrics), grads = jax.value_and_grad(
         lambda p: dpo_lib.batch_loss(model, p, batch, spec), has_aux=True)(policy)
     w2 = np.asarray(grads["layers_0"]["feed_forward"]["w2"]["kernel"]).T  # (out, in), as torch

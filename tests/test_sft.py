@@ -13,7 +13,8 @@ import jax_llama
 from bridge.chat import Example, find_template
 from bridge.tokenizer import load_tokenizer
 from conftest import interrupted_at, small_config
-from jax_llama.training.sft import demo_chats, example_batches, exact_match, load_chats, SftSpec
+from jax_llama.training.sft import demo_chats, example_batches, exact_match, load_chats
+from jax_llama.training.spec import SftSpec
 from jax_llama.training.step import lm_loss
 from llama_twins.cli import main as jax_cli, torch_main as torch_cli
 

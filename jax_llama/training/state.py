@@ -36,7 +36,9 @@ MANIFEST = "jax_llama.manifest.json"
 ASIDE = ".unreadable-"
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
+    """A line of progress for the person running the command, on stderr (stdout carries
+    results): the one voice of every training run, the loop's and each recipe's."""
     print(message, file=sys.stderr)
 
 
@@ -72,6 +74,20 @@ def setup_differences(saved: dict, now: dict) -> list[str]:
 
 
 # -- checkpoints ------------------------------------------------------------------------------------
+
+def check_resumable(out: Path, now: dict, record: str = "run.json", kind: str = "run",
+                    done: str = "trained", before: dict | None = None) -> None:
+    """Refuse to resume `out` unless the setup it recorded when it started (out/`record`; keys
+    it lacks take their values from `before`, what runs recorded before those keys existed ran
+    with) matches `now`, naming each difference: a resumed run must be the run it continues."""
+    path = out / record
+    if not path.is_file():
+        raise BridgeError(f"{out} holds no {kind} to resume (no {record})", field="resume")
+    diffs = setup_differences({**(before or {}), **json.loads(path.read_text())}, now)
+    if diffs:
+        raise BridgeError(f"{out} was {done} with a different setup ({'; '.join(diffs)})",
+                          field="resume")
+
 
 def _file_digests(directory: Path) -> dict[str, dict]:
     files = {}
@@ -211,7 +227,7 @@ class Checkpoints:
             all_processes_reach(f"judged the checkpoint of step {step}")
             if jax.process_index() == 0:  # every process judged it alike: one moves it
                 os.rename(self.path(step), aside)
-                _say(f"checkpoint of step {step}: {problem}; set aside as {aside}")
+                say(f"checkpoint of step {step}: {problem}; set aside as {aside}")
             all_processes_reach(f"set aside the checkpoint of step {step}")
             self.manager.reload()
         if steps:
@@ -255,7 +271,7 @@ class StopSignals:
             os.kill(os.getpid(), signum)
             return
         self.requested = signal.Signals(signum).name
-        _say(f"\n{self.requested}: stopping after this step and saving a checkpoint "
+        say(f"\n{self.requested}: stopping after this step and saving a checkpoint "
              f"(send it again to stop at once)")
 
     def __enter__(self) -> "StopSignals":
@@ -302,7 +318,7 @@ class NonFinite:
         if not self.skip:
             return what
         self.skipped.append(step)
-        _say(f"{what}: update skipped ({len(self.skipped)} of at most {self.max_skipped})")
+        say(f"{what}: update skipped ({len(self.skipped)} of at most {self.max_skipped})")
         if len(self.skipped) >= self.max_skipped:
             return (f"{len(self.skipped)} updates skipped for a loss or gradient that was not "
                     f"finite (steps {', '.join(map(str, self.skipped[-5:]))}; max_skipped "

@@ -43,7 +43,7 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
               dpo=None):
     """The RunSpec of `train`, `sft` or `dpo` from their shared flags (a resumed run: its own
     settings unless flags say otherwise, which the resume check then refuses)."""
-    from jax_llama.training.loop import RunSpec
+    from jax_llama.training.spec import RunSpec
     from jax_llama.training.step import TrainConfig
 
     out = Path(args.out) if args.out else Path("runs") / time.strftime(
@@ -89,8 +89,8 @@ DEMO_STEPS = 3000
 
 
 def cmd_sft(args) -> int:
-    from jax_llama.training.loop import sft_inputs
-    from jax_llama.training.sft import SftSpec
+    from jax_llama.training.sft import sft_inputs
+    from jax_llama.training.spec import SftSpec
 
     if args.data is None and args.steps is None and not args.resume:
         args.steps = DEMO_STEPS  # the demo task's default: 99% exact match in about 5 minutes
@@ -119,7 +119,7 @@ DPO_LR = {"full": 1e-6, "lora": 5e-5, "scratch": 1e-3}
 
 
 def cmd_dpo(args) -> int:
-    from jax_llama.training.dpo import DpoSpec
+    from jax_llama.training.spec import DpoSpec
 
     if not args.resume:
         if args.data is None and args.steps is None:
