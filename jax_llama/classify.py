@@ -447,11 +447,9 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
         """The NaN policy on step `at`'s metrics, read back while the next step runs."""
         why = nonfinite.check(at, {k: float(v) for k, v in jax.device_get(metrics).items()})
         if why is not None and not nonfinite.skip:  # this state is never saved
-            kept = checkpoints.latest_step()
-            raise TrainingDiverged(f"{why}; stopped. Last good checkpoint: "
-                                   f"{'none' if kept is None else checkpoints.path(kept)}")
+            raise nonfinite.diverged(why, checkpoints)
         if why is not None:  # too many skipped: the state itself is good
-            raise TrainingDiverged(f"{why}; stopped. Its checkpoint: {checkpoint()}")
+            raise nonfinite.diverged(why, checkpoints, checkpoint())
 
     try:
         with StopSignals() as signals:

@@ -1,5 +1,9 @@
 """A training run from start to finish: tokenizer, data, model, mesh, the loop, checkpoints, outputs.
 
+`train` prepares a run (its recipe's inputs: a corpus, or chats (sft.py), or preference pairs
+(dpo.py); the model, the optimizer, the state, resumed or new), hands the loop (`run_steps`) its
+step, its batches and its evaluation, and saves what the recipe keeps.
+
 A run directory holds:
   run.json        what was asked for (model config, TrainConfig, corpus): a resume must match it
   tokenizer/      the tokenizer the tokens were made with
@@ -53,10 +57,10 @@ from .state import (Checkpoints, NonFinite, RunStopped, StopSignals, all_process
                     check_resumable, keep_metrics_until, say)
 from .sharding import check_batch, global_batch, make_mesh
 from .tracking import Tracker
-from .step import (TrainingDiverged, init_state, jit_eval_step, jit_train_step,
+from .step import (TrainConfig, TrainingDiverged, init_state, jit_eval_step, jit_train_step,
                    lm_loss, make_optimizer, place_state)
 
-__all__ = ["RunStopped", "TrainingDiverged", "train"]
+__all__ = ["RunStopped", "TrainingDiverged", "run_steps", "train"]
 
 
 def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
@@ -179,71 +183,23 @@ def train(spec: RunSpec) -> dict:
                                         skip_nonfinite=nonfinite.skip)
             eval_step = jit_eval_step(model, state, mesh)
 
-        def evaluate(params) -> float:
+        def evaluate(params) -> dict:
             if spec.dpo:
                 result = prefs.evaluate(model, params)
-                last["eval"] = dpo_lib.eval_scalars(result)
-                return result["loss"]
+                return {"val_loss": result["loss"], **dpo_lib.eval_scalars(result)}
             losses = [eval_step(params, global_batch(val_batches.batch(i), mesh))
                       for i in range(tc.eval_batches)]
-            return float(np.mean(jax.device_get(losses)))
+            return {"val_loss": float(np.mean(jax.device_get(losses)))}
 
         def next_batch(step: int, state):
             if spec.dpo:
                 return global_batch(prefs.batch(batches, step, state.params), mesh)
             return global_batch(batches.batch(step), mesh)
 
-        peak = measure_matmul_peak(tc.dtype)
-        flops_per_token = train_flops_per_token(config, tc.seq_len)
-        tokens_per_step = tc.batch_size * tc.seq_len
-        last = {"loss": float("nan"), "val_loss": float("nan")}
-        start = int(state.step)
-        stopped = None
-        with open(spec.out / "metrics.jsonl" if primary else os.devnull, "a") as log, \
-                tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar, \
-                StopSignals() as signals:
-            tick = time.perf_counter()
-            for step in range(start, tc.steps):
-                state, metrics = train_step(state, next_batch(step, state))
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                why = nonfinite.check(step + 1, metrics)
-                if why is not None and not nonfinite.skip:  # this state is never saved
-                    kept = checkpoints.latest_step()
-                    raise TrainingDiverged(
-                        f"{why}; stopped. Last good checkpoint: "
-                        f"{'none' if kept is None else checkpoints.path(kept)}")
-                now = time.perf_counter()
-                tokens_per_s = tokens_per_step / (now - tick)
-                tick = now
-                record = {"step": step + 1, **metrics, "tokens_per_s": tokens_per_s}
-                if nonfinite.skipped and nonfinite.skipped[-1] == step + 1:
-                    record["skipped"] = True
-                if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
-                    record["val_loss"] = last["val_loss"] = evaluate(state.params)
-                    record.update(last.pop("eval", {}))
-                    tick = time.perf_counter()  # evaluation time is not training throughput
-                if why is not None:  # too many skipped: the state itself is still good
-                    stopped = (step + 1, why, False)
-                elif signals.requested:
-                    stopped = (step + 1, signals.requested, True)
-                if ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps
-                        or stopped is not None):
-                    checkpoints.save(step + 1, state)
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                tracker.log(step + 1, record)
-                last["loss"] = metrics["loss"]
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", val=f"{last['val_loss']:.3f}",
-                                tok_s=f"{tokens_per_s:,.0f}",
-                                mfu=f"{tokens_per_s * flops_per_token / peak:.1%}")
-                bar.update()
-                if stopped is not None:
-                    break
-        if stopped is not None:
-            step, why, asked = stopped
-            if asked:
-                raise RunStopped(step, tc.steps, why, checkpoints.path(step))
-            raise TrainingDiverged(f"{why}; stopped. Its checkpoint: {checkpoints.path(step)}")
+        state, last = run_steps(state, train_step, next_batch, evaluate, tc, desc=desc,
+                                checkpoints=checkpoints, nonfinite=nonfinite, tracker=tracker,
+                                metrics=spec.out / "metrics.jsonl" if primary else None,
+                                flops_per_token=train_flops_per_token(config, tc.seq_len))
 
         params = state.params
         if spec.lora:
@@ -288,6 +244,67 @@ def train(spec: RunSpec) -> dict:
         if spec.lora:
             summary["adapter"] = str(spec.out / "adapter")
         return summary
+
+
+def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc: str,
+              checkpoints: Checkpoints, nonfinite: NonFinite, tracker: Tracker,
+              metrics: Path | None, flops_per_token: float):
+    """The loop: from the state's step to tc.steps, `train_step(state, next_batch(step, state))`.
+    Each step's record - step, the step's metrics (loss, grad_norm, lr, ...), tokens/s - is
+    appended to `metrics` (None: this process writes nothing) and logged by `tracker`;
+    `evaluate(params)` runs every tc.eval_every steps and at the end, its figures (val_loss first)
+    joining that step's record. A checkpoint every tc.checkpoint_every steps, at the end and at
+    an early stop. The NaN policy (`nonfinite`) and the stop signals end the run with
+    TrainingDiverged / RunStopped, naming the checkpoint to go on from. Returns (state, last):
+    last holds the final "loss" and "val_loss"."""
+    peak = measure_matmul_peak(tc.dtype)
+    tokens_per_step = tc.batch_size * tc.seq_len
+    last = {"loss": float("nan"), "val_loss": float("nan")}
+    start = int(state.step)
+    stopped = None
+    with open(metrics or os.devnull, "a") as log, \
+            tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar, \
+            StopSignals() as signals:
+        tick = time.perf_counter()
+        for step in range(start, tc.steps):
+            state, figures = train_step(state, next_batch(step, state))
+            figures = {k: float(v) for k, v in jax.device_get(figures).items()}
+            why = nonfinite.check(step + 1, figures)
+            if why is not None and not nonfinite.skip:  # this state is never saved
+                raise nonfinite.diverged(why, checkpoints)
+            now = time.perf_counter()
+            tokens_per_s = tokens_per_step / (now - tick)
+            tick = now
+            record = {"step": step + 1, **figures, "tokens_per_s": tokens_per_s}
+            if nonfinite.skipped and nonfinite.skipped[-1] == step + 1:
+                record["skipped"] = True
+            if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
+                record.update(evaluate(state.params))
+                last["val_loss"] = record["val_loss"]
+                tick = time.perf_counter()  # evaluation time is not training throughput
+            if why is not None:  # too many skipped: the state itself is still good
+                stopped = (step + 1, why, False)
+            elif signals.requested:
+                stopped = (step + 1, signals.requested, True)
+            if ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps
+                    or stopped is not None):
+                checkpoints.save(step + 1, state)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            tracker.log(step + 1, record)
+            last["loss"] = figures["loss"]
+            bar.set_postfix(loss=f"{figures['loss']:.3f}", val=f"{last['val_loss']:.3f}",
+                            tok_s=f"{tokens_per_s:,.0f}",
+                            mfu=f"{tokens_per_s * flops_per_token / peak:.1%}")
+            bar.update()
+            if stopped is not None:
+                break
+    if stopped is not None:
+        step, why, asked = stopped
+        if asked:
+            raise RunStopped(step, tc.steps, why, checkpoints.path(step))
+        raise nonfinite.diverged(why, checkpoints, checkpoints.path(step))
+    return state, last
 
 
 def _check_mesh_splits(config: LlamaConfig, mesh) -> None:

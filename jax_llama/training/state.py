@@ -31,6 +31,7 @@ from bridge.atomic import check_free_space, describe_bytes, write_text
 from bridge.errors import BridgeError
 
 from .sharding import tree_shardings
+from .step import TrainingDiverged
 
 MANIFEST = "jax_llama.manifest.json"
 ASIDE = ".unreadable-"
@@ -324,3 +325,13 @@ class NonFinite:
                     f"finite (steps {', '.join(map(str, self.skipped[-5:]))}; max_skipped "
                     f"{self.max_skipped})")
         return None
+
+    def diverged(self, why: str, checkpoints: Checkpoints, saved: Path | None = None):
+        """The TrainingDiverged that ends a run for `why` (what check returned): naming the last
+        good checkpoint (policy stop: the state after the step is never saved), or `saved`, the
+        one just written (policy skip, too many skipped: the state itself is good)."""
+        if saved is not None:
+            return TrainingDiverged(f"{why}; stopped. Its checkpoint: {saved}")
+        kept = checkpoints.latest_step()
+        return TrainingDiverged(f"{why}; stopped. Last good checkpoint: "
+                                f"{'none' if kept is None else checkpoints.path(kept)}")
