@@ -195,13 +195,13 @@ def save(path: str | os.PathLike, config: LlamaConfig, params, *, overwrite: boo
 
 def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config: LlamaConfig,
                    mesh, *, scan_layers: bool = False, dtype=None):
-    """The params pytree built straight onto `mesh`, sharded by jax_llama.training.sharding's rules: each
+    """The params pytree built straight onto `mesh`, sharded by jax_llama.sharding's rules: each
     array is made with jax.make_array_from_callback, which asks only for the parts this
     process's devices hold, and read(name, index) reads just that part of a canonical tensor.
     Host memory is then this process's share of the model plus about one part."""
     from jax.sharding import NamedSharding
 
-    from .training.sharding import spec_for
+    from .sharding import spec_for
 
     dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
     shapes = canonical_shapes(config)
@@ -248,7 +248,7 @@ def load(path: str | os.PathLike, dtype=None, *, scan_layers: bool = False, rema
     (jax_llama.projections).
     adapter: a PEFT LoRA adapter directory, merged into the weights as they are read (a plain
     model; jax_llama.add_lora keeps an adapter separate, for training it further).
-    mesh: build the params already sharded on it by the training rules (jax_llama.training.sharding),
+    mesh: build the params already sharded on it by the training rules (jax_llama.sharding),
     each process reading only the parts its devices hold: safetensors formats (native, HF) read
     those parts alone; Meta and llama2.c files, and a merged adapter, read each tensor whole.
     """

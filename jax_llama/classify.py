@@ -46,7 +46,7 @@ from bridge.tokenizer import Tokenizer, find_tokenizer
 from .attention import choose
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
-from .training.data import bucket
+from .inputs import bucket
 from .lora import add_lora, merge_lora, save_adapter, trainable_for
 from .heads import Blocks, LlamaClassifier
 from .model import KVCache, init

@@ -26,7 +26,7 @@ from bridge.errors import BridgeError
 from bridge.inputs import pad_rows
 from bridge.sampling import Generation, Sampler, check_generation
 
-from .training.data import bucket
+from .inputs import bucket
 from .inputs import check_inputs
 from .model import KVCache
 

@@ -31,7 +31,7 @@ import numpy as np
 from bridge.errors import BridgeError
 from bridge.inputs import pad_rows
 
-from .training.data import bucket
+from .inputs import bucket
 from .generate import first_max, top_p_mask
 from .model import KVCache
 

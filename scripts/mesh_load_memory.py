@@ -80,7 +80,7 @@ def worker(args) -> None:
     from bridge.formats import open_checkpoint
     from bridge.tensors import canonical_shapes
     from jax_llama.checkpoint import _flax_path
-    from jax_llama.training.sharding import make_mesh
+    from jax_llama.sharding import make_mesh
 
     start = time.perf_counter()
     mesh = make_mesh("fsdp=8") if args.port else None

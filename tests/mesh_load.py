@@ -19,7 +19,7 @@ from bridge.config import LlamaConfig
 from bridge.convert import convert
 from bridge.formats import open_checkpoint
 from jax_llama.checkpoint import _flax_path, params_on_mesh
-from jax_llama.training.sharding import make_mesh, spec_for
+from jax_llama.sharding import make_mesh, spec_for
 from jax.sharding import NamedSharding
 
 MESHES = ["fsdp=8", "data=2,fsdp=2,tensor=2", "tensor=8"]

@@ -17,7 +17,7 @@ from bridge.errors import BridgeError
 from bridge.lora import LoraConfig
 from jax_llama import init
 from jax_llama.model import Llama
-from jax_llama.training.sharding import batch_sharding, check_batch, global_batch, make_mesh, tree_shardings
+from jax_llama.sharding import batch_sharding, check_batch, global_batch, make_mesh, tree_shardings
 from jax_llama.training.step import (TrainConfig, init_state, jit_train_step, lm_loss, loss_fn,
                              make_optimizer, place_state)
 

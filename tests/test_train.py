@@ -20,7 +20,7 @@ from conftest import random_tokens, small_config, with_host_devices
 from jax_llama.training import loop as run_lib
 from jax_llama.training.loop import TrainingDiverged, train
 from jax_llama.training.spec import RunSpec
-from jax_llama.training.sharding import parse_mesh
+from jax_llama.sharding import parse_mesh
 from jax_llama.training.step import (TrainConfig, init_state, lm_loss, loss_fn, lr_schedule,
                              make_optimizer, make_train_step)
 

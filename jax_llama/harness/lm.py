@@ -35,7 +35,7 @@ from bridge.sampling import Sampler
 from bridge.tokenizer import find_tokenizer
 
 from ..checkpoint import load
-from ..training.data import bucket
+from ..inputs import bucket
 from ..eval import evaluate, token_log_probs
 from ..generate import _MAX_STOP_IDS, generate
 

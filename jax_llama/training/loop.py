@@ -55,7 +55,7 @@ from .inputs import run_config, run_tokenizer
 from .spec import RunSpec
 from .state import (Checkpoints, NonFinite, RunStopped, StopSignals, all_processes_reach,
                     check_resumable, keep_metrics_until, say)
-from .sharding import check_batch, global_batch, make_mesh
+from ..sharding import check_batch, global_batch, make_mesh
 from .tracking import Tracker
 from .step import (TrainConfig, TrainingDiverged, init_state, jit_eval_step, jit_train_step,
                    lm_loss, make_optimizer, place_state)
@@ -313,7 +313,7 @@ def _check_mesh_splits(config: LlamaConfig, mesh) -> None:
     from bridge.tensors import canonical_shapes
 
     from ..checkpoint import _flax_path
-    from .sharding import spec_for
+    from ..sharding import spec_for
 
     for axis in ("fsdp", "tensor"):
         if mesh.shape[axis] == 1:

@@ -30,7 +30,7 @@ import numpy as np
 from bridge.atomic import check_free_space, describe_bytes, write_text
 from bridge.errors import BridgeError
 
-from .sharding import tree_shardings
+from ..sharding import tree_shardings
 from .step import TrainingDiverged
 
 MANIFEST = "jax_llama.manifest.json"

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from bridge.dtypes import dtype_name
 from bridge.errors import BridgeError
 
-from .sharding import batch_sharding, tree_shardings
+from ..sharding import batch_sharding, tree_shardings
 
 Loss = Callable[[Any, dict, jax.Array], jax.Array]  # (params, batch, PRNG key) -> scalar
 
