@@ -28,7 +28,7 @@ MAX_NAMED = 4  # excluded directories named in the one line; the rest are counte
 # What this project writes into a directory, by file and directory names (a trailing "/" marks a
 # directory), never by contents: any one set present makes the directory one of its outputs.
 #   run.json, metrics.jsonl, tokenizer/, checkpoints/  jax_llama.training.loop (train, sft, dpo)
-#   metrics.jsonl, best/                               jax_llama.classify.finetune
+#   metrics.jsonl, best/                               jax_llama.training.finetune
 #   config.json, model.safetensors[.index.json]        bridge.formats.native (and Hugging Face)
 #   adapter_config.json, adapter_model.safetensors     PEFT adapters (bridge.lora)
 OUTPUT_MARKERS = [

@@ -354,9 +354,9 @@ def straight_finetune(task_files, tmp_path_factory):
 def finetune_steps(monkeypatch, at: dict):
     """classify's train step, with `at[step]` (1-based) run before that step: a signal sent, a
     batch poisoned (returned)."""
-    from jax_llama import classify
+    from jax_llama.training import finetune as finetune_lib
 
-    real = classify.jit_train_step
+    real = finetune_lib.jit_train_step
 
     def wrapped(*args, **kwargs):
         step = real(*args, **kwargs)
@@ -365,7 +365,7 @@ def finetune_steps(monkeypatch, at: dict):
             action = at.get(int(state.step) + 1)
             return step(state, action(batch) if action else batch)
         return train_step
-    monkeypatch.setattr(classify, "jit_train_step", wrapped)
+    monkeypatch.setattr(finetune_lib, "jit_train_step", wrapped)
 
 
 def needs_main_thread():

@@ -1,7 +1,7 @@
 """What keeps a training run alive through what real machines do to it: checkpoints that are
 verified before they are trusted, a stop on SIGTERM / SIGINT that loses no step, and the policy
 for a step whose loss or gradients are not finite. Every training loop (jax_llama.training.loop for train,
-sft and dpo; jax_llama.classify for finetune) uses these, so each behaves the same.
+sft and dpo; jax_llama.training.finetune) uses these, so each behaves the same.
 
 Checkpoints are orbax's (each written into a temporary directory and renamed, so a kill never
 leaves half of one). After a save, a manifest - every file's size and SHA-256 - is written into
