@@ -27,8 +27,8 @@ MAX_NAMED = 4  # excluded directories named in the one line; the rest are counte
 
 # What this project writes into a directory, by file and directory names (a trailing "/" marks a
 # directory), never by contents: any one set present makes the directory one of its outputs.
-#   run.json, metrics.jsonl, tokenizer/, checkpoints/  jax_llama.run (train, sft, dpo)
-#   metrics.jsonl, best/                               jax_llama.classify.finetune
+#   run.json, metrics.jsonl, tokenizer/, checkpoints/  jax_llama.training.loop (train, sft, dpo)
+#   metrics.jsonl, best/                               jax_llama.training.finetune
 #   config.json, model.safetensors[.index.json]        bridge.formats.native (and Hugging Face)
 #   adapter_config.json, adapter_model.safetensors     PEFT adapters (bridge.lora)
 OUTPUT_MARKERS = [
@@ -40,7 +40,7 @@ OUTPUT_MARKERS = [
     ("a LoRA adapter", {"adapter_config.json", "adapter_model.safetensors"}),
     ("an orbax checkpoint", {"_CHECKPOINT_METADATA"}),     # one step of orbax's tree
 ]
-# jax_llama.data.tokenize_corpus: tokens-<key>.uint16 / .uint32 beside tokens-<key>.json
+# jax_llama.training.data.tokenize_corpus: tokens-<key>.uint16 / .uint32 beside tokens-<key>.json
 TOKEN_CACHE_FILE = re.compile(r"tokens-[0-9a-f]{16}\.(uint16|uint32)")
 
 

@@ -27,7 +27,7 @@ from .model import (Attention, Block, FeedForward, KVCache, Llama, LlamaOutput, 
 from .model.heads import LlamaClassifier, last_real_index
 from .model.inputs import check_inputs
 from .quantize import quantize
-from .train import TrainConfig, decay_mask, make_optimizer, make_train_step
+from .training.step import TrainConfig, decay_mask, make_optimizer, make_train_step
 
 __all__ = ["Attention", "Block", "Classifier", "FeedForward", "Generation", "KVCache", "Llama",
            "LlamaClassifier", "LlamaConfig", "LlamaOutput", "LoraConfig", "PRESETS", "RMSNorm",

@@ -1,10 +1,9 @@
-"""Sequence classification with a LLaMA: fine-tuning end to end, prediction, and zero-shot prompting.
+"""Sequence classification with a LLaMA: the classifier, prediction, and zero-shot prompting.
 
-Fine-tuning trains `LlamaClassifier` (backbone + head on the last real token) with the same optax
-AdamW and the same compiled step as pretraining (jax_llama.train: make_optimizer's clipping,
-warmup + cosine, decay mask and gradient accumulation; jit_train_step with classifier_loss). Batches are padded to a power-of-two length and built from examples of
-similar length, so there are few compilations and little padding. The backbone comes from any
-checkpoint the bridge reads, or is initialised at random with a BPE trained on the training texts.
+The classifier is `LlamaClassifier` (backbone + head on the last real token) with its labels and
+tokenizer; its backbone comes from any checkpoint the bridge reads, or is initialised at random
+with a BPE trained on the training texts. Fine-tuning it is a training recipe
+(jax_llama.training.finetune).
 
 Zero-shot scores each label word as a continuation of a prompt: the summed log-probability of all
 of the word's tokens. Each text is run once, into a KV cache that the later tokens of the longer
@@ -17,48 +16,32 @@ torch twin loads it too (torch_llama.load_classifier).
 from __future__ import annotations
 
 import functools
-import json
-import math
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from bridge.atomic import write_text
 from bridge.chat import ChatTemplate, own_template
-from bridge.classification import (DEFAULT_TEMPLATE, FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA,
-                                   Dataset, accuracy, encode_texts, read_head,
-                                   truncate_left, write_head, write_predictions)
+from bridge.classification import (DEFAULT_TEMPLATE, encode_texts, read_head,
+                                   truncate_left, write_head)
 from bridge.config import LlamaConfig
 from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
 from bridge.inputs import length_batches, pad_rows
 from bridge.lora import LoraConfig
-from bridge.resources import available_memory
 from bridge.tokenizer import Tokenizer, find_tokenizer
 
 from .model.attention import choose
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_native
-from .data import bucket
-from .lora import add_lora, merge_lora, save_adapter, trainable_for
+from .lora import add_lora, merge_lora, save_adapter
 from .model.heads import Blocks, LlamaClassifier
+from .model.inputs import bucket
 from .model.llama import KVCache, init
-from .run_state import (Checkpoints, NonFinite, RunStopped, StopSignals, keep_metrics_until,
-                        setup_differences)
-from .tracking import Tracker, TrackingSpec
-from .train import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
-
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- the classifier
@@ -222,317 +205,6 @@ class FrozenFeatures:
         for j, i in enumerate(idx):
             x_BSD[j, :len(self.rows[i])] = self.rows[i]
         return x_BSD
-
-
-def frozen_features(clf: Classifier, train_rows: list[list[int]], dev_rows: list[list[int]],
-                    train_layers: int | None, enabled: bool = True
-                    ) -> tuple[FrozenFeatures, FrozenFeatures] | None:
-    """(train, dev) FrozenFeatures when the blocks below the top `train_layers` are frozen and
-    their output for both sets fits in a quarter of the memory available; None otherwise (then
-    every step runs the whole backbone)."""
-    n = clf.model.config.n_layers
-    if not enabled or train_layers is None or train_layers >= n or clf.model.scan_layers:
-        return None
-    need = FrozenFeatures.nbytes(clf, train_rows) + FrozenFeatures.nbytes(clf, dev_rows)
-    have = available_memory()
-    if have is not None and need > have // 4:
-        _say(f"the frozen blocks' output would take {need / 1e9:.1f} GB of the "
-             f"{have / 1e9:.1f} GB available: computed at every step instead")
-        return None
-    low = n - train_layers
-    _say(f"the {low} frozen blocks run once for every text ({need / 1e9:.2f} GB kept); each "
-         f"step runs the top {train_layers}")
-    return (FrozenFeatures.compute(clf, train_rows, low, desc="frozen blocks (train)"),
-            FrozenFeatures.compute(clf, dev_rows, low, desc="frozen blocks (dev)"))
-
-
-# ----------------------------------------------------------------------------- fine-tuning
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    epochs: int = 5
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup: float = 0.1           # fraction of the updates spent warming up
-    weight_decay: float = 0.1     # kernels and embeddings, not norms or the head's bias
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    dropout: float = 0.3          # on the pooled hidden state, before the head
-    max_len: int = 512            # tokens per text, BOS included; longer texts lose their start
-    seed: int = 0
-    # the top blocks that train (with the final norm and the head; LoRA: the adapters in them);
-    # None: every block and the embedding table. The blocks below get no gradient, so their
-    # backward pass is never computed.
-    train_layers: int | None = None
-    # with train_layers: the frozen blocks' output computed once for every text (FrozenFeatures),
-    # when it fits in memory; False: the whole backbone at every step
-    frozen_cache: bool = True
-
-    def __post_init__(self):
-        for name in ("epochs", "batch_size", "grad_accum", "max_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise BridgeError(f"must be a positive integer (got {value!r})", field=name)
-        if self.train_layers is not None and (not isinstance(self.train_layers, int)
-                                              or self.train_layers < 1):
-            raise BridgeError(f"must be a positive integer (got {self.train_layers!r})",
-                              field="train_layers")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise BridgeError(f"must be positive (got {self.lr})", field="lr")
-        if not 0 <= self.warmup < 1:
-            raise BridgeError(f"a fraction of the updates in [0, 1) (got {self.warmup})",
-                              field="warmup")
-        if not 0 <= self.dropout < 1:
-            raise BridgeError(f"must be in [0, 1) (got {self.dropout})", field="dropout")
-
-    def train_config(self, micro_steps: int) -> TrainConfig:
-        updates = max(micro_steps // self.grad_accum, 1)
-        return TrainConfig(steps=max(micro_steps, self.grad_accum), batch_size=self.batch_size,
-                           lr=self.lr, warmup_steps=int(self.warmup * updates), b2=0.98,
-                           weight_decay=self.weight_decay, grad_clip=self.grad_clip,
-                           grad_accum=self.grad_accum, seed=self.seed)
-
-
-def recipe(pretrained: bool, lora: bool, **given) -> dict:
-    """The defaults for a run (FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA) with `given` (the
-    settings passed, None for those not) over them."""
-    base = FROM_SCRATCH if not pretrained else PRETRAINED_LORA if lora else PRETRAINED
-    return {**base, **{k: v for k, v in given.items() if v is not None}}
-
-
-def trainable_layers(model: LlamaClassifier, train_layers: int | None):
-    """The `trainable` labelling (params -> True/False tree, see jax_llama.train.make_optimizer)
-    of a run: LoRA's (jax_llama.lora.trainable_for) when the model has adapters, every leaf
-    otherwise; with train_layers, only within the top `train_layers` blocks, the final norm and
-    the head. None when everything trains."""
-    lora = model.lora
-    if train_layers is None:
-        return None if lora is None else trainable_for(lora)
-    n = model.config.n_layers
-    if train_layers > n:
-        raise BridgeError(f"{train_layers} exceeds the backbone's {n} blocks", field="train_layers")
-    if model.scan_layers:
-        raise BridgeError("needs one parameter set per block (not scan_layers)",
-                          field="train_layers")
-    base = None if lora is None else trainable_for(lora)
-    low = n - train_layers
-
-    def top(path) -> bool:
-        if path[0] == "classifier":
-            return True
-        block = next((k for k in path if k.startswith("layers_")), None)
-        if block is None:  # the final norm trains, the embedding table not
-            return "norm" in path
-        return int(block.split("_")[1]) >= low
-
-    def label(params):
-        from flax import traverse_util
-
-        inside = traverse_util.path_aware_map(lambda path, _: top(path), params)
-        if base is None:
-            return inside
-        return jax.tree.map(lambda a, b: a and b, inside, base(params))
-    return label
-
-
-def classifier_loss(model: LlamaClassifier) -> Loss:
-    """Mean NLL of the labels over the rows with weight 1, dropout drawn from the step's key.
-    The model reads batch["tokens"], or batch["hidden"] when it starts at a first_layer."""
-    inputs = "hidden" if model.first_layer else "tokens"
-
-    def loss(params, batch, key):
-        logp_BC = model.apply({"params": params}, batch[inputs], batch["mask"],
-                              deterministic=False, rngs={"dropout": key})
-        nll_B = -jnp.take_along_axis(logp_BC, batch["labels"][:, None], axis=1)[:, 0]
-        weights = batch["weights"].astype(jnp.float32)
-        return jnp.sum(nll_B * weights) / jnp.maximum(weights.sum(), 1.0)
-    return loss
-
-
-def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConfig, max_len: int,
-                     rng: np.random.Generator, frozen: FrozenFeatures | None = None,
-                     skip: int = 0) -> Iterator[dict]:
-    """One epoch of padded batches; the last is filled up with weight-0 rows. With `frozen`,
-    the rows' hidden states ("hidden") stand for their tokens. skip: leave out the epoch's
-    first batches (those a resumed run has trained on); rng moves on as if they were made."""
-    lengths = np.array([len(r) for r in rows])
-    for idx in length_batches(lengths, fc.batch_size, rng)[skip:]:
-        length = bucket(int(lengths[idx].max()), max_len)
-        tokens, mask = pad_rows([rows[i] for i in idx], length, batch_size=fc.batch_size)
-        y = np.zeros(fc.batch_size, np.int32)
-        y[:len(idx)] = labels[idx]
-        weights = np.zeros(fc.batch_size, np.float32)
-        weights[:len(idx)] = 1
-        inputs = ({"tokens": tokens} if frozen is None
-                  else {"hidden": frozen.batch(idx, length, fc.batch_size)})
-        yield {**inputs, "mask": mask, "labels": y, "weights": weights}
-
-
-@dataclass(frozen=True)
-class RunControl:
-    """How a fine-tuning run meets interruptions (jax_llama.run_state, as `train` does): resume
-    from out/checkpoints, checkpoint at the end of each epoch (and when stopped by a signal),
-    and the policy for a step that is not finite."""
-
-    resume: bool = False
-    on_nan: str = "stop"
-    max_skipped: int = 10
-    keep_checkpoints: int = 2
-
-
-def _run_record(clf: Classifier, fc: FinetuneConfig, train: Dataset, dev: Dataset) -> dict:
-    return {"finetune": asdict(fc), "model": clf.model.config.to_dict(), "labels": clf.labels,
-            "max_len": clf.max_len,
-            "lora": None if clf.model.lora is None else clf.model.lora.to_dict(),
-            "train": str(train.path), "dev": str(dev.path)}
-
-
-def _check_resumable(out: Path, record: dict) -> None:
-    saved_path = out / "finetune.json"
-    if not saved_path.is_file():
-        raise BridgeError(f"{out} holds no fine-tuning run to resume (no finetune.json)",
-                          field="resume")
-    diffs = setup_differences(json.loads(saved_path.read_text()), record)
-    if diffs:
-        raise BridgeError(f"{out} was fine-tuned with a different setup ({'; '.join(diffs)})",
-                          field="resume")
-
-
-def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, out: Path,
-             on_epoch: Callable[[dict], None] | None = None,
-             tracking: TrackingSpec = TrackingSpec(), control: RunControl = RunControl()) -> dict:
-    """Fine-tune `clf` in place on `train`; after each epoch measure `dev`, and keep the best
-    epoch's classifier at out/best with its dev predictions at out/dev_predictions.txt.
-    Per-epoch figures go to out/metrics.jsonl; with `tracking`, each step's loss, grad norm and
-    learning rate and each epoch's figures and tokens/s (steps: batches trained) go to
-    TensorBoard / W&B too. The state is checkpointed at each epoch's end; a SIGTERM / SIGINT
-    stops after the current step with a checkpoint (RunStopped), and `control.resume` goes on
-    from the newest checkpoint that restores, ending where an uninterrupted run ends. Returns
-    a summary."""
-    tracking.check()
-    nonfinite = NonFinite(control.on_nan, control.max_skipped)
-    setup = _run_record(clf, fc, train, dev)
-    if control.resume:
-        _check_resumable(out, setup)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    train_rows, train_cut = encode_texts(clf.tokenizer, train.texts, clf.max_len)
-    dev_rows, dev_cut = encode_texts(clf.tokenizer, dev.texts, clf.max_len)
-    for name, cut, n in (("train", train_cut, len(train_rows)), ("dev", dev_cut, len(dev_rows))):
-        if cut:
-            _say(f"{name}: {cut} of {n} texts longer than {clf.max_len} tokens were truncated "
-                 f"from the left")
-    per_epoch = math.ceil(len(train_rows) / fc.batch_size)
-    tc = fc.train_config(per_epoch * fc.epochs)
-    # LoRA: the adapters and the head only (and the embedding table, when it trains); with
-    # train_layers, of the top blocks only
-    labels = trainable_layers(clf.model, fc.train_layers)
-    optimizer = make_optimizer(tc, labels)
-    state = init_state(clf.params, optimizer)
-    checkpoints = Checkpoints(out / "checkpoints", control.keep_checkpoints)
-    best = {"dev_accuracy": -1.0, "epoch": 0}
-    history, done, carried = [], 0, []  # steps trained; the losses of a part-trained epoch
-    if control.resume and (restored := checkpoints.restore_newest(state, None, with_meta=True)):
-        state, meta, done = restored
-        best, history, carried = meta["best"], meta["history"], meta["epoch_losses"]
-        started -= meta["seconds"]
-        _say(f"resumed {out} at step {done} (epoch {done // per_epoch + 1}, batch "
-             f"{done % per_epoch + 1} of {per_epoch})")
-    else:
-        write_text(out / "finetune.json", json.dumps(setup, indent=2) + "\n")
-    keep_metrics_until(out / "metrics.jsonl", len(history), key="epoch")
-    frozen = frozen_features(clf, train_rows, dev_rows, fc.train_layers, fc.frozen_cache)
-    train_frozen, dev_frozen = frozen or (None, None)
-    step = jit_train_step(classifier_loss(clf.model if frozen is None else train_frozen.model),
-                          optimizer, tc, state, trainable=labels, skip_nonfinite=nonfinite.skip)
-    rng = np.random.default_rng(fc.seed)
-    lengths = np.array([len(r) for r in train_rows])
-    for _ in range(done // per_epoch):  # the shuffles of the epochs done, to move rng on
-        length_batches(lengths, fc.batch_size, rng)
-    train_labels = train.labels
-    tracker = Tracker.open(tracking, out, setup, done if control.resume else None)
-    metrics_file = (out / "metrics.jsonl").open("a")
-    n_tokens = sum(map(len, train_rows))  # real tokens an epoch, padding left out
-
-    def checkpoint(epoch_losses=()) -> Path:
-        return checkpoints.save(int(state.step), state, {
-            "best": best, "history": history, "seconds": time.time() - started,
-            "epoch_losses": [float(x) for x in jax.device_get(list(epoch_losses))]})
-
-    def check(at: int, metrics) -> None:
-        """The NaN policy on step `at`'s metrics, read back while the next step runs."""
-        why = nonfinite.check(at, {k: float(v) for k, v in jax.device_get(metrics).items()})
-        if why is not None and not nonfinite.skip:  # this state is never saved
-            kept = checkpoints.latest_step()
-            raise TrainingDiverged(f"{why}; stopped. Last good checkpoint: "
-                                   f"{'none' if kept is None else checkpoints.path(kept)}")
-        if why is not None:  # too many skipped: the state itself is good
-            raise TrainingDiverged(f"{why}; stopped. Its checkpoint: {checkpoint()}")
-
-    try:
-        with StopSignals() as signals:
-            for epoch in range(done // per_epoch + 1, fc.epochs + 1):
-                first = (epoch - 1) * per_epoch  # steps before this epoch
-                skip = max(done - first, 0)
-                losses = carried if skip else []
-                step_metrics, tick = [], time.perf_counter()
-                bar = tqdm(training_batches(train_rows, train_labels, fc, clf.max_len, rng,
-                                            train_frozen, skip=skip),
-                           total=per_epoch, initial=skip, desc=f"epoch {epoch}/{fc.epochs}",
-                           unit="batch", file=sys.stderr, leave=False)
-                pending = None
-                for batch in bar:
-                    state, metrics = step(state, batch)
-                    if pending is not None:
-                        check(*pending)
-                    pending = (first + len(losses) + 1, metrics)
-                    losses.append(metrics["loss"])
-                    if tracker.active:  # read back at the epoch's end: no wait here
-                        step_metrics.append(metrics)
-                    if len(losses) % 20 == 0:
-                        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
-                    if signals.requested:
-                        break
-                if pending is not None:
-                    check(*pending)
-                for i, metrics in enumerate(jax.device_get(step_metrics)):
-                    tracker.log(first + skip + i + 1, metrics)
-                if signals.requested:
-                    raise RunStopped(int(state.step), per_epoch * fc.epochs, signals.requested,
-                                     checkpoint(losses))
-                clf.params = state.params
-                values = np.asarray(jax.device_get(losses), np.float32)
-                values = values[np.isfinite(values)]  # skipped steps left out
-                train_loss = float(values.mean()) if values.size else float("nan")
-                if not math.isfinite(train_loss):
-                    raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} "
-                                           f"(loss {train_loss})")
-                seconds = time.perf_counter() - tick
-                predictions = predict_ids(clf, dev_rows, frozen=dev_frozen).argmax(-1)
-                record = {"epoch": epoch, "train_loss": train_loss,
-                          "dev_accuracy": accuracy(predictions, dev.labels),
-                          "seconds": time.time() - started,
-                          "tokens_per_s": n_tokens * (len(losses) - skip) / per_epoch / seconds}
-                if nonfinite.skipped:
-                    record["skipped_steps"] = len(nonfinite.skipped)
-                history.append(record)
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                tracker.log(epoch * per_epoch, record)
-                if record["dev_accuracy"] > best["dev_accuracy"]:
-                    best = record
-                    clf.save(out / "best", {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],
-                                            "finetune": asdict(fc)})
-                    write_predictions(out / "dev_predictions.txt", predictions)
-                checkpoint()
-                if on_epoch:
-                    on_epoch(record)
-    finally:
-        metrics_file.close()
-        tracker.close()
-    return {"best": best, "history": history, "train_truncated": train_cut,
-            "dev_truncated": dev_cut, "seconds": time.time() - started,
-            "classifier": str(out / "best")}
 
 
 # ----------------------------------------------------------------------------- zero-shot

@@ -3,7 +3,7 @@ PEFT's format, merge them into the weights.
 
 The adapters live in the params pytree beside the weights they adapt (`wq/lora_A/kernel`,
 `wq/lora_B/kernel`, float32), so one pytree goes through apply, jit, the mesh and orbax as before.
-Which leaves train is a label per leaf (`trainable`); the optimizer (jax_llama.train) partitions
+Which leaves train is a label per leaf (`trainable`); the optimizer (jax_llama.training.step) partitions
 on it with optax.multi_transform, so the frozen weights get no update and no optimizer state.
 With lora.train_embeddings the embedding table trains too, whole and in float32 (`trainable_for`).
 """

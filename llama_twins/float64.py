@@ -4,7 +4,7 @@ It shares no model code with either twin. It is written from the canonical (Meta
 Meta's release writes the model: RoPE as multiplication by complex numbers on adjacent pairs, with
 exact float64 frequencies; GQA by repeating K/V heads; an explicit causal and padding mask. Its
 gradients come from jax.grad, its AdamW steps from optax called here (clipping by global norm,
-then adamw decaying the 2-D weights, one tensor at a time), not from jax_llama.train. Everything runs with 64-bit types
+then adamw decaying the 2-D weights, one tensor at a time), not from jax_llama.training.step. Everything runs with 64-bit types
 enabled for the duration of the call only (`jax.enable_x64`), so the caller's JAX stays 32-bit.
 
 Memory: the weights, two AdamW moments, the gradients and the first step's gradients in float64,

@@ -40,7 +40,7 @@ def best(run, repeats=3):
 
 if kind == "train":
     from bridge.config import LlamaConfig
-    from jax_llama.train import TrainConfig, init_state, lm_loss, make_optimizer, make_train_step, lr_schedule
+    from jax_llama.training.step import TrainConfig, init_state, lm_loss, make_optimizer, make_train_step, lr_schedule
     config = LlamaConfig(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=768, vocab_size=4096,
                          max_seq_len=256)  # llama2.c's stories15M shapes
     tc = TrainConfig(batch_size=8, seq_len=256, steps=100)

@@ -5,7 +5,7 @@ that `jax-llama eval` / `torch-llama eval` can score exactly the text the run he
 
 The run's corpus (its --data, or the embedded default: the standard library's sources) is
 tokenized again with the run's tokenizer (the token cache beside the run answers at once), split
-as training split it (jax_llama.data.split: the last 5% of the tokens, as jax_llama.run holds
+as training split it (jax_llama.training.data.split: the last 5% of the tokens, as jax_llama.training.loop holds
 out), and cut at each BOS into its documents (the corpus frames every file as BOS text EOS). Each
 document's tokens, without BOS and EOS, are decoded into OUT_DIR/validation-NNN.txt. The first is
 the tail of a file that the split cuts in two, so its text starts where the split does.
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-VAL_FRACTION = 0.05  # jax_llama.run._corpus_batches holds out this fraction of the tokens
+VAL_FRACTION = 0.05  # jax_llama.training.loop._corpus_batches holds out this fraction of the tokens
 
 
 def main(argv=None) -> int:
     from bridge.tokenizer import load_tokenizer
-    from jax_llama import data as data_lib
+    from jax_llama.training import data as data_lib
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="a jax-llama train run directory (run.json, tokenizer/)")

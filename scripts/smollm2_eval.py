@@ -55,11 +55,11 @@ def sst_dev(out: Path) -> Path:
 
 
 def embedded_validation(native: Path, out: Path, max_tokens: int, seq_len: int) -> Path:
-    """The embedded corpus' validation split (jax_llama.data.split, as a train run holds it out),
+    """The embedded corpus' validation split (jax_llama.training.data.split, as a train run holds it out),
     tokenised with the model's tokenizer, cut at its documents, the first max_tokens tokens of
     it, written as validation-NNN.txt under out/validation."""
     from bridge.tokenizer import find_tokenizer
-    from jax_llama import data as data_lib
+    from jax_llama.training import data as data_lib
 
     tokenizer = find_tokenizer(native)
     tokens = data_lib.tokenize_corpus(data_lib.default_corpus(), tokenizer, out / "token-cache")

@@ -70,11 +70,11 @@ def real_tokenizer(kind: str):
 
 @contextlib.contextmanager
 def interrupted_at(step: int):
-    """Within the block, a jax_llama.run training run stops with KeyboardInterrupt when its
+    """Within the block, a jax_llama.training.loop training run stops with KeyboardInterrupt when its
     state reaches `step` (as a killed run would); the block expects that interrupt."""
     from unittest import mock
 
-    from jax_llama import run as run_lib
+    from jax_llama.training import loop as run_lib
 
     real = run_lib.jit_train_step
 

@@ -18,7 +18,7 @@ from bridge.lora import LoraConfig
 from jax_llama import init
 from jax_llama.model import Llama
 from jax_llama.sharding import batch_sharding, check_batch, global_batch, make_mesh, tree_shardings
-from jax_llama.train import (TrainConfig, init_state, jit_train_step, lm_loss, loss_fn,
+from jax_llama.training.step import (TrainConfig, init_state, jit_train_step, lm_loss, loss_fn,
                              make_optimizer, place_state)
 
 MESHES = ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2"]
@@ -86,7 +86,7 @@ def main() -> None:
 
 def single_device(model, params, optimizer, tc, batches, labels):
     """The same three steps with plain jit on one device: no mesh, no shardings."""
-    from jax_llama.train import lr_schedule, make_train_step
+    from jax_llama.training.step import lr_schedule, make_train_step
     step = jax.jit(make_train_step(lm_loss(model), optimizer, lr_schedule(tc), trainable=labels))
     device = jax.devices()[0]
     state = jax.device_put(init_state(params, optimizer), device)

@@ -119,7 +119,7 @@ def assert_models_agree(config, implementation):
     left-padded over 6: logits over the real tokens and every parameter's gradient of the masked
     loss within 1e-5 (of the gradients' scale), float32 sums in another order. Returns (xla
     model, the other, params, tokens)."""
-    from jax_llama.train import loss_fn
+    from jax_llama.training.step import loss_fn
     tokens = random_tokens(config, batch=2, seq_len=37)
     mask = np.ones_like(tokens)
     mask[1, :6] = 0
@@ -302,7 +302,7 @@ def test_packed_documents_give_what_each_gives_alone_in_both_twins(small_blocks,
 
     # Gradients: the packed row's loss (no target across a boundary) is the sum of the
     # documents' own losses, so its gradient is the sum of theirs.
-    from jax_llama.train import loss_fn
+    from jax_llama.training.step import loss_fn
 
     def doc_batch(ids):
         ids = np.array([ids], np.int32)

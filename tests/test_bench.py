@@ -220,7 +220,7 @@ def test_lora_section_on_the_tiny_config(monkeypatch, tmp_path):
     assert list(result["steps"]) == ["jit_train_step", "XLA defaults"]
     assert result["steps"]["XLA defaults"]["compiler_options"] is None
     step = result["steps"]["jit_train_step"]
-    from jax_llama.train import compiler_options
+    from jax_llama.training.step import compiler_options
     assert step["compiler_options"] == compiler_options({"w": jnp.zeros(1, jnp.bfloat16)})
     p, n = step["parameters"], count_params(config)
     adapters = sum(math.prod(shape) for shape in adapter_shapes(config, lora.LORA).values())

@@ -333,7 +333,7 @@ def test_every_plain_text_path_adds_what_transformers_adds(layouts, tmp_path_fac
     from bridge.preference import encode_pair
     from bridge.prompts import encode_prompts
     from jax_llama.classify import zero_shot_rows
-    from jax_llama.data import tokenize_corpus
+    from jax_llama.training.data import tokenize_corpus
 
     base = _base(layouts, "smollm2", tmp_path_factory, request)
     text, more = "the film was good", " and the cast fine"

@@ -19,12 +19,13 @@ from bridge.inputs import pad_rows
 from bridge.tokenizer import ByteTokenizer, train_tokenizer
 from conftest import SHARED, save_random_checkpoint, small_config
 from jax_llama import classify
+from jax_llama.training import finetune as finetune_lib
 from llama_twins.cli import main as jax_cli
-from jax_llama import data
 from jax_llama.model.heads import LlamaClassifier
 from jax_llama.model.heads import last_real_index as jax_last_real_index
+from jax_llama.training import data
 from jax_llama.model import Llama
-from jax_llama.train import (TrainConfig, init_state, jit_train_step, lm_loss, lr_schedule,
+from jax_llama.training.step import (TrainConfig, init_state, jit_train_step, lm_loss, lr_schedule,
                              make_optimizer, make_train_step)
 from torch_llama.heads import last_real_index as torch_last_real_index
 
@@ -592,7 +593,7 @@ def test_gradient_accumulation_equals_the_full_batch():
                                                warmup_steps=0, eps=1.0, grad_accum=accum))
         tc = TrainConfig(steps=2 * accum, batch_size=8, grad_accum=accum)
         state = init_state(jax.tree_util.tree_map(jnp.array, clf.params), optimizer)
-        step = jit_train_step(classify.classifier_loss(clf.model), optimizer, tc, state)
+        step = jit_train_step(finetune_lib.classifier_loss(clf.model), optimizer, tc, state)
         for b in batches:
             state, _ = step(state, b)
         results.append(state.params)
@@ -682,7 +683,7 @@ def test_a_pretrained_backbone_gets_its_own_recipe_and_trains_its_top_blocks(tas
     block, the final norm and the head do not. From scratch keeps FROM_SCRATCH."""
     from bridge.classification import (FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA,
                                        resolve_train_layers)
-    from jax_llama.classify import recipe
+    from jax_llama.training.finetune import recipe
 
     (task / "train.txt").write_text(synthetic_lines(40, seed=0))
     config = small_config(n_layers=3, vocab_size=300)
@@ -791,9 +792,9 @@ def _frozen_run(tmp_path, frozen_cache: bool, lora=None):
     config = small_config(n_layers=3, vocab_size=259)
     clf = classify.new_classifier(config, ["negative", "positive"], ByteTokenizer(), 32,
                                   dropout=0.1, seed=0, lora=lora)
-    fc = classify.FinetuneConfig(epochs=2, batch_size=8, lr=3e-3, train_layers=1,
+    fc = finetune_lib.FinetuneConfig(epochs=2, batch_size=8, lr=3e-3, train_layers=1,
                                  frozen_cache=frozen_cache, max_len=32)
-    summary = classify.finetune(clf, train, dev, fc, tmp_path / f"run-{frozen_cache}")
+    summary = finetune_lib.finetune(clf, train, dev, fc, tmp_path / f"run-{frozen_cache}")
     return clf, summary
 
 
@@ -848,12 +849,12 @@ def test_the_frozen_cache_steps_aside_when_memory_is_short(monkeypatch, capsys):
     rows = _byte_rows(FROZEN_TEXTS)
     need = 2 * classify.FrozenFeatures.nbytes(clf, rows)
     assert need == 2 * sum(map(len, rows)) * 48 * 4
-    monkeypatch.setattr(classify, "available_memory", lambda: 4 * need - 4)
-    assert classify.frozen_features(clf, rows, rows, 1) is None
+    monkeypatch.setattr(finetune_lib, "available_memory", lambda: 4 * need - 4)
+    assert finetune_lib.frozen_features(clf, rows, rows, 1) is None
     assert "computed at every step instead" in capsys.readouterr().err
-    monkeypatch.setattr(classify, "available_memory", lambda: 4 * need)
-    train, dev = classify.frozen_features(clf, rows, rows, 1)
+    monkeypatch.setattr(finetune_lib, "available_memory", lambda: 4 * need)
+    train, dev = finetune_lib.frozen_features(clf, rows, rows, 1)
     assert train.model.first_layer == dev.model.first_layer == 2
-    assert classify.frozen_features(clf, rows, rows, 3) is None     # nothing frozen
-    assert classify.frozen_features(clf, rows, rows, None) is None  # everything trains
-    assert classify.frozen_features(clf, rows, rows, 1, enabled=False) is None
+    assert finetune_lib.frozen_features(clf, rows, rows, 3) is None     # nothing frozen
+    assert finetune_lib.frozen_features(clf, rows, rows, None) is None  # everything trains
+    assert finetune_lib.frozen_features(clf, rows, rows, 1, enabled=False) is None

@@ -12,7 +12,7 @@ import jax_llama
 from bridge.convert import convert
 from bridge.errors import BridgeError
 from conftest import small_config
-from jax_llama.train import TrainConfig
+from jax_llama.training.step import TrainConfig
 from llama_twins.cli import bridge_main as bridge_cli, main as jax_cli, torch_main as torch_cli
 
 

@@ -49,7 +49,7 @@ def test_the_check_catches_a_planted_option():
 def test_train_defaults_are_train_configs():
     """The training flags' help states TrainConfig's defaults, written beside TRAIN_OPTIONS (the
     CLI does not import JAX for --help); they must be TrainConfig's own."""
-    from jax_llama.train import TrainConfig
+    from jax_llama.training.step import TrainConfig
     from llama_twins.cli.train import TRAIN_OPTIONS
 
     fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}

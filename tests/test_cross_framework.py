@@ -8,8 +8,8 @@ import torch
 import jax_llama
 import torch_llama
 from conftest import small_config
-from jax_llama.data import Batches
-from jax_llama.train import (TrainConfig, init_state, lm_loss, lr_schedule, make_optimizer,
+from jax_llama.training.data import Batches
+from jax_llama.training.step import (TrainConfig, init_state, lm_loss, lr_schedule, make_optimizer,
                              make_train_step)
 
 STEPS = 50

@@ -7,7 +7,7 @@ import pytest
 
 from bridge.errors import BridgeError
 from bridge.tokenizer import ByteTokenizer
-from jax_llama import data
+from jax_llama.training import data
 
 
 def test_default_corpus_is_the_standard_library():

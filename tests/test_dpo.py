@@ -15,7 +15,8 @@ from conftest import save_random_checkpoint, small_config
 
 from bridge.errors import BridgeError
 from bridge.preference import Pair, encode_pair, encode_pairs, pair_rows, read_pairs
-from jax_llama import dpo as dpo_lib
+from jax_llama.training import dpo as dpo_lib
+from jax_llama.training.spec import DpoSpec
 
 WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "under", "mat", "rug", "red", "blue", "big", "small", "quickly", "slowly", "and", "then", "it", "was", "here", "there"]
 SPECIALS = ["<pad>", "<s>", "</s>"]
@@ -71,7 +72,7 @@ def jax_side(config, paths, pairs, seq_len, loss, smoothing, beta=0.1):
     rows = pair_rows(pairs, seq_len, pad_id=0)
     ref = dpo_lib.sequence_logps(model, reference, rows)
     batch = {**rows, "ref_logps": ref}
-    spec = dpo_lib.DpoSpec(beta=beta, loss=loss, label_smoothing=smoothing)
+    spec = DpoSpec(beta=beta, loss=loss, label_smoothing=smoothing)
     (value, metrics), grads = jax.value_and_grad(
         lambda p: dpo_lib.batch_loss(model, p, batch, spec), has_aux=True)(policy)
     w2 = np.asarray(grads["layers_0"]["feed_forward"]["w2"]["kernel"]).T  # (out, in), as torch
@@ -81,7 +82,7 @@ def jax_side(config, paths, pairs, seq_len, loss, smoothing, beta=0.1):
 @pytest.mark.parametrize("loss,smoothing", LOSS_CASES)
 def test_loss_rewards_and_gradients_equal_trl(two_models, tmp_path, loss, smoothing):
     """TRL's DPOTrainer tokenizes and collates the pairs and computes its loss on the Hugging
-    Face copies; jax_llama.dpo on the same ids. Tolerance: float32 on both sides, sums of a few
+    Face copies; jax_llama.training.dpo on the same ids. Tolerance: float32 on both sides, sums of a few
     dozen log-probs: rtol 1e-4 (rewards: see below; the gradient: 1e-4 of its largest
     entry)."""
     trl = pytest.importorskip("trl")
@@ -172,7 +173,7 @@ def test_standard_pairs_tokenize_as_trl_does(two_models, tmp_path):
 
 @pytest.mark.parametrize("loss,smoothing", LOSS_CASES)
 def test_the_twins_compute_the_same_loss_and_gradients(two_models, loss, smoothing):
-    """torch_llama.dpo on the torch twin against jax_llama.dpo, same checkpoint, same rows.
+    """torch_llama.dpo on the torch twin against jax_llama.training.dpo, same checkpoint, same rows.
     Tolerance: float32 both, rtol 1e-5 / atol 1e-6; the gradient 1e-4 of its largest entry."""
     import torch
 

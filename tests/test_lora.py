@@ -22,7 +22,7 @@ from test_train import corpus  # noqa: F401  (a fixture)
 from jax_llama.checkpoint import params_from_tensors, tensor_specs
 from jax_llama.lora import (add_lora, adapter_of, combine, count, merge_lora, save_adapter, split,
                             trainable)
-from jax_llama.train import TrainConfig, init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
+from jax_llama.training.step import TrainConfig, init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
@@ -321,7 +321,7 @@ def test_lora_run_interrupted_and_resumed_ends_where_a_straight_run_ends(tmp_pat
     """`train --init BASE --lora-rank R`: a run stopped after its checkpoint at step 6 and resumed
     writes the same adapter and merged model, bit for bit, as one never stopped; the base in
     the merged model is the init's, in its stored float32."""
-    from jax_llama.run import train
+    from jax_llama.training.loop import train
     from test_train import spec
 
     base = train(spec(tmp_path / "base", corpus, steps=5, eval_every=5, checkpoint_every=5))["model"]
@@ -375,7 +375,7 @@ def test_a_bfloat16_base_is_not_copied_to_float32_whole_on_cpu():
     would convert every stacked frozen weight at once, outside the layer loop. jit_train_step
     compiles without that pass for narrow params on the CPU: the step's temporaries then hold
     no float32 copy of the layers. Compiled only, on shapes."""
-    from jax_llama.train import compiler_options, jit_train_step
+    from jax_llama.training.step import compiler_options, jit_train_step
     from bridge.config import LlamaConfig
 
     config = LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=1024,

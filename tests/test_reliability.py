@@ -1,4 +1,4 @@
-"""Runs that survive what real machines do (jax_llama.run_state): a damaged newest checkpoint is set
+"""Runs that survive what real machines do (jax_llama.training.state): a damaged newest checkpoint is set
 aside and the run resumes from the one before it; SIGTERM / SIGINT stop after the current step
 with a checkpoint; a step whose loss is not finite stops the run or is skipped. Each resumed run
 must end bit for bit where an uninterrupted one ends."""
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from bridge.errors import BridgeError
-from jax_llama import run as run_lib
-from jax_llama.run_state import ASIDE, MANIFEST, verify
-from jax_llama.train import TrainConfig, init_state, lm_loss, make_optimizer, make_train_step
-from jax_llama.train import TrainingDiverged
+from jax_llama.training import loop as run_lib
+from jax_llama.training.state import ASIDE, MANIFEST, verify
+from jax_llama.training.step import TrainConfig, init_state, lm_loss, make_optimizer, make_train_step
+from jax_llama.training.step import TrainingDiverged
 from test_train import TINY, cli, corpus, spec  # noqa: F401  (corpus: a fixture)
 
 STEPS = dict(steps=20, checkpoint_every=5, eval_every=10, keep_checkpoints=4)
@@ -166,7 +166,7 @@ def test_a_second_signal_ends_the_process_at_once(tmp_path):
     """The first SIGINT is taken as a request; the second kills the process as SIGINT would."""
     script = textwrap.dedent("""
         import os, signal, sys, time
-        from jax_llama.run_state import StopSignals
+        from jax_llama.training.state import StopSignals
         with StopSignals() as s:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)
@@ -189,7 +189,7 @@ def checkpoint_bytes(step_dir: Path) -> int:
 
 def state_size(corpus) -> int:  # noqa: F811
     import jax_llama
-    from jax_llama.run_state import state_bytes
+    from jax_llama.training.state import state_bytes
 
     tc = spec(Path("unused"), corpus, **STEPS).train
     return state_bytes(init_state(jax_llama.init(TINY, seed=0)[1], make_optimizer(tc)))
@@ -207,7 +207,7 @@ def test_a_full_disk_refuses_the_checkpoint_and_keeps_the_one_before(
         corpus, straight, small_fs, tmp_path, monkeypatch, when):  # noqa: F811
     """Room for the first checkpoint and not the second: refused up front (the state's bytes
     do not fit) or, with that check out of the way, as orbax writes it."""
-    from jax_llama import run_state
+    from jax_llama.training import state as run_state
 
     size, first = state_size(corpus), checkpoint_bytes(straight / "checkpoints" / "5")
     mount = small_fs(size_mb=4)
@@ -354,9 +354,9 @@ def straight_finetune(task_files, tmp_path_factory):
 def finetune_steps(monkeypatch, at: dict):
     """classify's train step, with `at[step]` (1-based) run before that step: a signal sent, a
     batch poisoned (returned)."""
-    from jax_llama import classify
+    from jax_llama.training import finetune as finetune_lib
 
-    real = classify.jit_train_step
+    real = finetune_lib.jit_train_step
 
     def wrapped(*args, **kwargs):
         step = real(*args, **kwargs)
@@ -365,7 +365,7 @@ def finetune_steps(monkeypatch, at: dict):
             action = at.get(int(state.step) + 1)
             return step(state, action(batch) if action else batch)
         return train_step
-    monkeypatch.setattr(classify, "jit_train_step", wrapped)
+    monkeypatch.setattr(finetune_lib, "jit_train_step", wrapped)
 
 
 def needs_main_thread():

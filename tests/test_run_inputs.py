@@ -13,7 +13,7 @@ from bridge.data_dirs import check_out_apart, files_under, output_kind
 from bridge.errors import BridgeError
 from bridge.evaluation import data_files
 from bridge.tokenizer import ByteTokenizer
-from jax_llama import data
+from jax_llama.training import data
 from llama_twins.cli import main as cli
 
 WORDS = "the a cat dog sat ran on under mat log red big small quietly".split()

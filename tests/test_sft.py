@@ -13,8 +13,9 @@ import jax_llama
 from bridge.chat import Example, find_template
 from bridge.tokenizer import load_tokenizer
 from conftest import interrupted_at, small_config
-from jax_llama.sft import demo_chats, example_batches, exact_match, load_chats, SftSpec
-from jax_llama.train import lm_loss
+from jax_llama.training.sft import demo_chats, example_batches, exact_match, load_chats
+from jax_llama.training.spec import SftSpec
+from jax_llama.training.step import lm_loss
 from llama_twins.cli import main as jax_cli, torch_main as torch_cli
 
 
@@ -219,7 +220,7 @@ def test_truncation_that_leaves_nothing_to_train_is_refused_or_skipped(tmp_path,
 # -- replay: the starting model's own answers ----------------------------------------------------
 
 def test_general_prompts_are_seeded_distinct_and_of_no_demo_kind():
-    from jax_llama.sft import general_prompts
+    from jax_llama.training.sft import general_prompts
 
     prompts = general_prompts(300, seed=0)
     assert len(set(prompts)) == 300 and general_prompts(300, seed=0) == prompts
@@ -242,7 +243,7 @@ def test_general_prompts_are_seeded_distinct_and_of_no_demo_kind():
     ("   ", True, None),
 ])
 def test_a_replayed_answer_cut_by_the_token_limit_keeps_whole_sentences(text, finished, kept):
-    from jax_llama.sft import replay_answer
+    from jax_llama.training.sft import replay_answer
 
     assert replay_answer(text, finished) == kept
 
@@ -253,8 +254,8 @@ def test_replay_adds_the_starting_model_s_greedy_answers(sft_run, tmp_path, monk
     never end a sentence, so replay_answer is made to keep them whole here."""
     from bridge.chat import find_template
     from bridge.prompts import stop_ids
-    from jax_llama import sft as sft_lib
-    from jax_llama.sft import general_prompts
+    from jax_llama.training import sft as sft_lib
+    from jax_llama.training.sft import general_prompts
 
     root, _ = sft_run
     init = root / "base" / "model"

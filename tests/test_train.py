@@ -17,10 +17,11 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.tokenizer import ByteTokenizer
 from conftest import random_tokens, small_config, with_host_devices
-from jax_llama import run as run_lib
-from jax_llama.run import RunSpec, TrainingDiverged, train
+from jax_llama.training import loop as run_lib
+from jax_llama.training.loop import TrainingDiverged, train
+from jax_llama.training.spec import RunSpec
 from jax_llama.sharding import parse_mesh
-from jax_llama.train import (TrainConfig, init_state, lm_loss, loss_fn, lr_schedule,
+from jax_llama.training.step import (TrainConfig, init_state, lm_loss, loss_fn, lr_schedule,
                              make_optimizer, make_train_step)
 
 TINY = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=259,

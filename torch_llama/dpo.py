@@ -1,9 +1,9 @@
-"""DPO in the torch twin: jax_llama.dpo's loss, rewards and log-probs, on the same batch.
+"""DPO in the torch twin: jax_llama.training.dpo's loss, rewards and log-probs, on the same batch.
 
     logps = sequence_logps(model, rows)        # rows: bridge.preference.pair_rows (2B rows)
     loss, metrics = dpo_loss(logps[:B], logps[B:], ref[:B], ref[B:], n[:B], n[B:], beta=0.1)
 
-The formulas are jax_llama.dpo's (see its docstring): the twins compute each in the same order,
+The formulas are jax_llama.training.dpo's (see its docstring): the twins compute each in the same order,
 in float32.
 """
 
@@ -31,7 +31,7 @@ def sequence_logps(model: Llama, rows: dict) -> torch.Tensor:
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_chosen, n_rejected,
              beta: float, loss: str = "sigmoid", label_smoothing: float = 0.0):
-    """(mean loss, metrics) of B pairs: jax_llama.dpo.dpo_loss in torch."""
+    """(mean loss, metrics) of B pairs: jax_llama.training.dpo.dpo_loss in torch."""
     f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=policy_chosen.device)
     policy_chosen, policy_rejected = policy_chosen.float(), policy_rejected.float()
     chosen_ratio = policy_chosen - f32(ref_chosen)

@@ -144,7 +144,7 @@ def clip_by_global_norm(parameters_or_grads: torch.Tensor | Iterable[torch.Tenso
 
 def decay_mask(param: torch.Tensor) -> bool:
     """The project's weight-decay rule: 2-D weights (linear layers, embeddings) decay; RMSNorm gains,
-    biases and other vectors do not (jax_llama.train.decay_mask, kernels and embeddings)."""
+    biases and other vectors do not (jax_llama.training.step.decay_mask, kernels and embeddings)."""
     return param.ndim == 2
 
 

@@ -36,7 +36,7 @@ from bridge.sampling import Sampler
 from bridge.tokenizer import find_tokenizer
 
 from ..checkpoint import load
-from ..data import bucket
+from ..model.inputs import bucket
 from ..eval import evaluate, token_log_probs
 from ..inference.generate import _MAX_STOP_IDS, generate
 

@@ -26,8 +26,7 @@ from bridge.errors import BridgeError
 from bridge.inputs import pad_rows
 from bridge.sampling import Generation, Sampler, check_generation
 
-from ..data import bucket
-from ..model.inputs import check_inputs
+from ..model.inputs import bucket, check_inputs
 from ..model.llama import KVCache
 
 _MAX_STOP_IDS = 8  # stop ids travel as a fixed-size array so that their number does not recompile

@@ -31,7 +31,7 @@ import numpy as np
 from bridge.errors import BridgeError
 from bridge.inputs import pad_rows
 
-from ..data import bucket
+from ..model.inputs import bucket
 from ..model.llama import KVCache
 from .generate import first_max, top_p_mask
 

@@ -1,6 +1,6 @@
 """What reads a Llama's hidden states besides its LM head: a classifier, and a Llama's blocks run
 in two parts (the frozen lower blocks once, the ones above at every step) that a classifier with
-frozen lower blocks trains on (jax_llama.classify). Parameter paths are a Llama's (`llama/...`).
+frozen lower blocks trains on (jax_llama.training.finetune). Parameter paths are a Llama's (`llama/...`).
 """
 
 from __future__ import annotations

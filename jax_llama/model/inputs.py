@@ -1,4 +1,9 @@
-"""Host-side checks of a model's inputs: bridge.inputs.check_inputs on JAX values."""
+"""A model's inputs on the host: bridge.inputs.check_inputs on JAX values, and the padded length
+of a batch of rows.
+
+Rows of different lengths (texts to classify or score, prompts) are padded to a length `bucket`,
+a power of two, so that a jitted function compiles once per bucket rather than once per length,
+and grouped by bridge.inputs.length_batches so that little of each batch is padding."""
 
 from __future__ import annotations
 
@@ -30,3 +35,11 @@ def _on_host(x) -> bool:
     return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
             and all(device.platform == "cpu" for device in x.devices()))
 
+
+_MIN_BUCKET = 16
+
+
+def bucket(n: int, cap: int) -> int:
+    """The power of two >= n (at least 16), but no more than cap: the padded length of a batch
+    whose longest row is n, so that few lengths (and compilations) occur."""
+    return min(max(_MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), cap)

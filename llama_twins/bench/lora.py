@@ -8,7 +8,7 @@ process's peak RSS and each phase's (build, compile, steps), seconds per step (t
 timed steps; compile timed apart), trainable parameters, the optimizer state's bytes, XLA's buffer
 plan; and whether XLA computes the frozen weights' gradients, found by comparing the step's
 temporaries with those of the same step where the frozen weights sit behind stop_gradient. The
-step runs twice, each in its own worker: as jax_llama.train.jit_train_step compiles it, and with
+step runs twice, each in its own worker: as jax_llama.training.step.jit_train_step compiles it, and with
 XLA's defaults (VARIANTS says why).
 
 Full fine-tuning is computed, never run: bytes per parameter for weights, gradients and AdamW's
@@ -42,7 +42,7 @@ QUICK = dict(preset="tiny", seq_len=32, repeats=2)
 # XLA's CPU backend computes bfloat16 dots in float32; with its defaults, its while-loop invariant
 # code motion then converts each stacked weight whole, outside the layer loop: a float32 copy of
 # the frozen layers among the step's temporaries. jit_train_step compiles bfloat16 params on the
-# CPU without that pass (jax_llama.train.compiler_options); the XLA-defaults step shows what that
+# CPU without that pass (jax_llama.training.step.compiler_options); the XLA-defaults step shows what that
 # saves.
 VARIANTS = ("jit_train_step", "XLA defaults")
 GB = 1e9
@@ -94,7 +94,7 @@ def _memory(compiled) -> dict[str, int]:
 
 
 def train_config(spec: Spec, dtype: str):
-    from jax_llama.train import TrainConfig
+    from jax_llama.training.step import TrainConfig
     return TrainConfig(batch_size=spec.batch, seq_len=spec.seq_len, dtype=dtype, steps=1000,
                        lr=1e-4, warmup_steps=0)
 
@@ -157,7 +157,7 @@ def measure(spec: Spec, variant: str = VARIANTS[0]) -> dict:
 
     import jax_llama
     from jax_llama.lora import add_lora, count, trainable
-    from jax_llama.train import (compiler_options, init_state, jit_train_step, lm_loss,
+    from jax_llama.training.step import (compiler_options, init_state, jit_train_step, lm_loss,
                                  lr_schedule, make_optimizer, make_train_step)
 
     from .train import batch as random_batch
@@ -238,7 +238,7 @@ def full_plan(spec: Spec, variant: str | None = None) -> dict:
     import jax.numpy as jnp
 
     import jax_llama
-    from jax_llama.train import init_state, jit_train_step, lm_loss, make_optimizer
+    from jax_llama.training.step import init_state, jit_train_step, lm_loss, make_optimizer
 
     from .train import batch as random_batch
     tc = train_config(spec, "float32")
@@ -333,7 +333,7 @@ def markdown(result: dict) -> list[str]:
              f"scan_layers", "",
              f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, on {', '.join(lora.targets)}; "
              f"adapters and their AdamW state float32. Step: batch {result['batch']} x "
-             f"{result['seq_len']} random tokens, AdamW with clipping (jax_llama.train; the frozen "
+             f"{result['seq_len']} random tokens, AdamW with clipping (jax_llama.training.step; the frozen "
              f"weights partitioned out by optax.multi_transform), each column in a worker process "
              f"of its own: compiled, {result['warmup']} warm-up and {result['repeats']} timed "
              f"steps (the median)", "",

@@ -28,7 +28,7 @@ OPTIMIZER = dict(steps=1000, lr=3e-4, warmup_steps=10)  # the rest: TrainConfig'
 
 
 def train_config(spec: Spec):
-    from jax_llama.train import TrainConfig
+    from jax_llama.training.step import TrainConfig
     return TrainConfig(batch_size=spec.batch, seq_len=spec.seq_len, dtype=spec.dtype, **OPTIMIZER)
 
 
@@ -43,7 +43,7 @@ def jax_step(spec: Spec, attention: str = "auto"):
     import jax
 
     import jax_llama
-    from jax_llama.train import init_state, jit_train_step, lm_loss, make_optimizer
+    from jax_llama.training.step import init_state, jit_train_step, lm_loss, make_optimizer
     tc = train_config(spec)
     model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype, attention=attention)
     optimizer = make_optimizer(tc)
@@ -137,7 +137,7 @@ def jax_lora_step(spec: Spec):
     import jax_llama
     from bridge.lora import LoraConfig
     from jax_llama.lora import add_lora, count, trainable
-    from jax_llama.train import init_state, jit_train_step, lm_loss, make_optimizer
+    from jax_llama.training.step import init_state, jit_train_step, lm_loss, make_optimizer
     tc = train_config(spec)
     model, params = jax_llama.init(spec.config, seed=0, dtype=spec.dtype)
     model, params = add_lora(model, params, LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA), seed=0)
@@ -223,7 +223,7 @@ def compile_seconds(spec: Spec, n_layers: int, scan_layers: bool) -> float:
     import jax
 
     import jax_llama
-    from jax_llama.train import init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
+    from jax_llama.training.step import init_state, lm_loss, lr_schedule, make_optimizer, make_train_step
     config, tc = spec.config.replace(n_layers=n_layers), train_config(spec)
     model = jax_llama.Llama(config, dtype=spec.dtype, scan_layers=scan_layers)
     optimizer = make_optimizer(tc)

@@ -62,11 +62,12 @@ def cmd_finetune(args) -> int:
     from bridge.classification import read_labels, resolve_train_layers
     from bridge.tokenizer import find_tokenizer, load_tokenizer, train_tokenizer
     from jax_llama.checkpoint import load
-    from jax_llama.classify import FinetuneConfig, RunControl, finetune, new_classifier, recipe
-    from jax_llama.run_state import RunStopped
-    from jax_llama.train import TrainingDiverged
+    from jax_llama.classify import new_classifier
+    from jax_llama.training.finetune import FinetuneConfig, RunControl, finetune, recipe
+    from jax_llama.training.state import RunStopped
+    from jax_llama.training.step import TrainingDiverged
 
-    # the recipe: from scratch, or a pretrained backbone's (jax_llama.classify), flags over it
+    # the recipe: from scratch, or a pretrained backbone's (jax_llama.training.finetune), flags over it
     chosen = recipe(bool(args.init), args.lora_rank is not None, epochs=args.epochs,
                     batch_size=args.batch_size, lr=args.lr, dropout=args.dropout,
                     train_layers=_train_layers(args.train_layers))

@@ -47,7 +47,7 @@ def lora_config(args, saved: dict | None = None):
 def tracking_spec(args, saved: dict | None = None):
     """The TrackingSpec of --log-to / --wandb-project (a resumed run: its own unless --log-to is
     given). W&B logs offline unless WANDB_MODE=online."""
-    from jax_llama.tracking import WANDB_MODES, TrackingSpec
+    from jax_llama.training.tracking import WANDB_MODES, TrackingSpec
 
     saved = saved or {}
     log_to = ([s.strip() for flag in args.log_to for s in flag.split(",") if s.strip()]
@@ -62,7 +62,7 @@ def tracking_spec(args, saved: dict | None = None):
 
 
 def add_tracking_arguments(p) -> None:
-    # Checked by the library (jax_llama.tracking.TrackingSpec), whose errors name log_to.
+    # Checked by the library (jax_llama.training.tracking.TrackingSpec), whose errors name log_to.
     p.add_argument("--log-to", action="append", metavar="tensorboard,wandb",
                    help="also log the run's scalars and config to TensorBoard (RUN/tensorboard/) "
                         "and / or Weights & Biases (RUN/wandb/; offline unless WANDB_MODE=online); "
@@ -86,7 +86,7 @@ def add_lora_arguments(p) -> None:
 
 
 def add_nonfinite_arguments(p) -> None:
-    # Checked by the library (jax_llama.run_state.NonFinite), whose errors name these fields.
+    # Checked by the library (jax_llama.training.state.NonFinite), whose errors name these fields.
     p.add_argument("--on-nan", default="stop",
                    help="a step whose loss or gradients are not finite: stop (the last good "
                         "checkpoint kept) or skip (its update dropped, counted) (default stop)")

@@ -19,7 +19,7 @@ from .options import (add_attention_argument, add_lora_arguments, add_nonfinite_
 
 # TrainConfig fields settable from the command line: (field, type, TrainConfig's default as the
 # help states it, help). The flag itself defaults to None: TrainConfig's default, or on --resume the
-# run's saved value. jax_llama.train is not imported for --help (it imports JAX), so the defaults
+# run's saved value. jax_llama.training.step is not imported for --help (it imports JAX), so the defaults
 # are written here; tests/test_cli_help.py checks them against TrainConfig's.
 TRAIN_OPTIONS = [
     ("steps", int, 600, "train_step calls (micro-batches when --grad-accum > 1)"),
@@ -43,8 +43,8 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
               dpo=None):
     """The RunSpec of `train`, `sft` or `dpo` from their shared flags (a resumed run: its own
     settings unless flags say otherwise, which the resume check then refuses)."""
-    from jax_llama.run import RunSpec
-    from jax_llama.train import TrainConfig
+    from jax_llama.training.spec import RunSpec
+    from jax_llama.training.step import TrainConfig
 
     out = Path(args.out) if args.out else Path("runs") / time.strftime(
         f"{args.command}-%Y%m%d-%H%M%S")
@@ -89,8 +89,8 @@ DEMO_STEPS = 3000
 
 
 def cmd_sft(args) -> int:
-    from jax_llama.run import sft_inputs
-    from jax_llama.sft import SftSpec
+    from jax_llama.training.sft import sft_inputs
+    from jax_llama.training.spec import SftSpec
 
     if args.data is None and args.steps is None and not args.resume:
         args.steps = DEMO_STEPS  # the demo task's default: 99% exact match in about 5 minutes
@@ -119,7 +119,7 @@ DPO_LR = {"full": 1e-6, "lora": 5e-5, "scratch": 1e-3}
 
 
 def cmd_dpo(args) -> int:
-    from jax_llama.dpo import DpoSpec
+    from jax_llama.training.spec import DpoSpec
 
     if not args.resume:
         if args.data is None and args.steps is None:
@@ -179,8 +179,8 @@ def _wait_for_coordinator(address: str, timeout: float) -> None:
 
 def _run(args, spec) -> int:
     """Train (`train`, `sft`) and report where everything went."""
-    from jax_llama.run import RunStopped, train
-    from jax_llama.train import TrainingDiverged
+    from jax_llama.training.loop import RunStopped, train
+    from jax_llama.training.step import TrainingDiverged
 
     if args.multi_host:
         _join_processes(args)

@@ -85,7 +85,7 @@ def jax_bug(bug: str, model, params, path, dtype):
     import jax
     import optax
 
-    import jax_llama.train as train
+    import jax_llama.training.step as train
     from bridge.formats import open_checkpoint
     from bridge.formats.hf import to_half_split
     from jax_llama.checkpoint import params_from_tensors

@@ -68,7 +68,7 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
     _check_memory(ckpt, reference_f64, say)
     import jax_llama
     import torch_llama
-    from jax_llama.train import TrainConfig
+    from jax_llama.training.step import TrainConfig
 
     notes = []
     tokens, mask = _random_batch(config, batch, seq_len, seed)

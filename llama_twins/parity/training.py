@@ -10,7 +10,7 @@ import numpy as np
 from .judgement import _compare, _compare_tensors, _global_norm
 
 ADAMW_STEPS = 10
-# The training figures run the project's own recipe (jax_llama.train.TrainConfig defaults: lr
+# The training figures run the project's own recipe (jax_llama.training.step.TrainConfig defaults: lr
 # 3e-3, b1 0.9, b2 0.95, weight decay 0.1 on 2-D weights, clipping at 1.0, warmup then cosine)
 # but for eps. With eps = 1e-8 Adam divides by sqrt(nu), so a gradient entry that is a cancelling
 # sum, near zero and with a relative rounding error of order 1 (its sign, even), steps by up to lr
@@ -27,8 +27,8 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
                      ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """(rows, JAX's gradients of the first step by canonical name). Loss and gradients of one
     step of mean next-token cross-entropy on the batch (the same ids, no padding:
-    jax_llama.train.loss_fn takes no attention mask), then the parameters after
-    tc.steps steps on that batch of jax_llama.train's optimizer and of torch_llama.AdamW with the
+    jax_llama.training.step.loss_fn takes no attention mask), then the parameters after
+    tc.steps steps on that batch of jax_llama.training.step's optimizer and of torch_llama.AdamW with the
     same hyperparameters and schedule; each against the float64 run of the same (`truth`).
     Memory: one twin trains at a time, and only its first gradients and its last parameters
     outlive its run; the figures are reduced tensor by tensor."""
@@ -37,7 +37,7 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
     import torch
     import torch_llama
     from jax_llama.checkpoint import tensor_specs
-    from jax_llama.train import loss_fn, make_optimizer
+    from jax_llama.training.step import loss_fn, make_optimizer
 
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
              "mask": np.ones(tokens[:, 1:].shape, np.int32)}
@@ -102,7 +102,7 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
 
 def _optimizer_check(model, tmodel, tc, held: dict[str, np.ndarray], grads0: dict,
                      reference_f64: bool) -> dict:
-    """Both twins' optimizers (jax_llama.train.make_optimizer; torch_llama's clipping and AdamW
+    """Both twins' optimizers (jax_llama.training.step.make_optimizer; torch_llama's clipping and AdamW
     with its decay mask) for tc.steps steps from `held` (the checkpoint in the report's dtype),
     held in float32 as training keeps its master weights, each step given the same gradients: grads0
     (the float64 run's first gradients) scaled at step k to a global norm of (k + 2) x the
@@ -116,7 +116,7 @@ def _optimizer_check(model, tmodel, tc, held: dict[str, np.ndarray], grads0: dic
 
     import torch_llama
     from jax_llama.checkpoint import params_from_tensors, tensor_specs
-    from jax_llama.train import make_optimizer
+    from jax_llama.training.step import make_optimizer
 
     names = list(held)
     start = {n: held[n].astype(np.float32) for n in names}

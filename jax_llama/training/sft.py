@@ -2,39 +2,33 @@
 chat template, the loss on the assistant's tokens only, whole conversations packed into rows.
 
 The rendering and the mask are bridge.chat's (framework-neutral); here the examples become the
-batches of jax_llama.run's training loop, and a held-out set is scored by exact match of greedy
+batches of jax_llama.training.loop's training loop, and a held-out set is scored by exact match of greedy
 replies. With no data, `demo_chats` makes a small instruction task with exact answers, so that
 the command shows learning on any machine with nothing downloaded.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
 from bridge.chat import ChatTemplate, Example, encode_example, read_chats, truncate
+from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 
+from ..checkpoint import load as load_checkpoint
 from . import data as data_lib
+from .inputs import run_config, run_tokenizer
+from .spec import RunSpec, SftSpec
+from .state import say
 
-
-@dataclass(frozen=True)
-class SftSpec:
-    data: str | None = None           # chats JSONL; None: the synthetic demo task (demo_chats)
-    eval_data: str | None = None      # held-out chats; None: eval_fraction of data
-    chat_template: str | None = None  # llama3 | llama2 | a jinja file; None: the init's own
-    skip_invalid: bool = False        # count and skip examples that cannot train, not refuse
-    eval_fraction: float = 0.05
-    demo_examples: int = 6000         # of the demo task, when there is no data
-    replay: int = 0                   # the --init model's own answers to this many general
-                                      # prompts, trained on beside the data (replay_chats)
-    replay_tokens: int = 128          # at most, per replayed answer
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+if TYPE_CHECKING:
+    from .step import TrainConfig
 
 
 # -- the demo task ---------------------------------------------------------------------------------
@@ -216,3 +210,146 @@ def exact_match(reply: Callable[[list[list[int]]], list[list[int]]], template: C
             got, want = tokenizer.decode(ids).strip(), messages[-1]["content"].strip()
             records.append({"where": where, "expected": want, "reply": got, "match": got == want})
     return sum(r["match"] for r in records) / max(1, len(records)), records
+
+
+# -- the recipe's inputs, read and checked before the run writes anything -------------------------
+
+@dataclass
+class ChatInputs:
+    """An SFT run's inputs, all checked before the run writes anything: the tokenizer, the model
+    config, the chat template, and the conversations encoded with their assistant-only masks."""
+
+    spec: RunSpec
+    tokenizer: object
+    config: LlamaConfig
+    template: object                 # bridge.chat.ChatTemplate
+    examples: list                   # bridge.chat.Example, cut to seq_len + 1 tokens
+    eval_examples: list
+    eval_chats: list                 # (where, messages) of the held-out conversations
+    skipped: list[str]
+    train_prompts: set[str]          # each training conversation but its last reply, as JSON
+
+    def batches(self, tc: TrainConfig, local_batch: int, pack: bool):
+        args = (local_batch, tc.seq_len, tc.seed, jax.process_index(), self.tokenizer.pad_id or 0, pack,
+                jax.process_count())
+        batches = example_batches(self.examples, *args)
+        val_batches = example_batches(self.eval_examples, *args[:2], tc.seed + 1, *args[3:])
+        trained = int(sum(e.trained.sum() for e in self.examples))
+        total = int(sum(len(e.ids) for e in self.examples))
+        say(f"{len(self.examples):,} conversations ({len(self.eval_examples):,} held out"
+             f"{f', {len(self.skipped):,} skipped' if self.skipped else ''}): {total:,} tokens, "
+             f"{trained:,} of them trained (the assistant's)")
+        unpacked = unpacked_padding(self.examples, tc.seq_len)
+        if pack:
+            say(f"packed into {len(batches.rows):,} rows: {batches.padding():.1%} padding "
+                 f"(one conversation a row: {unpacked:.1%})")
+        else:
+            say(f"one conversation a row: {unpacked:.1%} padding (--pack would save most of it)")
+        # The baseline: a unigram model of the trained tokens.
+        targets = np.concatenate([e.ids[e.trained] for e in self.examples])
+        held = np.concatenate([e.ids[e.trained] for e in self.eval_examples])
+        return batches, val_batches, data_lib.unigram_loss(targets, held, self.config.vocab_size)
+
+    def exact_match(self, model, params, limit: int = 200) -> dict:
+        """Greedy replies to (up to `limit` of) the held-out conversations against their last
+        assistant message."""
+        from bridge.sampling import Sampler
+
+        from ..inference.generate import generate
+
+        chats = self.eval_chats[:limit]
+        longest = max(len(self.tokenizer.encode(m[-1]["content"])) for _, m in chats)
+
+        def reply(prompts):
+            room = self.config.max_seq_len - max(map(len, prompts))
+            return generate(model, params, prompts, max(1, min(longest + 4, room)), Sampler(),
+                            self.tokenizer.stop_ids).tokens
+        score, records = exact_match(reply, self.template, self.tokenizer, chats)
+        for record, (_, messages) in zip(records, chats):
+            record["seen_in_training"] = prompt_key(messages) in self.train_prompts
+        unseen = [r["match"] for r in records if not r["seen_in_training"]]
+        result = {"exact_match": score, "n": len(chats),
+                  "unseen_exact_match": float(np.mean(unseen)) if unseen else None,
+                  "n_unseen": len(unseen), "replies": records}
+        say(f"exact match on {len(chats)} held-out conversations: {score:.1%}"
+             + (f" ({result['unseen_exact_match']:.1%} on the {len(unseen)} whose question is "
+                f"not in the training set)" if unseen else ""))
+        return result
+
+    def sample(self, scores: dict) -> str:
+        return "\n".join(f"{r['where']}: {r['expected']!r} -> {r['reply']!r}"
+                         for r in scores["replies"][:5])
+
+
+def sft_inputs(spec: RunSpec) -> ChatInputs:
+    """Read, render and check an SFT run's conversations (refusing, naming the example, what
+    cannot train), with the tokenizer and template they need."""
+    from bridge.chat import find_template
+
+    sft = spec.sft
+    chats, eval_chats = load_chats(sft, spec.train.seed)
+    tokenizer = run_tokenizer(spec, lambda: chat_texts(chats),
+                           f"the {len(chats):,} conversations")
+    config = run_config(spec, tokenizer)
+    template_from = spec.out if spec.resume else spec.init
+    template = find_template(template_from, tokenizer, None if spec.resume else sft.chat_template)
+    max_len = spec.train.seq_len + 1
+    if sft.replay:
+        chats = chats + replay_chats(spec, tokenizer, template)
+    examples, skipped = encode_all(chats, template, tokenizer, max_len, sft.skip_invalid)
+    eval_examples, eval_skipped = encode_all(eval_chats, template, tokenizer, max_len,
+                                                     sft.skip_invalid)
+    if not examples or not eval_examples:
+        raise BridgeError(f"no {'training' if not examples else 'held-out'} conversation is "
+                          f"left to train on", field="data")
+    kept = {where for where, _ in eval_chats} - set(eval_skipped)
+    return ChatInputs(spec, tokenizer, config, template, examples, eval_examples,
+                      [c for c in eval_chats if c[0] in kept], skipped + eval_skipped,
+                      {prompt_key(messages) for _, messages in chats})
+
+
+def replay_chats(spec: RunSpec, tokenizer, template) -> list[tuple[str, list[dict]]]:
+    """The --init model's own greedy answers to spec.sft.replay general prompts, as chats
+    (where: replay:N): trained on beside the data, they keep the model answering other requests
+    as it did, where a narrow task alone teaches its style to every reply. The same every time
+    (greedy), so a resumed run trains on the same chats."""
+    from bridge.prompts import stop_ids as tokenizer_stops
+
+    from ..inference.generate import generate
+
+    sft = spec.sft
+    if not spec.init:
+        raise BridgeError("needs --init: the answers replayed are the starting model's own",
+                          field="replay")
+    prompts = general_prompts(sft.replay, spec.train.seed)
+    model, params = load_checkpoint(spec.init, dtype="float32", attention=spec.attention)
+    stops = list(tokenizer_stops(tokenizer))
+    ids = [template.encode([{"role": "user", "content": p}], tokenizer, add_generation_prompt=True)
+           for p in prompts]
+    chats, dropped, batch = [], 0, 32
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    answers: dict[int, str | None] = {}
+    for start in tqdm(range(0, len(order), batch), desc=f"replay: {spec.init}'s own answers",
+                      unit="batch", file=sys.stderr, leave=False):
+        rows = order[start:start + batch]
+        out = generate(model, params, [ids[i] for i in rows], sft.replay_tokens,
+                       stop_ids=stops).tokens
+        for i, tokens in zip(rows, out):
+            finished = bool(tokens) and tokens[-1] in stops
+            answers[i] = replay_answer(
+                tokenizer.decode([t for t in tokens if t not in stops]), finished)
+    for i, prompt in enumerate(prompts):
+        if answers[i] is None:
+            dropped += 1
+            continue
+        chats.append((f"replay:{i + 1}", [{"role": "user", "content": prompt},
+                                          {"role": "assistant", "content": answers[i]}]))
+    say(f"replay: {len(chats)} of the starting model's own answers join the training chats"
+         + (f" ({dropped} left out: cut at {sft.replay_tokens} tokens before any sentence ended)"
+            if dropped else ""))
+    return chats
+
+
+def exact_match_scalars(scores: dict) -> dict:
+    """exact_match()'s figures, without the replies and counts, for the tracker."""
+    return {k: scores[k] for k in ("exact_match", "unseen_exact_match")}

@@ -21,51 +21,29 @@ or, with precompute_ref, run once over every pair before training, and then drop
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
+from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.preference import Pair, in_order
 
-LOSSES = ("sigmoid", "robust", "hinge", "ipo")
+from .inputs import run_config, run_tokenizer
+from .spec import LOSSES, DpoSpec, RunSpec
+from .state import say
+
+if TYPE_CHECKING:
+    from .step import TrainConfig
+
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
            "logps/chosen", "logps/rejected")
-
-
-@dataclass(frozen=True)
-class DpoSpec:
-    data: str | None = None            # pairs JSONL; None: the demo task (demo_pairs)
-    eval_data: str | None = None       # held-out pairs; None: eval_fraction of data
-    chat_template: str | None = None   # for conversational pairs; None: the init's own
-    beta: float = 0.1
-    loss: str = "sigmoid"
-    label_smoothing: float = 0.0
-    precompute_ref: bool = False       # reference log-probs for every pair before training
-    eval_fraction: float = 0.1
-    demo_pairs: int = 4000
-
-    def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise BridgeError(f"unknown loss {self.loss!r} (expected {', '.join(LOSSES)})",
-                              field="loss")
-        if not (np.isfinite(self.beta) and self.beta > 0):
-            raise BridgeError(f"must be positive (got {self.beta})", field="beta")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise BridgeError(f"must be in [0, 0.5) (got {self.label_smoothing})",
-                              field="label_smoothing")
-        if self.label_smoothing and self.loss not in ("sigmoid", "robust"):
-            raise BridgeError(f"applies to the sigmoid and robust losses, not {self.loss}",
-                              field="label_smoothing")
-        if not 0 < self.eval_fraction < 1:
-            raise BridgeError(f"must be in (0, 1) (got {self.eval_fraction})", field="eval_fraction")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 # -- the loss --------------------------------------------------------------------------------------
@@ -125,7 +103,7 @@ def batch_loss(model, params, batch: dict, spec: DpoSpec, key=None):
 
 
 def train_loss(model, spec: DpoSpec):
-    """batch_loss as a jax_llama.train Loss with aux metrics (make_train_step(has_aux=True))."""
+    """batch_loss as a jax_llama.training.step Loss with aux metrics (make_train_step(has_aux=True))."""
     return lambda params, batch, key: batch_loss(model, params, batch, spec, key)
 
 
@@ -137,7 +115,7 @@ class Reference:
     holds `params`, a copy of the starting weights (None once dropped)."""
 
     def __init__(self, model, params=None):
-        from .lora import split
+        from ..lora import split
 
         self.lora = model.lora is not None
         if self.lora and model.lora.train_embeddings:
@@ -227,7 +205,7 @@ def _wrong(kind: str, answer: str) -> str:
 
 
 def demo_pairs(n: int, seed: int) -> list[tuple[str, dict]]:
-    """`n` conversational pairs over the SFT demo's word questions (jax_llama.sft.demo_chats,
+    """`n` conversational pairs over the SFT demo's word questions (jax_llama.training.sft.demo_chats,
     DEMO_KINDS): the right answer chosen, a wrong one of the same form rejected (the list in the
     other order, the word spelled backwards, only its first letter in capitals). A model that
     has not learnt the tasks finds either about as likely; one that has prefers the right one."""
@@ -247,8 +225,157 @@ def demo_pairs(n: int, seed: int) -> list[tuple[str, dict]]:
 
 
 def split_pairs(records: list, eval_fraction: float, seed: int) -> tuple[list, list]:
-    """(train, held out): jax_llama.sft.hold_out's seeded split of the pairs."""
+    """(train, held out): jax_llama.training.sft.hold_out's seeded split of the pairs."""
     from .sft import hold_out
 
     return hold_out(records, eval_fraction, seed, f"{len(records)} pair; at least two are needed "
                     f"to hold one out (or pass --eval-data)")
+
+
+# -- the recipe's inputs, read and checked before the run writes anything -------------------------
+
+@dataclass
+class PreferenceInputs:
+    """A DPO run's inputs, all checked before the run writes anything: the tokenizer, the model
+    config, the chat template (for conversational pairs) and the encoded pairs; then its
+    reference (start_reference) and the reference log-probs of the held-out pairs."""
+
+    spec: RunSpec
+    tokenizer: object
+    config: LlamaConfig
+    template: object | None          # bridge.chat.ChatTemplate, or None for plain-text pairs
+    pairs: list                      # bridge.preference.Pair
+    eval_pairs: list
+    counts: dict                     # skipped (identical) and cut pairs
+    reference: object = None         # Reference, once started
+    eval_ref: np.ndarray | None = None
+    train_ref: np.ndarray | None = None   # with precompute_ref
+    batch_size: int = 0              # pairs a batch, and the rows' length: set with the reference
+    seq_len: int = 0
+    _logps: dict = field(default_factory=dict)
+
+    def batches(self, tc: TrainConfig, local_batch: int):
+        from bridge.preference import PairBatches
+
+        tokens = sum(len(p.chosen) + len(p.rejected) for p in self.pairs)
+        say(f"{len(self.pairs):,} preference pairs ({len(self.eval_pairs):,} held out"
+             + "".join(f", {n:,} {what}" for what, n in (
+                 ("skipped: chosen = rejected", self.counts["identical"]),
+                 (f"cut to {tc.seq_len + 1} tokens", self.counts["cut"])) if n)
+             + f"): {tokens:,} completion tokens")
+        return PairBatches(self.pairs, local_batch, tc.seq_len, tc.seed, self.pad_id)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id or 0
+
+    def start_reference(self, model, params, tc: TrainConfig, local_batch: int) -> None:
+        """The reference policy of the starting weights (see jax_llama.training.dpo.Reference) and the
+        held-out pairs' reference log-probs; with precompute_ref, every training pair's too,
+        and the reference's copy of the weights is then dropped."""
+        dpo = self.spec.dpo
+        copy = None if model.lora is not None else jax.tree.map(lambda x: x.copy(), params)
+        self.reference = Reference(model, copy)
+        self.batch_size, self.seq_len = local_batch, tc.seq_len
+
+        def progress(desc):
+            return lambda it, total: tqdm(it, total=total, desc=desc, unit="batch",
+                                          file=sys.stderr, leave=False)
+        self.eval_ref = self.reference.all_logps(params, self.eval_pairs, local_batch, tc.seq_len,
+                                                 self.pad_id, progress("reference (held out)"))
+        if dpo.precompute_ref:
+            self.train_ref = self.reference.all_logps(params, self.pairs, local_batch, tc.seq_len,
+                                                      self.pad_id, progress("reference (train)"))
+            self.reference.params = None
+
+    def batch(self, batches, step: int, params) -> dict:
+        """Training batch `step` with its reference log-probs (2B,): looked up when precomputed,
+        else computed now from the frozen reference."""
+        rows = batches.batch(step)
+        index = rows.pop("index")
+        if self.train_ref is not None:
+            ref = np.concatenate([self.train_ref[index, 0], self.train_ref[index, 1]])
+        else:
+            ref = np.asarray(self.reference.logps(params, rows))
+        return {**rows, "ref_logps": ref.astype(np.float32)}
+
+    def evaluate(self, model, params, replies: bool = False) -> dict:
+        """Held-out loss, rewards and pair accuracy (jax_llama.training.dpo.evaluate); with replies, the
+        model's greedy answers to the first four held-out prompts as well."""
+        fn = self._logps.get(id(model))
+        if fn is None:
+            fn = self._logps[id(model)] = jax.jit(
+                lambda p, rows: sequence_logps(model, p, rows))
+        result = evaluate(model, params, self.eval_pairs, self.eval_ref, self.spec.dpo,
+                                  self.batch_size, self.seq_len, self.pad_id, fn)
+        say(f"held-out pairs: loss {result['loss']:.4f}, rewards/accuracies "
+             f"{result['rewards/accuracies']:.1%}, the model prefers the chosen completion in "
+             f"{result['preference/accuracy']:.1%}")
+        if replies:
+            from bridge.sampling import Sampler
+
+            from ..inference.generate import generate
+
+            shown = self.eval_pairs[:4]
+            new = max(len(p.chosen) for p in shown) + 4
+            room = self.config.max_seq_len - max(len(p.prompt) for p in shown)
+            out = generate(model, params, [p.prompt.tolist() for p in shown],
+                           max(1, min(new, room)), Sampler(), self.tokenizer.stop_ids).tokens
+            stops = set(self.tokenizer.stop_ids)
+            result["replies"] = []
+            for pair, ids in zip(shown, out):
+                ids = ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
+                result["replies"].append({
+                    "where": pair.where, "prompt": self.tokenizer.decode(pair.prompt),
+                    "chosen": self.tokenizer.decode(pair.chosen),
+                    "rejected": self.tokenizer.decode(pair.rejected),
+                    "reply": self.tokenizer.decode(ids).strip()})
+        return result
+
+    def sample(self, scores: dict) -> str:
+        before = {r["where"]: r["reply"] for r in scores.get("before", {}).get("replies", [])}
+        return "\n".join(f"{r['where']}: chosen {r['chosen'].strip()!r}, rejected "
+                         f"{r['rejected'].strip()!r}: {before.get(r['where'], '?')!r} -> "
+                         f"{r['reply']!r}" for r in scores["after"]["replies"])
+
+
+def _pair_texts(records) -> list[str]:
+    """Every prompt and completion's text: what a BPE trained for the run reads."""
+    texts = []
+    for _, record in records:
+        for value in record.values():
+            texts += [value] if isinstance(value, str) else [m["content"] for m in value]
+    return texts
+
+
+def dpo_inputs(spec: RunSpec) -> PreferenceInputs:
+    """Read, check and encode a DPO run's pairs (refusing, naming FILE:LINE, what cannot train),
+    with the tokenizer and, for conversational pairs, the chat template."""
+    from bridge.chat import find_template
+    from bridge.preference import encode_pairs, read_pairs
+
+    dpo = spec.dpo
+    seed = spec.train.seed
+    records = read_pairs(dpo.data) if dpo.data else demo_pairs(dpo.demo_pairs, seed)
+    if dpo.eval_data:
+        eval_records = read_pairs(dpo.eval_data)
+    else:
+        records, eval_records = split_pairs(records, dpo.eval_fraction, seed)
+    tokenizer = run_tokenizer(spec, lambda: _pair_texts(records), f"the {len(records):,} pairs")
+    config = run_config(spec, tokenizer)
+    template = None
+    if any(not isinstance(r["prompt"], str) for _, r in records + eval_records):
+        template = find_template(spec.out if spec.resume else spec.init, tokenizer,
+                                 None if spec.resume else dpo.chat_template)
+    pairs, counts = encode_pairs(records, tokenizer, template, spec.train.seq_len)
+    eval_pairs, eval_counts = encode_pairs(eval_records, tokenizer, template, spec.train.seq_len)
+    if not pairs or not eval_pairs:
+        raise BridgeError(f"no {'training' if not pairs else 'held-out'} pair is left to train on",
+                          field="data")
+    counts = {k: counts[k] + eval_counts[k] for k in counts}
+    return PreferenceInputs(spec, tokenizer, config, template, pairs, eval_pairs, counts)
+
+
+def eval_scalars(result: dict) -> dict:
+    """A DPO evaluation's figures, without the replies, for the tracker and the metrics."""
+    return {f"eval/{k}": v for k, v in result.items() if k != "replies"}

@@ -1,4 +1,4 @@
-"""Corpus -> token cache -> batches; rows of different lengths -> padded, length-bucketed batches.
+"""Corpus -> token cache -> batches.
 
 Text files (or directories of them) are tokenized once into a flat uint16 / uint32 file next to
 the run and memory-mapped; the cache is keyed by the files (path, size, mtime) and the tokenizer,
@@ -6,10 +6,6 @@ so an unchanged corpus is never tokenized twice. Each file is one document, fram
 BOS text EOS. Batches are random windows of seq_len + 1 tokens drawn from a generator seeded by
 (seed, step, process), so the batch of any step can be recomputed on resume without saving a
 data position.
-
-Rows of different lengths (texts to classify or score, prompts) are padded to a length `bucket`,
-a power of two, so that a jitted function compiles once per bucket rather than once per length,
-and grouped by bridge.inputs.length_batches so that little of each batch is padding.
 """
 
 from __future__ import annotations
@@ -296,14 +292,3 @@ def unigram_loss(train: np.ndarray, val: np.ndarray, vocab_size: int) -> float:
     counts = np.bincount(np.asarray(train), minlength=vocab_size).astype(np.float64) + 1.0
     log_p = np.log(counts / counts.sum())
     return float(-log_p[np.asarray(val)].mean())
-
-
-# -- rows of different lengths ------------------------------------------------------------------
-
-_MIN_BUCKET = 16
-
-
-def bucket(n: int, cap: int) -> int:
-    """The power of two >= n (at least 16), but no more than cap: the padded length of a batch
-    whose longest row is n, so that few lengths (and compilations) occur."""
-    return min(max(_MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()), cap)

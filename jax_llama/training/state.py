@@ -1,7 +1,7 @@
 """What keeps a training run alive through what real machines do to it: checkpoints that are
 verified before they are trusted, a stop on SIGTERM / SIGINT that loses no step, and the policy
-for a step whose loss or gradients are not finite. Every training loop (jax_llama.run for train,
-sft and dpo; jax_llama.classify for finetune) uses these, so each behaves the same.
+for a step whose loss or gradients are not finite. Every training loop (jax_llama.training.loop for train,
+sft and dpo; jax_llama.training.finetune) uses these, so each behaves the same.
 
 Checkpoints are orbax's (each written into a temporary directory and renamed, so a kill never
 leaves half of one). After a save, a manifest - every file's size and SHA-256 - is written into
@@ -30,13 +30,16 @@ import numpy as np
 from bridge.atomic import check_free_space, describe_bytes, write_text
 from bridge.errors import BridgeError
 
-from .sharding import tree_shardings
+from ..sharding import tree_shardings
+from .step import TrainingDiverged
 
 MANIFEST = "jax_llama.manifest.json"
 ASIDE = ".unreadable-"
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
+    """A line of progress for the person running the command, on stderr (stdout carries
+    results): the one voice of every training run, the loop's and each recipe's."""
     print(message, file=sys.stderr)
 
 
@@ -72,6 +75,20 @@ def setup_differences(saved: dict, now: dict) -> list[str]:
 
 
 # -- checkpoints ------------------------------------------------------------------------------------
+
+def check_resumable(out: Path, now: dict, record: str = "run.json", kind: str = "run",
+                    done: str = "trained", before: dict | None = None) -> None:
+    """Refuse to resume `out` unless the setup it recorded when it started (out/`record`; keys
+    it lacks take their values from `before`, what runs recorded before those keys existed ran
+    with) matches `now`, naming each difference: a resumed run must be the run it continues."""
+    path = out / record
+    if not path.is_file():
+        raise BridgeError(f"{out} holds no {kind} to resume (no {record})", field="resume")
+    diffs = setup_differences({**(before or {}), **json.loads(path.read_text())}, now)
+    if diffs:
+        raise BridgeError(f"{out} was {done} with a different setup ({'; '.join(diffs)})",
+                          field="resume")
+
 
 def _file_digests(directory: Path) -> dict[str, dict]:
     files = {}
@@ -211,7 +228,7 @@ class Checkpoints:
             all_processes_reach(f"judged the checkpoint of step {step}")
             if jax.process_index() == 0:  # every process judged it alike: one moves it
                 os.rename(self.path(step), aside)
-                _say(f"checkpoint of step {step}: {problem}; set aside as {aside}")
+                say(f"checkpoint of step {step}: {problem}; set aside as {aside}")
             all_processes_reach(f"set aside the checkpoint of step {step}")
             self.manager.reload()
         if steps:
@@ -255,7 +272,7 @@ class StopSignals:
             os.kill(os.getpid(), signum)
             return
         self.requested = signal.Signals(signum).name
-        _say(f"\n{self.requested}: stopping after this step and saving a checkpoint "
+        say(f"\n{self.requested}: stopping after this step and saving a checkpoint "
              f"(send it again to stop at once)")
 
     def __enter__(self) -> "StopSignals":
@@ -278,7 +295,7 @@ ON_NAN = ("stop", "skip")
 class NonFinite:
     """`--on-nan`: stop at the first step whose loss or gradient norm is not finite (the state
     after it is never saved), or skip such steps (the step drops its update on the device: see
-    jax_llama.train.make_train_step) and stop once `max_skipped` of them have been skipped."""
+    jax_llama.training.step.make_train_step) and stop once `max_skipped` of them have been skipped."""
 
     def __init__(self, policy: str = "stop", max_skipped: int = 10):
         if policy not in ON_NAN:
@@ -302,9 +319,19 @@ class NonFinite:
         if not self.skip:
             return what
         self.skipped.append(step)
-        _say(f"{what}: update skipped ({len(self.skipped)} of at most {self.max_skipped})")
+        say(f"{what}: update skipped ({len(self.skipped)} of at most {self.max_skipped})")
         if len(self.skipped) >= self.max_skipped:
             return (f"{len(self.skipped)} updates skipped for a loss or gradient that was not "
                     f"finite (steps {', '.join(map(str, self.skipped[-5:]))}; max_skipped "
                     f"{self.max_skipped})")
         return None
+
+    def diverged(self, why: str, checkpoints: Checkpoints, saved: Path | None = None):
+        """The TrainingDiverged that ends a run for `why` (what check returned): naming the last
+        good checkpoint (policy stop: the state after the step is never saved), or `saved`, the
+        one just written (policy skip, too many skipped: the state itself is good)."""
+        if saved is not None:
+            return TrainingDiverged(f"{why}; stopped. Its checkpoint: {saved}")
+        kept = checkpoints.latest_step()
+        return TrainingDiverged(f"{why}; stopped. Last good checkpoint: "
+                                f"{'none' if kept is None else checkpoints.path(kept)}")

@@ -2,7 +2,7 @@
 
 One step factory serves every training mode: `make_train_step(loss, ...)` for any
 loss(params, batch, key) -> scalar, and `jit_train_step` compiles it once, the state donated (and,
-on a mesh, sharded by role). Pretraining (jax_llama/run.py) uses it with `lm_loss`, classification
+on a mesh, sharded by role). Pretraining (jax_llama/training/loop.py) uses it with `lm_loss`, classification
 fine-tuning (jax_llama/classify.py) with its own loss. The loops that drive them (data,
 checkpoints, progress) live in those modules.
 """
@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from bridge.dtypes import dtype_name
 from bridge.errors import BridgeError
 
-from .sharding import batch_sharding, tree_shardings
+from ..sharding import batch_sharding, tree_shardings
 
 Loss = Callable[[Any, dict, jax.Array], jax.Array]  # (params, batch, PRNG key) -> scalar
 

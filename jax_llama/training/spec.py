@@ -1,0 +1,95 @@
+"""What a training run is asked to do, as data: the run (RunSpec) and the recipes' own settings
+(SftSpec, DpoSpec). Checked where they are made, so a bad value is refused, naming its field,
+before anything is read or written; recorded in run.json, which a resume must match."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bridge.config import LlamaConfig
+from bridge.errors import BridgeError
+from bridge.lora import LoraConfig
+
+from .step import TrainConfig
+from .tracking import TrackingSpec
+
+LOSSES = ("sigmoid", "robust", "hinge", "ipo")   # DPO's losses (jax_llama.training.dpo)
+
+
+@dataclass(frozen=True)
+class SftSpec:
+    data: str | None = None           # chats JSONL; None: the synthetic demo task (demo_chats)
+    eval_data: str | None = None      # held-out chats; None: eval_fraction of data
+    chat_template: str | None = None  # llama3 | llama2 | a jinja file; None: the init's own
+    skip_invalid: bool = False        # count and skip examples that cannot train, not refuse
+    eval_fraction: float = 0.05
+    demo_examples: int = 6000         # of the demo task, when there is no data
+    replay: int = 0                   # the --init model's own answers to this many general
+                                      # prompts, trained on beside the data (replay_chats)
+    replay_tokens: int = 128          # at most, per replayed answer
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class DpoSpec:
+    data: str | None = None            # pairs JSONL; None: the demo task (demo_pairs)
+    eval_data: str | None = None       # held-out pairs; None: eval_fraction of data
+    chat_template: str | None = None   # for conversational pairs; None: the init's own
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    precompute_ref: bool = False       # reference log-probs for every pair before training
+    eval_fraction: float = 0.1
+    demo_pairs: int = 4000
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise BridgeError(f"unknown loss {self.loss!r} (expected {', '.join(LOSSES)})",
+                              field="loss")
+        if not (np.isfinite(self.beta) and self.beta > 0):
+            raise BridgeError(f"must be positive (got {self.beta})", field="beta")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise BridgeError(f"must be in [0, 0.5) (got {self.label_smoothing})",
+                              field="label_smoothing")
+        if self.label_smoothing and self.loss not in ("sigmoid", "robust"):
+            raise BridgeError(f"applies to the sigmoid and robust losses, not {self.loss}",
+                              field="label_smoothing")
+        if not 0 < self.eval_fraction < 1:
+            raise BridgeError(f"must be in (0, 1) (got {self.eval_fraction})", field="eval_fraction")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class RunSpec:
+    out: Path
+    model: LlamaConfig | None          # None with `init`: the checkpoint's own config
+    train: TrainConfig
+    data: list[str] = field(default_factory=list)   # empty: the embedded default corpus
+    tokenizer: str | None = None       # None: the init checkpoint's, else a BPE trained here
+    init: str | None = None
+    vocab_size: int = 4096             # of the BPE trained when no tokenizer is given
+    mesh: str | None = None
+    scan_layers: bool = False
+    remat: bool = False
+    resume: bool = False
+    sample_tokens: int = 64
+    strip_labels: bool = False         # data files are `LABEL ||| TEXT` lines: train on the texts
+    pack: bool = False                 # rows of whole documents with segment ids, not windows
+    attention: str = "auto"            # the attention implementation (jax_llama.model.attention)
+    lora: LoraConfig | None = None     # train LoRA adapters only; the base stays frozen, held in
+                                       # the compute dtype (train.dtype)
+    sft: SftSpec | None = None  # supervised fine-tuning on chats instead of a corpus
+    dpo: DpoSpec | None = None  # preference tuning on pairs instead of a corpus
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)  # TensorBoard / W&B as well;
+                                       # not part of the setup a resume must match
+    on_nan: str = "stop"               # a step whose loss or gradients are not finite: stop
+                                       # the run, or skip its update (jax_llama.training.state)
+    max_skipped: int = 10              # with on_nan="skip": stop once this many were skipped
