@@ -29,7 +29,7 @@ import json, sys, time
 import numpy as np
 kind, gguf = sys.argv[1], sys.argv[2]
 import jax, jax_llama
-from jax_llama.inference.generate import generate
+generate = jax_llama.generate  # the function, exported by every version
 
 def best(run, repeats=3):
     run()  # compiles
@@ -40,7 +40,12 @@ def best(run, repeats=3):
 
 if kind == "train":
     from bridge.config import LlamaConfig
-    from jax_llama.training.step import TrainConfig, init_state, lm_loss, make_optimizer, make_train_step, lr_schedule
+    try:  # the train step's module: jax_llama/training/step.py, jax_llama/train.py before
+        from jax_llama.training.step import (TrainConfig, init_state, lm_loss, lr_schedule,
+                                             make_optimizer, make_train_step)
+    except ImportError:
+        from jax_llama.train import (TrainConfig, init_state, lm_loss, lr_schedule,
+                                     make_optimizer, make_train_step)
     config = LlamaConfig(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, ffn_dim=768, vocab_size=4096,
                          max_seq_len=256)  # llama2.c's stories15M shapes
     tc = TrainConfig(batch_size=8, seq_len=256, steps=100)
@@ -78,9 +83,14 @@ def smollm2() -> str:
 
 
 def measure(tree: Path, row: str, gguf: str) -> float:
-    env = dict(os.environ, PYTHONPATH=str(tree), JAX_LLAMA_COMPILE_CACHE="off")
-    done = subprocess.run([sys.executable, "-c", WORKER, row, gguf], capture_output=True, text=True,
-                          env=env, cwd=tree)
+    """Seconds of `row` in a process that imports the project from `tree` alone: -S leaves out
+    site's .pth files, among them an editable install's finder, which would map the packages
+    back to the installed checkout; the environment's packages come through PYTHONPATH."""
+    import sysconfig
+    paths = [str(tree), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), JAX_LLAMA_COMPILE_CACHE="off")
+    done = subprocess.run([sys.executable, "-S", "-c", WORKER, row, gguf], capture_output=True,
+                          text=True, env=env, cwd=tree)
     if done.returncode != 0:
         sys.exit(f"compare_trees: {tree} {row}: " + "\n".join(done.stderr.splitlines()[-5:]))
     return json.loads(done.stdout.splitlines()[-1])["s"]
