@@ -165,10 +165,9 @@ def decode_rows(result: dict, quantize: str | None, machine: dict) -> dict:
         short = statistics.median(result[f"{batch}/{DECODE_SHORT}"])
         long = statistics.median(result[f"{batch}/{DECODE_LONG}"])
         step = (long - short) / (DECODE_LONG - DECODE_SHORT)
-        rate = batch / step
-        bound = batch * machine["read_bytes_per_s"] / step_bytes(quantize, batch) if machine else None
-        rows[str(batch)] = {"tokens_per_s": rate, "step_s": step, 
-                            "bytes_per_step": step_bytes(quantize, batch),
+        rate, nbytes = batch / step, step_bytes(quantize, batch)
+        bound = batch * machine["read_bytes_per_s"] / nbytes if machine else None
+        rows[str(batch)] = {"tokens_per_s": rate, "step_s": step, "bytes_per_step": nbytes,
                             "hbm_bound_tokens_per_s": bound,
                             "hbm_fraction": rate / bound if bound else None}
     return rows

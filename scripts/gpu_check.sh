@@ -53,7 +53,6 @@ print("flax", flax.__version__, "optax", optax.__version__, "transformers", tran
     chat)
         model=${SMOLLM2:-}
         if [ -z "$model" ] && [ -f .carry/smollm2.sha256 ]; then  # parts: carried now or stashed
-            : > /tmp/smollm2.gguf
             for part in part00 part01; do
                 cat ".carry/smollm2.$part" 2>/dev/null || cat "/tmp/smollm2.$part" 2>/dev/null
             done > /tmp/smollm2.gguf
