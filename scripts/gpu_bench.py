@@ -97,34 +97,61 @@ def job_train(args: dict) -> dict:
 
 
 def job_decode(args: dict) -> dict:
-    """Seconds of generating DECODE_SHORT and DECODE_LONG new tokens at each batch: both lengths
-    fill the same 256-slot KV cache, so JAX compiles one decode program per batch for the two
-    (bench.decode's 1 and 128 compile two), and the difference of the two is decoding alone."""
-    from llama_twins.bench.common import timed
+    """Seconds of generating DECODE_SHORT and DECODE_LONG new tokens at one batch: both lengths
+    fill the same 256-slot KV cache, so JAX compiles one prefill and one decode program for the
+    two, and the difference of the two is decoding alone. The first call (compiling) is timed
+    apart; then short and long alternate. Each phase is said on stderr as it ends, so a job
+    killed at its limit leaves where it was."""
     from llama_twins.bench.decode import jax_runner, transformers_runner, twin_runner
+    start = time.perf_counter()
     s = spec(quantize=args.get("quantize"))
     run, sync = {"jax-llama": jax_runner, "torch_llama": twin_runner,
                  "transformers": transformers_runner}[args["impl"]](s)
-    return {f"{batch}/{n}": timed(lambda: run(batch, n), 1, 2, sync)
-            for batch in DECODE_BATCHES for n in (DECODE_SHORT, DECODE_LONG)}
+    sync()
+    build = time.perf_counter() - start
+    say(f"  model built in {build:.1f} s")
+    batch = args["batch"]
+
+    def seconds(n: int) -> float:
+        begin = time.perf_counter()
+        run(batch, n)
+        sync()
+        return time.perf_counter() - begin
+
+    first = seconds(DECODE_SHORT)
+    say(f"  first call ({DECODE_SHORT} new tokens, compiling): {first:.1f} s")
+    short, long = [], []
+    for _ in range(2):
+        short.append(seconds(DECODE_SHORT))
+        long.append(seconds(DECODE_LONG))
+        say(f"  {DECODE_SHORT} new tokens {short[-1]:.3f} s, {DECODE_LONG}: {long[-1]:.3f} s")
+    return {"build_s": build, "first_call_s": first, "short_s": short, "long_s": long}
 
 
 JOBS = {"machine": job_machine, "train": job_train, "decode": job_decode}
 
 
 def run_job(name: str, args: dict, timeout: float) -> dict:
-    """The job's JSON, or {"error": the end of its stderr}."""
+    """The job's JSON, or {"error": why, with the last lines it said}. Its stderr goes to a file
+    as it runs and is echoed after, so a job killed at its limit still tells where it was."""
+    import tempfile
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.92", PYTHONUNBUFFERED="1")
     command = [sys.executable, __file__, "--job", name, "--args", json.dumps(args)]
     say(f"{name} {args}")
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"killed after {timeout:.0f} s"}
-    say(f"  {time.perf_counter() - start:.0f} s, exit {done.returncode}")
-    if done.returncode != 0:
-        return {"error": "\n".join(done.stderr.strip().splitlines()[-6:])}
+    with tempfile.TemporaryFile("w+") as err:
+        try:
+            done = subprocess.run(command, stdout=subprocess.PIPE, stderr=err, text=True,
+                                  timeout=timeout, env=env)
+            failure = None if done.returncode == 0 else f"exit {done.returncode}"
+        except subprocess.TimeoutExpired:
+            failure = f"killed after {timeout:.0f} s"
+        err.seek(0)
+        said = err.read().strip().splitlines()
+    sys.stderr.write("".join(f"    {line}\n" for line in said[-20:]))
+    say(f"  {time.perf_counter() - start:.0f} s, {failure or 'done'}")
+    if failure:
+        return {"error": "; ".join([failure, *said[-6:]])}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -157,20 +184,17 @@ def step_bytes(quantize: str | None, batch: int) -> float:
     return weights + batch * 2 * c.n_layers * c.n_kv_heads * c.head_dim * 2 * context
 
 
-def decode_rows(result: dict, quantize: str | None, machine: dict) -> dict:
+def decode_row(result: dict, quantize: str | None, batch: int, machine: dict) -> dict:
     if "error" in result:
         return result
-    rows = {}
-    for batch in DECODE_BATCHES:
-        short = statistics.median(result[f"{batch}/{DECODE_SHORT}"])
-        long = statistics.median(result[f"{batch}/{DECODE_LONG}"])
-        step = (long - short) / (DECODE_LONG - DECODE_SHORT)
-        rate, nbytes = batch / step, step_bytes(quantize, batch)
-        bound = batch * machine["read_bytes_per_s"] / nbytes if machine else None
-        rows[str(batch)] = {"tokens_per_s": rate, "step_s": step, "bytes_per_step": nbytes,
-                            "hbm_bound_tokens_per_s": bound,
-                            "hbm_fraction": rate / bound if bound else None}
-    return rows
+    short, long = statistics.median(result["short_s"]), statistics.median(result["long_s"])
+    step = (long - short) / (DECODE_LONG - DECODE_SHORT)
+    rate, nbytes = batch / step, step_bytes(quantize, batch)
+    bound = batch * machine["read_bytes_per_s"] / nbytes if machine else None
+    return {"tokens_per_s": rate, "step_s": step, "bytes_per_step": nbytes,
+            "hbm_bound_tokens_per_s": bound, "hbm_fraction": rate / bound if bound else None,
+            "first_call_s": result["first_call_s"], "build_s": result["build_s"],
+            "runs_s": {str(DECODE_SHORT): result["short_s"], str(DECODE_LONG): result["long_s"]}}
 
 
 def markdown(report: dict) -> str:
@@ -202,10 +226,12 @@ def markdown(report: dict) -> str:
                   "| implementation | batch | tokens/s | of the HBM bound | bytes read / step (GB) |",
                   "|---|---|---|---|---|"]
         for name, rows in report["decode"].items():
-            if "error" in rows:
-                lines.append(f"| {name} | | failed: {rows['error'].splitlines()[-1][:120]} | | |")
-                continue
+            if "error" in rows:  # an earlier layout: one job for every batch
+                rows = {"": rows}
             for batch, r in rows.items():
+                if "error" in r:
+                    lines.append(f"| {name} | {batch} | failed: {r['error'][:160]} | | |")
+                    continue
                 lines.append(f"| {name} | {batch} | {r['tokens_per_s']:,.1f} | "
                              f"{r['hbm_fraction']:.1%} | {r['bytes_per_step'] / 1e9:.2f} |")
     if report.get("tests"):
@@ -299,12 +325,20 @@ def main(argv=None) -> int:
                             args.job_timeout), batch, machine)
     if "decode" in only:
         report["decode"] = {}
+        # batch 1 of jax-llama first (the target), then the rest by how much each tells;
         # transformers' int8 path needs torchao, which the GPU image lacks
-        for impl, quantize in (("jax-llama", None), ("torch_llama", None), ("jax-llama", "int8"),
-                               ("torch_llama", "int8"), ("transformers", None)):
+        order = [("jax-llama", None, 1), ("jax-llama", "int8", 1), ("jax-llama", None, 32),
+                 ("jax-llama", "int8", 32), ("torch_llama", None, 1), ("torch_llama", "int8", 1),
+                 ("transformers", None, 1), ("torch_llama", None, 32), ("torch_llama", "int8", 32),
+                 ("transformers", None, 32)]
+        for impl, quantize, batch in order:
+            if batch not in DECODE_BATCHES:
+                continue
+            r = run_job("decode", {"impl": impl, "quantize": quantize, "batch": batch},
+                        args.job_timeout)
             name = f"{impl} {quantize or 'bfloat16'}"
-            r = run_job("decode", {"impl": impl, "quantize": quantize}, args.job_timeout)
-            report["decode"][name] = decode_rows(r, quantize, machine)
+            report["decode"].setdefault(name, {})[str(batch)] = decode_row(r, quantize, batch,
+                                                                         machine)
             save()
     save()
     print(markdown(report))

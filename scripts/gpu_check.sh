@@ -48,8 +48,8 @@ print("flax", flax.__version__, "optax", optax.__version__, "transformers", tran
             --job-timeout 120 2>>"$OUT/bench.log" || status=1
         cp "$OUT/gpu_train.json" /tmp/ 2>/dev/null ;;  # its machine figures, for a later decode
     decode)
-        timeout 540 $PY scripts/gpu_bench.py --out "$OUT" --name gpu_decode --only machine,decode \
-            --machine-from /tmp/gpu_train.json --job-timeout 180 2>>"$OUT/bench.log" || status=1 ;;
+        timeout 530 $PY scripts/gpu_bench.py --out "$OUT" --name gpu_decode --only machine,decode \
+            --machine-from /tmp/gpu_train.json --job-timeout 170 2>>"$OUT/bench.log" || status=1 ;;
     chat)
         model=${SMOLLM2:-}
         if [ -z "$model" ] && [ -f .carry/smollm2.sha256 ]; then  # parts: carried now or stashed
