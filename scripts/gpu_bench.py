@@ -104,6 +104,17 @@ def job_decode(args: dict) -> dict:
     killed at its limit leaves where it was."""
     from llama_twins.bench.decode import jax_runner, transformers_runner, twin_runner
     start = time.perf_counter()
+    if args.get("init") == "host":  # random params made on the CPU, then put on the GPU
+        import jax
+
+        import jax_llama
+        made_on_device = jax_llama.init
+
+        def init_on_host(*a, **k):
+            with jax.default_device(jax.devices("cpu")[0]):
+                model, params = made_on_device(*a, **k)
+            return model, jax.device_put(params, jax.devices()[0])
+        jax_llama.init = init_on_host
     s = spec(quantize=args.get("quantize"))
     run, sync = {"jax-llama": jax_runner, "torch_llama": twin_runner,
                  "transformers": transformers_runner}[args["impl"]](s)
@@ -125,10 +136,39 @@ def job_decode(args: dict) -> dict:
         short.append(seconds(DECODE_SHORT))
         long.append(seconds(DECODE_LONG))
         say(f"  {DECODE_SHORT} new tokens {short[-1]:.3f} s, {DECODE_LONG}: {long[-1]:.3f} s")
-    return {"build_s": build, "first_call_s": first, "short_s": short, "long_s": long}
+    peak = None
+    if args["impl"] == "jax-llama":
+        import jax
+        peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return {"build_s": build, "first_call_s": first, "short_s": short, "long_s": long,
+            "peak_bytes": peak}
 
 
-JOBS = {"machine": job_machine, "train": job_train, "decode": job_decode}
+def job_init(args: dict) -> dict:
+    """Where jax_llama.init's time goes on this device: lowering, compiling, running."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_llama.model.llama import Llama
+    s = spec()
+    model = Llama(s.config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    times = {}
+    start = time.perf_counter()
+    lowered = jax.jit(model.init).lower(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    times["lower_s"] = time.perf_counter() - start
+    say(f"  lowered in {times['lower_s']:.1f} s")
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    times["compile_s"] = time.perf_counter() - start
+    say(f"  compiled in {times['compile_s']:.1f} s")
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    times["run_s"] = time.perf_counter() - start
+    say(f"  ran in {times['run_s']:.1f} s")
+    return times
+
+
+JOBS = {"machine": job_machine, "train": job_train, "decode": job_decode, "init": job_init}
 
 
 def run_job(name: str, args: dict, timeout: float) -> dict:
@@ -136,6 +176,8 @@ def run_job(name: str, args: dict, timeout: float) -> dict:
     as it runs and is echoed after, so a job killed at its limit still tells where it was."""
     import tempfile
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.92", PYTHONUNBUFFERED="1")
+    if args.get("xla_flags"):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args['xla_flags']}".strip()
     command = [sys.executable, __file__, "--job", name, "--args", json.dumps(args)]
     say(f"{name} {args}")
     start = time.perf_counter()
@@ -194,6 +236,7 @@ def decode_row(result: dict, quantize: str | None, batch: int, machine: dict) ->
     return {"tokens_per_s": rate, "step_s": step, "bytes_per_step": nbytes,
             "hbm_bound_tokens_per_s": bound, "hbm_fraction": rate / bound if bound else None,
             "first_call_s": result["first_call_s"], "build_s": result["build_s"],
+            "peak_bytes": result.get("peak_bytes"),
             "runs_s": {str(DECODE_SHORT): result["short_s"], str(DECODE_LONG): result["long_s"]}}
 
 
@@ -234,6 +277,13 @@ def markdown(report: dict) -> str:
                     continue
                 lines.append(f"| {name} | {batch} | {r['tokens_per_s']:,.1f} | "
                              f"{r['hbm_fraction']:.1%} | {r['bytes_per_step'] / 1e9:.2f} |")
+    if report.get("probe"):
+        lines += ["", "## Probes (one job each)", ""]
+        for label, rows in report["probe"].items():
+            for batch, r in rows.items():
+                shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                         if k not in ("runs_s", "job")}
+                lines.append(f"- {label}{f', batch {batch}' if batch else ''}: {shown}")
     if report.get("tests"):
         lines += ["", f"## Tests on the GPU: {report['tests']['command']}", ""]
         lines += [f"- {name}: {outcome}" for name, outcome in report["tests"]["results"].items()]
@@ -339,6 +389,24 @@ def main(argv=None) -> int:
             name = f"{impl} {quantize or 'bfloat16'}"
             report["decode"].setdefault(name, {})[str(batch)] = decode_row(r, quantize, batch,
                                                                          machine)
+            save()
+    if "probe" in only:  # after the first run: int8 on a GPU, CUDA graphs, init's time
+        report["probe"] = {}
+        graphs = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                  "WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1")
+        for label, name, job in (
+                ("jax-llama int8 (one dot a projection on a GPU)", "decode",
+                 {"impl": "jax-llama", "quantize": "int8", "batch": 1, "init": "host"}),
+                ("jax-llama bfloat16, CUDA graphs for the loop", "decode",
+                 {"impl": "jax-llama", "quantize": None, "batch": 1, "init": "host",
+                  "xla_flags": graphs}),
+                ("jax-llama int8 (one dot a projection on a GPU)", "decode",
+                 {"impl": "jax-llama", "quantize": "int8", "batch": 32, "init": "host"}),
+                ("jax_llama.init on the device", "init", {})):
+            r = run_job(name, job, args.job_timeout)
+            if name == "decode":
+                r = decode_row(r, job["quantize"], job["batch"], machine)
+            report["probe"].setdefault(label, {})[str(job.get("batch", ""))] = {**r, "job": job}
             save()
     save()
     print(markdown(report))

