@@ -460,3 +460,34 @@ def test_the_int8_matmul_by_blocks_is_the_whole_matmul():
     # a block left out is far off: the loop covers every row
     partial = x[:, INT8_BLOCK_ROWS:].astype(np.float64) @ q[INT8_BLOCK_ROWS:].astype(np.float64)
     assert np.abs(by_blocks - partial).max() > 1e-2 * np.abs(exact).max()
+
+
+def test_off_a_cpu_the_int8_matmul_is_one_dot_with_the_same_result(monkeypatch):
+    """On a GPU the block loop would run as a kernel per 64-row block per token (17.9 tokens/s
+    on an H200, results/gpu/gpu.md), so int8_matmul takes it on a CPU only. The backend is
+    patched here: the one-dot path gives the block loop's result to float32 rounding, and the
+    NaN guard still turns a NaN row into NaN; the block loop is not traced off a CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_llama.model import projections
+
+    rng = np.random.default_rng(1)
+    I, O = 4 * projections.INT8_BLOCK_ROWS, 24
+    q = jnp.asarray(rng.integers(-127, 128, (I, O)).astype(np.int8))
+    x = jnp.asarray(rng.standard_normal((3, I)).astype(np.float32))
+    scale = jnp.asarray(rng.uniform(0.01, 0.02, (1, O)).astype(np.float32))
+    on_cpu = np.asarray(projections.int8_matmul(x, q, scale, jnp.float32))
+    loops = []
+    real_loop = projections._int8_dot_by_blocks
+    monkeypatch.setattr(projections, "_int8_dot_by_blocks",
+                        lambda *a: loops.append(1) or real_loop(*a))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    off_cpu = np.asarray(projections.int8_matmul(x, q, scale, jnp.float32))
+    assert loops == []
+    np.testing.assert_allclose(off_cpu, on_cpu, rtol=0, atol=1e-6 * np.abs(on_cpu).max())
+    nan_row = np.asarray(projections.int8_matmul(x.at[0, 0].set(jnp.nan), q, scale, jnp.float32))
+    assert np.isnan(nan_row[0]).all()
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the negative case: the loop
+    projections.int8_matmul(x, q, scale, jnp.float32)
+    assert loops == [1]
