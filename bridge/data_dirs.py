@@ -27,13 +27,14 @@ MAX_NAMED = 4  # excluded directories named in the one line; the rest are counte
 
 # What this project writes into a directory, by file and directory names (a trailing "/" marks a
 # directory), never by contents: any one set present makes the directory one of its outputs.
-#   run.json, metrics.jsonl, tokenizer/, checkpoints/  jax_llama.training.loop (train, sft, dpo)
-#   metrics.jsonl, best/                               jax_llama.training.finetune
+#   run.json, metrics.jsonl, tokenizer/, checkpoints/  jax_llama.training (train, sft, dpo, finetune)
+#   metrics.jsonl, best/                               a finetune run from before it had run.json
 #   config.json, model.safetensors[.index.json]        bridge.formats.native (and Hugging Face)
 #   adapter_config.json, adapter_model.safetensors     PEFT adapters (bridge.lora)
 OUTPUT_MARKERS = [
     ("a run directory", {"run.json", "metrics.jsonl"}),
     ("a run directory", {"run.json", "tokenizer/"}),       # one stopped before its first step
+    ("a run directory", {"run.json", "checkpoints/"}),     # a finetune run likewise
     ("a fine-tuning run directory", {"metrics.jsonl", "best/"}),
     ("a checkpoint", {"config.json", "model.safetensors"}),
     ("a checkpoint", {"config.json", "model.safetensors.index.json"}),

@@ -57,8 +57,9 @@ def main(argv=None) -> int:
                 subprocess.run(command, check=True, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
                 wall = time.perf_counter() - started
-                history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-                runs[name].append({"wall_s": wall, "tokens_per_s": [h["tokens_per_s"] for h in history],
+                records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+                history = [r for r in records if "epoch" in r]  # an epoch's last step's line
+                runs[name].append({"wall_s": wall, "tokens_per_s": [r["tokens_per_s"] for r in records],
                                    "dev_accuracy": [h["dev_accuracy"] for h in history]})
                 print(f"round {r + 1}: {name}: {wall:.0f} s, "
                       f"{history[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -50,8 +51,9 @@ def torch_agreement(run: Path, dev: Path) -> dict:
     JAX predictions the run wrote for the dev file."""
     import torch_llama
     from bridge.classification import read_examples
+    from jax_llama.training.finetune import classifier_dir
 
-    clf = torch_llama.load_classifier(run / "best", device="cpu")
+    clf = torch_llama.load_classifier(classifier_dir(run), device="cpu")
     texts = read_examples(dev, len(clf.labels)).texts
     predictions = torch_llama.predict(clf, texts)[0]
     jax_predictions = [int(x) for x in (run / "dev_predictions.txt").read_text().split()]
@@ -87,7 +89,13 @@ def main(argv=None) -> int:
                 return 1
             header = next(line for line in done.stderr.splitlines()
                           if line.startswith("fine-tuning "))
-            history = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+            # a line a step; an epoch's last step's line holds its dev figures
+            history = [r for r in records if "epoch" in r]
+            for r in history:  # the epoch's speed: the median of its steps'
+                r["tokens_per_s"] = statistics.median(
+                    x["tokens_per_s"] for x in records
+                    if r["step"] - len(records) // len(history) < x["step"] <= r["step"])
             (run / "summary.json").write_text(json.dumps(
                 {"command": " ".join(["jax-llama", *command[3:]]), "wall_s": round(wall, 1),
                  "recipe": header, "history": history, "cpu": cpu_model(),

@@ -6,7 +6,7 @@ results/formats/hand_back.{json,md}.
     python scripts/hand_back.py CHECKPOINT [--out results/formats] [--new-tokens 24]
 
 CHECKPOINT: any checkpoint the bridge reads with its tokenizer and chat template beside it, e.g.
-a `finetune --init SmolLM2` run's best/ (the backbone; the classifier head files are not part of
+a `finetune --init SmolLM2` run's model/ (the backbone; the classifier head files are not part of
 a language model and stay behind).
 """
 

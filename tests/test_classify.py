@@ -232,16 +232,27 @@ def test_finetune_learns_a_separable_task_and_predict_agrees(tmp_path, capsys):
                          "--out", str(out), "--vocab-size", "300", "--epochs", "3",
                          "--max-len", "64"]) == 0
     stdout = capsys.readouterr().out
-    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in history] == [1, 2, 3]
+    # the run directory is laid out as every training command's (jax_llama.training.loop)
+    assert {"run.json", "metrics.jsonl", "checkpoints", "model", "loss.png",
+            "dev_predictions.txt"} <= {p.name for p in out.iterdir()}
+    assert not (out / "best").exists() and not (out / "finetune.json").exists()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    per_epoch = 300 // 32 + 1  # the default batch of 32, the last one filled up
+    assert [r["step"] for r in records] == list(range(1, 3 * per_epoch + 1))
+    assert all({"loss", "lr", "grad_norm", "tokens_per_s"} <= set(r) for r in records)
+    history = [r for r in records if "epoch" in r]  # an epoch's end adds the dev figures
+    assert [(r["epoch"], r["step"]) for r in history] == [(e, e * per_epoch) for e in (1, 2, 3)]
     best = max(history, key=lambda r: r["dev_accuracy"])
     assert best["dev_accuracy"] >= 0.9, history  # chance is ~0.5
     assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert history[-1]["val_loss"] < history[0]["val_loss"]
+    epoch_1 = [r["loss"] for r in records[:per_epoch]]  # train_loss: the epoch's mean step loss
+    assert history[0]["train_loss"] == pytest.approx(np.mean(epoch_1), rel=1e-6)
     assert f"best dev accuracy {best['dev_accuracy']:.4f} (epoch {best['epoch']} of 3)" in stdout
 
     assert {"classifier.json", "classifier.safetensors", "model.safetensors", "config.json",
-            "tokenizer.json"} <= {p.name for p in (out / "best").iterdir()}
-    meta = json.loads((out / "best" / "classifier.json").read_text())
+            "tokenizer.json"} <= {p.name for p in (out / "model").iterdir()}
+    meta = json.loads((out / "model" / "classifier.json").read_text())
     assert meta["labels"] == ["negative", "positive"] and meta["max_len"] == 64
     assert meta["epoch"] == best["epoch"] and meta["dev_accuracy"] == best["dev_accuracy"]
     dev_predictions = (out / "dev_predictions.txt").read_text()
@@ -251,13 +262,17 @@ def test_finetune_learns_a_separable_task_and_predict_agrees(tmp_path, capsys):
                   for line in (tmp_path / "dev.txt").read_text().splitlines()]
     assert np.mean(np.array(dev_predictions.split(), int) == dev_labels) == best["dev_accuracy"]
 
-    # predict on the run directory (it finds best/) reproduces best's accuracy and predictions.
-    assert jax_cli.main(["predict", str(out), "--data", str(tmp_path / "dev.txt"), "--out",
-                         str(tmp_path / "pred.txt")]) == 0
-    stdout = capsys.readouterr().out
+    # predict on the run directory (it finds model/) reproduces best's accuracy and predictions;
+    # so it does on a run directory from before the layout, whose classifier is in best/
     n_right = int(round(best["dev_accuracy"] * 100))
-    assert f"classifier accuracy {best['dev_accuracy']:.4f} ({n_right}/100)" in stdout
-    assert (tmp_path / "pred.txt").read_text() == dev_predictions
+    for layout in ("model", "best"):
+        if layout == "best":
+            (out / "model").rename(out / "best")
+        assert jax_cli.main(["predict", str(out), "--data", str(tmp_path / "dev.txt"), "--out",
+                             str(tmp_path / "pred.txt")]) == 0
+        stdout = capsys.readouterr().out
+        assert f"classifier accuracy {best['dev_accuracy']:.4f} ({n_right}/100)" in stdout
+        assert (tmp_path / "pred.txt").read_text() == dev_predictions
 
 
 # -- zero-shot scoring ------------------------------------------------------------------------------
@@ -617,7 +632,7 @@ def test_diverging_finetune_names_the_epoch_and_exits_1(task, tmp_path, capsys):
     assert jax_cli.main(finetune_argv(task, "--init", str(tmp_path / "nan-lm"), "--epochs", "2")) == 1
     err = capsys.readouterr().err
     assert "error: step 1: loss nan" in err and "lower --lr" in err
-    assert not (task / "out" / "best").exists()
+    assert not (task / "out" / "model").exists()
 
 
 def _write(path, text: str):
@@ -699,7 +714,7 @@ def test_a_pretrained_backbone_gets_its_own_recipe_and_trains_its_top_blocks(tas
             f"1 epochs, batch {PRETRAINED['batch_size']}, lr {PRETRAINED['lr']:g}, dropout "
             f"{PRETRAINED['dropout']:g}") in err
     before = jax_llama.load(task / "lm")[1]
-    after = jax_llama.load(task / "out" / "best")[1]
+    after = jax_llama.load(task / "out" / "model")[1]
     for block in ("layers_0", "layers_1"):
         for got, want in zip(jax.tree.leaves(after[block]), jax.tree.leaves(before[block])):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -709,7 +724,7 @@ def test_a_pretrained_backbone_gets_its_own_recipe_and_trains_its_top_blocks(tas
     for got, want in zip(top(after), top(before)):
         assert not np.array_equal(np.asarray(got), np.asarray(want))
     # the backbone's own chat template (here one beside the LM) goes with the classifier
-    assert (task / "out" / "best" / "chat_template.jinja").read_text() == \
+    assert (task / "out" / "model" / "chat_template.jinja").read_text() == \
         (task / "lm" / "chat_template.jinja").read_text()
     assert recipe(False, False) == FROM_SCRATCH
     assert recipe(True, False, lr=3e-5)["lr"] == 3e-5

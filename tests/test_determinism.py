@@ -99,9 +99,11 @@ def test_two_finetunes_with_one_seed_give_identical_metrics(tmp_path, capsys):
         return _records(tmp_path / name / "metrics.jsonl")
 
     first, again, other = finetune("a", 5), finetune("b", 5), finetune("c", 6)
-    assert [r["epoch"] for r in first] == [1, 2]
+    assert [r["epoch"] for r in first if "epoch" in r] == [1, 2]
+    first, again = ([{k: v for k, v in r.items() if k not in ("tokens_per_s", "seconds")}
+                     for r in records] for records in (first, again))
     assert first == again  # losses are floats compared exactly
     assert (tmp_path / "a" / "dev_predictions.txt").read_text() == \
         (tmp_path / "b" / "dev_predictions.txt").read_text()
     # dropout, init and batch order follow the seed: another seed gives another loss
-    assert [r["train_loss"] for r in other] != [r["train_loss"] for r in first]
+    assert [r["loss"] for r in other] != [r["loss"] for r in first]

@@ -171,7 +171,7 @@ def test_finetune_from_a_gguf_keeps_its_tokenizer(tiny, data, tmp_path):
                          "--dev", str(data / "dev.txt"), "--labels", str(data / "labels.json"),
                          "--out", str(out), "--epochs", "1", "--batch-size", "8",
                          "--max-len", "32"]) == 0
-    saved = load_tokenizer(out / "best")
+    saved = load_tokenizer(out / "model")
     assert not saved.add_bos and saved.encode("good film") == find_tokenizer(tiny).encode("good film")
 
 

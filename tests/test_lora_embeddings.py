@@ -274,7 +274,7 @@ def test_finetune_with_lora_and_the_table_writes_both_and_predicts_as_it_reporte
                          "--lr", "5e-3"]) == 0
     captured = capsys.readouterr()
     assert "LoRA rank 2 on wq, wk, wv, wo, w1, w2, w3, the embedding table and the head" in captured.err
-    best = out / "best"
+    best = out / "model"
     saved = json.loads((best / "adapter" / "adapter_config.json").read_text())
     assert saved["modules_to_save"] == ["embed_tokens"]
     config = jax_llama.load(best)[0].config

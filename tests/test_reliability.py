@@ -333,13 +333,15 @@ def finetune_argv(task: Path, out: Path, *extra) -> list[str]:
 
 
 def classifier_bytes(out: Path) -> tuple[bytes, bytes]:
-    return tuple((out / "best" / f).read_bytes() for f in ("model.safetensors",
-                                                            "classifier.safetensors"))
+    return tuple((out / "model" / f).read_bytes() for f in ("model.safetensors",
+                                                             "classifier.safetensors"))
 
 
 def history(out: Path) -> list[tuple]:
-    return [(r["epoch"], r["train_loss"], r["dev_accuracy"])
-            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    """The epochs' records (an epoch's last step's line), as a run with no stop writes them."""
+    return [(r["step"], r["epoch"], r["train_loss"], r["val_loss"], r["dev_accuracy"])
+            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "epoch" in r]
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +392,9 @@ def test_finetune_stopped_by_sigterm_resumes_bitwise(task_files, straight_finetu
     err = capsys.readouterr().err
     assert "stopped at step 15 of 30 on SIGTERM" in err and "--resume" in err, err[-2000:]
     assert verify(out / "checkpoints" / "15") is None
-    assert [e for e, *_ in history(out)] == [1]  # epoch 1's record, flushed
+    assert [e for _, e, *_ in history(out)] == [1]  # epoch 1's record, flushed
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 16))  # every step's line up to the stop
     monkeypatch.undo()
     assert jax_cli.main(finetune_argv(task_files, out, "--resume")) == 0
     assert "resumed" in capsys.readouterr().err
@@ -437,9 +441,10 @@ def test_finetune_non_finite_step(task_files, tmp_path, monkeypatch, capsys, pol
     err = capsys.readouterr().err
     if policy == "stop":
         assert code == 1 and "error: step 5: loss nan" in err and "Last good checkpoint: none" in err
-        assert not (out / "best").exists()
+        assert not (out / "model").exists()
     else:
         assert code == 0, err[-2000:]
         assert "step 5: loss nan" in err and "update skipped (1 of at most 3)" in err
         assert [r.get("skipped_steps") for r in map(json.loads, (out / "metrics.jsonl")
-                                                     .read_text().splitlines())] == [1, 2, 2]
+                                                     .read_text().splitlines())
+                if "epoch" in r] == [1, 2, 2]

@@ -163,9 +163,12 @@ def test_finetune_logs_steps_and_each_epochs_accuracy(tmp_path, capsys):
                          str(tmp_path / "dev.txt"), "--labels", str(tmp_path / "labels.json"),
                          "--out", str(out), "--vocab-size", "300", "--epochs", "2",
                          "--batch-size", "8", "--max-len", "32", "--log-to", "tensorboard"]) == 0
-    history = metrics(out)  # one line an epoch, as ever
+    records = metrics(out)  # a line a step, as train's; an epoch's last step adds the epoch's
+    history = [r for r in records if "epoch" in r]
+    assert [r["step"] for r in records] == list(range(1, 11))
     assert [r["epoch"] for r in history] == [1, 2] and set(history[0]) == {
-        "epoch", "train_loss", "dev_accuracy", "seconds", "tokens_per_s"}
+        "step", "loss", "grad_norm", "lr", "tokens_per_s", "epoch", "train_loss", "val_loss",
+        "dev_accuracy", "seconds"}
     scalars, texts, _ = tensorboard_events(out / "tensorboard")
     per_epoch = 5  # 40 examples in batches of 8; the steps are batches trained
     assert sorted(scalars["train/loss"]) == list(range(1, 2 * per_epoch + 1))
@@ -176,6 +179,8 @@ def test_finetune_logs_steps_and_each_epochs_accuracy(tmp_path, capsys):
     # the epoch's loss is the mean of its steps' losses
     assert np.mean([scalars["train/loss"][s] for s in range(1, per_epoch + 1)]) == pytest.approx(
         history[0]["train_loss"], rel=1e-6)
+    assert scalars["eval/loss"] == pytest.approx(
+        {per_epoch * r["epoch"]: r["val_loss"] for r in history}, rel=1e-7, abs=0)
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(scalars)
     assert json.loads(texts["config/text_summary"].strip("`\n"))["labels"] == ["bad", "good"]
 

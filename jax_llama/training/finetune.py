@@ -9,9 +9,9 @@ classifier itself, prediction and zero-shot prompting are jax_llama.classify's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +20,6 @@ from typing import Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from bridge.atomic import write_text
 from bridge.classification import (FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA, Dataset, accuracy,
@@ -33,8 +32,8 @@ from ..classify import Classifier, FrozenFeatures, predict_ids
 from ..model.heads import LlamaClassifier
 from ..model.inputs import bucket
 from ..lora import trainable_for
-from .state import (Checkpoints, NonFinite, RunStopped, StopSignals, check_resumable,
-                    keep_metrics_until, say)
+from .loop import plot_losses, run_steps
+from .state import Checkpoints, NonFinite, check_resumable, keep_metrics_until, say
 from .step import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
 from .tracking import Tracker, TrackingSpec
 
@@ -202,136 +201,151 @@ def _run_record(clf: Classifier, fc: FinetuneConfig, train: Dataset, dev: Datase
             "train": str(train.path), "dev": str(dev.path)}
 
 
+# A run directory from before fine-tuning ran on the one loop: finetune.json for run.json, the
+# best classifier in best/ for model/, one metrics.jsonl line an epoch. It still resumes and
+# predict still reads it.
+OLD_RECORD, OLD_BEST = "finetune.json", "best"
+
+
+def classifier_dir(run: Path) -> Path:
+    """The classifier a finetune run directory holds: model/ (or best/, written before the
+    run directories were laid out alike); a classifier directory itself as it is."""
+    for name in ("model", OLD_BEST):
+        if (run / name / "head.json").is_file() or (run / name / "classifier.json").is_file():
+            return run / name
+    return run
+
+
 def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, out: Path,
              on_epoch: Callable[[dict], None] | None = None,
              tracking: TrackingSpec = TrackingSpec(), control: RunControl = RunControl()) -> dict:
-    """Fine-tune `clf` in place on `train`; after each epoch measure `dev`, and keep the best
-    epoch's classifier at out/best with its dev predictions at out/dev_predictions.txt.
-    Per-epoch figures go to out/metrics.jsonl; with `tracking`, each step's loss, grad norm and
-    learning rate and each epoch's figures and tokens/s (steps: batches trained) go to
-    TensorBoard / W&B too. The state is checkpointed at each epoch's end; a SIGTERM / SIGINT
-    stops after the current step with a checkpoint (RunStopped), and `control.resume` goes on
-    from the newest checkpoint that restores, ending where an uninterrupted run ends. Returns
-    a summary."""
+    """Fine-tune `clf` in place on `train`, a recipe on the training loop (run_steps): its batches
+    are whole epochs of length-bucketed rows, its evaluation at each epoch's end measures `dev`
+    and keeps the best epoch's classifier at out/model with its dev predictions at
+    out/dev_predictions.txt. The run directory is laid out as every training command's:
+    run.json, metrics.jsonl (a line a step; an epoch's end adds epoch, train_loss, val_loss (the
+    dev NLL), dev_accuracy), checkpoints/ (one an epoch, and at a stop), model/, loss.png; with
+    `tracking`, the same records go to TensorBoard / W&B. A SIGTERM / SIGINT stops after the
+    current step with a checkpoint (RunStopped), and `control.resume` goes on from the newest
+    checkpoint that restores, ending where an uninterrupted run ends. Returns a summary."""
     tracking.check()
     nonfinite = NonFinite(control.on_nan, control.max_skipped)
     setup = _run_record(clf, fc, train, dev)
+    old_layout = control.resume and not (out / "run.json").is_file() \
+        and (out / OLD_RECORD).is_file()
     if control.resume:
-        check_resumable(out, setup, "finetune.json", "fine-tuning run", "fine-tuned")
+        check_resumable(out, setup, OLD_RECORD if old_layout else "run.json", "fine-tuning run",
+                        "fine-tuned")
     out.mkdir(parents=True, exist_ok=True)
+    best_dir = out / (OLD_BEST if old_layout else "model")
     started = time.time()
     train_rows, train_cut = encode_texts(clf.tokenizer, train.texts, clf.max_len)
     dev_rows, dev_cut = encode_texts(clf.tokenizer, dev.texts, clf.max_len)
     for name, cut, n in (("train", train_cut, len(train_rows)), ("dev", dev_cut, len(dev_rows))):
         if cut:
             say(f"{name}: {cut} of {n} texts longer than {clf.max_len} tokens were truncated "
-                 f"from the left")
+                f"from the left")
     per_epoch = math.ceil(len(train_rows) / fc.batch_size)
-    tc = fc.train_config(per_epoch * fc.epochs)
+    tc = dataclasses.replace(fc.train_config(per_epoch * fc.epochs), eval_every=per_epoch,
+                             checkpoint_every=per_epoch, keep_checkpoints=control.keep_checkpoints)
     # LoRA: the adapters and the head only (and the embedding table, when it trains); with
     # train_layers, of the top blocks only
     labels = trainable_layers(clf.model, fc.train_layers)
     optimizer = make_optimizer(tc, labels)
     state = init_state(clf.params, optimizer)
     checkpoints = Checkpoints(out / "checkpoints", control.keep_checkpoints)
-    best = {"dev_accuracy": -1.0, "epoch": 0}
-    history, done, carried = [], 0, []  # steps trained; the losses of a part-trained epoch
-    if control.resume and (restored := checkpoints.restore_newest(state, None, with_meta=True)):
+    done, meta = 0, None
+    if control.resume and (restored := checkpoints.restore_newest(state, None,
+                                                                 with_meta=old_layout)):
         state, meta, done = restored
-        best, history, carried = meta["best"], meta["history"], meta["epoch_losses"]
-        started -= meta["seconds"]
         say(f"resumed {out} at step {done} (epoch {done // per_epoch + 1}, batch "
-             f"{done % per_epoch + 1} of {per_epoch})")
+            f"{done % per_epoch + 1} of {per_epoch})")
+    elif not old_layout:
+        write_text(out / "run.json", json.dumps(setup, indent=2) + "\n")
+    if old_layout:  # its metrics.jsonl has a line an epoch
+        keep_metrics_until(out / "metrics.jsonl", done // per_epoch, key="epoch")
     else:
-        write_text(out / "finetune.json", json.dumps(setup, indent=2) + "\n")
-    keep_metrics_until(out / "metrics.jsonl", len(history), key="epoch")
+        keep_metrics_until(out / "metrics.jsonl", done)
+    kept = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").is_file() else []
+    history = [r for r in kept if "dev_accuracy" in r]  # the epochs done
+    best = max(history, key=lambda r: r["dev_accuracy"], default={"dev_accuracy": -1.0, "epoch": 0})
+    if history and "seconds" in history[-1]:  # the time the run had taken when it stopped
+        started -= history[-1]["seconds"]
     frozen = frozen_features(clf, train_rows, dev_rows, fc.train_layers, fc.frozen_cache)
     train_frozen, dev_frozen = frozen or (None, None)
     step = jit_train_step(classifier_loss(clf.model if frozen is None else train_frozen.model),
                           optimizer, tc, state, trainable=labels, skip_nonfinite=nonfinite.skip)
-    rng = np.random.default_rng(fc.seed)
-    lengths = np.array([len(r) for r in train_rows])
-    for _ in range(done // per_epoch):  # the shuffles of the epochs done, to move rng on
-        length_batches(lengths, fc.batch_size, rng)
-    train_labels = train.labels
+    # this epoch's losses so far: the steps of it a stopped run trained come from its records
+    epoch_start = done - done % per_epoch
+    losses = [r["loss"] for r in kept if "step" in r and epoch_start < r["step"] <= done]
+    if meta:  # an old layout's checkpoint carries them (its metrics.jsonl has epochs only)
+        losses = list(meta["epoch_losses"])
+
+    taken = done  # steps trained
+
+    def train_step(state, batch):
+        nonlocal taken
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+        taken += 1
+        return state, metrics
+
+    def epochs(rng: np.random.Generator) -> Iterator[dict]:
+        """The batches from step `done` on: the shuffles of the epochs done moved past, then the
+        rest of this epoch and the next ones, as an uninterrupted run makes them."""
+        lengths = np.array([len(r) for r in train_rows])
+        for _ in range(done // per_epoch):
+            length_batches(lengths, fc.batch_size, rng)
+        skip = done % per_epoch
+        while True:
+            yield from training_batches(train_rows, train.labels, fc, clf.max_len, rng,
+                                        train_frozen, skip=skip)
+            skip = 0
+
+    batches = epochs(np.random.default_rng(fc.seed))
+
+    def evaluate(params) -> dict:
+        """At an epoch's end: the dev set's NLL and accuracy; the best epoch's classifier kept."""
+        nonlocal best
+        epoch = taken // per_epoch
+        values = np.asarray(jax.device_get(losses), np.float32)
+        values = values[np.isfinite(values)]  # skipped steps left out
+        train_loss = float(values.mean()) if values.size else float("nan")
+        if not math.isfinite(train_loss):
+            raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss})")
+        losses.clear()
+        clf.params = params
+        logp = predict_ids(clf, dev_rows, frozen=dev_frozen)
+        predictions = logp.argmax(-1)
+        record = {"val_loss": float(-np.mean(logp[np.arange(len(logp)), dev.labels])),
+                  "epoch": epoch, "train_loss": train_loss,
+                  "dev_accuracy": accuracy(predictions, dev.labels),
+                  "seconds": time.time() - started}
+        if nonfinite.skipped:
+            record["skipped_steps"] = len(nonfinite.skipped)
+        history.append(record)
+        if record["dev_accuracy"] > best["dev_accuracy"]:
+            best = record
+            clf.save(best_dir, {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],
+                                "finetune": asdict(fc)})
+            write_predictions(out / "dev_predictions.txt", predictions)
+        if on_epoch:
+            on_epoch(record)
+        return record
+
+    def real_tokens(batch) -> int:  # padding and the weight-0 rows that fill the last batch left out
+        return int(np.asarray(batch["mask"])[np.asarray(batch["weights"]) > 0].sum())
+
     tracker = Tracker.open(tracking, out, setup, done if control.resume else None)
-    metrics_file = (out / "metrics.jsonl").open("a")
-    n_tokens = sum(map(len, train_rows))  # real tokens an epoch, padding left out
-
-    def checkpoint(epoch_losses=()) -> Path:
-        return checkpoints.save(int(state.step), state, {
-            "best": best, "history": history, "seconds": time.time() - started,
-            "epoch_losses": [float(x) for x in jax.device_get(list(epoch_losses))]})
-
-    def check(at: int, metrics) -> None:
-        """The NaN policy on step `at`'s metrics, read back while the next step runs."""
-        why = nonfinite.check(at, {k: float(v) for k, v in jax.device_get(metrics).items()})
-        if why is not None and not nonfinite.skip:  # this state is never saved
-            raise nonfinite.diverged(why, checkpoints)
-        if why is not None:  # too many skipped: the state itself is good
-            raise nonfinite.diverged(why, checkpoints, checkpoint())
-
-    try:
-        with StopSignals() as signals:
-            for epoch in range(done // per_epoch + 1, fc.epochs + 1):
-                first = (epoch - 1) * per_epoch  # steps before this epoch
-                skip = max(done - first, 0)
-                losses = carried if skip else []
-                step_metrics, tick = [], time.perf_counter()
-                bar = tqdm(training_batches(train_rows, train_labels, fc, clf.max_len, rng,
-                                            train_frozen, skip=skip),
-                           total=per_epoch, initial=skip, desc=f"epoch {epoch}/{fc.epochs}",
-                           unit="batch", file=sys.stderr, leave=False)
-                pending = None
-                for batch in bar:
-                    state, metrics = step(state, batch)
-                    if pending is not None:
-                        check(*pending)
-                    pending = (first + len(losses) + 1, metrics)
-                    losses.append(metrics["loss"])
-                    if tracker.active:  # read back at the epoch's end: no wait here
-                        step_metrics.append(metrics)
-                    if len(losses) % 20 == 0:
-                        bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
-                    if signals.requested:
-                        break
-                if pending is not None:
-                    check(*pending)
-                for i, metrics in enumerate(jax.device_get(step_metrics)):
-                    tracker.log(first + skip + i + 1, metrics)
-                if signals.requested:
-                    raise RunStopped(int(state.step), per_epoch * fc.epochs, signals.requested,
-                                     checkpoint(losses))
-                clf.params = state.params
-                values = np.asarray(jax.device_get(losses), np.float32)
-                values = values[np.isfinite(values)]  # skipped steps left out
-                train_loss = float(values.mean()) if values.size else float("nan")
-                if not math.isfinite(train_loss):
-                    raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} "
-                                           f"(loss {train_loss})")
-                seconds = time.perf_counter() - tick
-                predictions = predict_ids(clf, dev_rows, frozen=dev_frozen).argmax(-1)
-                record = {"epoch": epoch, "train_loss": train_loss,
-                          "dev_accuracy": accuracy(predictions, dev.labels),
-                          "seconds": time.time() - started,
-                          "tokens_per_s": n_tokens * (len(losses) - skip) / per_epoch / seconds}
-                if nonfinite.skipped:
-                    record["skipped_steps"] = len(nonfinite.skipped)
-                history.append(record)
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                tracker.log(epoch * per_epoch, record)
-                if record["dev_accuracy"] > best["dev_accuracy"]:
-                    best = record
-                    clf.save(out / "best", {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],
-                                            "finetune": asdict(fc)})
-                    write_predictions(out / "dev_predictions.txt", predictions)
-                checkpoint()
-                if on_epoch:
-                    on_epoch(record)
-    finally:
-        metrics_file.close()
-        tracker.close()
+    with tracker:
+        state, _ = run_steps(state, train_step, lambda step, state: next(batches), evaluate, tc,
+                             desc=f"fine-tuning ({fc.epochs} epochs of {per_epoch} batches)",
+                             checkpoints=checkpoints, nonfinite=nonfinite, tracker=tracker,
+                             metrics=out / "metrics.jsonl", flops_per_token=None,
+                             tokens_in=real_tokens)
+    clf.params = state.params
+    plot = plot_losses(out, None, "cross-entropy of the labels (nats)")
     return {"best": best, "history": history, "train_truncated": train_cut,
             "dev_truncated": dev_cut, "seconds": time.time() - started,
-            "classifier": str(out / "best")}
+            "classifier": str(best_dir), "plot": plot}

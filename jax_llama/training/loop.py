@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -215,7 +216,7 @@ def train(spec: RunSpec) -> dict:
                     "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": None,
                     "sample": ""}
         tokenizer.save(spec.out / "model")
-        plot = _plot(spec.out, unigram, "DPO loss" if spec.dpo else None)
+        plot = plot_losses(spec.out, unigram, "DPO loss" if spec.dpo else None)
         summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
                    "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot}
         if spec.sft:
@@ -248,17 +249,19 @@ def train(spec: RunSpec) -> dict:
 
 def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc: str,
               checkpoints: Checkpoints, nonfinite: NonFinite, tracker: Tracker,
-              metrics: Path | None, flops_per_token: float):
+              metrics: Path | None, flops_per_token: float | None,
+              tokens_in: Callable[[dict], int] | None = None):
     """The loop: from the state's step to tc.steps, `train_step(state, next_batch(step, state))`.
     Each step's record - step, the step's metrics (loss, grad_norm, lr, ...), tokens/s - is
     appended to `metrics` (None: this process writes nothing) and logged by `tracker`;
     `evaluate(params)` runs every tc.eval_every steps and at the end, its figures (val_loss first)
     joining that step's record. A checkpoint every tc.checkpoint_every steps, at the end and at
     an early stop. The NaN policy (`nonfinite`) and the stop signals end the run with
-    TrainingDiverged / RunStopped, naming the checkpoint to go on from. Returns (state, last):
-    last holds the final "loss" and "val_loss"."""
-    peak = measure_matmul_peak(tc.dtype)
-    tokens_per_step = tc.batch_size * tc.seq_len
+    TrainingDiverged / RunStopped, naming the checkpoint to go on from. Tokens a step:
+    `tokens_in(batch)`, or tc.batch_size x tc.seq_len; the progress bar shows the MFU where
+    `flops_per_token` is given. Returns (state, last): last holds the final "loss" and
+    "val_loss"."""
+    peak = measure_matmul_peak(tc.dtype) if flops_per_token else None
     last = {"loss": float("nan"), "val_loss": float("nan")}
     start = int(state.step)
     stopped = None
@@ -267,13 +270,15 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
             StopSignals() as signals:
         tick = time.perf_counter()
         for step in range(start, tc.steps):
-            state, figures = train_step(state, next_batch(step, state))
+            batch = next_batch(step, state)
+            tokens = tokens_in(batch) if tokens_in else tc.batch_size * tc.seq_len
+            state, figures = train_step(state, batch)
             figures = {k: float(v) for k, v in jax.device_get(figures).items()}
             why = nonfinite.check(step + 1, figures)
             if why is not None and not nonfinite.skip:  # this state is never saved
                 raise nonfinite.diverged(why, checkpoints)
             now = time.perf_counter()
-            tokens_per_s = tokens_per_step / (now - tick)
+            tokens_per_s = tokens / (now - tick)
             tick = now
             record = {"step": step + 1, **figures, "tokens_per_s": tokens_per_s}
             if nonfinite.skipped and nonfinite.skipped[-1] == step + 1:
@@ -293,9 +298,11 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
             log.flush()
             tracker.log(step + 1, record)
             last["loss"] = figures["loss"]
-            bar.set_postfix(loss=f"{figures['loss']:.3f}", val=f"{last['val_loss']:.3f}",
-                            tok_s=f"{tokens_per_s:,.0f}",
-                            mfu=f"{tokens_per_s * flops_per_token / peak:.1%}")
+            shown = {"loss": f"{figures['loss']:.3f}", "val": f"{last['val_loss']:.3f}",
+                     "tok_s": f"{tokens_per_s:,.0f}"}
+            if peak:
+                shown["mfu"] = f"{tokens_per_s * flops_per_token / peak:.1%}"
+            bar.set_postfix(**shown)
             bar.update()
             if stopped is not None:
                 break
@@ -359,8 +366,11 @@ def _corpus_batches(spec: RunSpec, files: list[Path], tokenizer, config: LlamaCo
 
 # -- what the user sees at the end -----------------------------------------------------------------
 
-def _plot(out: Path, unigram: float | None, ylabel: str | None = None) -> str | None:
+def plot_losses(out: Path, unigram: float | None, ylabel: str | None = None) -> str | None:
+    """out/loss.png from out/metrics.jsonl: each step's loss and each evaluation's val_loss
+    (None where matplotlib is not installed)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "step" in r]  # a finetune run's from before: epochs only
     try:
         import matplotlib
         matplotlib.use("Agg")

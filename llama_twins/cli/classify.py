@@ -134,7 +134,8 @@ def cmd_finetune(args) -> int:
     started, cpu = time.time(), time.process_time()
     try:
         summary = finetune(clf, train, dev, fc, out, on_epoch=lambda r: print(
-            f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, dev accuracy {r['dev_accuracy']:.4f} "
+            f"epoch {r['epoch']}: train loss {r['train_loss']:.4f}, dev loss {r['val_loss']:.4f}, "
+            f"dev accuracy {r['dev_accuracy']:.4f} "
             f"({r['seconds']:.0f} s)", file=sys.stderr), tracking=tracking, control=control)
     except TrainingDiverged as e:
         print(f"error: {e}; lower --lr", file=sys.stderr)
@@ -152,10 +153,10 @@ def cmd_finetune(args) -> int:
 
 def cmd_predict(args) -> int:
     from jax_llama.classify import load_classifier, predict
+    from jax_llama.training.finetune import classifier_dir
 
     clf = with_kernels(args, lambda: load_classifier(
-        args.classifier if not (Path(args.classifier) / "best").is_dir()
-        else Path(args.classifier) / "best", attention=args.attention, kernels=args.kernels),
+        classifier_dir(Path(args.classifier)), attention=args.attention, kernels=args.kernels),
         say=False)
     args.label_words = clf.labels
     dataset = _read_task(args, args.data, require_labels=False)
@@ -258,7 +259,7 @@ def add_commands(sub) -> None:
     p.add_argument("--preset", help="from scratch: the backbone's config (default tiny)")
     p.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained from scratch "
                                                                           "(default 8192)")
-    p.add_argument("--out", required=True, help="run directory: best/, metrics.jsonl, dev_predictions.txt")
+    p.add_argument("--out", required=True, help="run directory: run.json, metrics.jsonl, checkpoints/, model/ (the best epoch's classifier), dev_predictions.txt, loss.png")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest checkpoint that restores (the "
                         "same command otherwise)")
@@ -327,7 +328,7 @@ def add_commands(sub) -> None:
     p = add_command(sub, "predict", cmd_predict,
                     help="a fine-tuned classifier's predictions, and accuracy when the file has "
                          "labels")
-    p.add_argument("classifier", help="a finetune --out directory (or its best/)")
+    p.add_argument("classifier", help="a finetune --out directory (or its model/; best/ in runs from before)")
     p.add_argument("--data", required=True, help="LABEL ||| TEXT lines (or TEXT lines)")
     p.add_argument("--out", help="write predictions here (default: stdout, accuracy on stderr)")
     _add_task_arguments(p, labels=False)
