@@ -14,7 +14,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from bridge.atomic import write_text
 from bridge.classification import strip_labels
 from bridge.data_dirs import check_out_apart, files_under
 from bridge.errors import BridgeError
+
+from .state import say
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".tsv", ".html", ".xml",
                  ".c", ".h", ".cc", ".cpp", ".js", ".ts", ".java", ".go", ".rs", ".sh", ".toml",
@@ -78,13 +79,13 @@ def read_documents(files: list[Path], warn=None, labeled: bool = False) -> Itera
         if labeled:
             stripped = strip_labels(text)
             if text.strip() and stripped == text:
-                (warn or (lambda m: print(m, file=sys.stderr)))(
+                (warn or say)(
                     f"warning: {f}: no 'LABEL ||| TEXT' line; its text is used as it is")
             text = stripped
         if text.strip():
             yield text
     if skipped:
-        (warn or (lambda m: print(m, file=sys.stderr)))(
+        (warn or say)(
             f"warning: skipped {len(skipped)} unreadable or non-UTF-8 file(s), e.g. {skipped[0]}")
 
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,10 +37,15 @@ MANIFEST = "jax_llama.manifest.json"
 ASIDE = ".unreadable-"
 
 
+log = logging.getLogger("jax_llama.training")
+
+
 def say(message: str) -> None:
-    """A line of progress for the person running the command, on stderr (stdout carries
-    results): the one voice of every training run, the loop's and each recipe's."""
-    print(message, file=sys.stderr)
+    """A line for the person running the training, logged at INFO on `jax_llama.training`: the
+    one voice of every training run, the loop's and each recipe's. The command line prints
+    these lines on stderr (stdout carries results); a program sees them once it configures
+    logging (`logging.basicConfig(level=logging.INFO)`)."""
+    log.info(message)
 
 
 class RunStopped(Exception):

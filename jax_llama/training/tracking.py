@@ -21,12 +21,13 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from bridge.atomic import write_text
 from bridge.errors import BridgeError
+
+from .state import say
 
 __all__ = ["SINKS", "TAGS", "Tracker", "TrackingSpec"]
 
@@ -163,9 +164,8 @@ class _Wandb:
                               id=run_id, resume="allow", mode=spec.wandb_mode, config=config,
                               settings=wandb.Settings(console="off", silent=True))
         where = Path(self.run.dir).parent
-        print(f"wandb: {spec.wandb_mode} run {run_id} in {where}"
-              + (f" (upload later: wandb sync {where})" if spec.wandb_mode == "offline" else ""),
-              file=sys.stderr)
+        say(f"wandb: {spec.wandb_mode} run {run_id} in {where}"
+            + (f" (upload later: wandb sync {where})" if spec.wandb_mode == "offline" else ""))
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)

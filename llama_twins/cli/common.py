@@ -9,6 +9,8 @@ subcommand's own argparse definitions, so the mapping is written once and cannot
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -55,11 +57,42 @@ def command_main(build_parser: Callable[[], argparse.ArgumentParser]
     def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         try:
-            return args.run(args)
+            with training_voice():
+                return args.run(args)
         except BridgeError as e:
             print(error_line(e, getattr(args, "command_parser", None)), file=sys.stderr)
             return EXIT_BAD_INPUT
     return main
+
+
+class _Stderr(logging.StreamHandler):
+    """Each record's message as a line on whatever sys.stderr is when it is written."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+@contextlib.contextmanager
+def training_voice():
+    """While a command runs: the training library's lines (jax_llama.training.state.say, logged
+    at INFO) printed on stderr as they are, and not passed on to the root logger's handlers."""
+    log = logging.getLogger("jax_llama.training")
+    handler, before = _Stderr(), (log.level, log.propagate)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(before[0])
+        log.propagate = before[1]
 
 
 # -- what `jax-llama generate` and `torch-llama generate` share -----------------------------------
