@@ -4,6 +4,7 @@ with a checkpoint; a step whose loss is not finite stops the run or is skipped. 
 must end bit for bit where an uninterrupted one ends."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -83,16 +84,16 @@ def garble_metadata_without_manifest(step_dir: Path) -> str:
 @pytest.mark.parametrize("damage", [truncate, remove, flip, garble_metadata,
                                     garble_metadata_without_manifest])
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_resumes(
-        corpus, straight, tmp_path, capsys, damage):  # noqa: F811
+        corpus, straight, tmp_path, caplog, damage):  # noqa: F811
     run = tmp_path / "run"
     shutil.copytree(straight, run)
     what = damage(run / "checkpoints" / "20")
     (run / "model").rename(tmp_path / "first-model")
-    capsys.readouterr()
     resumed = spec(tmp_path, corpus, **STEPS)
     resumed.resume = True
-    run_lib.train(resumed)
-    err = capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="jax_llama.training"):  # the library's voice
+        run_lib.train(resumed)
+    err = "\n".join(r.getMessage() for r in caplog.records if r.name == "jax_llama.training")
     lines = [line for line in err.splitlines() if line.startswith("checkpoint of step 20")]
     assert len(lines) == 1 and what in lines[0] and "set aside as" in lines[0], err
     assert "resumed" in err and "at step 15" in err
