@@ -1,8 +1,9 @@
 """Fine-tuning a classifier (`jax-llama finetune`): LlamaClassifier (backbone + head on the last
 real token) trained with the same optax AdamW and the same compiled step as pretraining
 (jax_llama.training.step: make_optimizer's clipping, warmup + cosine, decay mask and gradient
-accumulation; jit_train_step with classifier_loss), epoch by epoch, the dev set measured after
-each, the best epoch's classifier kept. Batches are padded to a power-of-two length and built
+accumulation; jit_train_step with classifier_loss), on the same loop (loop.run_steps): a recipe
+whose batches are epochs of labelled texts and whose evaluation, at each epoch's end, measures
+the dev set and keeps the best epoch's classifier. Batches are padded to a power-of-two length and built
 from examples of similar length, so there are few compilations and little padding. The
 classifier itself, prediction and zero-shot prompting are jax_llama.classify's.
 """

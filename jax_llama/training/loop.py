@@ -2,7 +2,8 @@
 
 `train` prepares a run (its recipe's inputs: a corpus, or chats (sft.py), or preference pairs
 (dpo.py); the model, the optimizer, the state, resumed or new), hands the loop (`run_steps`) its
-step, its batches and its evaluation, and saves what the recipe keeps.
+step, its batches and its evaluation, and saves what the recipe keeps. finetune.py is a recipe on
+the same loop: its batches are epochs of labelled texts, its evaluation the dev set's.
 
 A run directory holds:
   run.json        what was asked for (model config, TrainConfig, corpus): a resume must match it
@@ -15,13 +16,15 @@ A run directory holds:
                   (jax_llama.training.tracking)
   loss.png        the loss curves against the unigram baseline
   model/          the final model as a native checkpoint with its tokenizer, ready for the bridge
-                  (a LoRA run: the base with the adapter merged in)
+                  (a LoRA run: the base with the adapter merged in; finetune: the best epoch's
+                  classifier, its head in classifier.safetensors / classifier.json)
   adapter/        a LoRA run's adapter, as Hugging Face PEFT writes it (adapter_config.json,
                   adapter_model.safetensors)
   chat_template.jinja   an SFT run's chat template (also in model/, where generate --chat finds it)
   exact_match.json      an SFT run's greedy replies to the held-out chats, before and after
   preference.json       a DPO run's held-out metrics (loss, rewards, pair accuracy) before and
                         after, and greedy replies to a few held-out prompts
+  dev_predictions.txt   a finetune run's best epoch's predictions on the dev set
 """
 
 from __future__ import annotations
