@@ -1,5 +1,6 @@
 """Speed of two checkouts of this project side by side: SmolLM2-135M's greedy decode (float32 and
-int8, batch 1 and 8) and a train step, each tree in processes of its own, in alternating rounds.
+int8, batch 1 and 8) and a train step (and, with --rows finetune, the whole finetune command),
+each tree in processes of its own, in alternating rounds.
 
 For a restructuring that must not slow anything: OLD is the tree before (a `git worktree` of the
 commit), NEW the tree after. Each round runs every measurement once per tree, the order of the
@@ -60,6 +61,25 @@ if kind == "train":
         holder["state"], metrics = step(holder["state"], batch)
         jax.block_until_ready(metrics["loss"])
     print(json.dumps({"s": best(run, 5)}))
+elif kind == "finetune":  # the whole `jax-llama finetune` command on a small synthetic task
+    import random, tempfile
+    from pathlib import Path
+    from llama_twins.cli import main as cli
+    rnd = random.Random(0)
+    words = ["film", "plot", "actor", "scene", "story", "music", "ending", "cast", "light", "pace"]
+    def lines(n):
+        rows = [rnd.randrange(2) for _ in range(n)]
+        return "".join(f"{y} ||| {' '.join(rnd.choice(words) for _ in range(10))} "
+                       f"{'great' if y else 'awful'}\n" for y in rows)
+    task = Path(tempfile.mkdtemp())
+    (task / "train.txt").write_text(lines(600)); (task / "dev.txt").write_text(lines(100))
+    (task / "labels.json").write_text('["negative", "positive"]')
+    start = time.perf_counter()
+    code = cli.main(["finetune", "--train", str(task / "train.txt"), "--dev", str(task / "dev.txt"),
+                     "--labels", str(task / "labels.json"), "--out", str(task / "run"),
+                     "--vocab-size", "300", "--epochs", "3", "--max-len", "32"])
+    assert code == 0, code
+    print(json.dumps({"s": time.perf_counter() - start}))
 else:
     dtype, batch = kind.split("/")
     model, params = jax_llama.load(gguf, dtype="float32")
@@ -72,6 +92,7 @@ else:
 '''
 
 ROWS = ("float32/1", "float32/8", "int8/1", "int8/8", "train")
+EXTRA_ROWS = ("finetune",)  # --rows finetune: the whole command, seconds
 
 
 def smollm2() -> str:
@@ -130,7 +151,9 @@ def main(argv=None) -> int:
     def render(data: dict) -> list[str]:
         lines = [f"# {data['old']} against {data['new']}: {data['rounds']} alternating rounds", "",
                  "Decode rows: seconds per token (SmolLM2-135M, 16-token prompt, 64 new tokens, best "
-                 "of 3 per process); train: seconds per step (stories15M shapes, batch 8 x 256).", "",
+                 "of 3 per process); train: seconds per step (stories15M shapes, batch 8 x 256); "
+                 "finetune: seconds of the whole `jax-llama finetune` command (600 synthetic texts, "
+                 "3 epochs of 19 steps, from scratch).", "",
                  "| row | old (s) | new (s) | new / old | spread old | spread new | slower beyond noise |",
                  "|---|---|---|---|---|---|---|"]
         for row, r in data["rows"].items():
