@@ -152,6 +152,22 @@ def test_generate_opens_the_safetensors_once(tiny, capsys, monkeypatch):
     capsys.readouterr()
 
 
+def test_compare_torch_reads_both_twins_from_one_opening(tiny, capsys, monkeypatch):
+    """generate --compare-torch compares the JAX twin the command loaded with a torch twin read
+    from the checkpoint the command opened. The .gguf is opened once (it was 3: the command's
+    opening, then greedy_parity's for each twin, which loaded the JAX twin a second time); a
+    native directory's model.safetensors twice, as for plain generate (it was 6)."""
+    def argv(path):
+        return ["generate", str(path), "--chat", "--prompt", "hi", "--max-new-tokens", "2",
+                "--compare-torch"]
+
+    assert opens_of(tiny, monkeypatch, lambda: jax_cli.main(argv(tiny))) == 1
+    native = tiny.parent / "native"
+    assert opens_of(native / "model.safetensors", monkeypatch,
+                    lambda: jax_cli.main(argv(native))) == 2
+    assert "JAX and torch agree on all" in capsys.readouterr().out
+
+
 def test_eval_scores_without_a_bos(tiny, data, capsys):
     assert jax_cli.main(["eval", str(tiny), "--data", str(data / "text.txt"), "--seq-len", "64",
                          "--json"]) == 0
