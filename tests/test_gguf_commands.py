@@ -175,9 +175,14 @@ def test_eval_scores_without_a_bos(tiny, data, capsys):
     assert report["bos"] is False and report["tokens"] > 0
 
 
-def test_zero_shot(tiny, data, capsys):
-    assert jax_cli.main(["zero-shot", str(tiny), "--data", str(data / "dev.txt"), "--labels",
-                         str(data / "labels.json"), "--out", str(data / "zs.txt")]) == 0
+def test_zero_shot(tiny, data, capsys, monkeypatch):
+    """Its tokenizer, chat template and weights from one opening of the .gguf (it was 6)."""
+    def run():
+        assert jax_cli.main(["zero-shot", str(tiny), "--data", str(data / "dev.txt"), "--labels",
+                             str(data / "labels.json"), "--out", str(data / "zs.txt"),
+                             "--chat"]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     assert "zero-shot accuracy" in capsys.readouterr().out
 
 
@@ -212,9 +217,14 @@ def test_train_from_a_gguf_frames_documents_without_bos(tiny, data, tmp_path):
     assert not load_tokenizer(out / "model").add_bos
 
 
-def test_parity(tiny, capsys):
-    # the smallest report: what is GGUF's here is the loading, the rest is test_parity.py's
-    assert bridge_cli.main(["parity", str(tiny), "--batch", "1", "--seq-len", "8",
-                            "--new-tokens", "0", "--no-reference-f64", "--json"]) == 0
+def test_parity(tiny, capsys, monkeypatch):
+    """The smallest report: what is GGUF's here is the loading, the rest is test_parity.py's. Both
+    twins are read from the report's one opening of the file (it was 3: the report's, then one
+    for each twin)."""
+    def run():
+        assert bridge_cli.main(["parity", str(tiny), "--batch", "1", "--seq-len", "8",
+                                "--new-tokens", "0", "--no-reference-f64", "--json"]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["path"] == str(tiny) and report["passed"]
