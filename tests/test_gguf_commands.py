@@ -152,6 +152,21 @@ def test_generate_opens_the_safetensors_once(tiny, capsys, monkeypatch):
     capsys.readouterr()
 
 
+def test_config_json_is_read_once(tiny, tmp_path, capsys, monkeypatch):
+    """Format detection hands the config.json it read to the reader: a native directory's is read
+    once by generate (it was 2: detection, then the reader), a Hugging Face one's once by
+    open_checkpoint (it was 3: detection asked whether it was native, then HF, then the reader)."""
+    from bridge.formats import open_checkpoint
+
+    native = tiny.parent / "native"
+    argv = ["generate", str(native), "--chat", "--prompt", "hi", "--max-new-tokens", "2"]
+    assert opens_of(native / "config.json", monkeypatch, lambda: jax_cli.main(argv)) == 1
+    capsys.readouterr()
+    hf = convert(native, tmp_path / "hf", "hf", progress=False)
+    assert opens_of(hf / "config.json", monkeypatch, lambda: open_checkpoint(hf)) == 1
+    assert opens_of(hf / "config.json", monkeypatch, lambda: open_checkpoint(hf, "hf")) == 1
+
+
 def test_compare_torch_reads_both_twins_from_one_opening(tiny, capsys, monkeypatch):
     """generate --compare-torch compares the JAX twin the command loaded with a torch twin read
     from the checkpoint the command opened. The .gguf is opened once (it was 3: the command's
