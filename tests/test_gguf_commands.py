@@ -68,8 +68,13 @@ def test_a_real_vocabulary_survives_gguf_native_gguf(tiny, smollm2):
     assert keys(tiny) == keys(smollm2)
 
 
-def test_inspect_names_the_stored_types_and_the_rebuilt_tokenizer(tiny, capsys):
-    assert bridge_cli.main(["inspect", str(tiny), "--no-scan"]) == 0
+def test_inspect_names_the_stored_types_and_the_rebuilt_tokenizer(tiny, capsys, monkeypatch):
+    """From one opening of the file: the tokenizer described is the one opening it read (it was
+    5: the opening, then looks at the file's magic and the tokenizer's own reading of it)."""
+    def run():
+        assert bridge_cli.main(["inspect", str(tiny), "--no-scan"]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     out = capsys.readouterr().out
     assert "stored      F32 x" in out and "chat template" in out
     assert ("bos <|im_start|> not added, eos <|im_end|> not added: the GGUF file's "
