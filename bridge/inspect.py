@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -31,25 +30,23 @@ def describe(ckpt: Checkpoint) -> dict:
         "bytes": ckpt.nbytes,
         "quantization": None if ckpt.quantization is None else ckpt.quantization.to_dict(),
         "tensor_types": ckpt.tensor_types,
-        "tokenizer": describe_tokenizer(ckpt.path),
+        "tokenizer": describe_tokenizer(ckpt),
         "notes": ckpt.notes + ([] if ckpt.quantization is None else [_quantized_note(ckpt)]),
     }
 
 
-def describe_tokenizer(path) -> dict | None:
+def describe_tokenizer(ckpt: Checkpoint) -> dict | None:
     """The checkpoint's tokenizer: kind, BOS / EOS tokens, whether an encoded text gets them and
     what decided that (bridge.tokenizer.bos_eos); None without a tokenizer, {"error": ...} for
-    one that does not load."""
-    from .gguf.container import is_gguf
+    one that does not load. A GGUF file's own vocabulary comes from what opening it read."""
     from .tokenizer import find_tokenizer
 
-    path = Path(path)
-    directory = path if path.is_dir() else path.parent
-    if not (path.is_file() and is_gguf(path)) and not any(
+    directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+    if ckpt.format != "gguf" and not any(
             (directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
         return None
     try:
-        tok = find_tokenizer(path)
+        tok = find_tokenizer(ckpt)
     except BridgeError as e:
         return {"error": str(e)}
     names = {i: name for name, i in tok.special_tokens.items()}

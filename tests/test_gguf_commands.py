@@ -68,8 +68,13 @@ def test_a_real_vocabulary_survives_gguf_native_gguf(tiny, smollm2):
     assert keys(tiny) == keys(smollm2)
 
 
-def test_inspect_names_the_stored_types_and_the_rebuilt_tokenizer(tiny, capsys):
-    assert bridge_cli.main(["inspect", str(tiny), "--no-scan"]) == 0
+def test_inspect_names_the_stored_types_and_the_rebuilt_tokenizer(tiny, capsys, monkeypatch):
+    """From one opening of the file: the tokenizer described is the one opening it read (it was
+    5: the opening, then looks at the file's magic and the tokenizer's own reading of it)."""
+    def run():
+        assert bridge_cli.main(["inspect", str(tiny), "--no-scan"]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     out = capsys.readouterr().out
     assert "stored      F32 x" in out and "chat template" in out
     assert ("bos <|im_start|> not added, eos <|im_end|> not added: the GGUF file's "
@@ -152,6 +157,37 @@ def test_generate_opens_the_safetensors_once(tiny, capsys, monkeypatch):
     capsys.readouterr()
 
 
+def test_config_json_is_read_once(tiny, tmp_path, capsys, monkeypatch):
+    """Format detection hands the config.json it read to the reader: a native directory's is read
+    once by generate (it was 2: detection, then the reader), a Hugging Face one's once by
+    open_checkpoint (it was 3: detection asked whether it was native, then HF, then the reader)."""
+    from bridge.formats import open_checkpoint
+
+    native = tiny.parent / "native"
+    argv = ["generate", str(native), "--chat", "--prompt", "hi", "--max-new-tokens", "2"]
+    assert opens_of(native / "config.json", monkeypatch, lambda: jax_cli.main(argv)) == 1
+    capsys.readouterr()
+    hf = convert(native, tmp_path / "hf", "hf", progress=False)
+    assert opens_of(hf / "config.json", monkeypatch, lambda: open_checkpoint(hf)) == 1
+    assert opens_of(hf / "config.json", monkeypatch, lambda: open_checkpoint(hf, "hf")) == 1
+
+
+def test_compare_torch_reads_both_twins_from_one_opening(tiny, capsys, monkeypatch):
+    """generate --compare-torch compares the JAX twin the command loaded with a torch twin read
+    from the checkpoint the command opened. The .gguf is opened once (it was 3: the command's
+    opening, then greedy_parity's for each twin, which loaded the JAX twin a second time); a
+    native directory's model.safetensors twice, as for plain generate (it was 6)."""
+    def argv(path):
+        return ["generate", str(path), "--chat", "--prompt", "hi", "--max-new-tokens", "2",
+                "--compare-torch"]
+
+    assert opens_of(tiny, monkeypatch, lambda: jax_cli.main(argv(tiny))) == 1
+    native = tiny.parent / "native"
+    assert opens_of(native / "model.safetensors", monkeypatch,
+                    lambda: jax_cli.main(argv(native))) == 2
+    assert "JAX and torch agree on all" in capsys.readouterr().out
+
+
 def test_eval_scores_without_a_bos(tiny, data, capsys):
     assert jax_cli.main(["eval", str(tiny), "--data", str(data / "text.txt"), "--seq-len", "64",
                          "--json"]) == 0
@@ -159,9 +195,14 @@ def test_eval_scores_without_a_bos(tiny, data, capsys):
     assert report["bos"] is False and report["tokens"] > 0
 
 
-def test_zero_shot(tiny, data, capsys):
-    assert jax_cli.main(["zero-shot", str(tiny), "--data", str(data / "dev.txt"), "--labels",
-                         str(data / "labels.json"), "--out", str(data / "zs.txt")]) == 0
+def test_zero_shot(tiny, data, capsys, monkeypatch):
+    """Its tokenizer, chat template and weights from one opening of the .gguf (it was 6)."""
+    def run():
+        assert jax_cli.main(["zero-shot", str(tiny), "--data", str(data / "dev.txt"), "--labels",
+                             str(data / "labels.json"), "--out", str(data / "zs.txt"),
+                             "--chat"]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     assert "zero-shot accuracy" in capsys.readouterr().out
 
 
@@ -196,9 +237,14 @@ def test_train_from_a_gguf_frames_documents_without_bos(tiny, data, tmp_path):
     assert not load_tokenizer(out / "model").add_bos
 
 
-def test_parity(tiny, capsys):
-    # the smallest report: what is GGUF's here is the loading, the rest is test_parity.py's
-    assert bridge_cli.main(["parity", str(tiny), "--batch", "1", "--seq-len", "8",
-                            "--new-tokens", "0", "--no-reference-f64", "--json"]) == 0
+def test_parity(tiny, capsys, monkeypatch):
+    """The smallest report: what is GGUF's here is the loading, the rest is test_parity.py's. Both
+    twins are read from the report's one opening of the file (it was 3: the report's, then one
+    for each twin)."""
+    def run():
+        assert bridge_cli.main(["parity", str(tiny), "--batch", "1", "--seq-len", "8",
+                                "--new-tokens", "0", "--no-reference-f64", "--json"]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["path"] == str(tiny) and report["passed"]

@@ -51,22 +51,29 @@ def _member(fmt: str, index: int):
 
 def detect_format(path: str | os.PathLike) -> str:
     """Which format `path` holds, from file names and config keys; BridgeError if none."""
+    return _detect(path)[0]
+
+
+def _detect(path: str | os.PathLike) -> tuple[str, dict | None]:
+    """(format, config.json's fields): detect_format, with the fields it read to tell a native
+    directory from a Hugging Face one (None for the other formats), which the reader is given so
+    that config.json is read once."""
     path = Path(path)
     if not path.exists():
         raise BridgeError(f"{path}: no such file or directory")
     if path.is_dir():
-        if is_native(path):
-            return "native"
-        if is_hf(path):
-            return "hf"
         if (path / "config.json").is_file():
-            read_json(path / "config.json")  # an unreadable config.json is named as such
+            fields = read_json(path / "config.json")  # an unreadable config.json is named as such
+            if is_native(fields):
+                return "native", fields
+            if is_hf(fields):
+                return "hf", fields
         if (path / "params.json").is_file() and any(path.glob("consolidated.*.pth")):
-            return "meta"
+            return "meta", None
     elif path.suffix in (".bin", ".pt", ".pth"):
-        return "llama2c"
+        return "llama2c", None
     elif path.suffix == ".gguf":
-        return "gguf"
+        return "gguf", None
     raise BridgeError(f"{path}: not a recognised checkpoint (expected a native or Hugging Face "
                       f"directory with config.json, a Meta directory with params.json and "
                       f"consolidated.*.pth, a llama2.c .bin / .pt file or a .gguf file)")
@@ -74,13 +81,15 @@ def detect_format(path: str | os.PathLike) -> str:
 
 def open_checkpoint(path: str | os.PathLike, format: str | None = None) -> Checkpoint:
     """Open a checkpoint for streaming reads (validated on open); `format` None = detect."""
+    fields = None
     if format is None:
-        format = detect_format(path)
+        format, fields = _detect(path)
     elif format not in FORMATS:
         raise BridgeError(f"format: unknown format {format!r}; known: {', '.join(FORMATS)}")
     elif not Path(path).exists():
         raise BridgeError(f"{path}: no such file or directory")
-    return _member(format, 0)(path)
+    reader = _member(format, 0)
+    return reader(path) if fields is None else reader(path, fields)
 
 
 def write_checkpoint(format: str, path: str | os.PathLike, config: LlamaConfig,

@@ -187,23 +187,24 @@ def config_to_hf(config: LlamaConfig, dtype: str) -> dict:
 
 # -- reading and writing -----------------------------------------------------------------------------
 
-def is_hf(path: Path) -> bool:
-    try:
-        d = read_json(path / "config.json")
-    except (BridgeError, OSError):
-        return False
-    return "hidden_size" in d or "model_type" in d
+def is_hf(fields: dict) -> bool:
+    """True when a config.json's `fields` are a Hugging Face model's."""
+    return "hidden_size" in fields or "model_type" in fields
 
 
 class HFCheckpoint(Checkpoint):
+    """A Hugging Face directory. `fields`: its config.json's, when the caller has read them
+    already (format detection does), so that the file is read once."""
+
     format = "hf"
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, fields: dict | None = None):
         self.path = Path(path)
         if not self.path.is_dir():
             raise BridgeError(f"{self.path}: not a checkpoint directory")
-        self.config, self.notes = config_from_hf(read_json(self.path / "config.json"),
-                                                 self.path / "config.json")
+        config_path = self.path / "config.json"
+        self.config, self.notes = config_from_hf(
+            read_json(config_path) if fields is None else fields, config_path)
         self.infos: dict = {}  # canonical name -> TensorInfo
         self._open_files = OpenFiles()
         derivable = []

@@ -40,23 +40,23 @@ def read_json(path: Path) -> dict:
     return d
 
 
-def is_native(path: Path) -> bool:
-    """True when `path` is a directory whose config.json holds LlamaConfig fields."""
-    try:
-        return {"dim", "n_layers", "n_heads"} <= set(read_json(path / CONFIG_FILE))
-    except (BridgeError, OSError):
-        return False
+def is_native(fields: dict) -> bool:
+    """True when a config.json's `fields` are LlamaConfig's: a native checkpoint's."""
+    return {"dim", "n_layers", "n_heads"} <= set(fields)
 
 
 class NativeCheckpoint(Checkpoint):
+    """A native directory. `fields`: its config.json's, when the caller has read them already
+    (format detection does), so that the file is read once."""
+
     format = "native"
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, fields: dict | None = None):
         self.path = Path(path)
         if not self.path.is_dir():
             raise BridgeError(f"{self.path}: not a checkpoint directory")
         config_path = self.path / CONFIG_FILE
-        fields = read_json(config_path)
+        fields = dict(read_json(config_path) if fields is None else fields)
         quantization = fields.pop("quantization", None)
         try:
             self.config = LlamaConfig.from_dict(fields)

@@ -170,21 +170,23 @@ def cmd_predict(args) -> int:
 def cmd_zero_shot(args) -> int:
     import numpy as np
 
+    from bridge.chat import find_template
     from bridge.classification import read_labels
+    from bridge.formats import open_checkpoint
     from bridge.tokenizer import find_tokenizer
     from jax_llama.checkpoint import load
-    from bridge.chat import find_template
     from jax_llama.classify import fill_template, zero_shot
 
     if args.template is None:
         args.template = DEFAULT_TEMPLATE if args.chat is None else DEFAULT_CHAT_QUESTION
     fill_template(args.template, "")  # refuse a template without {text} before loading
-    tokenizer = find_tokenizer(args.checkpoint, args.tokenizer)
+    checkpoint = open_checkpoint(args.checkpoint)  # opened once: tokenizer, template, weights
+    tokenizer = find_tokenizer(checkpoint, args.tokenizer)
     chat = (None if args.chat is None else
-            find_template(args.checkpoint, tokenizer, None if args.chat == "own" else args.chat))
+            find_template(checkpoint, tokenizer, None if args.chat == "own" else args.chat))
     args.label_words = labels = read_labels(args.labels)
     dataset = _read_task(args, args.data, require_labels=False)
-    model, params = with_kernels(args, lambda: load(args.checkpoint, dtype="float32",
+    model, params = with_kernels(args, lambda: load(checkpoint, dtype="float32",
                                                     attention=args.attention, kernels=args.kernels))
     started = time.time()
     predictions, scores, cut = zero_shot(model, params, tokenizer, dataset.texts, labels,

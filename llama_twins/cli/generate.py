@@ -20,17 +20,22 @@ def cmd_generate(args) -> int:
         model, params = load_quantized(args, lambda: load(
             checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
             kernels=args.kernels), checkpoint=checkpoint)
-        return (model, params), model.config
+        return (model, params, checkpoint), model.config
 
     if args.compare_torch and args.quantize:
         raise BridgeError("not with --quantize (it compares the float twins)", field="compare_torch")
-    (model, params), tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
+    (model, params, checkpoint), tokenizer, texts, prompts, sampler, stops = generation_inputs(
+        args, load_model)
     if args.compare_torch:
-        from ..parity import format_greedy_parity, greedy_parity
+        import torch_llama
+
+        from ..parity import compare_greedy, format_greedy_parity
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            report = greedy_parity(args.checkpoint, prompts, args.max_new_tokens, stops, args.dtype,
-                                   args.adapter)
+            # the torch twin from the checkpoint the JAX twin was read from: not opened again
+            tmodel = torch_llama.load(checkpoint, device="cpu", dtype=args.dtype,
+                                      adapter=args.adapter)
+            report = compare_greedy(model, params, tmodel, prompts, args.max_new_tokens, stops)
         report_warnings(caught)
         print(format_greedy_parity(report, tokenizer.decode))
         return EXIT_OK if report["identical"] else EXIT_CHECK_FAILED

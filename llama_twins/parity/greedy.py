@@ -3,28 +3,32 @@ the report's greedy-tokens figure, where a first difference passes only at a nea
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
 
+from bridge.formats import Checkpoint, open_checkpoint
 from bridge.sampling import Sampler
 
 from .judgement import NEAR_TIE, _check, _f64
 
 
-def greedy_parity(path: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  stop_ids: Sequence[int] = (), dtype: str | None = None,
+def greedy_parity(path: str | os.PathLike | Checkpoint, prompts: Sequence[Sequence[int]],
+                  max_new_tokens: int, stop_ids: Sequence[int] = (), dtype: str | None = None,
                   adapter: str | None = None) -> dict:
-    """Greedy continuations of the same prompts by both twins from the checkpoint at `path`
-    (with the PEFT LoRA `adapter` merged in, when given).
+    """Greedy continuations of the same prompts by both twins from the checkpoint at `path` (a
+    path, or a checkpoint already opened by bridge.formats.open_checkpoint; either way both twins
+    read it from one opening), with the PEFT LoRA `adapter` merged in, when given.
 
     Returns {"identical": bool, "rows": [{"jax": ids, "torch": ids, "first_difference": index
     or None}]}: where the twins first disagree, per prompt."""
     import jax_llama
     import torch_llama
 
-    model, params = jax_llama.load(path, dtype=dtype, adapter=adapter)
-    tmodel = torch_llama.load(path, device="cpu", dtype=dtype, adapter=adapter)
+    checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    model, params = jax_llama.load(checkpoint, dtype=dtype, adapter=adapter)
+    tmodel = torch_llama.load(checkpoint, device="cpu", dtype=dtype, adapter=adapter)
     return compare_greedy(model, params, tmodel, prompts, max_new_tokens, stop_ids)
 
 

@@ -88,8 +88,9 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
                      "small models and may fail a correct port of a large or trained one")
     # loaded after the float64 run, whose peak is the report's largest
     say(f"loading {path} into both twins ({dtype})")
-    model, params = jax_model if jax_model is not None else jax_llama.load(path, dtype=dtype)
-    tmodel = torch_model if torch_model is not None else torch_llama.load(path, device="cpu",
+    # both from the checkpoint opened above: the file is not opened again
+    model, params = jax_model if jax_model is not None else jax_llama.load(ckpt, dtype=dtype)
+    tmodel = torch_model if torch_model is not None else torch_llama.load(ckpt, device="cpu",
                                                                           dtype=dtype)
 
     say("RoPE over the context, and the forward pass: the hidden state after every block, "
