@@ -4,6 +4,7 @@ classifier directory, fine-tuning, zero-shot scoring, the data format, and the C
 
 import functools
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -819,7 +820,7 @@ def read_examples_from(path, text):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_finetune_with_the_frozen_cache_trains_as_without(tmp_path, capsys, lora):
+def test_finetune_with_the_frozen_cache_trains_as_without(tmp_path, caplog, lora):
     """With train_layers the frozen blocks run once (FrozenFeatures) instead of at every step:
     the same batches, the same updates. Two epochs of a 3-block model, full and LoRA: training
     losses equal within rtol 1e-4 and the trained params within atol 1e-5 (float32 rounding of
@@ -828,10 +829,13 @@ def test_finetune_with_the_frozen_cache_trains_as_without(tmp_path, capsys, lora
     from bridge.lora import LoraConfig
 
     config = LoraConfig(rank=4, alpha=8) if lora else None
-    cached, with_cache = _frozen_run(tmp_path, True, config)
-    assert "the 2 frozen blocks run once for every text" in capsys.readouterr().err
-    plain, without = _frozen_run(tmp_path, False, config)
-    assert "frozen blocks run once" not in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="jax_llama.training"):  # the library's voice
+        cached, with_cache = _frozen_run(tmp_path, True, config)
+    assert "the 2 frozen blocks run once for every text" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jax_llama.training"):
+        plain, without = _frozen_run(tmp_path, False, config)
+    assert "frozen blocks run once" not in caplog.text
     np.testing.assert_allclose([h["train_loss"] for h in with_cache["history"]],
                                [h["train_loss"] for h in without["history"]], rtol=1e-4)
     assert [h["dev_accuracy"] for h in with_cache["history"]] == \
@@ -858,15 +862,16 @@ def _at(tree, path):
     return tree
 
 
-def test_the_frozen_cache_steps_aside_when_memory_is_short(monkeypatch, capsys):
+def test_the_frozen_cache_steps_aside_when_memory_is_short(monkeypatch, caplog):
     clf = classify.new_classifier(small_config(n_layers=3, vocab_size=259), LABELS,
                                   ByteTokenizer(), 64, dropout=0.0, seed=0)
     rows = _byte_rows(FROZEN_TEXTS)
     need = 2 * classify.FrozenFeatures.nbytes(clf, rows)
     assert need == 2 * sum(map(len, rows)) * 48 * 4
     monkeypatch.setattr(finetune_lib, "available_memory", lambda: 4 * need - 4)
-    assert finetune_lib.frozen_features(clf, rows, rows, 1) is None
-    assert "computed at every step instead" in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="jax_llama.training"):
+        assert finetune_lib.frozen_features(clf, rows, rows, 1) is None
+    assert "computed at every step instead" in caplog.text
     monkeypatch.setattr(finetune_lib, "available_memory", lambda: 4 * need)
     train, dev = finetune_lib.frozen_features(clf, rows, rows, 1)
     assert train.model.first_layer == dev.model.first_layer == 2
