@@ -206,12 +206,18 @@ def test_zero_shot(tiny, data, capsys, monkeypatch):
     assert "zero-shot accuracy" in capsys.readouterr().out
 
 
-def test_finetune_from_a_gguf_keeps_its_tokenizer(tiny, data, tmp_path):
+def test_finetune_from_a_gguf_keeps_its_tokenizer(tiny, data, tmp_path, monkeypatch):
+    """The backbone's weights, tokenizer and chat template from one opening of the .gguf (it was
+    6: the weights, the tokenizer and the template each opened it, some more than once)."""
     out = tmp_path / "ft"
-    assert jax_cli.main(["finetune", "--init", str(tiny), "--train", str(data / "train.txt"),
-                         "--dev", str(data / "dev.txt"), "--labels", str(data / "labels.json"),
-                         "--out", str(out), "--epochs", "1", "--batch-size", "8",
-                         "--max-len", "32"]) == 0
+
+    def run():
+        assert jax_cli.main(["finetune", "--init", str(tiny), "--train", str(data / "train.txt"),
+                             "--dev", str(data / "dev.txt"), "--labels", str(data / "labels.json"),
+                             "--out", str(out), "--epochs", "1", "--batch-size", "8",
+                             "--max-len", "32"]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     saved = load_tokenizer(out / "model")
     assert not saved.add_bos and saved.encode("good film") == find_tokenizer(tiny).encode("good film")
 
