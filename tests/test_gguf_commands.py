@@ -1,6 +1,6 @@
 """Every command takes a .gguf path as it takes any checkpoint, with the file's own tokenizer, chat
 template, stop tokens and BOS rule: inspect, parity, both generate commands, eval, zero-shot,
-finetune / sft / train --init.
+finetune / sft / train / dpo --init.
 
 The model is small and random (dim 64, two layers) so that each command costs seconds; its
 vocabulary, chat template and GGUF keys are SmolLM2-135M-Instruct's (the `smollm2` fixture: BPE
@@ -206,35 +206,74 @@ def test_zero_shot(tiny, data, capsys, monkeypatch):
     assert "zero-shot accuracy" in capsys.readouterr().out
 
 
-def test_finetune_from_a_gguf_keeps_its_tokenizer(tiny, data, tmp_path):
+def test_finetune_from_a_gguf_keeps_its_tokenizer(tiny, data, tmp_path, monkeypatch):
+    """The backbone's weights, tokenizer and chat template from one opening of the .gguf (it was
+    6: the weights, the tokenizer and the template each opened it, some more than once)."""
     out = tmp_path / "ft"
-    assert jax_cli.main(["finetune", "--init", str(tiny), "--train", str(data / "train.txt"),
-                         "--dev", str(data / "dev.txt"), "--labels", str(data / "labels.json"),
-                         "--out", str(out), "--epochs", "1", "--batch-size", "8",
-                         "--max-len", "32"]) == 0
+
+    def run():
+        assert jax_cli.main(["finetune", "--init", str(tiny), "--train", str(data / "train.txt"),
+                             "--dev", str(data / "dev.txt"), "--labels", str(data / "labels.json"),
+                             "--out", str(out), "--epochs", "1", "--batch-size", "8",
+                             "--max-len", "32"]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     saved = load_tokenizer(out / "model")
     assert not saved.add_bos and saved.encode("good film") == find_tokenizer(tiny).encode("good film")
 
 
-def test_sft_from_a_gguf_uses_its_chat_template(tiny, data, tmp_path, capsys):
-    assert jax_cli.main(["sft", "--init", str(tiny), "--data", str(data / "chats.jsonl"),
-                         "--show-mask", "1", "--out", str(tmp_path / "none")]) == 0
+def test_sft_from_a_gguf_uses_its_chat_template(tiny, data, tmp_path, capsys, monkeypatch):
+    """Its tokenizer, config, chat template and weights from one opening of the .gguf (it was
+    7; --show-mask's tokenizer, config and template: 6)."""
+    def show_mask():
+        assert jax_cli.main(["sft", "--init", str(tiny), "--data", str(data / "chats.jsonl"),
+                             "--show-mask", "1", "--out", str(tmp_path / "none")]) == 0
+
+    assert opens_of(tiny, monkeypatch, show_mask) == 1
     shown = capsys.readouterr().out
     # ChatML has no generation tags: the reply's span is what its turn adds, newline included
     assert "<|im_start|>assistant\n«good<|im_end|>\n»" in shown
     out = tmp_path / "sft"
-    assert jax_cli.main(["sft", "--init", str(tiny), "--data", str(data / "chats.jsonl"),
-                         "--steps", "1", "--batch-size", "2", "--seq-len", "64",
-                         "--out", str(out)]) == 0
+
+    def run():
+        assert jax_cli.main(["sft", "--init", str(tiny), "--data", str(data / "chats.jsonl"),
+                             "--steps", "1", "--batch-size", "2", "--seq-len", "64",
+                             "--out", str(out)]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     assert (out / "model" / TEMPLATE_FILE).read_text() == find_template(tiny, None).source
 
 
-def test_train_from_a_gguf_frames_documents_without_bos(tiny, data, tmp_path):
+def test_train_from_a_gguf_frames_documents_without_bos(tiny, data, tmp_path, monkeypatch):
+    """Its tokenizer, config and weights from one opening of the .gguf (it was 5)."""
     out = tmp_path / "train"
-    assert jax_cli.main(["train", "--init", str(tiny), "--data", str(data / "text.txt"),
-                         "--steps", "2", "--batch-size", "2", "--seq-len", "32",
-                         "--sample-tokens", "0", "--out", str(out)]) == 0
+
+    def run():
+        assert jax_cli.main(["train", "--init", str(tiny), "--data", str(data / "text.txt"),
+                             "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                             "--sample-tokens", "0", "--out", str(out)]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
     assert not load_tokenizer(out / "model").add_bos
+
+
+def test_dpo_from_a_gguf_opens_it_once(tiny, data, tmp_path, monkeypatch):
+    """Conversational pairs rendered with the file's chat template: the tokenizer, config,
+    template and weights from one opening of the .gguf (it was 7)."""
+    pairs = [{"prompt": [{"role": "user", "content": f"Say {w}."}],
+              "chosen": [{"role": "assistant", "content": w}],
+              "rejected": [{"role": "assistant", "content": "no"}]}
+             for w in ("good", "bad", "fine", "awful", "great", "dull")]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    out = tmp_path / "dpo"
+
+    def run():
+        assert jax_cli.main(["dpo", "--init", str(tiny), "--data", str(tmp_path / "pairs.jsonl"),
+                             "--steps", "1", "--batch-size", "2", "--seq-len", "48",
+                             "--out", str(out)]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
+    assert (out / "model" / TEMPLATE_FILE).read_text() == find_template(tiny, None).source
 
 
 def test_parity(tiny, capsys, monkeypatch):

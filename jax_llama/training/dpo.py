@@ -33,9 +33,10 @@ from tqdm import tqdm
 
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
+from bridge.formats import Checkpoint
 from bridge.preference import Pair, in_order
 
-from .inputs import run_config, run_tokenizer
+from .inputs import open_init, run_config, run_tokenizer
 from .spec import LOSSES, DpoSpec, RunSpec
 from .state import say
 
@@ -348,9 +349,11 @@ def _pair_texts(records) -> list[str]:
     return texts
 
 
-def dpo_inputs(spec: RunSpec) -> PreferenceInputs:
+def dpo_inputs(spec: RunSpec, init: Checkpoint | None = None) -> PreferenceInputs:
     """Read, check and encode a DPO run's pairs (refusing, naming FILE:LINE, what cannot train),
-    with the tokenizer and, for conversational pairs, the chat template."""
+    with the tokenizer and, for conversational pairs, the chat template. `init`: the --init
+    checkpoint already opened (inputs.open_init), else opened here; its tokenizer, config and
+    chat template are read from that one opening."""
     from bridge.chat import find_template
     from bridge.preference import encode_pairs, read_pairs
 
@@ -361,11 +364,14 @@ def dpo_inputs(spec: RunSpec) -> PreferenceInputs:
         eval_records = read_pairs(dpo.eval_data)
     else:
         records, eval_records = split_pairs(records, dpo.eval_fraction, seed)
-    tokenizer = run_tokenizer(spec, lambda: _pair_texts(records), f"the {len(records):,} pairs")
-    config = run_config(spec, tokenizer)
+    if init is None:
+        init = open_init(spec)
+    tokenizer = run_tokenizer(spec, init, lambda: _pair_texts(records),
+                              f"the {len(records):,} pairs")
+    config = run_config(spec, init, tokenizer)
     template = None
     if any(not isinstance(r["prompt"], str) for _, r in records + eval_records):
-        template = find_template(spec.out if spec.resume else spec.init, tokenizer,
+        template = find_template(spec.out if spec.resume else init, tokenizer,
                                  None if spec.resume else dpo.chat_template)
     pairs, counts = encode_pairs(records, tokenizer, template, spec.train.seq_len)
     eval_pairs, eval_counts = encode_pairs(eval_records, tokenizer, template, spec.train.seq_len)

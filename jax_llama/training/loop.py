@@ -55,7 +55,7 @@ from . import sft as sft_lib
 from ..lora import add_lora, count, merge_lora, save_adapter, trainable_for
 from ..model.llama import Llama, init
 from ..perf import measure_matmul_peak, train_flops_per_token
-from .inputs import run_config, run_tokenizer
+from .inputs import open_init, run_config, run_tokenizer
 from .spec import RunSpec
 from .state import (Checkpoints, NonFinite, RunStopped, StopSignals, all_processes_reach,
                     check_resumable, keep_metrics_until, say)
@@ -93,17 +93,20 @@ def train(spec: RunSpec) -> dict:
     if not spec.resume and spec.out.exists() and any(spec.out.iterdir()):
         raise BridgeError(f"{spec.out} is not empty", field="out",
                           hint=("resume", True, "pass {} to continue that run"))
+    # the --init checkpoint, opened once: its tokenizer, config, template and weights all read here
+    init_checkpoint = open_init(spec)
     if spec.sft:  # every conversation is read, rendered and checked before anything is written
-        chat = sft_lib.sft_inputs(spec)
+        chat = sft_lib.sft_inputs(spec, init_checkpoint)
         tokenizer, config = chat.tokenizer, chat.config
     elif spec.dpo:  # every pair likewise
-        prefs = dpo_lib.dpo_inputs(spec)
+        prefs = dpo_lib.dpo_inputs(spec, init_checkpoint)
         tokenizer, config = prefs.tokenizer, prefs.config
     else:
         files = data_lib.corpus_files(spec.data, out=spec.out) if spec.data else data_lib.default_corpus()
-        tokenizer = run_tokenizer(spec, lambda: data_lib.read_documents(files, labeled=spec.strip_labels),
-                               f"{len(files)} files")
-        config = run_config(spec, tokenizer)
+        tokenizer = run_tokenizer(spec, init_checkpoint,
+                                  lambda: data_lib.read_documents(files, labeled=spec.strip_labels),
+                                  f"{len(files)} files")
+        config = run_config(spec, init_checkpoint, tokenizer)
     mesh = make_mesh(spec.mesh)
     check_batch(tc.batch_size, mesh)
     _check_mesh_splits(config, mesh)
@@ -140,9 +143,9 @@ def train(spec: RunSpec) -> dict:
                   attention=spec.attention)
     # A frozen base needs no float32 master copy: with LoRA it is held in the compute dtype.
     base_dtype = tc.dtype if spec.lora else "float32"
-    if spec.init:
+    if init_checkpoint is not None:
         # straight onto the mesh: each process reads only the parts its devices hold
-        params = load_checkpoint(spec.init, dtype=base_dtype, scan_layers=spec.scan_layers,
+        params = load_checkpoint(init_checkpoint, dtype=base_dtype, scan_layers=spec.scan_layers,
                                  mesh=mesh)[1]
     else:
         params = init(config, seed=tc.seed, scan_layers=spec.scan_layers,
@@ -209,7 +212,9 @@ def train(spec: RunSpec) -> dict:
         if spec.lora:
             save_adapter(spec.out / "adapter", model, params, base_model=spec.init, overwrite=True)
             model, params = merge_lora(model, params)
-        if spec.lora and spec.init:  # merged into the base as stored, not the compute-dtype copy
+        # Merged into the base as stored, not the compute-dtype copy: the merge streams the base
+        # from its file again, tensor by tensor, a second reading that is needed by design.
+        if spec.lora and spec.init:
             merge_checkpoint(spec.init, spec.out / "adapter", spec.out / "model", force=True,
                              progress=False)
         else:  # every process takes part in gathering the tensors; process 0 writes them

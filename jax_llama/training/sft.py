@@ -20,10 +20,11 @@ from tqdm import tqdm
 from bridge.chat import ChatTemplate, Example, encode_example, read_chats, truncate
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
+from bridge.formats import Checkpoint
 
 from ..checkpoint import load as load_checkpoint
 from . import data as data_lib
-from .inputs import run_config, run_tokenizer
+from .inputs import open_init, run_config, run_tokenizer
 from .spec import RunSpec, SftSpec
 from .state import say
 
@@ -281,21 +282,25 @@ class ChatInputs:
                          for r in scores["replies"][:5])
 
 
-def sft_inputs(spec: RunSpec) -> ChatInputs:
+def sft_inputs(spec: RunSpec, init: Checkpoint | None = None) -> ChatInputs:
     """Read, render and check an SFT run's conversations (refusing, naming the example, what
-    cannot train), with the tokenizer and template they need."""
+    cannot train), with the tokenizer and template they need. `init`: the --init checkpoint
+    already opened (inputs.open_init), else opened here; its tokenizer, config, chat template
+    and (for replay) weights are read from that one opening."""
     from bridge.chat import find_template
 
     sft = spec.sft
     chats, eval_chats = load_chats(sft, spec.train.seed)
-    tokenizer = run_tokenizer(spec, lambda: chat_texts(chats),
-                           f"the {len(chats):,} conversations")
-    config = run_config(spec, tokenizer)
-    template_from = spec.out if spec.resume else spec.init
+    if init is None:
+        init = open_init(spec)
+    tokenizer = run_tokenizer(spec, init, lambda: chat_texts(chats),
+                              f"the {len(chats):,} conversations")
+    config = run_config(spec, init, tokenizer)
+    template_from = spec.out if spec.resume else init
     template = find_template(template_from, tokenizer, None if spec.resume else sft.chat_template)
     max_len = spec.train.seq_len + 1
     if sft.replay:
-        chats = chats + replay_chats(spec, tokenizer, template)
+        chats = chats + replay_chats(spec, tokenizer, template, init)
     examples, skipped = encode_all(chats, template, tokenizer, max_len, sft.skip_invalid)
     eval_examples, eval_skipped = encode_all(eval_chats, template, tokenizer, max_len,
                                                      sft.skip_invalid)
@@ -308,11 +313,13 @@ def sft_inputs(spec: RunSpec) -> ChatInputs:
                       {prompt_key(messages) for _, messages in chats})
 
 
-def replay_chats(spec: RunSpec, tokenizer, template) -> list[tuple[str, list[dict]]]:
+def replay_chats(spec: RunSpec, tokenizer, template,
+                 init: Checkpoint | None = None) -> list[tuple[str, list[dict]]]:
     """The --init model's own greedy answers to spec.sft.replay general prompts, as chats
     (where: replay:N): trained on beside the data, they keep the model answering other requests
     as it did, where a narrow task alone teaches its style to every reply. The same every time
-    (greedy), so a resumed run trains on the same chats."""
+    (greedy), so a resumed run trains on the same chats. `init`: the --init checkpoint already
+    opened, its weights read from that opening (else from spec.init)."""
     from bridge.prompts import stop_ids as tokenizer_stops
 
     from ..inference.generate import generate
@@ -322,7 +329,8 @@ def replay_chats(spec: RunSpec, tokenizer, template) -> list[tuple[str, list[dic
         raise BridgeError("needs --init: the answers replayed are the starting model's own",
                           field="replay")
     prompts = general_prompts(sft.replay, spec.train.seed)
-    model, params = load_checkpoint(spec.init, dtype="float32", attention=spec.attention)
+    model, params = load_checkpoint(spec.init if init is None else init, dtype="float32",
+                                    attention=spec.attention)
     stops = list(tokenizer_stops(tokenizer))
     ids = [template.encode([{"role": "user", "content": p}], tokenizer, add_generation_prompt=True)
            for p in prompts]

@@ -93,9 +93,11 @@ def cmd_finetune(args) -> int:
         raise BridgeError("--train / --dev: need labels on every line")
     lm_params = None
     if args.init:
-        model_lm, lm_params = load(args.init, dtype="float32", attention=args.attention)
+        from bridge.formats import open_checkpoint
+        checkpoint = open_checkpoint(args.init)  # opened once: weights, tokenizer, chat template
+        model_lm, lm_params = load(checkpoint, dtype="float32", attention=args.attention)
         config = model_lm.config
-        tokenizer = find_tokenizer(args.init, args.tokenizer)
+        tokenizer = find_tokenizer(checkpoint, args.tokenizer)
         if tokenizer.vocab_size > config.vocab_size:
             raise BridgeError(f"{tokenizer.vocab_size} ids do not fit the vocabulary "
                               f"of {args.init} ({config.vocab_size})", field="tokenizer")
@@ -117,7 +119,7 @@ def cmd_finetune(args) -> int:
                          attention=args.attention, lora=lora)
     if args.init:
         from bridge.chat import own_template
-        clf.chat_template = own_template(args.init)
+        clf.chat_template = own_template(checkpoint)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(clf.params))
     what = f"{n_params / 1e6:.1f}M parameters"
     if lora is not None:
