@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.atomic import write_text
-from bridge.classification import (FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA, Dataset, accuracy,
-                                   encode_texts, write_predictions)
+from bridge.classification import (FROM_SCRATCH, META_FILE, PRETRAINED, PRETRAINED_LORA, Dataset,
+                                   accuracy, encode_texts, write_predictions)
 from bridge.errors import BridgeError
 from bridge.inputs import length_batches, pad_rows
 from bridge.resources import available_memory
@@ -212,7 +212,7 @@ def classifier_dir(run: Path) -> Path:
     """The classifier a finetune run directory holds: model/ (or best/, written before the
     run directories were laid out alike); a classifier directory itself as it is."""
     for name in ("model", OLD_BEST):
-        if (run / name / "head.json").is_file() or (run / name / "classifier.json").is_file():
+        if (run / name / META_FILE).is_file():
             return run / name
     return run
 
