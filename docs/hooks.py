@@ -46,6 +46,7 @@ RESULT_GROUPS: list[tuple[str, str, list[str]]] = [
     ("Training and fine-tuning", "train", ["train", "finetune_pretrained", "bench_frozen_cache",
                                            "bench_frozen_cache_amd",
                                            "lora_bench", "bench_smollm2_lora",
+                                           "bench_smollm2_lora_amd",
                                            "bench_smollm2_train_lora",
                                            "bench_smollm2_train_lora_amd", "sft_pretrained",
                                            "dpo_pretrained"]),

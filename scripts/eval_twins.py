@@ -37,15 +37,17 @@ def timed_json(command: list[str]) -> tuple[dict, float]:
 
 def render(data: dict) -> list[str]:
     rows = [f"# Perplexity of `{data['checkpoint']}` in three implementations", "",
-            f"Text: {data['data']}; windows of {data['seq_len']} tokens every {data['stride']}.", "",
-            "| implementation | perplexity | nll/token (nats) | bits/byte | tokens | scoring seconds "
-            "| whole command (s) |", "|---|---|---|---|---|---|---|"]
+            f"Text: {data['data']}; windows of {data['seq_len']} tokens every "
+            f"{data['stride']}.", "",
+            "| implementation | perplexity | nll/token (nats) | bits/byte | tokens "
+            "| scoring seconds | whole command (s) |", "|---|---|---|---|---|---|---|"]
     for name, r in data["sides"].items():
         rows.append(f"| `{data['commands'][name]}` | {r['perplexity']:.4f} | "
                     f"{r['nll_per_token']:.9f} | {r['bits_per_byte']:.7f} | {r['tokens']:,} | "
                     f"{r['seconds']:.1f} | {data['whole_command_seconds'][name]:.1f} |")
     nll = [r["nll_per_token"] for r in data["sides"].values()]
-    rows += ["", f"Largest difference in nll/token, relative: {data['largest_relative_difference']:.1e} "
+    largest = data["largest_relative_difference"]
+    rows += ["", f"Largest difference in nll/token, relative: {largest:.1e} "
              f"(nll/token {', '.join(f'{x:.9f}' for x in nll)})."]
     return rows
 
