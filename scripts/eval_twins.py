@@ -13,26 +13,15 @@ RUN/validation and the model converted to RUN/hf, each unless already there.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from llama_twins import results
+from llama_twins.bench.common import run_json
 
 HERE = Path(__file__).resolve().parent
 KEYS = ("perplexity", "nll_per_token", "bits_per_byte", "tokens", "seconds")
-
-
-def timed_json(command: list[str]) -> tuple[dict, float]:
-    """The JSON object a command prints on stdout, and the command's wall seconds."""
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
-    return json.loads(done.stdout[done.stdout.index("{"):]), wall
 
 
 def render(data: dict) -> list[str]:
@@ -79,8 +68,7 @@ def main(argv=None) -> int:
                                  *window]}
     sides, walls = {}, {}
     for name, command in commands.items():
-        print(f"{name}: {' '.join(command)}", file=sys.stderr, flush=True)
-        found, wall = timed_json(command)
+        found, wall = run_json(command)
         sides[name] = {key: found[key] for key in KEYS}
         walls[name] = round(wall, 2)
     nll = [r["nll_per_token"] for r in sides.values()]

@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from llama_twins import results
-from llama_twins.bench.common import cpu_model
+from llama_twins.bench.common import cpu_model, run_json
 
 # float32 on every side, the same weights and tokens: what remains is summation order, a relative
 # 1e-6 or so in each token's loss, averaged over tens of thousands of tokens. 1e-4 leaves room
@@ -80,17 +78,6 @@ def embedded_validation(native: Path, out: Path, max_tokens: int, seq_len: int) 
         if kept >= max_tokens:
             break
     return directory
-
-
-def run_json(command: list[str]) -> tuple[dict, float]:
-    """(the JSON a command prints, its wall seconds)."""
-    print("$ " + " ".join(command), file=sys.stderr, flush=True)
-    started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    if done.returncode:
-        raise SystemExit(f"{command[0]} exited with {done.returncode}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout[done.stdout.index("{"):]), seconds
 
 
 def greedy_agreement(native: Path, new_tokens: int) -> dict:

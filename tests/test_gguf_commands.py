@@ -222,6 +222,16 @@ def test_finetune_from_a_gguf_keeps_its_tokenizer(tiny, data, tmp_path, monkeypa
     assert not saved.add_bos and saved.encode("good film") == find_tokenizer(tiny).encode("good film")
 
 
+def trains_opening_once(tiny, monkeypatch, out, argv):
+    """`jax-llama ARGV --out OUT` on the .gguf succeeds, opens it once, and saves its chat
+    template beside the trained model."""
+    def run():
+        assert jax_cli.main([*argv, "--out", str(out)]) == 0
+
+    assert opens_of(tiny, monkeypatch, run) == 1
+    assert (out / "model" / TEMPLATE_FILE).read_text() == find_template(tiny, None).source
+
+
 def test_sft_from_a_gguf_uses_its_chat_template(tiny, data, tmp_path, capsys, monkeypatch):
     """Its tokenizer, config, chat template and weights from one opening of the .gguf (it was
     7; --show-mask's tokenizer, config and template: 6)."""
@@ -233,15 +243,9 @@ def test_sft_from_a_gguf_uses_its_chat_template(tiny, data, tmp_path, capsys, mo
     shown = capsys.readouterr().out
     # ChatML has no generation tags: the reply's span is what its turn adds, newline included
     assert "<|im_start|>assistant\n«good<|im_end|>\n»" in shown
-    out = tmp_path / "sft"
-
-    def run():
-        assert jax_cli.main(["sft", "--init", str(tiny), "--data", str(data / "chats.jsonl"),
-                             "--steps", "1", "--batch-size", "2", "--seq-len", "64",
-                             "--out", str(out)]) == 0
-
-    assert opens_of(tiny, monkeypatch, run) == 1
-    assert (out / "model" / TEMPLATE_FILE).read_text() == find_template(tiny, None).source
+    trains_opening_once(tiny, monkeypatch, tmp_path / "sft",
+                        ["sft", "--init", str(tiny), "--data", str(data / "chats.jsonl"),
+                         "--steps", "1", "--batch-size", "2", "--seq-len", "64"])
 
 
 def test_train_from_a_gguf_frames_documents_without_bos(tiny, data, tmp_path, monkeypatch):
@@ -265,15 +269,9 @@ def test_dpo_from_a_gguf_opens_it_once(tiny, data, tmp_path, monkeypatch):
               "rejected": [{"role": "assistant", "content": "no"}]}
              for w in ("good", "bad", "fine", "awful", "great", "dull")]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    out = tmp_path / "dpo"
-
-    def run():
-        assert jax_cli.main(["dpo", "--init", str(tiny), "--data", str(tmp_path / "pairs.jsonl"),
-                             "--steps", "1", "--batch-size", "2", "--seq-len", "48",
-                             "--out", str(out)]) == 0
-
-    assert opens_of(tiny, monkeypatch, run) == 1
-    assert (out / "model" / TEMPLATE_FILE).read_text() == find_template(tiny, None).source
+    trains_opening_once(tiny, monkeypatch, tmp_path / "dpo",
+                        ["dpo", "--init", str(tiny), "--data", str(tmp_path / "pairs.jsonl"),
+                         "--steps", "1", "--batch-size", "2", "--seq-len", "48"])
 
 
 def test_parity(tiny, capsys, monkeypatch):

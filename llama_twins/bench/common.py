@@ -98,6 +98,18 @@ def timed(run: Callable[[], object], warmup: int, repeats: int,
 
 # -- torch side (imported in the torch workers only) --------------------------------------------
 
+def run_json(command: list[str]) -> tuple[dict, float]:
+    """(the JSON object a command prints on stdout, its wall seconds); the command is echoed on
+    stderr first, and a failing one ends the caller with its stderr's tail."""
+    print("$ " + " ".join(command), file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode:
+        raise SystemExit(f"{command[0]} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout[done.stdout.index("{"):]), seconds
+
+
 def torch_device():
     """CUDA when there is one, else the CPU; and the function that waits for it."""
     import torch
