@@ -7,13 +7,19 @@ gradients come from jax.grad, its AdamW steps from optax called here (clipping b
 then adamw decaying the 2-D weights, one tensor at a time), not from jax_llama.training.step. Everything runs with 64-bit types
 enabled for the duration of the call only (`jax.enable_x64`), so the caller's JAX stays 32-bit.
 
-Memory: the weights, two AdamW moments, the gradients and the first step's gradients in float64,
-40 bytes per parameter, and the (B, N, S, S) scores of one block: the report's default 2 x 16
-batch is nothing next to that.
+It runs block by block. One block is one function (`block`), compiled once and applied to each
+block's weights in turn, its input the float64 output of the block before; the gradients come
+back the same way, each block's vector-Jacobian product taken at its saved input. So compiling
+costs one block whatever the depth, and the forward figures (`forward_blocks`) hold one block's
+weights in float64 at a time, with the embedding rows of the batch and the head taken in slices
+of the vocabulary: a model of any size, block by block. The training figures' AdamW steps need the
+whole model: the weights, two moments, the gradients and the first step's gradients in float64,
+40 bytes per parameter (`TRAINING_BYTES_PER_PARAMETER`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -44,50 +50,166 @@ class AdamW:
 @dataclass
 class Truth:
     """The float64 answers for one batch. hidden: the residual stream after each block (B, S, D);
+    sublayers: each block's {attention_norm, attention, ffn_norm, feed_forward} outputs (B, S, D);
     logits (B, S, V); loss, grads {canonical name: array} of one step of next-token cross-entropy
     on the whole batch; trained {canonical name: array}: the weights after the AdamW steps."""
 
     hidden: list[np.ndarray]
+    sublayers: list[dict[str, np.ndarray]]
     logits: np.ndarray
     loss: float
     grads: dict[str, np.ndarray]
     trained: dict[str, np.ndarray]
 
 
+TRAINING_BYTES_PER_PARAMETER = 40
+# The head's rows (vocabulary entries) taken at a time by the forward figures: 8,192 x dim in
+# float64 is 128 MiB at dim 2,048.
+HEAD_ROWS = 8192
+
+
 def truth(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarray,
-          mask: np.ndarray, adamw: AdamW) -> Truth:
+          mask: np.ndarray, adamw: AdamW | None, progress: Callable[[str], object] | None = None
+          ) -> Truth:
     """The float64 run of `tensors` (canonical names and layout, any float dtype) on `tokens`
     (B, S) with `mask` (B, S; 0 marks left padding) for the forward figures, then one loss and
     gradient on the unmasked batch and `adamw.steps` optimizer steps on it, as the report's
-    training figures do. The optimizer steps one tensor at a time (AdamW is elementwise once the
-    gradients are clipped), so that memory holds the weights, the gradients and two moments
-    (32 bytes a parameter) and the first gradients (8), never a second copy of the model."""
+    training figures do (adamw None: the forward figures only; loss, grads and trained empty).
+    The forward holds one block's float64 weights at a time; the optimizer steps one tensor at a
+    time (AdamW is elementwise once the gradients are clipped), so that memory holds the
+    weights, the gradients and two moments (32 bytes a parameter) and the first gradients (8),
+    never a second copy of the model. progress(message) hears each stage."""
     import jax
     import jax.numpy as jnp
 
+    heard = progress or (lambda message: None)
     with jax.enable_x64(True):
+        run = _Blocks(config)
+        heard(f"float64: the forward pass, {config.n_layers} blocks one at a time")
+        hidden, logits, sublayers = forward_blocks(tensors.__getitem__, config, tokens, mask, run)
+        if adamw is None:
+            return Truth(hidden=hidden, sublayers=sublayers, logits=logits, loss=float("nan"),
+                         grads={}, trained={})
         weights = {name: jnp.asarray(np.asarray(t, np.float64)) for name, t in tensors.items()}
-        inv_freq = jnp.asarray(rope_inv_freq(config.head_dim, config.rope_theta,
-                                             config.rope_scaling, dtype=np.float64))
-        hidden, logits = jax.jit(lambda w, t, m: forward(w, config, inv_freq, t, m))(
-            weights, jnp.asarray(tokens), jnp.asarray(mask))
-        hidden, logits = [np.asarray(h) for h in hidden], np.asarray(logits)
-
         inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
-        grad_fn = jax.jit(jax.value_and_grad(
-            lambda w: loss(w, config, inv_freq, inputs, targets)))
-        optimizer = _TensorAdamW(adamw)
+        optimizer = _tensor_adamw(adamw)
         state = {name: optimizer.init(w) for name, w in weights.items()}
         for i in range(adamw.steps):
-            value, grads = grad_fn(weights)
+            heard(f"float64: training step {i + 1} of {adamw.steps}")
+            value, grads = run.value_and_grad(weights, inputs, targets)
             if i == 0:
                 first_loss, first_grads = float(value), {k: np.array(g) for k, g in grads.items()}
             scale = _clip_scale(_global_norm(grads.values()), adamw.grad_clip)
             for name in list(grads):
                 weights[name], state[name] = optimizer.step(weights[name], state[name],
                                                             grads.pop(name), scale)
-        return Truth(hidden=hidden, logits=logits, loss=first_loss, grads=first_grads,
-                     trained={k: np.asarray(t) for k, t in weights.items()})
+        return Truth(hidden=hidden, sublayers=sublayers, logits=logits, loss=first_loss,
+                     grads=first_grads, trained={k: np.asarray(t) for k, t in weights.items()})
+
+
+def forward_blocks(tensor: Callable[[str], np.ndarray], config: LlamaConfig, tokens: np.ndarray,
+                   mask: np.ndarray, run: "_Blocks | None" = None):
+    """(hidden after each block, logits, each block's sub-layer outputs), float64 numpy, holding
+    one block's weights in float64 at a time: tensor(name) gives a canonical tensor (any float
+    dtype) when it is needed. The embedding rows of the batch only; the head in slices of
+    HEAD_ROWS vocabulary entries. Call with 64-bit types enabled."""
+    import jax.numpy as jnp
+
+    run = run or _Blocks(config)
+    c = config
+    angles, bias = run.geometry(jnp.asarray(mask))
+    embedding = tensor("tok_embeddings.weight")
+    x = jnp.asarray(np.asarray(embedding[np.asarray(tokens)], np.float64))
+    hidden, sublayers = [], []
+    for i in range(c.n_layers):
+        x, parts = run.block(_block_weights(tensor, i, np.float64), x, angles, bias)
+        hidden.append(np.asarray(x))
+        sublayers.append({k: np.asarray(v) for k, v in parts.items()})
+    h = run.final_norm(jnp.asarray(np.asarray(tensor("norm.weight"), np.float64)), x)
+    head = embedding if c.tie_embeddings else tensor("output.weight")
+    logits = np.concatenate([np.asarray(h @ jnp.asarray(np.asarray(head[k:k + HEAD_ROWS],
+                                                                   np.float64)).T)
+                             for k in range(0, head.shape[0], HEAD_ROWS)], axis=-1)
+    return hidden, logits, sublayers
+
+
+BLOCK_TENSORS = ("attention_norm.weight", "attention.wq.weight", "attention.wk.weight",
+                 "attention.wv.weight", "attention.wo.weight", "ffn_norm.weight",
+                 "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
+
+
+def _block_weights(tensor: Callable, i: int, dtype=None) -> dict:
+    """Block i's tensors by their short names (BLOCK_TENSORS), as `dtype` (None: as they are)."""
+    import jax.numpy as jnp
+
+    def get(name):
+        t = tensor(f"layers.{i}.{name}")
+        return t if dtype is None else jnp.asarray(np.asarray(t, dtype))
+    return {name: get(name) for name in BLOCK_TENSORS}
+
+
+class _Blocks:
+    """The model's pieces, each compiled once: one block (forward, and its vector-Jacobian
+    product at a saved input), the final norm, the loss of the head. Used with 64-bit types
+    enabled."""
+
+    def __init__(self, config: LlamaConfig):
+        import jax
+        import jax.numpy as jnp
+
+        self.config = c = config
+        self.inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling,
+                                                  dtype=np.float64))
+        self.block = jax.jit(lambda w, x, angles, bias: block(w, c, x, angles, bias))
+        self.final_norm = jax.jit(lambda weight, x: _rms_norm(x, weight, c.norm_eps))
+
+        def block_vjp(w, x, angles, bias, g):
+            _, pull = jax.vjp(lambda w, x: block(w, c, x, angles, bias)[0], w, x)
+            return pull(g)
+        self.block_vjp = jax.jit(block_vjp)
+
+        def head_loss(norm, head, x, targets):
+            h = _rms_norm(x, norm, c.norm_eps)
+            return _cross_entropy(h @ head.T, targets)
+        self.head_value_and_grad = jax.jit(jax.value_and_grad(head_loss, argnums=(0, 1, 2)))
+
+    def geometry(self, mask):
+        """(RoPE's angles (B, S, 1, h) as complex numbers, the additive attention bias
+        (B, 1, S, T)) for `mask` (B, S): a token at position p (real tokens before it, counted)
+        attends to the real tokens at positions <= p of its row."""
+        import jax.numpy as jnp
+
+        S = mask.shape[1]
+        positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.float64)
+        allowed = jnp.tril(jnp.ones((S, S), bool))[None] & (mask[:, None, :] > 0)
+        # A finite fill: a padding query sees no key, and its row (never compared) stays finite.
+        bias = jnp.where(allowed, 0.0, -1e30)[:, None]
+        return jnp.exp(1j * positions[:, :, None, None] * self.inv_freq), bias
+
+    def value_and_grad(self, weights: dict, inputs, targets):
+        """(mean next-token cross-entropy, its gradients by canonical name) of `weights` (float64,
+        the whole model) on a batch without padding: forward block by block keeping each block's
+        input, the head's loss and gradients, then each block's vector-Jacobian product in
+        reverse, and the embedding's gradient gathered from the rows the batch used."""
+        import jax.numpy as jnp
+
+        c = self.config
+        angles, bias = self.geometry(jnp.ones_like(inputs))
+        embedding = weights["tok_embeddings.weight"]
+        xs = [embedding[inputs]]
+        for i in range(c.n_layers):
+            xs.append(self.block(_block_weights(weights.__getitem__, i), xs[-1], angles, bias)[0])
+        head_name = "tok_embeddings.weight" if c.tie_embeddings else "output.weight"
+        value, (g_norm, g_head, g) = self.head_value_and_grad(
+            weights["norm.weight"], weights[head_name], xs.pop(), targets)
+        grads = {"norm.weight": g_norm, head_name: g_head}
+        for i in reversed(range(c.n_layers)):
+            g_w, g = self.block_vjp(_block_weights(weights.__getitem__, i), xs.pop(), angles,
+                                    bias, g)
+            grads.update({f"layers.{i}.{name}": t for name, t in g_w.items()})
+        g_embedding = jnp.zeros_like(embedding).at[inputs].add(g)
+        grads["tok_embeddings.weight"] = grads.get("tok_embeddings.weight", 0) + g_embedding
+        return value, grads
 
 
 def adamw_steps(start: np.ndarray, grads: Callable[[int], np.ndarray], norms: list[float],
@@ -100,7 +222,7 @@ def adamw_steps(start: np.ndarray, grads: Callable[[int], np.ndarray], norms: li
     import jax.numpy as jnp
 
     with jax.enable_x64(True):
-        optimizer = _TensorAdamW(adamw)
+        optimizer = _tensor_adamw(adamw)  # compiled once for every tensor of the recipe
         weight = jnp.asarray(np.asarray(start, np.float64))
         state = optimizer.init(weight)
         for k in range(adamw.steps):
@@ -108,6 +230,11 @@ def adamw_steps(start: np.ndarray, grads: Callable[[int], np.ndarray], norms: li
                                            jnp.asarray(np.asarray(grads(k), np.float64)),
                                            _clip_scale(norms[k], adamw.grad_clip))
         return np.asarray(weight)
+
+
+@functools.lru_cache(maxsize=2)
+def _tensor_adamw(adamw: AdamW) -> "_TensorAdamW":
+    return _TensorAdamW(adamw)
 
 
 class _TensorAdamW:
@@ -187,41 +314,57 @@ def rotation(x: np.ndarray, config: LlamaConfig, positions: np.ndarray) -> np.nd
         return np.asarray(_rotate(jnp.asarray(x, jnp.float64), angles))
 
 
-def forward(w: dict, config: LlamaConfig, inv_freq, tokens, mask):
-    """(hidden state after each block, logits), float64. A token at position p (real tokens
-    before it, counted) attends to the real tokens at positions <= p of its row."""
+def forward(w: dict, config: LlamaConfig, inv_freq, tokens, mask, sublayers: bool = False):
+    """(hidden state after each block, logits), float64, the whole model in one trace (`logits`;
+    the report runs it block by block). A token at position p (real tokens before it, counted)
+    attends to the real tokens at positions <= p of its row. sublayers: also each block's
+    {attention_norm, attention, ffn_norm, feed_forward} outputs, a third item."""
     import jax.numpy as jnp
 
     c = config
-    B, S = tokens.shape
+    S = tokens.shape[1]
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.float64)  # (B, S)
-    allowed = jnp.tril(jnp.ones((S, S), bool))[None] & (mask[:, None, :] > 0)     # (B, S, T)
-    # A finite fill: a padding query sees no key, and its row (never compared) stays finite.
-    bias = jnp.where(allowed, 0.0, -1e30)[:, None]                                 # (B, 1, S, T)
-    angles = jnp.exp(1j * positions[:, :, None, None] * inv_freq)                  # (B, S, 1, h)
+    allowed = jnp.tril(jnp.ones((S, S), bool))[None] & (mask[:, None, :] > 0)      # (B, S, T)
+    bias = jnp.where(allowed, 0.0, -1e30)[:, None]                                  # (B, 1, S, T)
+    angles = jnp.exp(1j * positions[:, :, None, None] * inv_freq)                   # (B, S, 1, h)
     x = w["tok_embeddings.weight"][tokens]
-    hidden = []
+    hidden, parts = [], []
     for i in range(c.n_layers):
-        p = f"layers.{i}."
-        h = _rms_norm(x, w[p + "attention_norm.weight"], c.norm_eps)
-        q = (h @ w[p + "attention.wq.weight"].T).reshape(B, S, c.n_heads, c.head_dim)
-        k = (h @ w[p + "attention.wk.weight"].T).reshape(B, S, c.n_kv_heads, c.head_dim)
-        v = (h @ w[p + "attention.wv.weight"].T).reshape(B, S, c.n_kv_heads, c.head_dim)
-        q, k = _rotate(q, angles), _rotate(k, angles)
-        k = jnp.repeat(k, c.n_heads // c.n_kv_heads, axis=2)  # query head n reads kv head n // G
-        v = jnp.repeat(v, c.n_heads // c.n_kv_heads, axis=2)
-        scores = jnp.einsum("bsnh,btnh->bnst", q, k) / np.sqrt(c.head_dim) + bias
-        probs = jnp.exp(scores - scores.max(-1, keepdims=True))
-        probs = probs / probs.sum(-1, keepdims=True)
-        attention = jnp.einsum("bnst,btnh->bsnh", probs, v).reshape(B, S, -1)
-        x = x + attention @ w[p + "attention.wo.weight"].T
-        h = _rms_norm(x, w[p + "ffn_norm.weight"], c.norm_eps)
-        gate = h @ w[p + "feed_forward.w1.weight"].T
-        up = h @ w[p + "feed_forward.w3.weight"].T
-        x = x + (gate / (1 + jnp.exp(-gate)) * up) @ w[p + "feed_forward.w2.weight"].T
+        x, part = block(_block_weights(w.__getitem__, i), c, x, angles, bias)
         hidden.append(x)
+        parts.append(part)
     head = w["tok_embeddings.weight"] if c.tie_embeddings else w["output.weight"]
-    return hidden, _rms_norm(x, w["norm.weight"], c.norm_eps) @ head.T
+    logits = _rms_norm(x, w["norm.weight"], c.norm_eps) @ head.T
+    return (hidden, logits, parts) if sublayers else (hidden, logits)
+
+
+def block(w: dict, config: LlamaConfig, x, angles, bias):
+    """One block on x (B, S, D): (its output, {attention_norm, attention, ffn_norm,
+    feed_forward: each part's output}). w: the block's tensors by short name (BLOCK_TENSORS);
+    angles, bias: see _Blocks.geometry."""
+    import jax.numpy as jnp
+
+    c = config
+    B, S, _ = x.shape
+    part = {"attention_norm": _rms_norm(x, w["attention_norm.weight"], c.norm_eps)}
+    h = part["attention_norm"]
+    q = (h @ w["attention.wq.weight"].T).reshape(B, S, c.n_heads, c.head_dim)
+    k = (h @ w["attention.wk.weight"].T).reshape(B, S, c.n_kv_heads, c.head_dim)
+    v = (h @ w["attention.wv.weight"].T).reshape(B, S, c.n_kv_heads, c.head_dim)
+    q, k = _rotate(q, angles), _rotate(k, angles)
+    k = jnp.repeat(k, c.n_heads // c.n_kv_heads, axis=2)  # query head n reads kv head n // G
+    v = jnp.repeat(v, c.n_heads // c.n_kv_heads, axis=2)
+    scores = jnp.einsum("bsnh,btnh->bnst", q, k) / np.sqrt(c.head_dim) + bias
+    probs = jnp.exp(scores - scores.max(-1, keepdims=True))
+    probs = probs / probs.sum(-1, keepdims=True)
+    attention = jnp.einsum("bnst,btnh->bsnh", probs, v).reshape(B, S, -1)
+    part["attention"] = attention @ w["attention.wo.weight"].T
+    x = x + part["attention"]
+    h = part["ffn_norm"] = _rms_norm(x, w["ffn_norm.weight"], c.norm_eps)
+    gate = h @ w["feed_forward.w1.weight"].T
+    up = h @ w["feed_forward.w3.weight"].T
+    part["feed_forward"] = (gate / (1 + jnp.exp(-gate)) * up) @ w["feed_forward.w2.weight"].T
+    return x + part["feed_forward"], part
 
 
 def loss(w: dict, config: LlamaConfig, inv_freq, inputs, targets):
@@ -229,6 +372,12 @@ def loss(w: dict, config: LlamaConfig, inv_freq, inputs, targets):
     import jax.numpy as jnp
 
     _, logits = forward(w, config, inv_freq, inputs, jnp.ones_like(inputs))
+    return _cross_entropy(logits, targets)
+
+
+def _cross_entropy(logits, targets):
+    import jax.numpy as jnp
+
     shifted = logits - logits.max(-1, keepdims=True)
     log_probs = shifted - jnp.log(jnp.exp(shifted).sum(-1, keepdims=True))
     return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1).mean()

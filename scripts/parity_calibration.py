@@ -1,156 +1,261 @@
-"""Calibrate the parity report's judgement on checkpoints the project makes itself.
+"""Calibrate the parity report's rounding budgets on correct checkpoints, and measure what they
+catch.
 
-For each checkpoint and dtype: the report on the correct twins (transformers too), and the report
-with each bug of llama_twins/parity/planted.py in one twin. Writes results/parity/parity.json
-(every row) and results/parity/parity.md (the largest measured difference against its bound per
-figure, no false FAIL allowed; and how far beyond its bound each planted bug lands, with the
-culprit and block named).
+For each checkpoint and dtype: the report on the correct twins (against transformers, and against
+llama.cpp where it is installed), and the report with each bug of llama_twins/parity/planted.py
+in one twin (alternating between the twins; the float32-only bugs in float32 only). The work is
+cut into parts so that each takes at most half an hour on two cores (`--part I/K`: the I-th of K
+slices of the jobs); each part writes results/parity/parts/<isa>-<I>-of-<K>.json, and `--table` gathers
+every part into results/parity/parity.json and .md: for each figure the largest error of a
+correct implementation against its budget, no false FAIL allowed; for each bug whether it is
+caught, the twin and the block and part named, and how far beyond its budget it lands.
 
-    python scripts/parity_calibration.py random=PATH main=PATH deep=PATH classifier=PATH \
-        [--both-twins random,main] [--out results/parity]
+    python scripts/parity_calibration.py smollm2=PATH sft-lora=PATH ... --part 1/6 [--isa avx2]
+    python scripts/parity_calibration.py --table
 
-Bugs are planted in both twins on the checkpoints named by --both-twins, and in one twin
-(alternating) on the others, to keep the run under half an hour on two CPU cores.
+--isa avx2 runs the AVX2 code paths on an AVX-512 machine (XLA, the decode kernels, torch's
+ATen and oneDNN), as an AVX2-only CPU runs them natively; the part's file records the CPU, its
+vector extensions and the path taken.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
-from llama_twins.bench.common import cpu_model
-from llama_twins.results import write
-from llama_twins.parity import FACTOR, parity_report
-from llama_twins.parity.planted import BLOCK, BUGS, DESCRIPTIONS, planted
-
+AVX2_ENV = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "JAX_LLAMA_KERNEL_MARCH": "x86-64-v3",
+            "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 DTYPES = ("float32", "bfloat16")
-WEIGHT_BUGS = {"weight": BLOCK, "qk_permuted_twice": 0, "rope_theta": 0, "norm_eps": 0}
+REFERENCES = ("transformers", "llama.cpp")
+
+
+def cpu_flags() -> list[str]:
+    """The vector extensions of this CPU that decide the code paths (from /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+    return [f for f in wanted if f in flags]
+
+
+def jobs_of(checkpoints: dict[str, str], references) -> list[tuple]:
+    """(checkpoint, dtype, reference, bug, twin): the correct reports first, then the bugs."""
+    from llama_twins.parity.planted import BUGS, FLOAT32_ONLY
+
+    jobs = []
+    for k, name in enumerate(checkpoints):
+        for dtype in DTYPES:
+            jobs += [(name, dtype, reference, None, None) for reference in references]
+            bugs = [b for b in BUGS if dtype == "float32" or b not in FLOAT32_ONLY]
+            jobs += [(name, dtype, None, bug, ("torch", "JAX")[(i + k) % 2])
+                     for i, bug in enumerate(bugs)]
+    return jobs
 
 
 def rows_of(report: dict) -> list[dict]:
-    return [{k: c.get(k) for k in ("figure", "compared", "kind", "value", "errors", "tolerance",
-                                   "margin", "ok", "culprit", "scale")} for c in report["checks"]]
+    return [{k: c.get(k) for k in ("figure", "compared", "kind", "ops", "value", "errors",
+                                   "tolerance", "margin", "ok", "culprit", "scale")}
+            for c in report["checks"]]
+
+
+def reuse_float64_runs() -> dict:
+    """The float64 run depends on the checkpoint, the dtype and the batch, not on a bug planted in
+    a twin: within a part, the reports of one checkpoint and dtype run one after another, and
+    the last float64 run is kept for them (its dicts copied: the report empties its own).
+    Returns the state whose "key" the caller sets before each report."""
+    import dataclasses
+
+    from llama_twins import float64
+
+    original, state = float64.truth, {"key": None, "last": None}
+
+    def truth(*args, **kwargs):
+        if state["last"] is None or state["last"][0] != state["key"]:
+            state["last"] = None  # freed before the next run
+            state["last"] = (state["key"], original(*args, **kwargs))
+        kept = state["last"][1]
+        return dataclasses.replace(kept, grads=dict(kept.grads), trained=dict(kept.trained))
+    float64.truth = truth
+    return state
+
+
+def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: Path) -> Path:
+    from tqdm import tqdm
+
+    from llama_twins.bench.common import cpu_model
+    from llama_twins.parity import parity_report
+    from llama_twins.parity.planted import planted
+
+    references = [r for r in REFERENCES if r != "llama.cpp" or _has_llama_cpp()]
+    jobs = jobs_of(checkpoints, references)
+    size = -(-len(jobs) // parts)
+    jobs = jobs[(part - 1) * size:part * size]
+    results, started, reuse = [], time.time(), reuse_float64_runs()
+    for name, dtype, reference, bug, twin in tqdm(jobs, desc=f"part {part}/{parts}",
+                                                  unit="report"):
+        path, begun = checkpoints[name], time.time()
+        reuse["key"] = (name, dtype)
+        if bug is None:
+            report = parity_report(path, dtype=dtype, reference=reference)
+        else:
+            with planted(bug, twin, path, dtype) as kwargs:
+                report = parity_report(path, dtype=dtype, new_tokens=0, **kwargs)
+        results.append({"checkpoint": name, "path": path, "dtype": dtype, "isa": isa,
+                        "reference": reference, "bug": bug, "twin": twin,
+                        "passed": report["passed"], "first_divergence": report["first_divergence"],
+                        "culprit": report["culprit"], "nearest_part": report["nearest_part"],
+                        "seconds": round(time.time() - begun, 1), "rows": rows_of(report)})
+    from llama_twins.parity import BUDGET
+
+    meta = {"cpu": cpu_model(), "flags": cpu_flags(), "isa": isa, "part": f"{part}/{parts}",
+            "seconds": round(time.time() - started), "checkpoints": checkpoints,
+            "budget": BUDGET}
+    target = out / "parts" / f"{isa}-{part}-of-{parts}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    return target
+
+
+def _has_llama_cpp() -> bool:
+    from llama_twins import llama_cpp_reference
+
+    return llama_cpp_reference.unavailable() is None
+
+
+def table(out: Path) -> str:
+    """Gather results/parity/parts/*.json into parity.json and parity.md; returns the markdown."""
+    from llama_twins.results import write
+
+    metas, results = [], []
+    for path in sorted((out / "parts").glob("*.json")):
+        data = json.loads(path.read_text())
+        metas.append(data["meta"])
+        results += data["results"]
+    text = markdown(metas, results)
+    write("parity", {"meta": metas, "results": results}, text.splitlines(), out)
+    return text
+
+
+def markdown(metas: list[dict], results: list[dict]) -> str:
+    from llama_twins.parity import BUDGET, U
+    from llama_twins.parity.planted import DESCRIPTIONS, FLOAT32_ONLY
+
+    seconds = sum(m["seconds"] for m in metas)
+    machines = sorted({f"{m['cpu']} ({', '.join(m['flags'])}), {m['isa']} path" for m in metas})
+    checkpoints = {k: v for m in metas for k, v in m["checkpoints"].items()}
+    lines = ["# Parity calibration", "",
+             f"Generated by `scripts/parity_calibration.py` in {len(metas)} parts, "
+             f"{seconds / 60:.0f} minutes in all, on: " + "; ".join(machines) + ".", "",
+             "Checkpoints: " + ", ".join(f"{k} (`{v}`)" for k, v in checkpoints.items()) + ".",
+             "", "## Correct implementations against their budgets", "",
+             "Per figure and dtype, over every correct report (both ISA paths, every checkpoint, "
+             "JAX, torch and transformers): the largest error against float64 per op, in units "
+             "of the dtype's unit roundoff U (learning rates for the AdamW figures), the budget "
+             "per op, and the largest error / budget (below 1 passes) with where it was.", "",
+             "| figure | dtype | largest error per op | budget per op | error / budget |",
+             "|---|---|---|---|---|"]
+    correct = [r for r in results if r["bug"] is None]
+    for dtype in DTYPES:
+        for kind in BUDGET[dtype]:
+            rows = [(row, r) for r in correct if r["dtype"] == dtype for row in r["rows"]
+                    if row["kind"] == kind and row["errors"]]
+            if not rows:
+                continue
+            judged_in = "float32" if kind in ("rope", "norm", "optimizer") else dtype
+            unit = 1.0 if kind in ("adamw", "optimizer", "weights") else U[judged_in]
+            per_op = max((e / (row["ops"] or 1), row, r) for row, r in rows
+                         for e in row["errors"].values())
+            worst = max((max(row["errors"].values()) / row["tolerance"], row, r)
+                        for row, r in rows)
+            name = {"adamw": " lr", "optimizer": " lr", "weights": " ulp"}.get(kind, " U")
+            lines.append(f"| {kind} | {dtype} | {per_op[0] / unit:.3g}{name} | "
+                         f"{BUDGET[dtype][kind] / unit:.3g}{name} | {worst[0]:.2f} "
+                         f"({_where(worst[2], worst[1])}) |")
+    false_fails = [r for r in correct if not r["passed"]]
+    nearest = max(((max(r["nearest_part"].values()), r) for r in correct if r["nearest_part"]),
+                  key=lambda x: x[0], default=None)
+    lines += ["", f"False FAILs: {len(false_fails)} of {len(correct)} correct reports"
+              + (": " + "; ".join(_where(r) + ": " + ", ".join(
+                  f"{row['figure']} ({row['culprit']})" for row in r["rows"] if not row["ok"])
+                  for r in false_fails) if false_fails else "."),
+              "" if nearest is None else
+              f"The parts of a block (attention norm, attention, feed-forward norm, "
+              f"feed-forward) came to at most {nearest[0]:.2f} of the block's budget "
+              f"({_where(nearest[1])}), so a FAIL's first part is never one that only rounds.",
+              "", "## Planted bugs: caught, and named", "",
+              "Per bug and dtype over every checkpoint and ISA path it was planted in: how many "
+              "reports failed naming its twin, and the block and part (expected: the bug's), "
+              "and the least and the largest error / budget of its twin on the figure that "
+              "caught it best (the smallest bug a figure catches is about the bug / that "
+              "ratio).", "",
+              "| bug | dtype | caught, twin named | block and part named | beyond its budget |",
+              "|---|---|---|---|---|"]
+    for bug in DESCRIPTIONS:
+        for dtype in DTYPES:
+            if dtype == "bfloat16" and bug in FLOAT32_ONLY:
+                continue
+            runs = [r for r in results if r["bug"] == bug and r["dtype"] == dtype]
+            if not runs:
+                continue
+            named = sum(not r["passed"] and r["culprit"].get("torch vs JAX") == r["twin"]
+                        for r in runs)
+            places = sorted({_place(r["first_divergence"].get("torch vs JAX")) for r in runs})
+            beyond = [(_beyond(r), r) for r in runs]
+            least, most = min(beyond, key=lambda x: x[0]), max(beyond, key=lambda x: x[0])
+            lines.append(f"| {DESCRIPTIONS[bug]} | {dtype} | {named} of {len(runs)} | "
+                         f"{', '.join(places)} | {least[0]:.3g}x ({_where(least[1])}, "
+                         f"{least[2]}) - {most[0]:.3g}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _where(r: dict, row: dict | None = None) -> str:
+    text = f"{r['checkpoint']} {r['dtype']} {r['isa']}"
+    if r.get("reference"):
+        text += f" with {r['reference']}"
+    return text + (f", {row['figure']}, {row['compared']}" if row is not None else "")
+
+
+def _place(where: dict | None) -> str:
+    return "-" if where is None else f"block {where['block']} {where['sublayer']}"
+
+
+def _beyond(result: dict) -> tuple[float, str]:
+    """The largest error / budget of the planted twin over a report's judged figures, and the
+    figure."""
+    twin = result["twin"]
+    return max(((row["errors"] or {}).get(twin, 0.0) / row["tolerance"], row["figure"])
+               for row in result["rows"] if row["kind"] not in (None, "kl") and row["errors"]
+               and isinstance(row["tolerance"], float))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoints", nargs="*", help="NAME=PATH")
-    parser.add_argument("--both-twins", default="random,main")
+    parser.add_argument("--part", default="1/1",
+                        help="I/K: the I-th of K slices of the jobs, in order (a checkpoint's "
+                             "reports together, so that they share its float64 run)")
+    parser.add_argument("--isa", choices=("native", "avx2"), default="native")
+    parser.add_argument("--table", action="store_true",
+                        help="gather the parts written so far into parity.json and parity.md")
     parser.add_argument("--out", default="results/parity")
-    parser.add_argument("--merge", nargs="*", default=[],
-                        help="parity.json files of earlier runs to add to this one's tables")
     args = parser.parse_args(argv)
-    checkpoints = dict(item.split("=", 1) for item in args.checkpoints)
-    both = set(args.both_twins.split(","))
-    jobs = []
-    for name in checkpoints:
-        for dtype in DTYPES:
-            jobs.append((name, dtype, None, None))
-            for i, bug in enumerate(BUGS):
-                twins = ("torch", "JAX") if name in both else (("torch", "JAX")[i % 2],)
-                jobs += [(name, dtype, bug, twin) for twin in twins]
-    results, started = [], time.time()
-    for name, dtype, bug, twin in tqdm(jobs, desc="parity reports", unit="report"):
-        path = checkpoints[name]
-        if bug is None:
-            report = parity_report(path, dtype=dtype, reference="transformers")
-        else:
-            with planted(bug, twin, path, dtype) as kwargs:
-                report = parity_report(path, dtype=dtype, **kwargs)
-        results.append({"checkpoint": name, "path": path, "dtype": dtype, "bug": bug,
-                        "twin": twin, "passed": report["passed"],
-                        "first_divergence": report["first_divergence"],
-                        "culprit": report["culprit"], "rows": rows_of(report)})
     out = Path(args.out)
-    meta = {"cpu": cpu_model(), "seconds": round(time.time() - started), "factor": FACTOR,
-            "checkpoints": checkpoints}
-    for earlier in args.merge:
-        data = json.loads(Path(earlier).read_text())
-        results = data["results"] + results
-        meta["seconds"] += data["meta"]["seconds"]
-        meta["checkpoints"] = {**data["meta"]["checkpoints"], **meta["checkpoints"]}
-    write("parity", {"meta": meta, "results": results}, markdown(meta, results).splitlines(), out)
-    print(markdown(meta, results))
+    if args.table:
+        print(table(out))
+        return 0
+    if args.isa == "avx2":  # before JAX and torch are imported
+        os.environ.update(AVX2_ENV)
+    part, parts = (int(x) for x in args.part.split("/"))
+    checkpoints = dict(item.split("=", 1) for item in args.checkpoints)
+    print(run_part(checkpoints, part, parts, args.isa, out))
     return 0
-
-
-def markdown(meta: dict, results: list[dict]) -> str:
-    lines = [f"# Parity calibration ({meta['cpu']}, {meta['seconds']} s)", "",
-             "Generated by `scripts/parity_calibration.py`. Checkpoints: "
-             + ", ".join(f"{k} (`{v}`)" for k, v in meta["checkpoints"].items()) + ".", "",
-             "## Correct twins: the largest difference against its bound", "",
-             "Per figure and dtype, over every checkpoint and both comparisons (torch vs JAX, "
-             "transformers vs JAX): the largest difference / bound (below 1 passes) and where.",
-             "", "| figure | float32 | bfloat16 |", "|---|---|---|"]
-    correct = [r for r in results if r["bug"] is None]
-    false_fails = [r for r in correct if not r["passed"]]
-    figures = list(dict.fromkeys(_figure(row) for r in correct for row in r["rows"]
-                                 if isinstance(row["tolerance"], float)))
-    for figure in figures:
-        cells = []
-        for dtype in DTYPES:
-            worst = max(((row["value"] or 0) / row["tolerance"], r["checkpoint"])
-                        for r in correct if r["dtype"] == dtype for row in r["rows"]
-                        if _figure(row) == figure and isinstance(row["tolerance"], float))
-            cells.append(f"{worst[0]:.2f} ({worst[1]})")
-        lines.append(f"| {figure} | " + " | ".join(cells) + " |")
-    lines += ["", f"False FAILs: {len(false_fails)} of {len(correct)} correct reports"
-              + (": " + ", ".join(f"{r['checkpoint']} {r['dtype']}" for r in false_fails)
-                 if false_fails else "."), "",
-              "## Planted bugs, summary", "",
-              "Per bug and dtype over every checkpoint and twin it was planted in: the least and "
-              "the largest difference / bound (at least 10 wanted), and in how many reports it "
-              "failed naming the twin it was planted in.", "",
-              "| bug | float32: beyond its bound | caught, culprit named | bfloat16: beyond its bound "
-              "| caught, culprit named |", "|---|---|---|---|---|"]
-    for bug in BUGS:
-        cells = []
-        for dtype in DTYPES:
-            runs = [r for r in results if r["bug"] == bug and r["dtype"] == dtype]
-            beyond = [(_beyond(r), r["checkpoint"]) for r in runs]
-            named = sum(not r["passed"] and r["culprit"].get("torch vs JAX") == r["twin"]
-                        for r in runs)
-            least, most = min(beyond), max(beyond)
-            cells += [f"{least[0]:.3g}x ({least[1]}) - {most[0]:.3g}x ({most[1]})",
-                      f"{named} of {len(runs)}"]
-        lines.append(f"| {DESCRIPTIONS[bug]} | " + " | ".join(cells) + " |")
-    lines += ["", "## Planted bugs: how far beyond its bound each lands", "",
-              "The largest difference / bound over the report's figures (at least 10 wanted), "
-              "how many figures fail, the culprit the report names and the first diverging "
-              "block it names (expected in brackets).", "",
-              "| bug | twin | checkpoint | dtype | beyond bound | figures failing | culprit named "
-              "| block named |", "|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        if r["bug"] is None:
-            continue
-        failing = sum(not row["ok"] for row in r["rows"])
-        culprit = r["culprit"].get("torch vs JAX")
-        block = r["first_divergence"].get("torch vs JAX")
-        expected = WEIGHT_BUGS.get(r["bug"])
-        lines.append(f"| {DESCRIPTIONS[r['bug']]} | {r['twin']} | {r['checkpoint']} | "
-                     f"{r['dtype']} | {_beyond(r):.3g}x | {failing} | "
-                     f"{culprit or '-'} {'ok' if culprit == r['twin'] else 'WRONG'} | "
-                     f"{'-' if block is None else block} "
-                     f"({'-' if expected is None else expected}) |")
-    return "\n".join(lines) + "\n"
-
-
-def _beyond(result: dict) -> float:
-    """The largest difference / bound over a report's judged figures."""
-    return max((row["value"] or 0) / row["tolerance"] for row in result["rows"]
-               if isinstance(row["tolerance"], float))
-
-
-def _figure(row: dict) -> str:
-    figure = row["figure"]
-    if figure.startswith("RoPE, positions"):  # its positions depend on the checkpoint
-        return "RoPE over the context"
-    return "hidden after a block" if figure.startswith("hidden after block") else figure
 
 
 if __name__ == "__main__":

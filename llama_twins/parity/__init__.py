@@ -13,14 +13,14 @@ The package, in the order a report runs:
 - greedy.py      greedy decoding by both twins (also behind `generate --compare-torch`)
 - training.py    one step's loss and gradients, AdamW steps, the optimizers on shared gradients
 - references.py  transformers and llama.cpp as independent references
-- judgement.py   how a figure is measured and judged: TOLERANCES, FACTOR, LIMITS, judge
+- judgement.py   how a figure is measured and judged: U, BUDGET, budget, judge
 - planted.py     bugs planted in one twin, for the tests' and the calibration's negative cases
                  (imports torch: not imported here)
 """
 
 from .components import NORM_ROWS, ROPE_POSITIONS
 from .greedy import compare_greedy, format_greedy_parity, greedy_parity
-from .judgement import FACTOR, LIMITS, NEAR_TIE, TOLERANCES, WEIGHT_ULPS, judge
+from .judgement import BUDGET, NEAR_TIE, U, WEIGHT_ULPS, budget, judge
 from .memory import BYTES_PER_PARAMETER, FLOAT64_BYTES_PER_PARAMETER, RUNTIME_BYTES, parity_memory
 from .references import LLAMA_CPP_LOGITS, REFERENCES
 from .report import format_parity_report, parity_report
@@ -29,7 +29,7 @@ from .training import ADAMW_EPS, ADAMW_STEPS
 __all__ = [
     "parity_report", "format_parity_report", "parity_memory",
     "greedy_parity", "compare_greedy", "format_greedy_parity", "judge",
-    "TOLERANCES", "FACTOR", "LIMITS", "NEAR_TIE", "WEIGHT_ULPS", "LLAMA_CPP_LOGITS", "REFERENCES",
+    "BUDGET", "budget", "U", "NEAR_TIE", "WEIGHT_ULPS", "LLAMA_CPP_LOGITS", "REFERENCES",
     "ADAMW_STEPS", "ADAMW_EPS", "ROPE_POSITIONS", "NORM_ROWS",
     "BYTES_PER_PARAMETER", "FLOAT64_BYTES_PER_PARAMETER", "RUNTIME_BYTES",
 ]

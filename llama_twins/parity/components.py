@@ -43,7 +43,7 @@ def _rope_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
         truth = rotation(x, config, positions)
     return _compare(f"RoPE, positions 0-{P - 1}", "torch vs JAX",
                     {"JAX": np.asarray(ours), "torch": theirs.numpy()}, truth, "float32", "rope",
-                    detail="float32 in every dtype (both twins' RoPE is float32)")
+                    detail="float32 in every dtype (both twins' RoPE is float32)", ops=P)
 
 
 # The weights figure: every tensor each twin holds against the checkpoint's value rounded to the
@@ -82,7 +82,7 @@ def _weights_check(model, params, tmodel, held: dict[str, np.ndarray], dtype: st
               + (f"; first tensor off: {first_off}" if first_off else
                  f"; largest in {worst_name}" if worst_name else ""))
     return dict(_row("weights as loaded", "torch vs JAX", difference, worst, dtype, "weights",
-                     detail), block=block)
+                     detail), block=block, tensor=first_off)
 
 
 # The RMSNorm figure: each twin's RMSNorm, with the eps it carries (the JAX config's, every torch

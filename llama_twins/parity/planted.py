@@ -12,8 +12,10 @@ import dataclasses
 import numpy as np
 
 BLOCK = 1  # the block a weight bug is planted in
+ROW = 0    # the row of feed_forward.w2 (an output channel of the block) the row bug scales
 
-BUGS = ("weight", "decay_mask", "no_clipping", "qk_permuted_twice", "rope_theta", "norm_eps")
+BUGS = ("weight", "decay_mask", "no_clipping", "qk_permuted_twice", "rope_theta", "norm_eps",
+        "row_scaled", "rope_theta_small", "norm_eps_small")
 DESCRIPTIONS = {
     "weight": f"0.01 added to one weight of block {BLOCK} (feed_forward.w2[3, 5])",
     "decay_mask": "AdamW weight decay on every tensor (the norm gains too)",
@@ -21,7 +23,16 @@ DESCRIPTIONS = {
     "qk_permuted_twice": "wq and wk rows permuted for half-split RoPE once more",
     "rope_theta": "RoPE theta 1% too large",
     "norm_eps": "RMSNorm eps 10x too large",
+    "row_scaled": f"one row of block {BLOCK}'s feed_forward.w2 (row {ROW}) x (1 + 1e-3)",
+    "rope_theta_small": "RoPE theta 0.1% too large",
+    "norm_eps_small": "RMSNorm eps 2x too large",
 }
+# The subtle ones are targets in float32 only: in bfloat16 one rounding (4e-3) is larger than
+# what they change.
+FLOAT32_ONLY = ("row_scaled", "rope_theta_small", "norm_eps_small")
+# The factor each config bug multiplies its field by.
+FACTORS = {"rope_theta": 1.01, "rope_theta_small": 1.001, "norm_eps": 10.0,
+           "norm_eps_small": 2.0, "row_scaled": 1.001}
 
 
 @contextlib.contextmanager
@@ -57,18 +68,21 @@ def torch_bug(bug: str, tmodel):
     with torch.no_grad():
         if bug == "weight":
             tmodel.layers[BLOCK].feed_forward.w2.weight[3, 5] += 0.01
+        elif bug == "row_scaled":
+            tmodel.layers[BLOCK].feed_forward.w2.weight[ROW] *= FACTORS[bug]
         elif bug == "qk_permuted_twice":
             for layer in tmodel.layers:
                 for w, heads in ((layer.attention.wq, c.n_heads), (layer.attention.wk, c.n_kv_heads)):
                     permuted = to_half_split(w.weight.float().cpu().numpy(), heads)
                     w.weight.copy_(torch.from_numpy(permuted).to(w.weight.device, w.weight.dtype))
-        elif bug == "rope_theta":
-            tmodel._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta * 1.01, c.rope_scaling)
+        elif bug in ("rope_theta", "rope_theta_small"):
+            tmodel._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta * FACTORS[bug],
+                                             c.rope_scaling)
             tmodel._inv_freq_on.clear()
-        elif bug == "norm_eps":
+        elif bug in ("norm_eps", "norm_eps_small"):
             for module in tmodel.modules():
                 if isinstance(module, RMSNorm):
-                    module.eps *= 10
+                    module.eps *= FACTORS[bug]
     if bug == "decay_mask":
         with _patched(torch_llama, "decay_mask", lambda p: True):
             yield
@@ -91,7 +105,7 @@ def jax_bug(bug: str, model, params, path, dtype):
     from jax_llama.checkpoint import params_from_tensors
 
     c = model.config
-    if bug in ("weight", "qk_permuted_twice"):
+    if bug in ("weight", "qk_permuted_twice", "row_scaled"):
         ckpt = open_checkpoint(path)
 
         def get(name):
@@ -99,14 +113,17 @@ def jax_bug(bug: str, model, params, path, dtype):
             if bug == "weight" and name == f"layers.{BLOCK}.feed_forward.w2.weight":
                 t = t.copy()
                 t[3, 5] += 0.01
+            if bug == "row_scaled" and name == f"layers.{BLOCK}.feed_forward.w2.weight":
+                t = t.copy()
+                t[ROW] *= np.float32(FACTORS[bug])
             if bug == "qk_permuted_twice" and name.endswith(("attention.wq.weight",
                                                              "attention.wk.weight")):
                 t = to_half_split(t, c.n_heads if name.endswith("wq.weight") else c.n_kv_heads)
             return t
         yield model, params_from_tensors(get, c, dtype=dtype)
-    elif bug in ("rope_theta", "norm_eps"):
-        field, value = (("rope_theta", c.rope_theta * 1.01) if bug == "rope_theta" else
-                        ("norm_eps", c.norm_eps * 10))
+    elif bug in ("rope_theta", "norm_eps", "rope_theta_small", "norm_eps_small"):
+        field = "rope_theta" if bug.startswith("rope") else "norm_eps"
+        value = getattr(c, field) * FACTORS[bug]
         yield model.clone(config=dataclasses.replace(c, **{field: value})), params
     elif bug == "decay_mask":
         with _patched(train, "decay_mask", lambda p: jax.tree_util.tree_map(lambda _: True, p)):

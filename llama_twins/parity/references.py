@@ -13,7 +13,7 @@ import numpy as np
 from bridge.dtypes import dtype_name
 from bridge.sampling import Sampler
 
-from .forward import _capture
+from .forward import HF_SUBLAYERS, _capture, _capture_parts
 from .judgement import NEAR_TIE, _check, _f64
 
 REFERENCES = ("transformers", "llama.cpp")
@@ -35,8 +35,9 @@ def _import_error(module: str) -> str | None:
     return None
 
 
-def _transformers_forward(path, dtype: str, tokens, mask) -> tuple[list[np.ndarray], np.ndarray]:
-    """The same for transformers.LlamaForCausalLM, from the checkpoint as the bridge's HF writer
+def _transformers_forward(path, dtype: str, tokens, mask):
+    """(hidden, logits, parts) as forward._torch_forward gives them, for
+    transformers.LlamaForCausalLM, from the checkpoint as the bridge's HF writer
     writes it (a temporary directory). Hooks on the decoder layers rather than
     output_hidden_states, whose last entry has the final norm applied."""
     import torch
@@ -52,11 +53,12 @@ def _transformers_forward(path, dtype: str, tokens, mask) -> tuple[list[np.ndarr
     for p in hf.parameters():
         p.data = p.data.to(getattr(torch, dtype_name(dtype)))
     positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)  # real tokens counted, as the twins do
-    with torch.inference_mode(), _capture(hf.model.layers) as hidden:
+    with torch.inference_mode(), _capture(hf.model.layers) as hidden, \
+            _capture_parts(hf.model.layers, HF_SUBLAYERS) as parts:
         logits = hf(input_ids=torch.as_tensor(tokens, dtype=torch.long),
                     attention_mask=torch.as_tensor(mask, dtype=torch.long),
                     position_ids=torch.as_tensor(positions, dtype=torch.long)).logits
-    return hidden, _f64(logits)
+    return hidden, _f64(logits), parts
 
 
 def _llama_cpp_checks(path, dtype: str, model, params, tokens, real, n_new: int, jax_logits,
@@ -80,7 +82,8 @@ def _llama_cpp_checks(path, dtype: str, model, params, tokens, real, n_new: int,
     logits = dict(_check("logits", "llama.cpp vs JAX", float(np.abs(theirs - ours).max()) / scale,
                          bound, off <= bound,
                          detail=f"llama.cpp's own bound ({dtype_name(dtype)} GGUF, F16 KV "
-                                f"cache), on its error against {against}: {off:.2e}",
+                                f"cache), on its error against {against}: {off:.2e}; it gives "
+                                f"logits only, so no block or part can be named",
                          culprit=None if off <= bound else
                          "llama.cpp" if truth is not None else "llama.cpp or JAX"),
                   kind="llama.cpp", errors=errors, margin=bound / off if off > 0 else None)

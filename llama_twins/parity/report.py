@@ -11,7 +11,7 @@ from bridge.formats import open_checkpoint
 from .components import _norm_check, _rope_check, _weights_check
 from .forward import _forward_checks, _jax_forward, _random_batch, _torch_forward
 from .greedy import _greedy_check
-from .judgement import TOLERANCES
+from .judgement import BUDGET
 from .memory import _check_memory, _freed_memory_returned, _give_back
 from .references import REFERENCES, _import_error, _llama_cpp_checks, _transformers_forward
 from .training import (ADAMW_EPS, ADAMW_STEPS, _float64_recipe, _optimizer_check,
@@ -29,11 +29,15 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     deliberately broken ones); neither is modified. progress(message) hears each stage.
 
     Returns {"path", "dtype", "batch", "seq_len", "new_tokens", "seed", "judged_by": "float64"
-    or "fixed tolerances", "checks": [{"figure", "compared", "value", "errors", "tolerance",
-    "margin", "ok", "culprit", "detail", ...}], "first_divergence": {compared: first block out of
-    bounds or None}, "culprit": {compared: the implementation far from float64 where the first
-    figure failed, or None}, "reference": None or {"name", "status": "ok" or "skipped",
-    "reason"}, "notes": [str], "passed": bool}.
+    or "the twins' difference", "checks": [{"figure", "compared", "kind", "ops", "value" (the
+    difference), "errors" ({implementation: its error against float64}), "tolerance" (the
+    budget each error is held to; the difference's bound without float64), "margin", "ok",
+    "culprit", "detail", ...}], "first_divergence": {compared: None, or where the first figure
+    out of bounds starts: {"block", "sublayer", "tensors", "implementation", "beyond"}},
+    "culprit": {compared: the implementation beyond its budget where the first figure failed,
+    or None}, "nearest_part": {compared: the largest error / budget of any part of any block},
+    "reference": None or {"name", "status": "ok" or "skipped", "reason"}, "notes": [str],
+    "passed": bool}.
     Bad arguments or a checkpoint the twins do not support raise BridgeError naming the field."""
     with _freed_memory_returned():
         return _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_model,
@@ -47,8 +51,8 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
     def say(message: str) -> None:  # each stage starts with what the last one freed given back
         _give_back()
         heard(message)
-    if dtype not in TOLERANCES:
-        raise BridgeError(f"expected one of {', '.join(TOLERANCES)}, got {dtype!r}", field="dtype")
+    if dtype not in BUDGET:
+        raise BridgeError(f"expected one of {', '.join(BUDGET)}, got {dtype!r}", field="dtype")
     if reference is not None and reference not in REFERENCES:
         raise BridgeError(f"expected one of {', '.join(REFERENCES)}, got {reference!r}",
                           field="reference")
@@ -82,10 +86,10 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
         from ..float64 import truth as float64_truth
 
         say(f"the float64 reference: forward, gradients and {ADAMW_STEPS} AdamW steps")
-        truth = float64_truth(held, config, tokens, mask, _float64_recipe(tc))
+        truth = float64_truth(held, config, tokens, mask, _float64_recipe(tc), progress=heard)
     else:
-        notes.append("judged by fixed tolerances (no float64 reference): these were measured on "
-                     "small models and may fail a correct port of a large or trained one")
+        notes.append("no float64 reference: each figure judges the twins' difference against "
+                     "the sum of their rounding budgets, and a FAIL cannot say which twin is off")
     # loaded after the float64 run, whose peak is the report's largest
     say(f"loading {path} into both twins ({dtype})")
     # both from the checkpoint opened above: the file is not opened again
@@ -101,16 +105,16 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
     norm = _norm_check(model, tmodel, config, seed, reference_f64)
     checks, first_divergence = [rope, weights, norm], {}
     jax_out = _jax_forward(model, params, tokens, mask)
-    truth_out = (truth.hidden, truth.logits) if truth is not None else None
-    first_divergence["torch vs JAX"] = _forward_checks(
+    truth_out = (truth.hidden, truth.logits, truth.sublayers) if truth is not None else None
+    nearest = {}
+    first_divergence["torch vs JAX"], nearest["torch vs JAX"] = _forward_checks(
         checks, "torch", jax_out, _torch_forward(tmodel, tokens, mask), truth_out, real, dtype)
     if first_divergence["torch vs JAX"] is None:
         # A bug too small for the forward figures (in bfloat16) that a component figure sees: a
         # wrong weight diverges at its block, RoPE and RMSNorm at the first (they run in all).
-        first_divergence["torch vs JAX"] = (weights["block"] if not weights["ok"] else
-                                            0 if not (rope["ok"] and norm["ok"]) else None)
+        first_divergence["torch vs JAX"] = _component_divergence(weights, rope, norm)
     logits_row = next(c for c in checks if c["figure"] == "logits")
-    logit_bound = logits_row["tolerance"] * logits_row["scale"]  # absolute
+    logit_bound = logits_row["difference_bound"] * logits_row["scale"]  # absolute
 
     n_new = min(new_tokens, config.max_seq_len - seq_len)
     if 0 < n_new < new_tokens:
@@ -143,9 +147,10 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
             notes.append(f"reference transformers: skipped ({ref['reason']})")
         else:
             say("forward pass in transformers.LlamaForCausalLM")
-            first_divergence["transformers vs JAX"] = _forward_checks(
-                checks, "transformers", jax_out, _transformers_forward(path, dtype, tokens, mask),
-                truth_out, real, dtype)
+            first_divergence["transformers vs JAX"], nearest["transformers vs JAX"] = (
+                _forward_checks(checks, "transformers", jax_out,
+                                _transformers_forward(path, dtype, tokens, mask), truth_out, real,
+                                dtype))
     elif reference == "llama.cpp":
         from .. import llama_cpp_reference
 
@@ -167,9 +172,22 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
         culprit[compared] = failed[0].get("culprit") if failed else None
     return {"path": str(path), "dtype": dtype, "batch": batch, "seq_len": seq_len,
             "new_tokens": n_new, "seed": seed,
-            "judged_by": "float64" if reference_f64 else "fixed tolerances", "checks": checks,
-            "first_divergence": first_divergence, "culprit": culprit, "reference": ref,
+            "judged_by": "float64" if reference_f64 else "the twins' difference",
+            "checks": checks, "first_divergence": first_divergence, "culprit": culprit,
+            "nearest_part": nearest, "reference": ref,
             "notes": notes, "passed": all(c["ok"] for c in checks)}
+
+
+def _component_divergence(weights: dict, rope: dict, norm: dict) -> dict | None:
+    """The first divergence a component figure names when the forward figures see none: a
+    wrong weight's block and tensor, or RoPE / RMSNorm, which every block runs from block 0."""
+    for row, part in ((weights, "weights"), (rope, "rope"), (norm, "norm")):
+        if not row["ok"]:
+            worst = max((row["errors"] or {"-": row["value"]}).values())
+            return {"block": row.get("block", 0) or 0, "sublayer": part,
+                    "tensors": [row["tensor"]] if row.get("tensor") else [],
+                    "implementation": row["culprit"], "beyond": worst / row["tolerance"]}
+    return None
 
 
 def format_parity_report(report: dict) -> str:
@@ -179,7 +197,8 @@ def format_parity_report(report: dict) -> str:
     exact = report.get("judged_by", "float64") == "float64"
     lines = [f"parity of {report['path']}: {report['dtype']}, {report['batch']} x "
              f"{report['seq_len']} random tokens (seed {report['seed']}); judged against "
-             + ("a float64 run of the same weights" if exact else "fixed tolerances")
+             + ("a float64 run of the same weights: each error within its rounding budget" if exact
+                else "the twins' difference only: within the sum of their rounding budgets")
              + "; differences and errors relative to the scale of what they measure, KL in nats"]
     header = ("figure", "compared", "difference") + (("JAX vs f64", "other vs f64") if exact
                                                      else ()) + ("bound", "margin", "result")
@@ -196,18 +215,37 @@ def format_parity_report(report: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(n)]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[n]
               for row in rows]
-    for compared, block in report["first_divergence"].items():
+    for compared, where in report["first_divergence"].items():
         culprit = report.get("culprit", {}).get(compared)
-        if block is not None:
-            lines.append(f"first divergence ({compared}): block {block}"
-                         + (f", in {culprit} (the one far from float64)" if culprit else ""))
+        if where is not None:
+            lines.append(f"first divergence ({compared}): {_where(where)}")
         elif culprit:
-            lines.append(f"culprit ({compared}): {culprit} (the one far from float64)")
+            lines.append(f"culprit ({compared}): {culprit} (beyond its rounding budget)")
     lines += report["notes"]
     failed = sum(not c["ok"] for c in report["checks"])
     lines.append("parity: " + (f"FAIL, {failed} figures out of bounds" if failed else
                                "ok, every figure within its bound"))
     return "\n".join(line.rstrip() for line in lines)
+
+
+PARTS = {"attention_norm": "the attention norm", "attention": "the attention",
+         "ffn_norm": "the feed-forward norm", "feed_forward": "the feed-forward",
+         "output": "the block's output", "weights": "the weights as loaded",
+         "rope": "RoPE", "norm": "RMSNorm"}
+
+
+def _where(where: dict) -> str:
+    """block 1, the feed-forward (layers.1.feed_forward.w1.weight, ...): torch 35x its rounding
+    budget - check these tensors and this code in torch."""
+    text = f"block {where['block']}, {PARTS.get(where['sublayer'], where['sublayer'])}"
+    if where["tensors"]:
+        text += f" (nearest tensors: {', '.join(where['tensors'])})"
+    who = where["implementation"]
+    text += (f": {who} {where['beyond']:.3g}x its rounding budget" if who else
+             f": the twins' difference {where['beyond']:.3g}x the sum of their budgets")
+    if who:
+        text += f"; look there in {who}"
+    return text
 
 
 def _number(x) -> str:

@@ -80,23 +80,25 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
 
     names = list(torch_grads)
     compared, exact = "torch vs JAX", truth is not None
+    depth = model.config.n_layers + 1  # the blocks and the head, forward then backward
     t_loss = truth.loss if exact else None
     norms = {"JAX": _global_norm(jax_grads, names), "torch": _global_norm(torch_grads.get, names)}
     t_norm = _global_norm(truth.grads.get, names) if exact else None
     grads = _compare_tensors("gradients", compared, names, {"JAX": jax_grads,
                                                              "torch": torch_grads.get},
-                             truth.grads.get if exact else None, dtype, "grad")
+                             truth.grads.get if exact else None, dtype, "grad", ops=depth)
     grads["detail"] = f"relative to the largest; max abs {grads['max_abs']:.2e}"
     return [
         _compare("loss, one step", compared, {"JAX": jax_loss, "torch": torch_loss}, t_loss, dtype,
-                 "loss", detail=f"relative; loss {jax_loss:.6f}"),
+                 "loss", detail=f"relative; loss {jax_loss:.6f}", ops=depth),
         _compare("gradient norm", compared, norms, t_norm, dtype, "grad_norm",
-                 detail=f"relative; norm {norms['JAX']:.4g}"),
+                 detail=f"relative; norm {norms['JAX']:.4g}", ops=depth),
         grads,
         _compare_tensors(f"parameters after {tc.steps} AdamW steps", compared, names,
                          {"JAX": jax_trained, "torch": torch_trained.get},
                          truth.trained.get if exact else None, dtype, "adamw", scale=tc.lr,
-                         detail=f"max abs / lr; lr {tc.lr:g}, eps {tc.eps:g}"),
+                         detail=f"max abs / lr; lr {tc.lr:g}, eps {tc.eps:g}", ops=tc.steps,
+                         storage=_storage(dtype, tc, _largest(jax_trained, names))),
     ], {name: np.asarray(jax_grads(name)) for name in names}
 
 
@@ -166,10 +168,23 @@ def _optimizer_check(model, tmodel, tc, held: dict[str, np.ndarray], grads0: dic
             return adamw_steps(held[n], lambda k: step_grad(n, k), norms, recipe)
     row = _compare_tensors(f"AdamW on shared gradients, {tc.steps} steps", "torch vs JAX", names,
                            {"JAX": jax_trained, "torch": torch_trained.get}, truth, "float32",
-                           "adamw", scale=tc.lr,
+                           "optimizer", scale=tc.lr, ops=tc.steps,
+                           storage=_storage("float32", tc, _largest(jax_trained, names)),
                            detail="max abs / lr; float32 master weights in every dtype, the same "
                                   "gradients in both")
     return row
+
+
+def _storage(dtype: str, tc, largest: float) -> float:
+    """What keeping the weights in `dtype` costs a trajectory of tc.steps steps, in learning
+    rates: one rounding (U x |w|) of the largest weight per step."""
+    from .judgement import U
+
+    return tc.steps * U[dtype] * largest / tc.lr
+
+
+def _largest(get, names) -> float:
+    return max(float(np.abs(np.asarray(get(n), np.float32)).max()) for n in names)
 
 
 def _torch_optimizer(weights, tc):
