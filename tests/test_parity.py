@@ -242,21 +242,42 @@ def test_an_int8_checkpoint_is_refused_in_one_line(checkpoint, tmp_path, capsys)
 
 def test_a_report_that_does_not_fit_is_refused_before_it_starts(checkpoint, monkeypatch,
                                                                 capsys):
-    """A model whose report exceeds the memory available: one line with the figure, naming the
-    checkpoint and the way out, exit 2, nothing loaded; without the float64 run the figure is
-    smaller and there is no way out to offer."""
+    """A model whose report exceeds the memory available even without its training figures: one
+    line with the figure, naming the checkpoint, exit 2, nothing loaded; asked for the training
+    figures, the way out is to skip them."""
     monkeypatch.setattr(parity.memory, "_available_memory", lambda: 1 << 20)  # 1 MiB
     assert bridge_cli.main(["parity", str(checkpoint)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {checkpoint}: the parity report needs about ")
-    assert " x 64 bytes with the float64 reference, and 1 GiB for the runtimes)" in err
-    assert err.rstrip().endswith("GiB are available (use --no-reference-f64 to judge by fixed "
-                                 "tolerances and need less)") and err.count("\n") == 1
-    with pytest.raises(BridgeError, match=r"use reference_f64=False to judge by fixed"):
-        parity.parity_report(checkpoint)
-    assert bridge_cli.main(["parity", str(checkpoint), "--no-reference-f64"]) == 2
-    err = capsys.readouterr().err
-    assert " x 48 bytes, and 1 GiB" in err and "(use" not in err and err.count("\n") == 1
+    assert "parameters, one twin in float32 at a time, no training figures, and 1 GiB" in err
+    assert err.rstrip().endswith("GiB are available") and err.count("\n") == 1
+    with pytest.raises(BridgeError, match=r"x 64 bytes with the float64 reference.*use "
+                                          r"training=False to skip the training figures"):
+        parity.parity_report(checkpoint, training=True)
+
+
+def test_without_room_for_training_the_twins_run_one_at_a_time(checkpoint, monkeypatch):
+    """Memory for the forward figures but not the training ones: the report says so first,
+    loads one twin at a time, runs every other figure (greedy tokens judged on the float64
+    logits), and a bug in one twin is still caught and placed."""
+    room = parity.parity_memory(checkpoint, training=False) + (1 << 20)
+    monkeypatch.setattr(parity.memory, "_available_memory", lambda: room)
+    heard = []
+    report = parity.parity_report(checkpoint, progress=heard.append)
+    assert "no training figures" in heard[0] and report["training"] is False
+    assert report["passed"], parity.format_parity_report(report)
+    assert set(by_figure(report)) == TORCH_FIGURES - {
+        "loss, one step", "gradient norm", "gradients", "parameters after 10 AdamW steps",
+        "AdamW on shared gradients, 10 steps"}
+    assert any(n.startswith("training figures: skipped (they need about ") for n in report["notes"])
+    assert any(m.startswith("loading") and "JAX twin" in m for m in heard)
+    tmodel = torch_llama.load(checkpoint, device="cpu")
+    with torch.no_grad():
+        tmodel.layers[1].feed_forward.w2.weight[3, 5] += 0.01
+    broken = parity.parity_report(checkpoint, torch_model=tmodel, training=False)
+    where = broken["first_divergence"]["torch vs JAX"]
+    assert not broken["passed"] and (where["block"], where["sublayer"]) == (1, "feed_forward")
+    assert broken["culprit"] == {"torch vs JAX": "torch"}
 
 
 def test_the_memory_needed_is_stated_first(checkpoint, capsys):
@@ -267,6 +288,7 @@ def test_the_memory_needed_is_stated_first(checkpoint, capsys):
     parameters = sum(int(np.prod(s)) for s, _ in open_checkpoint(checkpoint).specs.values())
     need = parity.parity_memory(checkpoint)
     assert need == parity.RUNTIME_BYTES + 64 * parameters
+    assert parity.parity_memory(checkpoint, training=False) < need
     assert heard[0].startswith(f"the report needs about {need / 2**30:.1f} GiB "
                                f"({parameters:,} parameters x 64 bytes")
     assert "GiB are available" in heard[0] and report["passed"]

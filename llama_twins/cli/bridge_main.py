@@ -141,7 +141,9 @@ def cmd_parity(args) -> int:
 
     report = parity_report(args.path, dtype=args.dtype, batch=args.batch, seq_len=args.seq_len,
                            new_tokens=args.new_tokens, reference=args.reference, seed=args.seed,
-                           reference_f64=args.reference_f64, progress=lambda message: print(message, file=sys.stderr))
+                           reference_f64=args.reference_f64,
+                           training=args.training,
+                           progress=lambda message: print(message, file=sys.stderr))
     print(json.dumps(report, indent=2) if args.json else format_parity_report(report))
     return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
 
@@ -230,9 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "reason, if not installed")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
     p.add_argument("--no-reference-f64", dest="reference_f64", action="store_false",
-                   help="skip the float64 run (64 bytes a parameter in all, 48 without) and "
-                        "judge by the fixed tolerances of small models, for models too large "
-                        "for it")
+                   help="skip the float64 run: the twins' difference is judged against the sum "
+                        "of their rounding budgets, and a FAIL cannot name the twin")
+    p.add_argument("--no-training", dest="training", action="store_false", default=None,
+                   help="skip the training figures (64 bytes a parameter with the float64 run, "
+                        "48 without) and load the twins one at a time: what a model too large "
+                        "for them gets by default")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 

@@ -18,31 +18,55 @@ from .judgement import WEIGHT_ULPS, _compare, _f64, _row, _ulp
 ROPE_POSITIONS = 4096
 
 
-def _rope_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
-    """Each twin's rotation (its own frequencies: the JAX model's config, the torch model's
-    buffer; its own rope_cos_sin and rotate) of one random float32 vector per position, against
-    the exact rotation by the checkpoint's frequencies."""
+def _rope_input(config, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions 0 .. P - 1, one random float32 vector per position (1, P, 1, head_dim))."""
+    P = min(config.max_seq_len, ROPE_POSITIONS)
+    x = np.random.default_rng(seed).standard_normal((1, P, 1, config.head_dim)).astype(np.float32)
+    return np.arange(P), x
+
+
+def _jax_rope(model, config, seed: int) -> np.ndarray:
+    """The JAX twin's rotation of _rope_input: its config's frequencies, its own rope_cos_sin and
+    rotate."""
     import jax.numpy as jnp
-    import torch
 
     import jax_llama.model.llama as jm
-    import torch_llama.model as tm
     from bridge.rope import rope_inv_freq
 
     c = model.config
-    P = min(config.max_seq_len, ROPE_POSITIONS)
-    positions = np.arange(P)
-    x = np.random.default_rng(seed).standard_normal((1, P, 1, config.head_dim)).astype(np.float32)
-    ours = jm.rotate(jnp.asarray(x), *jm.rope_cos_sin(
-        positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)))
-    theirs = tm.rotate(torch.as_tensor(x), *tm.rope_cos_sin(
-        torch.as_tensor(positions), tmodel._inv_freq_for(torch.device("cpu"))))
+    positions, x = _rope_input(config, seed)
+    return np.asarray(jm.rotate(jnp.asarray(x), *jm.rope_cos_sin(
+        positions, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))))
+
+
+def _torch_rope(tmodel, config, seed: int) -> np.ndarray:
+    """The torch twin's: its frequency buffer, its own rope_cos_sin and rotate."""
+    import torch
+
+    import torch_llama.model as tm
+
+    positions, x = _rope_input(config, seed)
+    return tm.rotate(torch.as_tensor(x), *tm.rope_cos_sin(
+        torch.as_tensor(positions), tmodel._inv_freq_for(torch.device("cpu")))).numpy()
+
+
+def _rope_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
+    """Each twin's rotation of one random float32 vector per position, against the exact
+    rotation by the checkpoint's frequencies."""
+    return _rope_row(_jax_rope(model, config, seed), _torch_rope(tmodel, config, seed), config,
+                     seed, reference_f64)
+
+
+def _rope_row(ours: np.ndarray, theirs: np.ndarray, config, seed: int,
+              reference_f64: bool) -> dict:
+    positions, x = _rope_input(config, seed)
     truth = None
     if reference_f64:
         from ..float64 import rotation
         truth = rotation(x, config, positions)
-    return _compare(f"RoPE, positions 0-{P - 1}", "torch vs JAX",
-                    {"JAX": np.asarray(ours), "torch": theirs.numpy()}, truth, "float32", "rope",
+    P = len(positions)
+    return _compare(f"RoPE, positions 0-{P - 1}", "torch vs JAX", {"JAX": ours, "torch": theirs},
+                    truth, "float32", "rope",
                     detail="float32 in every dtype (both twins' RoPE is float32)", ops=P)
 
 
@@ -54,27 +78,65 @@ def _rope_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
 # than bfloat16 rounds them is still seen here, and the tensor names its block.
 
 
-def _weights_check(model, params, tmodel, held: dict[str, np.ndarray], dtype: str) -> dict:
+# Tensors are compared in slices of this many entries, so that a large embedding (262M entries
+# in Llama-3.2-1B) never has several float64 copies at once.
+WEIGHT_SLICE = 1 << 22
+
+
+def _weights_off(tensor, held, dtype: str) -> dict[str, np.ndarray]:
+    """{name: the twin's tensor as float64} would be a second model; instead, for each tensor of
+    `held`, the twin's largest distance from it in ulps of `dtype` (tensor(name): the twin's
+    tensor, any array type)."""
+    off = {}
+    for name in held:
+        ours, truth = tensor(name), held[name]
+        off[name] = max((_sliced_ulps(a, t) for a, t in _slices(ours, truth)), default=0.0)
+    return off
+
+
+def _slices(a, t):
+    """Matching row slices of a (a twin's tensor) and t (the held numpy array), each of at most
+    WEIGHT_SLICE entries."""
+    rows = max(1, WEIGHT_SLICE // max(1, int(np.prod(t.shape[1:]))))
+    for k in range(0, t.shape[0] if t.ndim else 1, rows):
+        yield (a if t.ndim == 0 else a[k:k + rows]), (t if t.ndim == 0 else t[k:k + rows])
+
+
+def _sliced_ulps(a, truth: np.ndarray, b=None) -> float:
+    """max |a - truth| / ulp(truth) (with b: max |a - b| / ulp(truth)), float64."""
+    spacing = _ulp(truth)
+    other = truth.astype(np.float64) if b is None else _f64(b)
+    return float((np.abs(_f64(a) - other) / spacing).max())
+
+
+def _weights_check(model, params, tmodel, held, dtype: str) -> dict:
     """Each twin's weights (JAX: its params in canonical layout; torch: its state_dict) against
     `held`, the checkpoint rounded to `dtype`, in ulps of the dtype, tensor by tensor."""
     from jax_llama.checkpoint import tensor_specs
 
     jax_tensor = tensor_specs(params, model.config)[1]
     torch_tensors = tmodel.state_dict()
-    worst = {"JAX": 0.0, "torch": 0.0}
-    difference, first_off, worst_name = 0.0, None, None
-    for name, truth in held.items():
-        spacing = _ulp(truth)
-        truth = truth.astype(np.float64)
-        ours, theirs = _f64(jax_tensor(name)), _f64(torch_tensors[name])
-        off = {"JAX": float((np.abs(ours - truth) / spacing).max()),
-               "torch": float((np.abs(theirs - truth) / spacing).max())}
-        between = float((np.abs(ours - theirs) / spacing).max())
-        if first_off is None and max(off.values()) > WEIGHT_ULPS:
-            first_off = name
-        if between > difference:
-            difference, worst_name = between, name
-        worst = {k: max(worst[k], off[k]) for k in worst}
+    between = {name: max((_sliced_ulps(a, t, b) for (a, t), (b, _) in zip(
+        _slices(jax_tensor(name), held[name]), _slices(torch_tensors[name], held[name]))),
+        default=0.0) for name in held}
+    return _weights_row(_weights_off(jax_tensor, held, dtype),
+                        _weights_off(torch_tensors.__getitem__, held, dtype), between, dtype)
+
+
+def _weights_row(jax_off: dict, torch_off: dict, between: dict | None, dtype: str) -> dict:
+    """The weights figure from each twin's distance per tensor (and the twins' own, `between`;
+    None when the twins were not in memory together: then bounded by the sum of their
+    distances, as the detail says)."""
+    names = list(jax_off)
+    if between is None:
+        between = {n: jax_off[n] + torch_off[n] for n in names}
+    first_off = next((n for n in names if max(jax_off[n], torch_off[n]) > WEIGHT_ULPS), None)
+    worst_name = max(names, key=lambda n: between[n]) if names else None
+    difference = between[worst_name] if worst_name else 0.0
+    if not difference > 0:
+        worst_name = None
+    worst = {"JAX": max(jax_off.values(), default=0.0),
+             "torch": max(torch_off.values(), default=0.0)}
     named = first_off or worst_name
     block = (int(named.split(".")[1]) if named is not None and named.startswith("layers.")
              else None)
@@ -94,33 +156,54 @@ def _weights_check(model, params, tmodel, held: dict[str, np.ndarray], dtype: st
 NORM_ROWS = 64
 
 
+def _norm_input(config, seed: int) -> np.ndarray:
+    eps = config.norm_eps
+    x = np.random.default_rng(seed).standard_normal((NORM_ROWS, config.dim))
+    x /= np.sqrt(np.mean(x * x, axis=-1, keepdims=True))  # each row's mean square: 1
+    return (x * np.sqrt(eps * np.logspace(-2, 2, NORM_ROWS))[:, None]).astype(np.float32)
+
+
+def _jax_norm(model, config, seed: int) -> np.ndarray:
+    """The JAX twin's RMSNorm (the eps of its config) on _norm_input, gain 1: (1, rows, dim)."""
+    import jax.numpy as jnp
+
+    import jax_llama.model.llama as jm
+
+    x = _norm_input(config, seed)
+    ones = jnp.ones((config.dim,), jnp.float32)
+    return np.asarray(jm.RMSNorm(model.config.norm_eps).apply({"params": {"weight": ones}},
+                                                              jnp.asarray(x)))[None]
+
+
+def _torch_norm(tmodel, config, seed: int) -> np.ndarray:
+    """Every torch norm module's own eps on _norm_input, gain 1: (norms, rows, dim)."""
+    import torch
+
+    import torch_llama.model as tm
+
+    x = _norm_input(config, seed)
+    norms = [m for m in tmodel.modules() if isinstance(m, tm.RMSNorm)]
+    with torch.no_grad():
+        return np.stack([tm.RMSNorm(config.dim, m.eps)(torch.as_tensor(x)).numpy()
+                         for m in norms])
+
+
 def _norm_check(model, tmodel, config, seed: int, reference_f64: bool) -> dict:
     """Every RMSNorm of each twin on the same float32 rows, against the float64 norm with the
     checkpoint's eps."""
-    import jax.numpy as jnp
-    import torch
+    return _norm_row(_jax_norm(model, config, seed), _torch_norm(tmodel, config, seed), config,
+                     seed, reference_f64)
 
-    import jax_llama.model.llama as jm
-    import torch_llama.model as tm
 
+def _norm_row(ours: np.ndarray, theirs: np.ndarray, config, seed: int,
+              reference_f64: bool) -> dict:
     eps = config.norm_eps
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((NORM_ROWS, config.dim))
-    x /= np.sqrt(np.mean(x * x, axis=-1, keepdims=True))  # each row's mean square: 1
-    x = (x * np.sqrt(eps * np.logspace(-2, 2, NORM_ROWS))[:, None]).astype(np.float32)
-    ones = jnp.ones((config.dim,), jnp.float32)
-    ours = np.asarray(jm.RMSNorm(model.config.norm_eps).apply({"params": {"weight": ones}},
-                                                              jnp.asarray(x)))
-    norms = [m for m in tmodel.modules() if isinstance(m, tm.RMSNorm)]
-    with torch.no_grad():
-        theirs = np.stack([tm.RMSNorm(config.dim, m.eps)(torch.as_tensor(x)).numpy()
-                           for m in norms])
     truth = None
     if reference_f64:
         from ..float64 import rms_norm
-        truth = np.broadcast_to(rms_norm(x, eps), theirs.shape)
+        truth = np.broadcast_to(rms_norm(_norm_input(config, seed), eps), theirs.shape)
     return _compare(f"RMSNorm, mean squares {eps / 100:.0e}-{eps * 100:.0e}", "torch vs JAX",
                     {"JAX": np.broadcast_to(ours, theirs.shape), "torch": theirs}, truth,
                     "float32", "norm",
                     detail=f"float32 in every dtype (both twins' statistics are float32); "
-                           f"{len(norms)} torch norms")
+                           f"{len(theirs)} torch norms")

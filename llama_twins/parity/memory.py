@@ -23,35 +23,70 @@ BYTES_PER_PARAMETER = 48
 RUNTIME_BYTES = 1 << 30
 
 
-def parity_memory(path, reference_f64: bool = True) -> int:
-    """The peak memory, in bytes, the report on the checkpoint at `path` needs (an estimate from
-    its parameter count: RUNTIME_BYTES plus (FLOAT64_)BYTES_PER_PARAMETER each)."""
-    return _memory_needed(open_checkpoint(path), reference_f64)[0]
+def parity_memory(path, reference_f64: bool = True, training: bool = True,
+                  dtype: str = "float32") -> int:
+    """The peak memory, in bytes, the report on the checkpoint at `path` needs: with the training
+    figures, RUNTIME_BYTES plus (FLOAT64_)BYTES_PER_PARAMETER each; without them
+    (_forward_bytes), one twin in `dtype` at a time and one block of the float64 run."""
+    ckpt = open_checkpoint(path)
+    return _memory_needed(ckpt, reference_f64)[0] if training else _forward_bytes(ckpt, dtype)
 
 
 def _memory_needed(ckpt, reference_f64: bool) -> tuple[int, int, int]:
-    """(bytes, parameters, bytes per parameter) of the report on `ckpt`."""
+    """(bytes, parameters, bytes per parameter) of the report with its training figures."""
     parameters = sum(math.prod(shape) for shape, _ in ckpt.specs.values())
     per = FLOAT64_BYTES_PER_PARAMETER if reference_f64 else BYTES_PER_PARAMETER
     return RUNTIME_BYTES + parameters * per, parameters, per
 
 
-def _check_memory(ckpt, reference_f64: bool, say) -> None:
-    """Say what the report needs, and refuse, before anything is loaded, a report that would not
-    fit in the memory available."""
+def _forward_bytes(ckpt, dtype: str) -> int:
+    """The report without its training figures: one twin in `dtype` at a time (with the
+    capacity to read a tensor while it loads, the largest one twice more), one block of the
+    float64 run with its gradient-free temporaries (3 copies), and the runtimes."""
+    import numpy as np
+
+    from bridge.dtypes import numpy_dtype
+
+    size = np.dtype(numpy_dtype(dtype)).itemsize
+    parameters = sum(math.prod(shape) for shape, _ in ckpt.specs.values())
+    largest = max(math.prod(shape) for shape, _ in ckpt.specs.values())
+    block = sum(math.prod(shape) for name, (shape, _) in ckpt.specs.items()
+                if name.startswith("layers.0."))
+    return RUNTIME_BYTES + parameters * size + 2 * largest * 4 + 3 * block * 8
+
+
+def training_skipped(ckpt, reference_f64: bool) -> str:
+    """Why the training figures did not run, with what they need."""
     need, parameters, per = _memory_needed(ckpt, reference_f64)
     have = _available_memory()
-    what = (f"about {need / 2**30:.1f} GiB ({parameters:,} parameters x {per} bytes"
-            f"{' with the float64 reference' if reference_f64 else ''}, and "
-            f"{RUNTIME_BYTES / 2**30:.0f} GiB for the runtimes)")
+    return (f"they need about {need / 2**30:.1f} GiB ({parameters:,} parameters x {per} bytes)"
+            + (f" and {have / 2**30:.1f} GiB are available" if have is not None and need > have
+               else ", and --no-training was asked"))
+
+
+def _plan_memory(ckpt, dtype: str, reference_f64: bool, training: bool | None, say) -> bool:
+    """Whether the training figures run (training None: when they fit), said before anything is
+    loaded; a report that would not fit even without them (or with them, when asked for) is
+    refused, naming the memory it needs and the memory available."""
+    need, parameters, per = _memory_needed(ckpt, reference_f64)
+    have = _available_memory()
+    if training is None:
+        training = have is None or need <= have
+    if not training:
+        need = _forward_bytes(ckpt, dtype)
+    what = (f"about {need / 2**30:.1f} GiB ("
+            + (f"{parameters:,} parameters x {per} bytes"
+               f"{' with the float64 reference' if reference_f64 else ''}" if training else
+               f"{parameters:,} parameters, one twin in {dtype} at a time, no training figures")
+            + f", and {RUNTIME_BYTES / 2**30:.0f} GiB for the runtimes)")
     if have is not None and need > have:
         raise BridgeError(
             f"{ckpt.path}: the parity report needs {what} and {have / 2**30:.1f} GiB are "
-            f"available", hint=(("reference_f64", False,
-                                 "use {} to judge by fixed tolerances and need less")
-                                if reference_f64 else None))
+            f"available", hint=(("training", False, "use {} to skip the training figures and "
+                                 "need less") if training else None))
     say(f"the report needs {what}"
         + (f"; {have / 2**30:.1f} GiB are available" if have is not None else ""))
+    return training
 
 
 @contextlib.contextmanager

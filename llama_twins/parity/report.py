@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Callable
+
+import numpy as np
 
 from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
+from bridge.sampling import Sampler
 
-from .components import _norm_check, _rope_check, _weights_check
+from .components import (_jax_norm, _jax_rope, _norm_check, _norm_row, _rope_check, _rope_row,
+                         _torch_norm, _torch_rope, _weights_check, _weights_off, _weights_row)
 from .forward import _forward_checks, _jax_forward, _random_batch, _torch_forward
 from .greedy import _greedy_check
-from .judgement import BUDGET
-from .memory import _check_memory, _freed_memory_returned, _give_back
+from .judgement import BUDGET, _check
+from .memory import _freed_memory_returned, _give_back, _plan_memory, training_skipped
 from .references import REFERENCES, _import_error, _llama_cpp_checks, _transformers_forward
 from .training import (ADAMW_EPS, ADAMW_STEPS, _float64_recipe, _optimizer_check,
                        _training_checks)
@@ -21,12 +27,16 @@ from .training import (ADAMW_EPS, ADAMW_STEPS, _float64_recipe, _optimizer_check
 def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 16,
                   new_tokens: int = 16, reference: str | None = None, seed: int = 0,
                   torch_model=None, jax_model=None, reference_f64: bool = True,
+                  training: bool | None = None,
                   progress: Callable[[str], object] | None = None) -> dict:
     """Run the checkpoint at `path` through both twins (and `reference`) on one random batch of
     `batch` x `seq_len` ids and measure how far apart they are, and how far each is from the
     float64 answer (unless reference_f64 is False). torch_model stands in for the torch twin
     loaded from `path`, jax_model (a (Llama module, params) pair) for the JAX one (a test passes
-    deliberately broken ones); neither is modified. progress(message) hears each stage.
+    deliberately broken ones); neither is modified. training: whether the training figures run
+    (both twins in memory, each trained in turn); None: when they fit in the memory available,
+    else the forward, component and greedy figures run with one twin in memory at a time, the
+    float64 reference block by block. progress(message) hears each stage.
 
     Returns {"path", "dtype", "batch", "seq_len", "new_tokens", "seed", "judged_by": "float64"
     or "the twins' difference", "checks": [{"figure", "compared", "kind", "ops", "value" (the
@@ -41,11 +51,11 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     Bad arguments or a checkpoint the twins do not support raise BridgeError naming the field."""
     with _freed_memory_returned():
         return _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_model,
-                       jax_model, reference_f64, progress)
+                       jax_model, reference_f64, training, progress)
 
 
 def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_model, jax_model,
-            reference_f64, progress) -> dict:
+            reference_f64, training, progress) -> dict:
     heard = progress or (lambda message: None)
 
     def say(message: str) -> None:  # each stage starts with what the last one freed given back
@@ -69,74 +79,46 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
     if seq_len > config.max_seq_len:
         raise BridgeError(f"{seq_len} exceeds the checkpoint's max_seq_len {config.max_seq_len}",
                           field="seq_len")
-    _check_memory(ckpt, reference_f64, say)
-    import jax_llama
-    import torch_llama
+    training = _plan_memory(ckpt, dtype, reference_f64, training, say)
     from jax_llama.training.step import TrainConfig
 
     notes = []
     tokens, mask = _random_batch(config, batch, seq_len, seed)
     real = mask.astype(bool)
     tc = TrainConfig(steps=ADAMW_STEPS, batch_size=batch, seq_len=seq_len - 1, eps=ADAMW_EPS)
-    # The weights the twins hold, exactly: the checkpoint rounded to the dtype, read once for the
-    # float64 run, the weights figure and the optimizer figure's starting point.
-    held = {name: t.astype(numpy_dtype(dtype)) for name, t in ckpt}
+    # The weights the twins hold, exactly: the checkpoint rounded to the dtype, read a tensor at
+    # a time when a figure needs it (the float64 run, the weights figure, the optimizer's start).
+    held = _Held(ckpt, dtype)
     truth = None
     if reference_f64:
         from ..float64 import truth as float64_truth
 
-        say(f"the float64 reference: forward, gradients and {ADAMW_STEPS} AdamW steps")
-        truth = float64_truth(held, config, tokens, mask, _float64_recipe(tc), progress=heard)
+        say("the float64 reference: forward" + (f", gradients and {ADAMW_STEPS} AdamW steps"
+                                                 if training else ", block by block"))
+        truth = float64_truth(held, config, tokens, mask,
+                              _float64_recipe(tc) if training else None, progress=heard)
     else:
         notes.append("no float64 reference: each figure judges the twins' difference against "
                      "the sum of their rounding budgets, and a FAIL cannot say which twin is off")
-    # loaded after the float64 run, whose peak is the report's largest
-    say(f"loading {path} into both twins ({dtype})")
-    # both from the checkpoint opened above: the file is not opened again
-    model, params = jax_model if jax_model is not None else jax_llama.load(ckpt, dtype=dtype)
-    tmodel = torch_model if torch_model is not None else torch_llama.load(ckpt, device="cpu",
-                                                                          dtype=dtype)
-
-    say("RoPE over the context, and the forward pass: the hidden state after every block, "
-        "and the logits")
-    rope = _rope_check(model, tmodel, config, seed, reference_f64)
-    say("the weights each twin holds, and RMSNorm")
-    weights = _weights_check(model, params, tmodel, held, dtype)
-    norm = _norm_check(model, tmodel, config, seed, reference_f64)
-    checks, first_divergence = [rope, weights, norm], {}
-    jax_out = _jax_forward(model, params, tokens, mask)
-    truth_out = (truth.hidden, truth.logits, truth.sublayers) if truth is not None else None
-    nearest = {}
-    first_divergence["torch vs JAX"], nearest["torch vs JAX"] = _forward_checks(
-        checks, "torch", jax_out, _torch_forward(tmodel, tokens, mask), truth_out, real, dtype)
-    if first_divergence["torch vs JAX"] is None:
-        # A bug too small for the forward figures (in bfloat16) that a component figure sees: a
-        # wrong weight diverges at its block, RoPE and RMSNorm at the first (they run in all).
-        first_divergence["torch vs JAX"] = _component_divergence(weights, rope, norm)
-    logits_row = next(c for c in checks if c["figure"] == "logits")
-    logit_bound = logits_row["difference_bound"] * logits_row["scale"]  # absolute
-
     n_new = min(new_tokens, config.max_seq_len - seq_len)
     if 0 < n_new < new_tokens:
         notes.append(f"greedy tokens: {n_new}, not {new_tokens}, to fit max_seq_len "
                      f"{config.max_seq_len}")
-    if n_new > 0:
-        say(f"greedy generation of {n_new} tokens by both twins")
-        checks.append(_greedy_check(model, params, tmodel, tokens, real, n_new, logit_bound))
-    else:
+    elif n_new <= 0:
         why = ("new_tokens 0" if new_tokens == 0 else
                f"seq_len {seq_len} leaves no room in max_seq_len {config.max_seq_len}")
         notes.append(f"greedy tokens: skipped ({why})")
-
-    say(f"one training step, then {ADAMW_STEPS} AdamW steps in both twins")
-    training, jax_grads = _training_checks(model, params, tmodel, tokens, tc, truth, dtype)
-    checks += training
-    if truth is not None:
-        truth.trained.clear()  # measured; freed before the optimizer figure's own runs
-    say(f"{ADAMW_STEPS} AdamW steps of both twins' optimizers on the same gradients, float32")
-    checks.append(_optimizer_check(model, tmodel, tc, held,
-                                   truth.grads if truth is not None else jax_grads,
-                                   reference_f64))
+    batch_ = _Batch(ckpt, config, dtype, tokens, mask, real, seed, max(n_new, 0), truth, held,
+                    reference_f64, path)
+    if training:
+        checks, first_divergence, nearest, jax_out, twins = _both_twins(
+            batch_, tc, torch_model, jax_model, reference, say)
+    else:
+        notes.append(f"training figures: skipped ({training_skipped(ckpt, reference_f64)}); "
+                     "the twins were loaded one at a time")
+        checks, first_divergence, nearest, jax_out, twins = _one_twin_at_a_time(
+            batch_, torch_model, jax_model, reference, say)
+    truth_out = (truth.hidden, truth.logits, truth.sublayers) if truth is not None else None
 
     ref = None
     if reference == "transformers":
@@ -152,17 +134,8 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
                                 _transformers_forward(path, dtype, tokens, mask), truth_out, real,
                                 dtype))
     elif reference == "llama.cpp":
-        from .. import llama_cpp_reference
-
         ref = {"name": "llama.cpp", "status": "ok", "reason": None}
-        missing = llama_cpp_reference.unavailable()
-        if missing is None:
-            say("the checkpoint exported to GGUF and run by llama.cpp: logits and greedy tokens")
-            try:
-                checks += _llama_cpp_checks(path, dtype, model, params, tokens, real, n_new,
-                                            jax_out[1], truth)
-            except BridgeError as e:
-                missing = e.message
+        missing = twins["llama.cpp"]
         if missing is not None:
             ref.update(status="skipped", reason=missing)
             notes.append(f"reference llama.cpp: skipped ({missing})")
@@ -171,11 +144,213 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
         failed = [c for c in checks if c["compared"] == compared and not c["ok"]]
         culprit[compared] = failed[0].get("culprit") if failed else None
     return {"path": str(path), "dtype": dtype, "batch": batch, "seq_len": seq_len,
-            "new_tokens": n_new, "seed": seed,
+            "new_tokens": max(n_new, 0), "seed": seed, "training": training,
             "judged_by": "float64" if reference_f64 else "the twins' difference",
             "checks": checks, "first_divergence": first_divergence, "culprit": culprit,
             "nearest_part": nearest, "reference": ref,
             "notes": notes, "passed": all(c["ok"] for c in checks)}
+
+
+class _Held(Mapping):
+    """The checkpoint's tensors rounded to the report's dtype (round to nearest even, as both
+    twins' loaders do), each read from the checkpoint when asked for: never a copy of the
+    model."""
+
+    def __init__(self, ckpt, dtype: str):
+        self._ckpt, self._dtype = ckpt, numpy_dtype(dtype)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._ckpt.tensor(name).astype(self._dtype, copy=False)
+
+    def __iter__(self):
+        return iter(self._ckpt.specs)
+
+    def __len__(self) -> int:
+        return len(self._ckpt.specs)
+
+
+@dataclass
+class _Batch:
+    """What every stage of one report works on."""
+
+    ckpt: object
+    config: object
+    dtype: str
+    tokens: np.ndarray
+    mask: np.ndarray
+    real: np.ndarray
+    seed: int
+    n_new: int
+    truth: object
+    held: _Held
+    reference_f64: bool
+    path: object
+
+    @property
+    def truth_out(self):
+        t = self.truth
+        return None if t is None else (t.hidden, t.logits, t.sublayers)
+
+
+def _jax_twin(b: _Batch, given):
+    import jax_llama
+
+    return given if given is not None else jax_llama.load(b.ckpt, dtype=b.dtype)
+
+
+def _torch_twin(b: _Batch, given):
+    import torch_llama
+
+    return given if given is not None else torch_llama.load(b.ckpt, device="cpu", dtype=b.dtype)
+
+
+def _both_twins(b: _Batch, tc, torch_model, jax_model, reference, say):
+    """The full report: both twins in memory, the forward, component, greedy and training
+    figures (and llama.cpp's, with that reference). Returns (checks, first_divergence,
+    nearest_part, JAX's forward, {"llama.cpp": why it was skipped, or None, when it ran})."""
+    say(f"loading {b.path} into both twins ({b.dtype})")
+    # both from the checkpoint opened above: the file is not opened again
+    model, params = _jax_twin(b, jax_model)
+    tmodel = _torch_twin(b, torch_model)
+    say("RoPE over the context, and the forward pass: the hidden state after every block, "
+        "and the logits")
+    rope = _rope_check(model, tmodel, b.config, b.seed, b.reference_f64)
+    say("the weights each twin holds, and RMSNorm")
+    weights = _weights_check(model, params, tmodel, b.held, b.dtype)
+    norm = _norm_check(model, tmodel, b.config, b.seed, b.reference_f64)
+    checks, first_divergence, nearest = [rope, weights, norm], {}, {}
+    jax_out = _jax_forward(model, params, b.tokens, b.mask)
+    first_divergence["torch vs JAX"], nearest["torch vs JAX"] = _forward_checks(
+        checks, "torch", jax_out, _torch_forward(tmodel, b.tokens, b.mask), b.truth_out, b.real,
+        b.dtype)
+    if first_divergence["torch vs JAX"] is None:
+        # A bug too small for the forward figures (in bfloat16) that a component figure sees: a
+        # wrong weight diverges at its block, RoPE and RMSNorm at the first (they run in all).
+        first_divergence["torch vs JAX"] = _component_divergence(weights, rope, norm)
+    if b.n_new > 0:
+        say(f"greedy generation of {b.n_new} tokens by both twins")
+        checks.append(_greedy_check(model, params, tmodel, b.tokens, b.real, b.n_new,
+                                    _logit_bound(checks)))
+    say(f"one training step, then {ADAMW_STEPS} AdamW steps in both twins")
+    training, jax_grads = _training_checks(model, params, tmodel, b.tokens, tc, b.truth, b.dtype)
+    checks += training
+    if b.truth is not None:
+        b.truth.trained.clear()  # measured; freed before the optimizer figure's own runs
+    say(f"{ADAMW_STEPS} AdamW steps of both twins' optimizers on the same gradients, float32")
+    checks.append(_optimizer_check(model, tmodel, tc, b.held,
+                                   b.truth.grads if b.truth is not None else jax_grads,
+                                   b.reference_f64))
+    del tmodel
+    twins = {}
+    if reference == "llama.cpp":
+        twins["llama.cpp"] = _run_llama_cpp(b, model, params, jax_out, checks, say)
+    return checks, first_divergence, nearest, jax_out, twins
+
+
+def _one_twin_at_a_time(b: _Batch, torch_model, jax_model, reference, say):
+    """The report of a model whose training figures do not fit in memory: the forward, component
+    and greedy figures, with one twin in memory at a time (each measured, then freed) and the
+    near-tie of a greedy difference judged on the float64 logits. Returns as _both_twins, with
+    {"llama.cpp": why it was skipped, or None} for its last item when it ran (while the JAX
+    twin was loaded)."""
+    import torch_llama
+    from jax_llama.checkpoint import tensor_specs
+    from jax_llama.inference.generate import generate as jax_generate
+
+    prompts = [row[keep].tolist() for row, keep in zip(b.tokens, b.real)]
+    say(f"loading {b.path} into the JAX twin ({b.dtype}); the torch twin after it")
+    model, params = _jax_twin(b, jax_model)
+    say("the JAX twin: RoPE, its weights, RMSNorm, the forward pass"
+        + (f", greedy generation of {b.n_new} tokens" if b.n_new else ""))
+    mine = {"rope": _jax_rope(model, b.config, b.seed), "norm": _jax_norm(model, b.config, b.seed),
+            "weights": _weights_off(tensor_specs(params, model.config)[1], b.held, b.dtype),
+            "forward": _jax_forward(model, params, b.tokens, b.mask),
+            "greedy": jax_generate(model, params, prompts, b.n_new, Sampler(), ()).tokens
+            if b.n_new else None}
+    twins, checks = {}, []
+    if reference == "llama.cpp":
+        twins["llama.cpp"] = _run_llama_cpp(b, model, params, mine["forward"], checks, say)
+    del model, params
+    _give_back()
+    say(f"loading {b.path} into the torch twin ({b.dtype})")
+    tmodel = _torch_twin(b, torch_model)
+    say("the torch twin: RoPE, its weights, RMSNorm, the forward pass"
+        + (f", greedy generation of {b.n_new} tokens" if b.n_new else ""))
+    theirs = {"rope": _torch_rope(tmodel, b.config, b.seed),
+              "norm": _torch_norm(tmodel, b.config, b.seed),
+              "weights": _weights_off(tmodel.state_dict().__getitem__, b.held, b.dtype),
+              "forward": _torch_forward(tmodel, b.tokens, b.mask),
+              "greedy": torch_llama.generate(tmodel, prompts, b.n_new, Sampler(), ()).tokens
+              if b.n_new else None}
+    del tmodel
+    _give_back()
+    rope = _rope_row(mine["rope"], theirs["rope"], b.config, b.seed, b.reference_f64)
+    weights = _weights_row(mine["weights"], theirs["weights"], None, b.dtype)
+    norm = _norm_row(mine["norm"], theirs["norm"], b.config, b.seed, b.reference_f64)
+    forward = [rope, weights, norm]
+    first_divergence, nearest = {}, {}
+    first_divergence["torch vs JAX"], nearest["torch vs JAX"] = _forward_checks(
+        forward, "torch", mine["forward"], theirs["forward"], b.truth_out, b.real, b.dtype)
+    if first_divergence["torch vs JAX"] is None:
+        first_divergence["torch vs JAX"] = _component_divergence(weights, rope, norm)
+    if b.n_new > 0:
+        forward.append(_greedy_by_float64(b, prompts, mine["greedy"], theirs["greedy"],
+                                          _logit_bound(forward)))
+    return forward + checks, first_divergence, nearest, mine["forward"], twins
+
+
+def _greedy_by_float64(b: _Batch, prompts, ours, theirs, logit_bound: float) -> dict:
+    """The greedy figure from each twin's tokens, run apart: a first difference passes only at a
+    near-tie of the float64 logits of the common prefix (each twin within its budget of them
+    can choose either token only when they are within the logits' difference bound)."""
+    from ..float64 import forward_blocks
+
+    import jax
+
+    notes, ok, firsts = [], True, []
+    for i, (prompt, x, y) in enumerate(zip(prompts, ours, theirs)):
+        k = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q),
+                 None if len(x) == len(y) else min(len(x), len(y)))
+        if k is None:
+            continue
+        firsts.append(k)
+        if k >= min(len(x), len(y)):  # one twin stopped (a stop id) early
+            gap = float("inf")
+        else:
+            prefix = np.asarray([prompt + list(x[:k])], np.int32)
+            with jax.enable_x64(True):
+                exact = forward_blocks(b.held.__getitem__, b.config, prefix,
+                                       np.ones_like(prefix))[1][0, -1]
+            gap = abs(exact[x[k]] - exact[y[k]])
+        ok = ok and gap <= logit_bound
+        notes.append(f"row {i} at token {k}: JAX {x[k:k + 1]} vs torch {y[k:k + 1]}, float64 "
+                     f"logit gap {gap:.2e}")
+    detail = ("; ".join(notes) + f" (a near-tie if the gap <= {logit_bound:.1e})" if notes
+              else f"all {len(prompts)} rows agree on {b.n_new} tokens")
+    return _check("greedy tokens, first difference", "torch vs JAX",
+                  min(firsts) if firsts else None, "near-tie", ok=ok, detail=detail)
+
+
+def _logit_bound(checks: list) -> float:
+    """The absolute bound on the twins' logits' difference (the logits row's, times its scale)."""
+    logits = next(c for c in checks if c["figure"] == "logits")
+    return logits["difference_bound"] * logits["scale"]
+
+
+def _run_llama_cpp(b: _Batch, model, params, jax_out, checks: list, say) -> str | None:
+    """Append llama.cpp's rows (its logits and greedy tokens against float64 and JAX); returns
+    why it was skipped, or None."""
+    from .. import llama_cpp_reference
+
+    missing = llama_cpp_reference.unavailable()
+    if missing is None:
+        say("the checkpoint exported to GGUF and run by llama.cpp: logits and greedy tokens")
+        try:
+            checks += _llama_cpp_checks(b.path, b.dtype, model, params, b.tokens, b.real,
+                                        b.n_new, jax_out[1], b.truth)
+        except BridgeError as e:
+            missing = e.message
+    return missing
 
 
 def _component_divergence(weights: dict, rope: dict, norm: dict) -> dict | None:
