@@ -46,20 +46,31 @@ def cpu_flags() -> list[str]:
     return [f for f in wanted if f in flags]
 
 
+# The bugs of the optimizer, which only the training figures see; the others are in the model,
+# and their reports run without the training figures (--no-training: a third of the time).
+OPTIMIZER_BUGS = ("decay_mask", "no_clipping")
+
+
 def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None) -> list[tuple]:
-    """(checkpoint, dtype, reference, bug, twin): the correct reports first, then the bugs
-    (planted_bugs: those to plant, default all)."""
+    """(checkpoint, dtype, reference, bug, twin, training): per checkpoint and dtype, the correct
+    report with the training figures against transformers, and without them against llama.cpp
+    (its figures are the logits and greedy tokens), then each bug (planted_bugs: those to
+    plant, default all) in one twin, alternating."""
     from llama_twins.parity.planted import BUGS, FLOAT32_ONLY
 
     jobs = []
     for k, name in enumerate(checkpoints):
         for dtype in DTYPES:
-            jobs += [(name, dtype, reference, None, None) for reference in references]
+            jobs += [(name, dtype, reference, None, None, reference != "llama.cpp")
+                     for reference in references]
             bugs = [b for b in BUGS if (dtype == "float32" or b not in FLOAT32_ONLY)
                     and (planted_bugs is None or b in planted_bugs)]
-            jobs += [(name, dtype, None, bug, ("torch", "JAX")[(i + k) % 2])
-                     for i, bug in enumerate(bugs)]
-    return jobs
+            jobs += [(name, dtype, None, bug, ("torch", "JAX")[(i + k) % 2],
+                      bug in OPTIMIZER_BUGS) for i, bug in enumerate(bugs)]
+    # per checkpoint and dtype, the reports with the training figures first: the later ones
+    # reuse their float64 run (reuse_float64_runs)
+    names = list(checkpoints)
+    return sorted(jobs, key=lambda j: (names.index(j[0]), DTYPES.index(j[1]), not j[5]))
 
 
 def rows_of(report: dict) -> list[dict]:
@@ -100,10 +111,12 @@ def reuse_float64_runs() -> dict:
 
     original, state = float64.truth, {"key": None, "last": None}
 
-    def truth(*args, **kwargs):
-        if state["last"] is None or state["last"][0] != state["key"]:
+    def truth(tensors, config, tokens, mask, adamw, **kwargs):
+        last = state["last"]
+        if last is None or last[0] != state["key"] or (adamw is not None and not last[1].grads):
             state["last"] = None  # freed before the next run
-            state["last"] = (state["key"], original(*args, **kwargs))
+            state["last"] = (state["key"], original(tensors, config, tokens, mask, adamw,
+                                                    **kwargs))
         kept = state["last"][1]
         return dataclasses.replace(kept, grads=dict(kept.grads), trained=dict(kept.trained))
     float64.truth = truth
@@ -123,17 +136,18 @@ def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: 
     size = -(-len(jobs) // parts)
     jobs = jobs[(part - 1) * size:part * size]
     results, started, reuse = [], time.time(), reuse_float64_runs()
-    for name, dtype, reference, bug, twin in tqdm(jobs, desc=f"part {part}/{parts}",
-                                                  unit="report"):
+    for name, dtype, reference, bug, twin, training in tqdm(jobs, desc=f"part {part}/{parts}",
+                                                            unit="report"):
         path, begun = checkpoints[name], time.time()
         reuse["key"] = (name, dtype)
         if bug is None:
-            report = parity_report(path, dtype=dtype, reference=reference)
+            report = parity_report(path, dtype=dtype, reference=reference, training=training)
         else:
             with planted(bug, twin, path, dtype) as kwargs:
-                report = parity_report(path, dtype=dtype, new_tokens=0, **kwargs)
+                report = parity_report(path, dtype=dtype, new_tokens=0, training=training,
+                                       **kwargs)
         results.append({"checkpoint": name, "path": path, "dtype": dtype, "isa": isa,
-                        "reference": reference, "bug": bug, "twin": twin,
+                        "reference": reference, "bug": bug, "twin": twin, "training": training,
                         "passed": report["passed"], "first_divergence": report["first_divergence"],
                         "culprit": report["culprit"], "nearest_part": report["nearest_part"],
                         "seconds": round(time.time() - begun, 1), "rows": rows_of(report)})

@@ -20,7 +20,7 @@ from llama_twins.parity.planted import BLOCK, planted
 # Three run by default (a weight, a layout and an optimizer bug, in both twins between them); the
 # other three under -m slow, to keep the default suite's time.
 SLOW = pytest.mark.slow
-OPTIMIZER = "AdamW on shared gradients, 10 steps"
+OPTIMIZER = "AdamW on shared gradients, 5 steps"
 CASES = [
     ("weight", "JAX", f"hidden after block {BLOCK}", (BLOCK, "feed_forward"), 16, 10),
     ("qk_permuted_twice", "torch", "hidden after block 0", (0, "attention"), 16, 10),
@@ -114,7 +114,7 @@ def test_in_bfloat16_a_bug_below_rounding_still_fails_naming_its_twin_and_block(
     key = rows[figure]
     if bug == "weight":  # the tensor is named, and the full-training figure did not see it
         assert key["detail"].endswith(f"first tensor off: layers.{BLOCK}.feed_forward.w2.weight")
-        assert rows["parameters after 10 AdamW steps"]["ok"]
+        assert rows["parameters after 5 AdamW steps"]["ok"]
 
 
 def test_the_weights_figure_counts_in_ulps_of_the_dtype():
