@@ -28,8 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-AVX2_ENV = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "JAX_LLAMA_KERNEL_MARCH": "x86-64-v3",
-            "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 DTYPES = ("float32", "bfloat16")
 REFERENCES = ("transformers", "llama.cpp")
 
@@ -294,6 +292,8 @@ def main(argv=None) -> int:
         print(table(out))
         return 0
     if args.isa == "avx2":  # before JAX and torch are imported
+        from llama_twins.bench.common import AVX2_ENV
+
         os.environ.update(AVX2_ENV)
     part, parts = (int(x) for x in args.part.split("/"))
     checkpoints = dict(item.split("=", 1) for item in args.checkpoints)

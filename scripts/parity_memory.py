@@ -1,7 +1,8 @@
 """`llama-bridge parity` on a real model: peak memory and wall time of each variant.
 
 Runs the command as a new user would, one process per variant (float32 and bfloat16; alone, with
---reference transformers, with --reference llama.cpp; with and without the float64 run), and
+--reference transformers, with --reference llama.cpp; with and without the float64 run; without
+the training figures; on the AVX2 code paths, as an AVX2-only CPU runs them), and
 measures each process's peak RSS (the kernel's ru_maxrss of the child) and wall time next to the
 estimate the report states before it starts. Writes results/parity/parity_memory.{json,md}.
 
@@ -28,34 +29,42 @@ from pathlib import Path
 from tqdm import tqdm
 
 from llama_twins import results
-from llama_twins.bench.common import cpu_model
+from llama_twins.bench.common import AVX2_ENV, cpu_model
 from llama_twins.parity import parity_memory
 
-VARIANTS = {  # name: (dtype, reference, float64 run)
-    "f32": ("float32", None, True),
-    "f32-transformers": ("float32", "transformers", True),
-    "f32-llama.cpp": ("float32", "llama.cpp", True),
-    "f32-no-f64": ("float32", None, False),
-    "bf16": ("bfloat16", None, True),
-    "bf16-transformers": ("bfloat16", "transformers", True),
-    "bf16-llama.cpp": ("bfloat16", "llama.cpp", True),
+VARIANTS = {  # name: (dtype, reference, float64 run, more flags, on the AVX2 code paths)
+    "f32": ("float32", None, True, "", False),
+    "f32-transformers": ("float32", "transformers", True, "", False),
+    "f32-llama.cpp": ("float32", "llama.cpp", True, "", False),
+    "f32-no-f64": ("float32", None, False, "", False),
+    "f32-no-training": ("float32", None, True, "--no-training", False),
+    "bf16": ("bfloat16", None, True, "", False),
+    "bf16-transformers": ("bfloat16", "transformers", True, "", False),
+    "bf16-llama.cpp": ("bfloat16", "llama.cpp", True, "", False),
+    "f32-transformers-avx2": ("float32", "transformers", True, "", True),
+    "bf16-avx2": ("bfloat16", None, True, "", True),
 }
 
 
-def run(checkpoint: str, dtype: str, reference: str | None, f64: bool) -> dict:
+def run(checkpoint: str, dtype: str, reference: str | None, f64: bool, flags: str = "",
+        avx2: bool = False) -> dict:
     """One report in a child process: exit code, wall seconds, peak RSS, its figures (--json)."""
     command = [sys.executable, "-m", "llama_twins.cli.bridge_main", "parity", checkpoint,
                "--dtype", dtype, "--json"]
     command += ["--reference", reference] if reference else []
     command += [] if f64 else ["--no-reference-f64"]
+    command += flags.split()
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False,
+                          env={**os.environ, **(AVX2_ENV if avx2 else {})})
     wall = time.perf_counter() - started
     # this process (--one) has no other child: the largest RSS of its children is the report's
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     report = json.loads(done.stdout) if done.stdout.strip().startswith("{") else None
     stated = re.search(r"needs about ([\d.]+) GiB", done.stderr)
-    return {"command": " ".join(["llama-bridge", *command[3:]]), "exit": done.returncode,
+    return {"command": " ".join((["<AVX2 switches>"] if avx2 else []) + ["llama-bridge",
+                                                                          *command[3:]]),
+            "exit": done.returncode,
             "wall_s": round(wall, 1), "peak_rss_gb": round(peak_kib * 1024 / 1e9, 2), "stated_gib": float(stated[1]) if stated else None,
             "passed": report["passed"] if report else None,
             "reference": report.get("reference") if report else None,
@@ -82,10 +91,11 @@ def main(argv=None) -> int:
         return 2
     rows = {}
     for name in tqdm(names, desc="parity reports", unit="report"):
-        dtype, reference, f64 = VARIANTS[name]
+        dtype, reference, f64, flags, avx2 = VARIANTS[name]
         # a child of its own per variant, so that each peak is that variant's
         child = subprocess.run([sys.executable, __file__, "--one", args.checkpoint, dtype,
-                                reference or "-", "1" if f64 else "0"],
+                                reference or "-", "1" if f64 else "0", flags or "-",
+                                "1" if avx2 else "0"],
                                capture_output=True, text=True, check=False)
         if child.returncode != 0:
             print(child.stderr, file=sys.stderr)
@@ -126,7 +136,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
-        _, _, path, dtype, reference, f64 = sys.argv
-        print(json.dumps(run(path, dtype, None if reference == "-" else reference, f64 == "1")))
+        _, _, path, dtype, reference, f64, flags, avx2 = sys.argv
+        print(json.dumps(run(path, dtype, None if reference == "-" else reference, f64 == "1",
+                             "" if flags == "-" else flags, avx2 == "1")))
         sys.exit(0)
     sys.exit(main())

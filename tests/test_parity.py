@@ -316,3 +316,49 @@ def test_llama_cpp_reference_is_skipped_with_the_reason(checkpoint, monkeypatch)
     assert report["reference"]["reason"] == (f"{checkpoint}: no tokenizer beside the weights, "
                                              f"and llama.cpp loads no model without one")
     assert "reference llama.cpp: skipped" in " ".join(report["notes"])
+
+
+# The report on a model of Llama-3.2-1B's shape (1.24B parameters, random weights, float32): its
+# training figures would need 79 GiB with the float64 run, so it runs without them, one twin at a
+# time, the float64 reference block by block; it must fit in 12 GB (peak RSS of its process).
+REPORT_LIMIT_BYTES = 12 * 10**9
+
+
+@pytest.mark.slow
+def test_a_1b_shaped_model_reports_within_12_gb(tmp_path):
+    import subprocess
+
+    from bridge.config import preset
+    from bridge.formats.native import write_native
+    from bridge.tensors import canonical_shapes
+
+    config = preset("llama3.2-1b")
+    shapes = canonical_shapes(config)
+    rng = np.random.default_rng(0)
+
+    def fetch(name):  # one tensor at a time: norms' gains near 1, weights of a trained scale
+        shape = shapes[name]
+        if len(shape) == 1:
+            return (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        return (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
+    path = write_native(tmp_path / "1b", config, {n: (s, np.dtype(np.float32))
+                                                  for n, s in shapes.items()}, fetch)
+    script = ("import json, resource, sys\n"
+              "from llama_twins.parity import parity_report\n"
+              "heard = []\n"
+              f"report = parity_report({str(path)!r}, progress=heard.append)\n"
+              "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+              "print(json.dumps({'passed': report['passed'], 'training': report['training'],"
+              " 'first': heard[0], 'peak': peak, 'figures': [c['figure'] for c in "
+              "report['checks']], 'failed': [c['figure'] for c in report['checks'] "
+              "if not c['ok']]}))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["training"] is False and "no training figures" in out["first"]
+    stated = float(out["first"].split("about ")[1].split(" GiB")[0])
+    assert stated * 2**30 <= REPORT_LIMIT_BYTES, out["first"]
+    assert out["peak"] <= REPORT_LIMIT_BYTES, f"peak RSS {out['peak'] / 1e9:.2f} GB"
+    assert "hidden after block 15" in out["figures"] and "logits" in out["figures"]
+    assert out["passed"], out["failed"]

@@ -64,6 +64,13 @@ class Spec:
                       "decode_batches": tuple(d["decode_batches"])})
 
 
+# The switches that run the AVX2 code paths on an AVX-512 machine - XLA's, the decode kernels',
+# torch's ATen and oneDNN's - as an AVX2-only CPU runs them natively (set before JAX and torch are
+# imported, or in a child's environment).
+AVX2_ENV = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "JAX_LLAMA_KERNEL_MARCH": "x86-64-v3",
+            "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:

@@ -83,10 +83,10 @@ def _rope_row(ours: np.ndarray, theirs: np.ndarray, config, seed: int,
 WEIGHT_SLICE = 1 << 22
 
 
-def _weights_off(tensor, held, dtype: str) -> dict[str, np.ndarray]:
-    """{name: the twin's tensor as float64} would be a second model; instead, for each tensor of
-    `held`, the twin's largest distance from it in ulps of `dtype` (tensor(name): the twin's
-    tensor, any array type)."""
+def _weights_off(tensor, held, dtype: str) -> dict[str, float]:
+    """For each tensor of `held`, the twin's largest distance from it in ulps of `dtype`
+    (tensor(name): the twin's tensor, any array type), slice by slice: never a float64 copy of
+    the model."""
     off = {}
     for name in held:
         ours, truth = tensor(name), held[name]
@@ -116,11 +116,14 @@ def _weights_check(model, params, tmodel, held, dtype: str) -> dict:
 
     jax_tensor = tensor_specs(params, model.config)[1]
     torch_tensors = tmodel.state_dict()
-    between = {name: max((_sliced_ulps(a, t, b) for (a, t), (b, _) in zip(
-        _slices(jax_tensor(name), held[name]), _slices(torch_tensors[name], held[name]))),
-        default=0.0) for name in held}
-    return _weights_row(_weights_off(jax_tensor, held, dtype),
-                        _weights_off(torch_tensors.__getitem__, held, dtype), between, dtype)
+    jax_off, torch_off, between = {}, {}, {}
+    for name in held:  # each tensor read once, compared slice by slice
+        truth = held[name]
+        pieces = [(_sliced_ulps(a, t), _sliced_ulps(b, t), _sliced_ulps(a, t, b))
+                  for (a, t), (b, _) in zip(_slices(jax_tensor(name), truth),
+                                            _slices(torch_tensors[name], truth))]
+        jax_off[name], torch_off[name], between[name] = (max(p) for p in zip(*pieces))
+    return _weights_row(jax_off, torch_off, between, dtype)
 
 
 def _weights_row(jax_off: dict, torch_off: dict, between: dict | None, dtype: str) -> dict:
