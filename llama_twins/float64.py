@@ -133,6 +133,34 @@ def forward_blocks(tensor: Callable[[str], np.ndarray], config: LlamaConfig, tok
     return hidden, logits, sublayers
 
 
+def parts_from(tensor: Callable[[str], np.ndarray], config: LlamaConfig, i: int,
+               parts: dict, x: np.ndarray | None, tokens: np.ndarray, mask: np.ndarray) -> dict:
+    """Each part of block i in float64 on the input another implementation gave that part:
+    `parts` is its {attention_norm, attention, ffn_norm, feed_forward, output} of block i (B,
+    S, D), `x` its input to the block (None: block 0's, the embedding rows of `tokens`). So each
+    part's error against the answer is its own, not what came before it: attention_norm(x),
+    attention(its attention_norm), ffn_norm(x + its attention), feed_forward(its ffn_norm), and
+    the output as the sum x + its attention + its feed_forward. float64 numpy."""
+    import jax
+    import jax.numpy as jnp
+
+    with jax.enable_x64(True):
+        run = _blocks(config)
+        angles, bias = run.geometry(jnp.asarray(mask))
+        if x is None:
+            x = tensor("tok_embeddings.weight")[np.asarray(tokens)]
+        x = np.asarray(x, np.float64)
+        given = {k: jnp.asarray(np.asarray(v, np.float64)) for k, v in parts.items()}
+        out = run.parts(_block_weights(tensor, i, np.float64), jnp.asarray(x), given, angles,
+                        bias)
+        return {k: np.asarray(v) for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=2)
+def _blocks(config: LlamaConfig) -> "_Blocks":
+    return _Blocks(config)
+
+
 BLOCK_TENSORS = ("attention_norm.weight", "attention.wq.weight", "attention.wk.weight",
                  "attention.wv.weight", "attention.wo.weight", "ffn_norm.weight",
                  "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
@@ -161,6 +189,15 @@ class _Blocks:
         self.inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling,
                                                   dtype=np.float64))
         self.block = jax.jit(lambda w, x, angles, bias: block(w, c, x, angles, bias))
+
+        def parts(w, x, given, angles, bias):
+            mid = x + given["attention"]
+            return {"attention_norm": _rms_norm(x, w["attention_norm.weight"], c.norm_eps),
+                    "attention": attention(w, c, given["attention_norm"], angles, bias),
+                    "ffn_norm": _rms_norm(mid, w["ffn_norm.weight"], c.norm_eps),
+                    "feed_forward": feed_forward(w, given["ffn_norm"]),
+                    "output": mid + given["feed_forward"]}
+        self.parts = jax.jit(parts)
         self.final_norm = jax.jit(lambda weight, x: _rms_norm(x, weight, c.norm_eps))
 
         def block_vjp(w, x, angles, bias, g):
@@ -342,12 +379,20 @@ def block(w: dict, config: LlamaConfig, x, angles, bias):
     """One block on x (B, S, D): (its output, {attention_norm, attention, ffn_norm,
     feed_forward: each part's output}). w: the block's tensors by short name (BLOCK_TENSORS);
     angles, bias: see _Blocks.geometry."""
+    part = {"attention_norm": _rms_norm(x, w["attention_norm.weight"], config.norm_eps)}
+    part["attention"] = attention(w, config, part["attention_norm"], angles, bias)
+    x = x + part["attention"]
+    part["ffn_norm"] = _rms_norm(x, w["ffn_norm.weight"], config.norm_eps)
+    part["feed_forward"] = feed_forward(w, part["ffn_norm"])
+    return x + part["feed_forward"], part
+
+
+def attention(w: dict, config: LlamaConfig, h, angles, bias):
+    """Grouped-query attention of the normed h (B, S, D), with its output projection."""
     import jax.numpy as jnp
 
     c = config
-    B, S, _ = x.shape
-    part = {"attention_norm": _rms_norm(x, w["attention_norm.weight"], c.norm_eps)}
-    h = part["attention_norm"]
+    B, S, _ = h.shape
     q = (h @ w["attention.wq.weight"].T).reshape(B, S, c.n_heads, c.head_dim)
     k = (h @ w["attention.wk.weight"].T).reshape(B, S, c.n_kv_heads, c.head_dim)
     v = (h @ w["attention.wv.weight"].T).reshape(B, S, c.n_kv_heads, c.head_dim)
@@ -357,14 +402,17 @@ def block(w: dict, config: LlamaConfig, x, angles, bias):
     scores = jnp.einsum("bsnh,btnh->bnst", q, k) / np.sqrt(c.head_dim) + bias
     probs = jnp.exp(scores - scores.max(-1, keepdims=True))
     probs = probs / probs.sum(-1, keepdims=True)
-    attention = jnp.einsum("bnst,btnh->bsnh", probs, v).reshape(B, S, -1)
-    part["attention"] = attention @ w["attention.wo.weight"].T
-    x = x + part["attention"]
-    h = part["ffn_norm"] = _rms_norm(x, w["ffn_norm.weight"], c.norm_eps)
+    out = jnp.einsum("bnst,btnh->bsnh", probs, v).reshape(B, S, -1)
+    return out @ w["attention.wo.weight"].T
+
+
+def feed_forward(w: dict, h):
+    """SwiGLU of the normed h: w2(silu(w1 h) * w3 h)."""
+    import jax.numpy as jnp
+
     gate = h @ w["feed_forward.w1.weight"].T
     up = h @ w["feed_forward.w3.weight"].T
-    part["feed_forward"] = (gate / (1 + jnp.exp(-gate)) * up) @ w["feed_forward.w2.weight"].T
-    return x + part["feed_forward"], part
+    return (gate / (1 + jnp.exp(-gate)) * up) @ w["feed_forward.w2.weight"].T
 
 
 def loss(w: dict, config: LlamaConfig, inv_freq, inputs, targets):

@@ -129,11 +129,18 @@ def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: 
     from llama_twins.parity import parity_report
     from llama_twins.parity.planted import planted
 
-    references = [r for r in REFERENCES if r != "llama.cpp" or _has_llama_cpp()]
+    # llama.cpp picks its own instructions at run time (the AVX2 switches do not reach it), so
+    # it is a reference on the native path only
+    references = [r for r in REFERENCES
+                  if r != "llama.cpp" or (isa == "native" and _has_llama_cpp())]
     jobs = jobs_of(checkpoints, references, planted_bugs)
     size = -(-len(jobs) // parts)
     jobs = jobs[(part - 1) * size:part * size]
     results, started, reuse = [], time.time(), reuse_float64_runs()
+    from llama_twins.parity import BUDGET
+
+    target = out / "parts" / f"{isa}-{'+'.join(checkpoints)}-{part}-of-{parts}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
     for name, dtype, reference, bug, twin, training in tqdm(jobs, desc=f"part {part}/{parts}",
                                                             unit="report"):
         path, begun = checkpoints[name], time.time()
@@ -149,14 +156,11 @@ def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: 
                         "passed": report["passed"], "first_divergence": report["first_divergence"],
                         "culprit": report["culprit"], "nearest_part": report["nearest_part"],
                         "seconds": round(time.time() - begun, 1), "rows": rows_of(report)})
-    from llama_twins.parity import BUDGET
-
-    meta = {"cpu": cpu_model(), "flags": cpu_flags(), "isa": isa, "part": f"{part}/{parts}",
-            "seconds": round(time.time() - started), "checkpoints": checkpoints,
-            "budget": BUDGET}
-    target = out / "parts" / f"{isa}-{'+'.join(checkpoints)}-{part}-of-{parts}.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+        # written after every report, so that a part cut short keeps what it measured
+        meta = {"cpu": cpu_model(), "flags": cpu_flags(), "isa": isa, "part": f"{part}/{parts}",
+                "seconds": round(time.time() - started), "checkpoints": checkpoints,
+                "budget": BUDGET, "done": f"{len(results)} of {len(jobs)}"}
+        target.write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     return target
 
 

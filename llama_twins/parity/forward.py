@@ -115,18 +115,20 @@ def _part_ratios(jax_parts, other_parts, truth_parts, real, other: str, dtype: s
     against float64 / the hidden state's budget at that depth ({"other vs JAX": the twins'
     difference / twice the budget} without float64). Token by token, a norm's output is taken
     relative to its own scale, an attention's or a feed-forward's relative to the residual
-    stream it adds to (the block's output)."""
+    stream it adds to (x + attention, and the block's output): a part's error is measured where
+    it lands, not against a later, larger stream that would hide it."""
     ratios = []
     for i, (mine, theirs) in enumerate(zip(jax_parts, other_parts)):
         exact = None if truth_parts is None else truth_parts[i]
         bound = budget(dtype, "hidden", i + 1)
-        stream = (exact or mine)["output"][real]
+        base = exact or mine
+        streams = {"attention": (base["output"] - base["feed_forward"])[real],
+                   "feed_forward": base["output"][real]}
         here = {}
         for part in SUBLAYERS + ("output",):
             a, b = mine[part][real], theirs[part][real]
             t = None if exact is None else exact[part][real]
-            reference = stream if part in ("attention", "feed_forward") else (
-                t if t is not None else a)
+            reference = streams.get(part, t if t is not None else a)
             scale = np.abs(reference).max(axis=-1, keepdims=True)
             scale = np.where(scale > 0, scale, 1.0)
             if t is None:
@@ -138,36 +140,88 @@ def _part_ratios(jax_parts, other_parts, truth_parts, real, other: str, dtype: s
     return ratios
 
 
-def _first_divergence(ratios, hidden_rows) -> dict | None:
-    """Where the first figure out of its budget starts: the first block whose output is out of
-    its bound, and in it (or in a block before it) the first part (attention_norm, attention,
-    ffn_norm, feed_forward, then the block's output) beyond its budget. Returns {"block",
-    "sublayer", "tensors" (the weights nearest to it), "implementation" (None without float64),
-    "beyond" (its error / its budget)}, or None when every block is within bounds."""
+def _first_divergence(ratios, hidden_rows, outs: dict | None = None, local=None, real=None,
+                      dtype: str = "float32") -> dict | None:
+    """Where the first figure out of its budget starts. Returns {"block", "sublayer", "tensors"
+    (the weights nearest to it), "implementation" (None without float64), "beyond" (its error
+    / its budget)}, or None when every block is within bounds.
+
+    With `local` (float64's parts_from: each part of block i on the input an implementation gave
+    it), each part of each block up to the first failing one is run in float64 on each
+    implementation's own input to that part, and the first part (attention_norm, attention,
+    ffn_norm, feed_forward, then the output) whose own error is beyond one block's budget is
+    named: the error a part hands on is not the next one's, so a bug is placed where it acts,
+    not where it first shows. Without it (no float64), the first part of
+    the first failing block whose accumulated ratio (`ratios`, _part_ratios) is beyond 1."""
     first = next((i for i, row in enumerate(hidden_rows) if not row["ok"]), None)
     if first is None:
         return None
-    for i in range(first + 1):
-        for part in SUBLAYERS + ("output",):
-            beyond = {name: r for name, r in ratios[i][part].items() if not r <= 1}
-            if beyond:
-                name = max(beyond, key=lambda n: beyond[n])
-                return {"block": i, "sublayer": part,
-                        "tensors": [f"layers.{i}.{n}" for n in TENSORS.get(part, ())],
-                        "implementation": None if " vs " in name else name,
-                        "beyond": beyond[name]}
+    if local is not None:
+        where = _first_local(outs, local, real, dtype, first)
+        if where is not None:
+            return where
+    else:
+        for i in range(first + 1):
+            for part in SUBLAYERS + ("output",):
+                beyond = {name: r for name, r in ratios[i][part].items() if not r <= 1}
+                if beyond:
+                    name = max(beyond, key=lambda n: beyond[n])
+                    return {"block": i, "sublayer": part,
+                            "tensors": [f"layers.{i}.{n}" for n in TENSORS.get(part, ())],
+                            "implementation": None if " vs " in name else name,
+                            "beyond": beyond[name]}
     row = hidden_rows[first]
     worst = max((row["errors"] or {"-": row["value"]}).values())
     return {"block": first, "sublayer": "output", "tensors": [],
             "implementation": row["culprit"], "beyond": worst / row["tolerance"]}
 
 
+def _first_local(outs: dict, local, real, dtype: str, last: int) -> dict | None:
+    """The first (block, part) up to block `last` whose local error (see _first_divergence) is
+    beyond one block's budget, in any implementation of `outs` ({name: its parts per block,
+    with "output"}); where none is (a block's output off although each part's own error is
+    within it), the part with the largest own error."""
+    bound = budget(dtype, "hidden", 1)
+    largest = None
+    for i in range(last + 1):
+        found = {}
+        for name, parts in outs.items():
+            x = None if i == 0 else parts[i - 1]["output"]
+            exact = local(i, parts[i], x)
+            ours = parts[i]
+            streams = {"attention": (ours["output"] - ours["feed_forward"])[real],
+                       "feed_forward": ours["output"][real]}
+            for part in SUBLAYERS + ("output",):
+                t = exact[part][real]
+                scale = np.abs(streams.get(part, t)).max(axis=-1, keepdims=True)
+                scale = np.where(scale > 0, scale, 1.0)
+                r = float((np.abs(ours[part][real] - t) / scale).max()) / bound
+                if largest is None or r > largest[3]:
+                    largest = (i, part, name, r)
+                if not r <= 1:
+                    found[name] = (SUBLAYERS + ("output",)).index(part), part, r
+                    break
+        if found:
+            name = min(found, key=lambda n: (found[n][0], -found[n][2]))
+            _, part, r = found[name]
+            return {"block": i, "sublayer": part,
+                    "tensors": [f"layers.{i}.{n}" for n in TENSORS.get(part, ())],
+                    "implementation": name, "beyond": r}
+    if largest is None:
+        return None
+    i, part, name, r = largest
+    return {"block": i, "sublayer": part,
+            "tensors": [f"layers.{i}.{n}" for n in TENSORS.get(part, ())],
+            "implementation": name, "beyond": r}
+
+
 def _forward_checks(checks: list, other: str, jax_out, other_out, truth_out, real,
-                    dtype: str) -> tuple[dict | None, float]:
+                    dtype: str, local=None) -> tuple[dict | None, float]:
     """Append the per-block, logit and KL figures of `other` against JAX over the real tokens;
     each *_out is (hidden, logits, parts) as the forward functions give them (truth_out: None
-    without float64). Returns (the first divergence (see _first_divergence) or None, the largest
-    part ratio of any block: how close to its budget the nearest part came)."""
+    without float64; local: float64's block_from on this batch, see _first_divergence). Returns
+    (the first divergence or None, the largest part ratio of any block: how close to its budget
+    the nearest part came)."""
     (jax_hidden, jax_logits, jax_parts), (other_hidden, other_logits, other_parts) = (jax_out,
                                                                                      other_out)
     truth_hidden, truth_logits, truth_parts = truth_out if truth_out is not None else (None,) * 3
@@ -181,8 +235,10 @@ def _forward_checks(checks: list, other: str, jax_out, other_out, truth_out, rea
 
     def with_output(parts, hidden):
         return None if parts is None else [dict(p, output=h) for p, h in zip(parts, hidden)]
-    ratios = _part_ratios(with_output(jax_parts, jax_hidden), with_output(other_parts, other_hidden),
-                          with_output(truth_parts, truth_hidden), real, other, dtype)
+    outs = {"JAX": with_output(jax_parts, jax_hidden), other: with_output(other_parts,
+                                                                          other_hidden)}
+    ratios = _part_ratios(outs["JAX"], outs[other], with_output(truth_parts, truth_hidden), real,
+                          other, dtype)
     nearest = max(r for block in ratios for part in block.values() for r in part.values())
     t = truth_logits[real] if truth_logits is not None else None
     logits = _compare("logits", compared, {"JAX": jax_logits[real], other: other_logits[real]}, t,
@@ -207,4 +263,5 @@ def _forward_checks(checks: list, other: str, jax_out, other_out, truth_out, rea
         checks.append(dict(_check(f"KL, {statistic} over positions", compared, value, kl_bound,
                                   ok, culprit=culprit), kind="kl", errors=errors,
                            margin=kl_bound / value if value > 0 else None))
-    return _first_divergence(ratios, rows), nearest
+    return (_first_divergence(ratios, rows, outs, local if truth_out is not None else None,
+                              real, dtype), nearest)

@@ -132,7 +132,7 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
             first_divergence["transformers vs JAX"], nearest["transformers vs JAX"] = (
                 _forward_checks(checks, "transformers", jax_out,
                                 _transformers_forward(path, dtype, tokens, mask), truth_out, real,
-                                dtype))
+                                dtype, batch_.local))
     elif reference == "llama.cpp":
         ref = {"name": "llama.cpp", "status": "ok", "reason": None}
         missing = twins["llama.cpp"]
@@ -191,6 +191,14 @@ class _Batch:
         t = self.truth
         return None if t is None else (t.hidden, t.logits, t.sublayers)
 
+    def local(self, i: int, parts: dict, x):
+        """Each part of block i in float64 on the input an implementation gave it (x: its input
+        to the block, None for the embedding)."""
+        from ..float64 import parts_from
+
+        return parts_from(self.held.__getitem__, self.config, i, parts, x, self.tokens,
+                          self.mask)
+
 
 def _jax_twin(b: _Batch, given):
     import jax_llama
@@ -222,7 +230,7 @@ def _both_twins(b: _Batch, tc, torch_model, jax_model, reference, say):
     jax_out = _jax_forward(model, params, b.tokens, b.mask)
     first_divergence["torch vs JAX"], nearest["torch vs JAX"] = _forward_checks(
         checks, "torch", jax_out, _torch_forward(tmodel, b.tokens, b.mask), b.truth_out, b.real,
-        b.dtype)
+        b.dtype, b.local)
     if first_divergence["torch vs JAX"] is None:
         # A bug too small for the forward figures (in bfloat16) that a component figure sees: a
         # wrong weight diverges at its block, RoPE and RMSNorm at the first (they run in all).
@@ -290,7 +298,8 @@ def _one_twin_at_a_time(b: _Batch, torch_model, jax_model, reference, say):
     forward = [rope, weights, norm]
     first_divergence, nearest = {}, {}
     first_divergence["torch vs JAX"], nearest["torch vs JAX"] = _forward_checks(
-        forward, "torch", mine["forward"], theirs["forward"], b.truth_out, b.real, b.dtype)
+        forward, "torch", mine["forward"], theirs["forward"], b.truth_out, b.real, b.dtype,
+        b.local)
     if first_divergence["torch vs JAX"] is None:
         first_divergence["torch vs JAX"] = _component_divergence(weights, rope, norm)
     if b.n_new > 0:
@@ -416,8 +425,12 @@ def _where(where: dict) -> str:
     if where["tensors"]:
         text += f" (nearest tensors: {', '.join(where['tensors'])})"
     who = where["implementation"]
-    text += (f": {who} {where['beyond']:.3g}x its rounding budget" if who else
-             f": the twins' difference {where['beyond']:.3g}x the sum of their budgets")
+    if who and where["beyond"] <= 1:  # no part beyond its own budget: the largest own error
+        text += (f": {who}'s largest error of a part's own ({where['beyond']:.3g}x one block's "
+                 f"rounding budget; together they put the block beyond it)")
+    else:
+        text += (f": {who} {where['beyond']:.3g}x its rounding budget" if who else
+                 f": the twins' difference {where['beyond']:.3g}x the sum of their budgets")
     if who:
         text += f"; look there in {who}"
     return text
