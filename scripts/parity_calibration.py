@@ -174,11 +174,14 @@ def table(out: Path) -> str:
     """Gather results/parity/parts/*.json into parity.json and parity.md; returns the markdown."""
     from llama_twins.results import write
 
-    metas, results = [], []
-    for path in sorted((out / "parts").glob("*.json")):
+    metas, results = [], {}
+    for path in sorted((out / "parts").glob("*.json"), key=lambda p: p.stat().st_mtime):
         data = json.loads(path.read_text())
         metas.append(data["meta"])
-        results += data["results"]
+        for r in data["results"]:  # a later run of the same report replaces an earlier one
+            results[tuple(r[k] for k in ("checkpoint", "dtype", "isa", "reference", "bug",
+                                         "twin", "training"))] = r
+    results = list(results.values())
     text = markdown(metas, results)
     write("parity", {"meta": metas, "results": results}, text.splitlines(), out)
     return text
@@ -233,13 +236,16 @@ def markdown(metas: list[dict], results: list[dict]) -> str:
               f"The parts of a block (attention norm, attention, feed-forward norm, "
               f"feed-forward) came to at most {nearest[0]:.2f} of the block's budget "
               f"({_where(nearest[1])}).",
-              "", "## Planted bugs: caught, and named", "",
+              "", "## Planted bugs: caught, named, and by which figures", "",
               "Per bug and dtype over every checkpoint and ISA path it was planted in: how many "
-              "reports failed naming its twin; the block and part they named; and the least and "
-              "the largest error / budget of its twin on the figure that caught it best (so the "
-              "smallest bug of its kind that figure catches is about the bug / that ratio).", "",
-              "| bug | dtype | caught, twin named | block and part named | beyond its budget |",
-              "|---|---|---|---|---|"]
+              "reports failed naming its twin; the block and part they named (how many times "
+              "each); and, per kind of figure, the least over those reports of the planted "
+              "twin's error / its budget (above 1: that figure catches it; '-': the figure did "
+              "not run, as the training figures in the reports of a bug in the model). A "
+              "figure's sensitivity follows: it catches a bug of the same kind down to about "
+              "the bug's size / that ratio.", "",
+              "| bug | dtype | caught, twin named | placed at | " + " | ".join(FAMILIES) + " |",
+              "|---|---|---|---|" + "---|" * len(FAMILIES)]
     for bug in DESCRIPTIONS:
         for dtype in DTYPES:
             if dtype == "bfloat16" and bug in FLOAT32_ONLY:
@@ -249,13 +255,18 @@ def markdown(metas: list[dict], results: list[dict]) -> str:
                 continue
             named = sum(not passes(r) and r["culprit"].get("torch vs JAX") == r["twin"]
                         for r in runs)
-            places = sorted({_place(r["first_divergence"].get("torch vs JAX")) for r in runs})
-            beyond = [(*_beyond(r), r) for r in runs]
-            least = min(beyond, key=lambda x: x[0])
-            most = max(beyond, key=lambda x: x[0])
+            places = {}
+            for r in runs:
+                place = _place(r["first_divergence"].get("torch vs JAX"))
+                places[place] = places.get(place, 0) + 1
+            cells = []
+            for kinds in FAMILIES.values():
+                seen = [_family(r, kinds) for r in runs]
+                seen = [x for x in seen if x is not None]
+                cells.append(f"{min(seen):.3g}x" if seen else "-")
             lines.append(f"| {DESCRIPTIONS[bug]} | {dtype} | {named} of {len(runs)} | "
-                         f"{', '.join(places)} | {least[0]:.3g}x ({least[1]}; "
-                         f"{_where(least[2])}) - {most[0]:.3g}x |")
+                         + ", ".join(f"{p} ({n})" for p, n in sorted(places.items()))
+                         + " | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -270,11 +281,19 @@ def _place(where: dict | None) -> str:
     return "-" if where is None else f"block {where['block']} {where['sublayer']}"
 
 
-def _beyond(result: dict) -> tuple[float, str]:
-    """The largest error / budget of the planted twin over a report's budgeted figures, and the
-    figure."""
-    return max((ratio(row, result["twin"]), row["figure"]) for row in result["rows"]
-               if row["kind"] in BUDGETED and row["errors"])
+# The kinds of figure the bug table has a column for.
+FAMILIES = {"weights": ("weights",), "forward (hidden, logits)": ("hidden", "logits"),
+            "RoPE": ("rope",), "RMSNorm": ("norm",),
+            "training (loss, gradients, AdamW)": ("loss", "grad_norm", "grad", "adamw"),
+            "optimizer": ("optimizer",)}
+
+
+def _family(result: dict, kinds) -> float | None:
+    """The planted twin's largest error / budget over a report's figures of `kinds` (None when
+    it has none)."""
+    seen = [ratio(row, result["twin"]) for row in result["rows"]
+            if row["kind"] in kinds and row["errors"]]
+    return max(seen) if seen else None
 
 
 def main(argv=None) -> int:
