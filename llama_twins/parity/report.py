@@ -108,18 +108,16 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
         why = ("new_tokens 0" if new_tokens == 0 else
                f"seq_len {seq_len} leaves no room in max_seq_len {config.max_seq_len}")
         notes.append(f"greedy tokens: skipped ({why})")
-    batch_ = _Batch(ckpt, config, dtype, tokens, mask, real, seed, max(n_new, 0), truth, held,
+    work = _Batch(ckpt, config, dtype, tokens, mask, real, seed, max(n_new, 0), truth, held,
                     reference_f64, path)
     if training:
         checks, first_divergence, nearest, jax_out, twins = _both_twins(
-            batch_, tc, torch_model, jax_model, reference, say)
+            work, tc, torch_model, jax_model, reference, say)
     else:
         notes.append(f"training figures: skipped ({training_skipped(ckpt, reference_f64)}); "
                      "the twins were loaded one at a time")
         checks, first_divergence, nearest, jax_out, twins = _one_twin_at_a_time(
-            batch_, torch_model, jax_model, reference, say)
-    truth_out = (truth.hidden, truth.logits, truth.sublayers) if truth is not None else None
-
+            work, torch_model, jax_model, reference, say)
     ref = None
     if reference == "transformers":
         ref = {"name": "transformers", "status": "ok", "reason": None}
@@ -131,8 +129,9 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
             say("forward pass in transformers.LlamaForCausalLM")
             first_divergence["transformers vs JAX"], nearest["transformers vs JAX"] = (
                 _forward_checks(checks, "transformers", jax_out,
-                                _transformers_forward(path, dtype, tokens, mask), truth_out, real,
-                                dtype, batch_.local))
+                                _transformers_forward(path, dtype, tokens, mask), work.truth_out,
+                                real,
+                                dtype, work.local))
     elif reference == "llama.cpp":
         ref = {"name": "llama.cpp", "status": "ok", "reason": None}
         missing = twins["llama.cpp"]
