@@ -49,7 +49,8 @@ def cpu_flags() -> list[str]:
 OPTIMIZER_BUGS = ("decay_mask", "no_clipping")
 
 
-def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None) -> list[tuple]:
+def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None,
+            correct: bool = True) -> list[tuple]:
     """(checkpoint, dtype, reference, bug, twin, training): per checkpoint and dtype, the correct
     report with the training figures against transformers, and without them against llama.cpp
     (its figures are the logits and greedy tokens), then each bug (planted_bugs: those to
@@ -60,7 +61,7 @@ def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None) -> list[
     for k, name in enumerate(checkpoints):
         for dtype in DTYPES:
             jobs += [(name, dtype, reference, None, None, reference != "llama.cpp")
-                     for reference in references]
+                     for reference in references if correct]
             bugs = [b for b in BUGS if (dtype == "float32" or b not in FLOAT32_ONLY)
                     and (planted_bugs is None or b in planted_bugs)]
             jobs += [(name, dtype, None, bug, ("torch", "JAX")[(i + k) % 2],
@@ -122,7 +123,7 @@ def reuse_float64_runs() -> dict:
 
 
 def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: Path,
-             planted_bugs=None) -> Path:
+             planted_bugs=None, correct: bool = True) -> Path:
     from tqdm import tqdm
 
     from llama_twins.bench.common import cpu_model
@@ -133,13 +134,14 @@ def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: 
     # it is a reference on the native path only
     references = [r for r in REFERENCES
                   if r != "llama.cpp" or (isa == "native" and _has_llama_cpp())]
-    jobs = jobs_of(checkpoints, references, planted_bugs)
+    jobs = jobs_of(checkpoints, references, planted_bugs, correct)
     size = -(-len(jobs) // parts)
     jobs = jobs[(part - 1) * size:part * size]
     results, started, reuse = [], time.time(), reuse_float64_runs()
     from llama_twins.parity import BUDGET
 
-    target = out / "parts" / f"{isa}-{'+'.join(checkpoints)}-{part}-of-{parts}.json"
+    target = out / "parts" / (f"{isa}-{'+'.join(checkpoints)}-{part}-of-{parts}"
+                              + ("" if correct else "-bugs") + ".json")
     target.parent.mkdir(parents=True, exist_ok=True)
     for name, dtype, reference, bug, twin, training in tqdm(jobs, desc=f"part {part}/{parts}",
                                                             unit="report"):
@@ -174,17 +176,42 @@ def table(out: Path) -> str:
     """Gather results/parity/parts/*.json into parity.json and parity.md; returns the markdown."""
     from llama_twins.results import write
 
+    from llama_twins.parity import BUDGET
+
+    today = json.loads(json.dumps(BUDGET))
     metas, results = [], {}
     for path in sorted((out / "parts").glob("*.json"), key=lambda p: p.stat().st_mtime):
         data = json.loads(path.read_text())
         metas.append(data["meta"])
         for r in data["results"]:  # a later run of the same report replaces an earlier one
+            # where a report places a failure depends on the budgets it ran with: only the
+            # parts run with today's (and the placement by each part's own error, which parts
+            # written report by report, "done", have) count for the placement column
+            r["placed"] = "done" in data["meta"] and data["meta"].get("budget") == today
             results[tuple(r[k] for k in ("checkpoint", "dtype", "isa", "reference", "bug",
                                          "twin", "training"))] = r
     results = list(results.values())
     text = markdown(metas, results)
-    write("parity", {"meta": metas, "results": results}, text.splitlines(), out)
+    # the gathered file keeps what the tables are made of (the parts keep every row and field)
+    slim = [{**{k: v for k, v in r.items() if k not in ("rows", "path")},
+             "rows": _slim_rows(r["rows"])} for r in results]
+    write("parity", {"meta": metas, "results": slim}, text.splitlines(), out)
     return text
+
+
+def _slim_rows(rows: list[dict]) -> list[dict]:
+    """Of each kind of budgeted figure and comparison, the rows where an implementation comes
+    closest to its budget (what the tables take); the other rows as they are."""
+    kept = ("figure", "compared", "kind", "dtype", "ops", "storage", "value", "errors", "ok")
+    keep = []
+    for i, row in enumerate(rows):
+        if row["kind"] in BUDGETED and row["errors"]:
+            group = [r for r in rows if (r["kind"], r["compared"]) == (row["kind"],
+                                                                       row["compared"])]
+            if not any(max(group, key=lambda r: ratio(r, name)) is row for name in row["errors"]):
+                continue
+        keep.append({k: row[k] for k in kept})
+    return keep
 
 
 def markdown(metas: list[dict], results: list[dict]) -> str:
@@ -235,7 +262,8 @@ def markdown(metas: list[dict], results: list[dict]) -> str:
               "", "## Planted bugs: caught, named, and by which figures", "",
               "Per bug and dtype over every checkpoint and ISA path it was planted in: how many "
               "reports failed naming its twin; the block and part they named (how many times "
-              "each); and, per kind of figure, the least over those reports of the planted "
+              "each, over the reports run with the placement by each part's own error); and, "
+              "per kind of figure, the least over those reports of the planted "
               "twin's error / its budget (above 1: that figure catches it; '-': the figure did "
               "not run, as the training figures in the reports of a bug in the model). A "
               "figure's sensitivity follows: it catches a bug of the same kind down to about "
@@ -253,15 +281,16 @@ def markdown(metas: list[dict], results: list[dict]) -> str:
                         for r in runs)
             places = {}
             for r in runs:
-                place = _place(r["first_divergence"].get("torch vs JAX"))
-                places[place] = places.get(place, 0) + 1
+                if r.get("placed", True):
+                    place = _place(r["first_divergence"].get("torch vs JAX"))
+                    places[place] = places.get(place, 0) + 1
             cells = []
             for kinds in FAMILIES.values():
                 seen = [_family(r, kinds) for r in runs]
                 seen = [x for x in seen if x is not None]
                 cells.append(f"{min(seen):.3g}x" if seen else "-")
             lines.append(f"| {DESCRIPTIONS[bug]} | {dtype} | {named} of {len(runs)} | "
-                         + ", ".join(f"{p} ({n})" for p, n in sorted(places.items()))
+                         + (", ".join(f"{p} ({n})" for p, n in sorted(places.items())) or "-")
                          + " | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -302,6 +331,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bugs", default=None,
                         help="comma-separated bugs to plant (default: all; 'none': only the "
                              "correct reports)")
+    parser.add_argument("--no-correct", dest="correct", action="store_false",
+                        help="only the reports with a planted bug")
     parser.add_argument("--table", action="store_true",
                         help="gather the parts written so far into parity.json and parity.md")
     parser.add_argument("--out", default="results/parity")
@@ -317,7 +348,7 @@ def main(argv=None) -> int:
     part, parts = (int(x) for x in args.part.split("/"))
     checkpoints = dict(item.split("=", 1) for item in args.checkpoints)
     bugs = None if args.bugs is None else [b for b in args.bugs.split(",") if b != "none"]
-    print(run_part(checkpoints, part, parts, args.isa, out, bugs))
+    print(run_part(checkpoints, part, parts, args.isa, out, bugs, args.correct))
     return 0
 
 
