@@ -229,7 +229,7 @@ def markdown(metas: list[dict], results: list[dict]) -> str:
              "", "## Correct implementations against their budgets", "",
              "Per figure and dtype, over every correct report (both ISA paths, every checkpoint, "
              "JAX, torch and transformers): the largest error against float64 per op (the error "
-             "/ growth(ops): sqrt of the blocks behind it, or the steps or positions), in units "
+             "/ ops: the blocks behind it, or the steps or positions), in units "
              "of the dtype's unit roundoff U (learning rates for the AdamW figures, ulps for the "
              "weights), beside the budget per op, and the largest error / budget (below 1 "
              "passes) with where it was.", "",
