@@ -214,14 +214,7 @@ class _Blocks:
         """(RoPE's angles (B, S, 1, h) as complex numbers, the additive attention bias
         (B, 1, S, T)) for `mask` (B, S): a token at position p (real tokens before it, counted)
         attends to the real tokens at positions <= p of its row."""
-        import jax.numpy as jnp
-
-        S = mask.shape[1]
-        positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.float64)
-        allowed = jnp.tril(jnp.ones((S, S), bool))[None] & (mask[:, None, :] > 0)
-        # A finite fill: a padding query sees no key, and its row (never compared) stays finite.
-        bias = jnp.where(allowed, 0.0, -1e30)[:, None]
-        return jnp.exp(1j * positions[:, :, None, None] * self.inv_freq), bias
+        return geometry(mask, self.inv_freq)
 
     def value_and_grad(self, weights: dict, inputs, targets):
         """(mean next-token cross-entropy, its gradients by canonical name) of `weights` (float64,
@@ -356,14 +349,9 @@ def forward(w: dict, config: LlamaConfig, inv_freq, tokens, mask, sublayers: boo
     the report runs it block by block). A token at position p (real tokens before it, counted)
     attends to the real tokens at positions <= p of its row. sublayers: also each block's
     {attention_norm, attention, ffn_norm, feed_forward} outputs, a third item."""
-    import jax.numpy as jnp
 
     c = config
-    S = tokens.shape[1]
-    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.float64)  # (B, S)
-    allowed = jnp.tril(jnp.ones((S, S), bool))[None] & (mask[:, None, :] > 0)      # (B, S, T)
-    bias = jnp.where(allowed, 0.0, -1e30)[:, None]                                  # (B, 1, S, T)
-    angles = jnp.exp(1j * positions[:, :, None, None] * inv_freq)                   # (B, S, 1, h)
+    angles, bias = geometry(mask, inv_freq)
     x = w["tok_embeddings.weight"][tokens]
     hidden, parts = [], []
     for i in range(c.n_layers):
@@ -373,6 +361,20 @@ def forward(w: dict, config: LlamaConfig, inv_freq, tokens, mask, sublayers: boo
     head = w["tok_embeddings.weight"] if c.tie_embeddings else w["output.weight"]
     logits = _rms_norm(x, w["norm.weight"], c.norm_eps) @ head.T
     return (hidden, logits, parts) if sublayers else (hidden, logits)
+
+
+def geometry(mask, inv_freq):
+    """(RoPE's angles (B, S, 1, h) as complex numbers, the additive attention bias (B, 1, S, T))
+    for `mask` (B, S): a token at position p (real tokens before it, counted) attends to the
+    real tokens at positions <= p of its row."""
+    import jax.numpy as jnp
+
+    S = mask.shape[1]
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.float64)
+    allowed = jnp.tril(jnp.ones((S, S), bool))[None] & (mask[:, None, :] > 0)
+    # A finite fill: a padding query sees no key, and its row (never compared) stays finite.
+    bias = jnp.where(allowed, 0.0, -1e30)[:, None]
+    return jnp.exp(1j * positions[:, :, None, None] * inv_freq), bias
 
 
 def block(w: dict, config: LlamaConfig, x, angles, bias):
