@@ -298,7 +298,13 @@ class _TensorAdamW:
 
 def _global_norm(tensors) -> float:
     """sqrt of the sum of squares of every entry, float64 (optax.global_norm)."""
-    return math.sqrt(sum(float(np.sum(np.square(np.asarray(t, np.float64)))) for t in tensors))
+    return math.sqrt(sum(_squares(np.asarray(t, np.float64)) for t in tensors))
+
+
+def _squares(x: np.ndarray) -> float:
+    """The sum of x's squares, float64 (a dot product: one pass, no temporary)."""
+    x = np.ascontiguousarray(x).reshape(-1)
+    return float(np.dot(x, x))
 
 
 def _clip_scale(norm: float, threshold: float) -> float:

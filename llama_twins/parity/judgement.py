@@ -41,6 +41,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..float64 import _squares
+
 # The unit roundoff of each dtype: half the spacing of its numbers near 1 (float32 carries 24
 # bits of mantissa, bfloat16 8).
 U = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8 / 2}
@@ -192,17 +194,17 @@ def _compare_tensors(figure: str, compared: str, names: Sequence[str],
     off, largest = {name_a: 0.0, name_b: 0.0}, None
     where = {name_a: None, name_b: None}
     for n in names:
-        a, b = _f64(get_a(n)), _f64(get_b(n))
-        here = float(np.abs(a - b).max())
-        if here > difference:
+        a, b = _host(get_a(n)), _host(get_b(n))
+        here = _max_abs(a, b)
+        if here > difference or here != here:
             difference, largest = here, n
         if truth is None:
-            top = max(top, float(np.abs(a).max()))
+            top = max(top, _max_abs(a))
             continue
         t = np.asarray(truth(n), np.float64)
-        top = max(top, float(np.abs(t).max()))
+        top = max(top, _max_abs(t))
         for name, x in ((name_a, a), (name_b, b)):
-            e = float(np.abs(x - t).max())
+            e = _max_abs(x, t)
             if e > off[name] or e != e:
                 off[name], where[name] = e, n
     scale = top if scale is None else scale
@@ -219,7 +221,37 @@ def _compare_tensors(figure: str, compared: str, names: Sequence[str],
 
 def _global_norm(get: Callable[[str], object], names: Sequence[str]) -> float:
     """sqrt of the sum of squares of the tensors get(name), in float64, one tensor at a time."""
-    return math.sqrt(sum(float(np.sum(np.square(_f64(get(n))))) for n in names))
+    return math.sqrt(sum(_squares(_f64(get(n))) for n in names))
+
+
+def _host(x) -> np.ndarray:
+    """A JAX array or a torch tensor as a numpy array in its own dtype (bfloat16 as float32)."""
+    if hasattr(x, "detach"):
+        import torch
+
+        x = x.detach().cpu()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+    return np.asarray(x)
+
+
+_CHUNK = 1 << 16  # entries: a chunk's float64 temporaries stay in cache
+
+
+def _max_abs(x: np.ndarray, y: np.ndarray | None = None) -> float:
+    """max |x - y| (max |x| without y) in float64, chunk by chunk (no float64 copy of a whole
+    tensor); NaN if any entry is NaN."""
+    x = x.reshape(-1)
+    y = None if y is None else y.reshape(-1)
+    top = 0.0
+    for i in range(0, x.size, _CHUNK):
+        d = x[i:i + _CHUNK].astype(np.float64)
+        if y is not None:
+            d -= y[i:i + _CHUNK]
+        m = float(np.abs(d, out=d).max())
+        if m != m:
+            return m
+        top = max(top, m)
+    return top
 
 
 def _f64(x) -> np.ndarray:

@@ -50,7 +50,7 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
         updates, opt_state = optimizer.update(grads, opt_state, trained)
         return optax.apply_updates(trained, updates), opt_state
     # the step's inputs are consumed (params, the caller's, is copied first)
-    step = jax.jit(step, donate_argnums=(0, 1, 2))
+    step = jax.jit(step, donate_argnums=(1, 2))  # the state and the parameters
     trained = jax.tree.map(lambda x: x.copy(), params)
     opt_state = optimizer.init(trained)
     for i in range(tc.steps):
@@ -123,35 +123,37 @@ def _optimizer_check(model, tmodel, tc, held: dict[str, np.ndarray], grads0: dic
     from jax_llama.training.step import make_optimizer
 
     names = list(held)
-    start = {n: held[n].astype(np.float32) for n in names}
     norm = _global_norm(grads0.__getitem__, names)
     factor = (tc.grad_clip or 1.0) / norm if norm > 0 else 0.0
+    scales = [np.float32((k + 2) * factor) for k in range(tc.steps)]
+    base = {n: np.asarray(grads0[n], np.float32) for n in names}
 
-    def step_grad(name: str, k: int) -> np.ndarray:  # made when needed: one tensor's at a time
-        return (np.asarray(grads0[name], np.float64) * ((k + 2) * factor)).astype(np.float32)
+    def step_grad(name: str, k: int) -> np.ndarray:  # float32: the same numbers for all three
+        return base[name] * scales[k]
 
     optimizer = make_optimizer(tc)
 
-    def step(grads, state, trained):
+    def step(grads, scale, state, trained):  # g * scale: one float32 rounding, as step_grad's
+        grads = jax.tree.map(lambda g: g * scale, grads)
         updates, state = optimizer.update(grads, state, trained)
         return optax.apply_updates(trained, updates), state
-    step = jax.jit(step, donate_argnums=(0, 1, 2))
-    trained = params_from_tensors(start.__getitem__, model.config, dtype="float32")
+    step = jax.jit(step, donate_argnums=(2, 3))
+    trained = params_from_tensors(lambda n: held[n].astype(np.float32), model.config,
+                                  dtype="float32")
     state = optimizer.init(trained)
+    grads = params_from_tensors(base.__getitem__, model.config, dtype="float32")
     for k in range(tc.steps):
-        trained, state = step(params_from_tensors(lambda n, k=k: step_grad(n, k), model.config,
-                                                  dtype="float32"), state, trained)
-    del state
+        trained, state = step(grads, scales[k], state, trained)
+    del state, grads
     jax_trained = tensor_specs(jax.tree.map(np.asarray, trained), model.config)[1]
 
     twin = copy.deepcopy(tmodel).float()  # float32 master weights; the caller's model stays
-    twin.load_state_dict({n: torch.from_numpy(start[n]) for n in names})
-    del start
+    twin.load_state_dict({n: torch.from_numpy(held[n].astype(np.float32)) for n in names})
     weights = dict(twin.named_parameters())
     opt = _torch_optimizer(list(weights.values()), tc)
     for k in range(tc.steps):
         for n, p in weights.items():
-            p.grad = torch.from_numpy(step_grad(n, k))
+            p.grad = torch.mul(torch.from_numpy(base[n]), float(scales[k]))
         torch_llama.clip_by_global_norm(list(weights.values()), tc.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -162,9 +164,9 @@ def _optimizer_check(model, tmodel, tc, held: dict[str, np.ndarray], grads0: dic
     if reference_f64:
         from ..float64 import adamw_steps
         recipe = _float64_recipe(tc)
-        # the global norm of step k's gradients is (k + 2) x the clipping threshold, so the
-        # float64 optimizer runs one tensor at a time
-        norms = [(k + 2) * factor * norm for k in range(tc.steps)]
+        # the global norm of step k's gradients is scales[k] x norm (to float32 rounding), so
+        # the float64 optimizer runs one tensor at a time
+        norms = [float(scale) * norm for scale in scales]
 
         def truth(n):
             return adamw_steps(held[n], lambda k: step_grad(n, k), norms, recipe)
