@@ -20,8 +20,8 @@ test session (`World`):
 - text (`corpus/`, `books/`, `notes.txt`, `valid.txt`, `more/`), `train.txt` / `dev.txt` /
   `labels.json` and `my-task.txt` (SST-5 lines), `chats.jsonl`, `pairs.jsonl`, `prompts.txt`.
 
-What differs from a reader's run, and only this: `jax-llama train`, `sft` and `dpo` run 2 steps
-(`--steps 2` is appended: the page's flags, paths and outputs are what is checked, not a full
+What differs from a reader's run, and only this: `jax-llama train`, `sft`, `dpo` and `grpo` run 2
+steps (`--steps 2` is appended: the page's flags, paths and outputs are what is checked, not a full
 training run); and a block can carry markers, HTML comments right before it that the site does
 not show:
 
@@ -67,7 +67,7 @@ PRELUDE = f"""\
 set -e -o pipefail
 jax-llama() {{
     case "$1" in
-        train|sft|dpo) "{BIN}/jax-llama" "$@" --steps {SHORT_STEPS} || return $? ;;
+        train|sft|dpo|grpo) "{BIN}/jax-llama" "$@" --steps {SHORT_STEPS} || return $? ;;
         *) "{BIN}/jax-llama" "$@" || return $? ;;
     esac
 }}
@@ -380,4 +380,4 @@ def test_a_skip_without_a_reason_is_listed_as_such():
 
 
 def test_training_commands_are_cut_short():
-    assert re.search(rf'train\|sft\|dpo\) "[^"]+/jax-llama" "\$@" --steps {SHORT_STEPS}', PRELUDE)
+    assert re.search(rf'train\|sft\|dpo\|grpo\) "[^"]+/jax-llama" "\$@" --steps {SHORT_STEPS}', PRELUDE)

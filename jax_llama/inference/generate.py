@@ -95,9 +95,13 @@ class Decoding(struct.PyTreeNode):
     key: jax.Array
 
 
-def _pick(logits_BV, key, sampler: Sampler):
-    """(token (B,), its log-probability under the raw model (B,))."""
+def _pick(logits_BV, key, sampler: Sampler, tempered: bool = False):
+    """(token (B,), its log-probability (B,)): under the raw model, or, tempered, under
+    log_softmax(logits / temperature) over the whole vocabulary (TRL's convention for GRPO:
+    top-k and top-p choose the draw, not the probability)."""
     token_B = sample(logits_BV, key, sampler)
+    if tempered and sampler.temperature > 0:
+        logits_BV = logits_BV.astype(jnp.float32) / sampler.temperature
     logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
     return token_B, jnp.take_along_axis(logp_BV, token_B[:, None], axis=-1)[:, 0]
 
@@ -113,8 +117,9 @@ def _emit(d: Decoding, token_B, logprob_B, stop_ids) -> Decoding:
 
 
 # --8<-- [start:decode]
-@functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len"))
-def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache_len) -> Decoding:
+@functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len", "tempered"))
+def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache_len,
+             tempered=False) -> Decoding:
     """Write the left-padded prompts into a fresh cache and choose each row's first new token.
     The cache is made here, on the device: it never exists on the host."""
     B, P = tokens_BP.shape
@@ -123,15 +128,17 @@ def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache
     out = model.apply({"params": params}, tokens_BP, attention_mask=mask_BP, cache=cache,
                       method="run")
     key, sub = jax.random.split(key)
-    token_B, logprob_B = _pick(out.logits[:, -1], sub, sampler)  # left padding: the last column is real
+    # left padding: the last column is real
+    token_B, logprob_B = _pick(out.logits[:, -1], sub, sampler, tempered)
     start = Decoding(step=jnp.zeros((), jnp.int32), cache=out.cache, token_B=token_B,
                      done_B=jnp.zeros((B,), bool), tokens_BN=jnp.zeros((B, n_max), jnp.int32),
                      logprobs_BN=jnp.zeros((B, n_max), jnp.float32), key=key)
     return _emit(start, token_B, logprob_B, stop_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sampler"), donate_argnames=("d",))
-def _decode(params, d: Decoding, until, stop_ids, *, model, sampler):
+@functools.partial(jax.jit, static_argnames=("model", "sampler", "tempered"),
+                   donate_argnames=("d",))
+def _decode(params, d: Decoding, until, stop_ids, *, model, sampler, tempered=False):
     """One cached forward per new token while d.step < until and some row is not done -> (the
     state, its last tokens (B,), its done flags (B,)). The state is donated: XLA updates the
     cache in place. The last tokens and flags come back apart from it, so that a streaming caller
@@ -140,7 +147,7 @@ def _decode(params, d: Decoding, until, stop_ids, *, model, sampler):
     def body(d: Decoding) -> Decoding:
         out = model.apply({"params": params}, d.token_B[:, None], cache=d.cache, method="run")
         key, sub = jax.random.split(d.key)
-        token_B, logprob_B = _pick(out.logits[:, 0], sub, sampler)
+        token_B, logprob_B = _pick(out.logits[:, 0], sub, sampler, tempered)
         return _emit(d.replace(cache=out.cache, key=key), token_B, logprob_B, stop_ids)
 
     d = jax.lax.while_loop(lambda d: (d.step < until) & ~jnp.all(d.done_B), body, d)
@@ -156,8 +163,13 @@ def compilations() -> int:
 
 def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampler: Sampler = Sampler(), stop_ids: Sequence[int] = (), seed: int = 0,
-             on_token: Callable[[int, int], None] | None = None) -> Generation:
+             on_token: Callable[[int, int], None] | None = None, key=None,
+             tempered_logprobs: bool = False) -> Generation:
     """Continue each prompt (a list of ids) by up to max_new_tokens ids.
+
+    key: the PRNG key of the draws (default jax.random.key(seed)). tempered_logprobs: each
+    token's log-probability under log_softmax(logits / temperature), as GRPO's trainer
+    recomputes it, rather than the raw model's.
 
     A batch is left-padded, so each row gives the tokens it would give alone. on_token(row, id)
     is called as each token is produced (streaming): the compiled decode loop then runs one
@@ -178,8 +190,9 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     check_inputs(tokens, config.vocab_size)  # on the host, once, before the compiled calls
     stops = np.full((_MAX_STOP_IDS,), -1, np.int32)
     stops[:len(stop_ids)] = stop_ids
-    static = dict(model=model, sampler=sampler)
-    d = _prefill(params, tokens, mask, stops, jax.random.key(seed), cache_len=cache_len, **static)
+    static = dict(model=model, sampler=sampler, tempered=tempered_logprobs)
+    key = jax.random.key(seed) if key is None else key
+    d = _prefill(params, tokens, mask, stops, key, cache_len=cache_len, **static)
     if on_token is None:
         d = _decode(params, d, jnp.int32(max_new_tokens), stops, **static)[0]
     else:

@@ -41,10 +41,12 @@ def run_tokenizer(spec: RunSpec, init: Checkpoint | None, texts: Callable[[], It
     return train_tokenizer(texts(), spec.vocab_size)
 
 
-def run_config(spec: RunSpec, init: Checkpoint | None, tokenizer) -> LlamaConfig:
+def run_config(spec: RunSpec, init: Checkpoint | None, tokenizer,
+               rows_of_seq_len: bool = True) -> LlamaConfig:
     """The model config: the --init checkpoint's (`init`, opened by open_init; its vocabulary must
     hold the tokenizer's ids), else spec.model sized to the tokenizer; either must fit
-    spec.train.seq_len."""
+    spec.train.seq_len where the rows are that long (rows_of_seq_len; GRPO's are a prompt and a
+    completion, checked by GRPO)."""
     if init is not None:
         config = init.config
         if tokenizer.vocab_size > config.vocab_size:
@@ -53,7 +55,7 @@ def run_config(spec: RunSpec, init: Checkpoint | None, tokenizer) -> LlamaConfig
     else:
         config = spec.model.replace(vocab_size=tokenizer.vocab_size, bos_id=tokenizer.bos_id,
                                     eos_ids=() if tokenizer.eos_id is None else (tokenizer.eos_id,))
-    if spec.train.seq_len > config.max_seq_len:
+    if rows_of_seq_len and spec.train.seq_len > config.max_seq_len:
         raise BridgeError(f"{spec.train.seq_len} is above the model's max_seq_len "
                           f"{config.max_seq_len}", field="seq_len")
     return config

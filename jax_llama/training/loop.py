@@ -51,6 +51,7 @@ from ..model.attention import choose as choose_attention
 from ..checkpoint import load as load_checkpoint
 from ..checkpoint import save as save_native
 from . import dpo as dpo_lib
+from . import grpo as grpo_lib
 from . import sft as sft_lib
 from ..lora import add_lora, count, merge_lora, save_adapter, trainable_for
 from ..model.llama import Llama, init
@@ -73,6 +74,7 @@ def _run_record(spec: RunSpec, config: LlamaConfig) -> dict:
             "pack": spec.pack, "lora": None if spec.lora is None else spec.lora.to_dict(),
             "sft": None if spec.sft is None else spec.sft.to_dict(),
             "dpo": None if spec.dpo is None else spec.dpo.to_dict(),
+            "grpo": None if spec.grpo is None else spec.grpo.to_dict(),
             "tracking": spec.tracking.to_dict()}
 
 
@@ -82,10 +84,11 @@ def train(spec: RunSpec) -> dict:
     choose_attention(spec.attention, 1, 1)  # refused before anything is read or written
     spec.tracking.check()
     nonfinite = NonFinite(spec.on_nan, spec.max_skipped)
-    task = spec.sft or spec.dpo  # their data are files; a run's own output is never its input
+    task = spec.sft or spec.dpo or spec.grpo  # their data are files; a run's own output is
+    # never its input
     check_out_apart(spec.out, [*spec.data, *((task.data, task.eval_data) if task else ())])
-    if jax.process_count() > 1 and (spec.lora or spec.sft or spec.dpo):
-        kind = "LoRA" if spec.lora else "SFT" if spec.sft else "DPO"
+    if jax.process_count() > 1 and (spec.lora or spec.sft or spec.dpo or spec.grpo):
+        kind = "LoRA" if spec.lora else "SFT" if spec.sft else "DPO" if spec.dpo else "GRPO"
         raise BridgeError(f"{kind} runs across several processes are "
                           f"not supported yet (one process with many devices is)", field="multi_host")
     if spec.resume and not (spec.out / "run.json").is_file():
@@ -101,6 +104,9 @@ def train(spec: RunSpec) -> dict:
     elif spec.dpo:  # every pair likewise
         prefs = dpo_lib.dpo_inputs(spec, init_checkpoint)
         tokenizer, config = prefs.tokenizer, prefs.config
+    elif spec.grpo:  # every prompt and reward function likewise
+        rl = grpo_lib.grpo_inputs(spec, init_checkpoint)
+        tokenizer, config = rl.tokenizer, rl.config
     else:
         files = data_lib.corpus_files(spec.data, out=spec.out) if spec.data else data_lib.default_corpus()
         tokenizer = run_tokenizer(spec, init_checkpoint,
@@ -135,6 +141,10 @@ def train(spec: RunSpec) -> dict:
         if primary and prefs.template is not None:
             prefs.template.save(spec.out)
         batches, unigram = prefs.batches(tc, local_batch), None
+    elif spec.grpo:
+        if primary and rl.template is not None:
+            rl.template.save(spec.out)
+        batches, unigram = None, None
     else:
         batches, val_batches, unigram, val_tokens = _corpus_batches(spec, files, tokenizer, config,
                                                                     local_batch)
@@ -162,6 +172,8 @@ def train(spec: RunSpec) -> dict:
     optimizer = make_optimizer(tc, labels)
     if spec.dpo:  # the starting weights, before the state (donated at each step) holds them
         prefs.start_reference(model, params, tc, local_batch)
+    if spec.grpo:  # likewise (its reference, with --beta)
+        rl.start(model, params)
     state = place_state(init_state(params, optimizer), mesh)
     checkpoints = Checkpoints(spec.out / "checkpoints", tc.keep_checkpoints)
     if spec.resume:  # from the newest checkpoint that restores; none written yet: from the start
@@ -182,15 +194,22 @@ def train(spec: RunSpec) -> dict:
         if spec.dpo and not spec.resume:
             scores["before"] = prefs.evaluate(model, params, replies=True)
             tracker.log(0, dpo_lib.eval_scalars(scores["before"]))
-        if spec.dpo:
-            train_step = jit_train_step(dpo_lib.train_loss(model, spec.dpo), optimizer, tc, state,
-                                        mesh, labels, has_aux=True, skip_nonfinite=nonfinite.skip)
+        if spec.grpo and not spec.resume:
+            scores["before"] = rl.evaluate(model, params, answers=True)
+            tracker.log(0, grpo_lib.eval_scalars(scores["before"]))
+        if spec.dpo or spec.grpo:
+            loss = (dpo_lib.train_loss(model, spec.dpo) if spec.dpo
+                    else grpo_lib.train_loss(model, spec.grpo))
+            train_step = jit_train_step(loss, optimizer, tc, state, mesh, labels, has_aux=True,
+                                        skip_nonfinite=nonfinite.skip)
         else:
             train_step = jit_train_step(lm_loss(model), optimizer, tc, state, mesh, labels,
                                         skip_nonfinite=nonfinite.skip)
             eval_step = jit_eval_step(model, state, mesh)
 
         def evaluate(params) -> dict:
+            if spec.grpo:
+                return grpo_lib.eval_scalars(rl.evaluate(model, params))
             if spec.dpo:
                 result = prefs.evaluate(model, params)
                 return {"val_loss": result["loss"], **dpo_lib.eval_scalars(result)}
@@ -199,6 +218,8 @@ def train(spec: RunSpec) -> dict:
             return {"val_loss": float(np.mean(jax.device_get(losses)))}
 
         def next_batch(step: int, state):
+            if spec.grpo:
+                return global_batch(rl.batch(step, state.params, tc.steps), mesh)
             if spec.dpo:
                 return global_batch(prefs.batch(batches, step, state.params), mesh)
             return global_batch(batches.batch(step), mesh)
@@ -206,7 +227,11 @@ def train(spec: RunSpec) -> dict:
         state, last = run_steps(state, train_step, next_batch, evaluate, tc, desc=desc,
                                 checkpoints=checkpoints, nonfinite=nonfinite, tracker=tracker,
                                 metrics=spec.out / "metrics.jsonl" if primary else None,
-                                flops_per_token=train_flops_per_token(config, tc.seq_len))
+                                flops_per_token=None if spec.grpo
+                                else train_flops_per_token(config, tc.seq_len),
+                                tokens_in=(lambda batch: int(batch["inputs"].size))
+                                if spec.grpo else None,
+                                host=rl if spec.grpo else None)
 
         params = state.params
         if spec.lora:
@@ -224,7 +249,8 @@ def train(spec: RunSpec) -> dict:
                     "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": None,
                     "sample": ""}
         tokenizer.save(spec.out / "model")
-        plot = plot_losses(spec.out, unigram, "DPO loss" if spec.dpo else None)
+        plot = (grpo_lib.plot_rewards(spec.out) if spec.grpo else
+                plot_losses(spec.out, unigram, "DPO loss" if spec.dpo else None))
         summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
                    "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot}
         if spec.sft:
@@ -246,6 +272,17 @@ def train(spec: RunSpec) -> dict:
             summary["preference"] = {when: dpo_lib.eval_scalars(v) for when, v in scores.items()}
             summary["n_eval"] = len(prefs.eval_pairs)
             summary["sample"] = prefs.sample(scores)
+        elif spec.grpo:
+            if rl.template is not None:
+                rl.template.save(spec.out / "model")
+            scores["after"] = rl.evaluate(model, params, answers=True)
+            tracker.log(tc.steps, grpo_lib.eval_scalars(scores["after"]))
+            write_text(spec.out / "grpo.json", json.dumps(scores, indent=2) + "\n")
+            summary["grpo"] = {when: grpo_lib.eval_scalars(v) for when, v in scores.items()}
+            summary["general"] = {when: v["general"] for when, v in scores.items()}
+            summary["n_eval"] = len(rl.eval_prompts)
+            summary["sample"] = "\n".join(f"{s['prompt']!r} -> {s['completion']!r}"
+                                          for s in scores["after"]["samples"])
         else:  # one process decodes: a model sharded over several would need them all
             summary["sample"] = _sample(model, params, tokenizer, val_tokens, tc.seq_len,
                                         spec.sample_tokens if jax.process_count() == 1 else 0,
@@ -258,7 +295,7 @@ def train(spec: RunSpec) -> dict:
 def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc: str,
               checkpoints: Checkpoints, nonfinite: NonFinite, tracker: Tracker,
               metrics: Path | None, flops_per_token: float | None,
-              tokens_in: Callable[[dict], int] | None = None):
+              tokens_in: Callable[[dict], int] | None = None, host=None):
     """The loop: from the state's step to tc.steps, `train_step(state, next_batch(step, state))`.
     Each step's record - step, the step's metrics (loss, grad_norm, lr, ...), tokens/s - is
     appended to `metrics` (None: this process writes nothing) and logged by `tracker`;
@@ -267,8 +304,13 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
     an early stop. The NaN policy (`nonfinite`) and the stop signals end the run with
     TrainingDiverged / RunStopped, naming the checkpoint to go on from. Tokens a step:
     `tokens_in(batch)`, or tc.batch_size x tc.seq_len; the progress bar shows the MFU where
-    `flops_per_token` is given. Returns (state, last): last holds the final "loss" and
-    "val_loss"."""
+    `flops_per_token` is given. host (GRPO's inputs): its step_figures(step) join each step's
+    record, the device figures its drop(step) names leave it; a batch it cannot make
+    (bridge.rewards.RewardFailed) ends the run like a NaN loss, with the last good step's
+    checkpoint. Returns (state, last): last holds the final "loss" and "val_loss" (NaN where
+    the evaluation has none)."""
+    from bridge.rewards import RewardFailed
+
     peak = measure_matmul_peak(tc.dtype) if flops_per_token else None
     last = {"loss": float("nan"), "val_loss": float("nan")}
     start = int(state.step)
@@ -278,10 +320,20 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
             StopSignals() as signals:
         tick = time.perf_counter()
         for step in range(start, tc.steps):
-            batch = next_batch(step, state)
+            try:
+                batch = next_batch(step, state)
+            except RewardFailed as e:  # the state is the last good step's: kept
+                if step > start:
+                    checkpoints.save(step, state)
+                raise TrainingDiverged(f"{e}; stopped. " + (
+                    f"Its checkpoint: {checkpoints.path(step)}" if step > start else
+                    "Last good checkpoint: " + _latest(checkpoints))) from None
             tokens = tokens_in(batch) if tokens_in else tc.batch_size * tc.seq_len
             state, figures = train_step(state, batch)
             figures = {k: float(v) for k, v in jax.device_get(figures).items()}
+            if host is not None:
+                figures = {**{k: v for k, v in figures.items() if k not in host.drop(step)},
+                           **host.step_figures(step)}
             why = nonfinite.check(step + 1, figures)
             if why is not None and not nonfinite.skip:  # this state is never saved
                 raise nonfinite.diverged(why, checkpoints)
@@ -293,7 +345,7 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
                 record["skipped"] = True
             if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
                 record.update(evaluate(state.params))
-                last["val_loss"] = record["val_loss"]
+                last["val_loss"] = record.get("val_loss", float("nan"))
                 tick = time.perf_counter()  # evaluation time is not training throughput
             if why is not None:  # too many skipped: the state itself is still good
                 stopped = (step + 1, why, False)
@@ -308,6 +360,11 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
             last["loss"] = figures["loss"]
             shown = {"loss": f"{figures['loss']:.3f}", "val": f"{last['val_loss']:.3f}",
                      "tok_s": f"{tokens_per_s:,.0f}"}
+            if host is not None:  # GRPO: the last round's reward, and the held-out one
+                last.update({k: record[k] for k in ("reward", "eval/reward") if k in record})
+                shown = {"loss": f"{figures['loss']:.4f}",
+                         "reward": f"{last.get('reward', float('nan')):.3f}",
+                         "held_out": f"{last.get('eval/reward', float('nan')):.3f}"}
             if peak:
                 shown["mfu"] = f"{tokens_per_s * flops_per_token / peak:.1%}"
             bar.set_postfix(**shown)
@@ -320,6 +377,11 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
             raise RunStopped(step, tc.steps, why, checkpoints.path(step))
         raise nonfinite.diverged(why, checkpoints, checkpoints.path(step))
     return state, last
+
+
+def _latest(checkpoints: Checkpoints) -> str:
+    kept = checkpoints.latest_step()
+    return "none" if kept is None else str(checkpoints.path(kept))
 
 
 def _check_mesh_splits(config: LlamaConfig, mesh) -> None:

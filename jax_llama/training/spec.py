@@ -1,5 +1,5 @@
 """What a training run is asked to do, as data: the run (RunSpec) and the recipes' own settings
-(SftSpec, DpoSpec). Checked where they are made, so a bad value is refused, naming its field,
+(SftSpec, DpoSpec, GrpoSpec). Checked where they are made, so a bad value is refused, naming its field,
 before anything is read or written; recorded in run.json, which a resume must match."""
 
 from __future__ import annotations
@@ -67,6 +67,75 @@ class DpoSpec:
         return dataclasses.asdict(self)
 
 
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")   # GRPO's losses (jax_llama.training.grpo)
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass(frozen=True)
+class GrpoSpec:
+    data: str | None = None            # prompts JSONL; None: the demo task (demo_prompts)
+    eval_data: str | None = None       # held-out prompts; None: eval_fraction of data
+    chat_template: str | None = None   # for conversational prompts; None: the init's own
+    rewards: tuple = ()                # FILE.py:FUNC, built-in names, regex:PATTERN; () with no
+                                       # data: the demo's (exact_answer)
+    reward_weights: tuple | None = None
+    num_generations: int = 8           # G completions per prompt
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    scale_rewards: str = "group"
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon
+    num_iterations: int = 1            # policy updates per generation round
+    mask_truncated_completions: bool = False
+    beta: float = 0.0                  # KL to the reference (the base without LoRA adapters)
+    eval_fraction: float = 0.1
+    eval_prompts: int = 64             # at most, scored before and after (greedy)
+    demo_prompts: int = 4000
+
+    def __post_init__(self):
+        object.__setattr__(self, "rewards", tuple(self.rewards))
+        if self.reward_weights is not None:
+            object.__setattr__(self, "reward_weights", tuple(map(float, self.reward_weights)))
+        if self.num_generations < 2:
+            raise BridgeError(f"must be at least 2 (got {self.num_generations}): the advantages "
+                              f"compare the completions of one prompt with each other",
+                              field="num_generations")
+        if self.loss_type not in LOSS_TYPES:
+            raise BridgeError(f"unknown loss type {self.loss_type!r} (expected "
+                              f"{', '.join(LOSS_TYPES)})", field="loss_type")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise BridgeError(f"expected {', '.join(SCALE_REWARDS)} (got {self.scale_rewards!r})",
+                              field="scale_rewards")
+        for name in ("max_completion_length", "num_iterations", "eval_prompts", "demo_prompts"):
+            if getattr(self, name) < 1:
+                raise BridgeError(f"must be a positive integer (got {getattr(self, name)})",
+                                  field=name)
+        for name, value in (("temperature", self.temperature), ("epsilon", self.epsilon),
+                            ("epsilon_high", self.epsilon_high)):
+            if value is not None and not (np.isfinite(value) and value > 0):
+                raise BridgeError(f"must be positive (got {value})", field=name)
+        if not 0 < self.top_p <= 1:
+            raise BridgeError(f"must be in (0, 1] (got {self.top_p})", field="top_p")
+        if self.top_k < 0:
+            raise BridgeError(f"must be >= 0 (got {self.top_k})", field="top_k")
+        if not (np.isfinite(self.beta) and self.beta >= 0):
+            raise BridgeError(f"must be >= 0 (got {self.beta})", field="beta")
+        if not 0 < self.eval_fraction < 1:
+            raise BridgeError(f"must be in (0, 1) (got {self.eval_fraction})",
+                              field="eval_fraction")
+        if self.reward_weights is not None and self.rewards and \
+                len(self.reward_weights) != len(self.rewards):
+            raise BridgeError(f"{len(self.reward_weights)} weights for {len(self.rewards)} "
+                              f"rewards", field="reward_weights")
+
+    def to_dict(self) -> dict:  # lists, as run.json reads them back
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+
 @dataclass
 class RunSpec:
     out: Path
@@ -88,6 +157,7 @@ class RunSpec:
                                        # the compute dtype (train.dtype)
     sft: SftSpec | None = None  # supervised fine-tuning on chats instead of a corpus
     dpo: DpoSpec | None = None  # preference tuning on pairs instead of a corpus
+    grpo: GrpoSpec | None = None  # reinforcement learning from rewards on prompts
     tracking: TrackingSpec = field(default_factory=TrackingSpec)  # TensorBoard / W&B as well;
                                        # not part of the setup a resume must match
     on_nan: str = "stop"               # a step whose loss or gradients are not finite: stop

@@ -1,4 +1,4 @@
-"""`jax-llama`: the JAX jobs - train, sft, dpo, generate, serve, finetune, zero-shot, predict, eval,
+"""`jax-llama`: the JAX jobs - train, sft, dpo, grpo, generate, serve, finetune, zero-shot, predict, eval,
 split - and the two that also need the torch twin: `generate --compare-torch` and `bench`.
 
 Each family of subcommands lives in its own module with its parser beside its handlers (train.py,
@@ -20,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jax-llama", description="LLaMA in JAX: train, generate, "
                                      "fine-tune, benchmark.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train.add_commands(sub)         # train, sft, dpo
+    train.add_commands(sub)         # train, sft, dpo, grpo
     generate.add_commands(sub)
     serve.add_commands(sub)
     classify.add_commands(sub)      # finetune, zero-shot, predict

@@ -1,4 +1,4 @@
-"""`jax-llama train`, `sft` and `dpo`: the options they share (the model, the run directory, the
+"""`jax-llama train`, `sft`, `dpo` and `grpo`: the options they share (the model, the run directory, the
 mesh, multi-host, the TrainConfig fields), the RunSpec those flags make, and the report of a run."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ TRAIN_OPTIONS = [
 
 
 def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: bool, sft=None,
-              dpo=None):
+              dpo=None, grpo=None):
     """The RunSpec of `train`, `sft` or `dpo` from their shared flags (a resumed run: its own
     settings unless flags say otherwise, which the resume check then refuses)."""
     from jax_llama.training.spec import RunSpec
@@ -67,6 +67,9 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
     if dpo is not None and saved.get("dpo"):
         given_dpo = {k: v for k, v in dpo.to_dict().items() if v != getattr(type(dpo)(), k)}
         dpo = dataclasses.replace(type(dpo)(**saved["dpo"]), **given_dpo)
+    if grpo is not None and saved.get("grpo"):
+        given = {k: v for k, v in grpo.to_dict().items() if v != getattr(type(grpo)(), k)}
+        grpo = dataclasses.replace(type(grpo)(**saved["grpo"]), **given)
     return RunSpec(out=out, model=model, train=train_config,
                    data=data if data is not None else saved.get("data", []),
                    tokenizer=args.tokenizer or saved.get("tokenizer"),
@@ -76,7 +79,7 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
                    strip_labels=getattr(args, "strip_labels", False),
                    pack=pack if pack is not None else saved.get("pack", default_pack),
                    attention=args.attention, lora=lora_config(args, saved.get("lora")), sft=sft,
-                   dpo=dpo, tracking=tracking_spec(args, saved.get("tracking")),
+                   dpo=dpo, grpo=grpo, tracking=tracking_spec(args, saved.get("tracking")),
                    on_nan=args.on_nan, max_skipped=args.max_skipped)
 
 
@@ -131,6 +134,47 @@ def cmd_dpo(args) -> int:
                   precompute_ref=args.precompute_ref,
                   **({} if args.demo_pairs is None else {"demo_pairs": args.demo_pairs}))
     spec = _run_spec(args, [], False, default_pack=False, dpo=dpo)
+    return _run(args, spec)
+
+
+# GRPO's demo (no --data): arithmetic questions, a short completion budget, LoRA by default.
+GRPO_DEMO = {"steps": 150, "batch_size": 32, "max_completion_length": 16, "lora_rank": 16,
+             "eval_every": 25, "checkpoint_every": 25}
+# GRPO's learning rates when none is given: TRL's default for full fine-tuning (1e-6), and a
+# larger one for LoRA's adapters, which start at zero.
+GRPO_LR = {"full": 1e-6, "lora": 2e-4}
+
+
+def cmd_grpo(args) -> int:
+    from jax_llama.training.spec import GrpoSpec
+
+    demo = args.data is None and not args.resume
+    if demo:
+        for name in ("steps", "batch_size", "eval_every", "checkpoint_every", "lora_rank"):
+            if getattr(args, name) is None:
+                setattr(args, name, GRPO_DEMO[name])
+        if args.max_completion_length is None:
+            args.max_completion_length = GRPO_DEMO["max_completion_length"]
+    if not args.resume and args.lr is None:
+        args.lr = GRPO_LR["lora" if args.lora_rank else "full"]
+    weights = None
+    if args.reward_weights:
+        try:
+            weights = tuple(float(w) for w in args.reward_weights.split(","))
+        except ValueError:
+            raise BridgeError(f"expected comma-separated numbers (got {args.reward_weights!r})",
+                              field="reward_weights") from None
+    given = {k: v for k, v in (("max_completion_length", args.max_completion_length),
+                               ("epsilon_high", args.epsilon_high)) if v is not None}
+    grpo = GrpoSpec(data=args.data, eval_data=args.eval_data, chat_template=args.chat_template,
+                    rewards=tuple(args.reward or ()), reward_weights=weights,
+                    num_generations=args.num_generations, temperature=args.temperature,
+                    top_p=args.top_p, top_k=args.top_k, scale_rewards=args.scale_rewards,
+                    loss_type=args.loss_type, epsilon=args.epsilon,
+                    num_iterations=args.num_iterations,
+                    mask_truncated_completions=args.mask_truncated_completions, beta=args.beta,
+                    eval_prompts=args.eval_prompts, **given)
+    spec = _run_spec(args, [], False, default_pack=False, grpo=grpo)
     return _run(args, spec)
 
 
@@ -202,7 +246,17 @@ def _run(args, spec) -> int:
               f"{scores['after']:.1%} after"
               + (f"; {summary['unseen_exact_match']:.1%} after on the {summary['n_unseen']} "
                  f"whose question is not in the training set" if summary["n_unseen"] else ""))
-    if "preference" in summary:
+    if "grpo" in summary:
+        scores = summary["grpo"]
+        for key in [k for k in scores["after"] if k.startswith("eval/")]:
+            before = f"{scores['before'][key]:.3f} before, " if "before" in scores else ""
+            print(f"held-out prompts ({summary['n_eval']}, greedy): {key[5:]}: {before}"
+                  f"{scores['after'][key]:.3f} after")
+        for when in ("before", "after"):
+            for answer in summary["general"].get(when, []):
+                print(f"general question, {when}: {answer['question']!r} -> "
+                      f"{answer['answer']!r}")
+    elif "preference" in summary:
         scores = summary["preference"]
         for name, key in (("the model prefers the chosen completion", "eval/preference/accuracy"),
                           ("rewards/accuracies", "eval/rewards/accuracies")):
@@ -211,7 +265,7 @@ def _run(args, spec) -> int:
                   f"{scores['after'][key]:.1%} after")
         print(f"held-out DPO loss {summary['val_loss']:.4f}; train loss "
               f"{summary['train_loss']:.4f} after {summary['steps']} steps")
-    else:
+    elif "grpo" not in summary:
         print(f"validation loss {summary['val_loss']:.4f} nats/token (unigram baseline "
               f"{summary['unigram_loss']:.4f}); train loss {summary['train_loss']:.4f} after "
               f"{summary['steps']} steps")
@@ -220,7 +274,7 @@ def _run(args, spec) -> int:
         print(f"adapter: {summary['adapter']}  (PEFT format; jax-llama generate BASE --adapter "
               f"{summary['adapter']})")
     if summary["plot"]:
-        print(f"loss curve: {summary['plot']}")
+        print(f"{'reward' if 'grpo' in summary else 'loss'} curve: {summary['plot']}")
     if summary["sample"]:
         print(f"sample:\n{summary['sample']}")
     return EXIT_OK
@@ -332,3 +386,50 @@ def add_commands(sub) -> None:
         "steps": "{}; " f"{DPO_DEMO_STEPS} for the demo task, without --data",
         "lr": f"{DPO_LR['scratch']:g} from scratch, {DPO_LR['full']:g} from --init, "
               f"{DPO_LR['lora']:g} with --lora-rank"})
+
+    p = add_command(sub, "grpo", cmd_grpo,
+                    help="reinforcement learning from verifiable rewards (GRPO, as TRL 1.16 "
+                         "computes it) on prompts; with no --data, an arithmetic demo scored by "
+                         "its held-out accuracy before and after")
+    p.add_argument("--data", help="JSON lines: {\"prompt\": a string or a message list, and any "
+                                  "columns the rewards read} (TRL's format; default: the demo)")
+    p.add_argument("--eval-data", help="held-out prompts, same format (default: 10%% of --data)")
+    p.add_argument("--chat-template", help="for conversational prompts: llama3, llama2 or a jinja "
+                                           "file (default: --init's own chat template)")
+    p.add_argument("--reward", action="append", metavar="FILE.py:FUNC",
+                   help="a reward function, called as TRL calls it (repeat for several): "
+                        "FILE.py:FUNC, regex:PATTERN, or a built-in (exact_answer, number_only) "
+                        "(default for the demo: exact_answer)")
+    p.add_argument("--reward-weights", metavar="W1,W2,...",
+                   help="one weight per --reward (default 1 each)")
+    p.add_argument("--num-generations", type=int, default=8,
+                   help="completions per prompt, G (default 8)")
+    p.add_argument("--max-completion-length", type=int,
+                   help=f"new tokens per completion at most (default 256; "
+                        f"{GRPO_DEMO['max_completion_length']} for the demo)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling; 0 is off (default 0)")
+    p.add_argument("--scale-rewards", default="group", choices=("group", "batch", "none"),
+                   help="divide the advantages by the std of the group, of the round, or not "
+                        "(default group)")
+    p.add_argument("--loss-type", default="dapo", choices=("dapo", "grpo", "dr_grpo", "bnpo"),
+                   help="how the token losses are averaged, as TRL's (default dapo)")
+    p.add_argument("--epsilon", type=float, default=0.2,
+                   help="the ratio's clipping below (and above, without --epsilon-high) "
+                        "(default 0.2)")
+    p.add_argument("--epsilon-high", type=float, help="the ratio's clipping above")
+    p.add_argument("--num-iterations", type=int, default=1,
+                   help="policy updates per round of completions (default 1)")
+    p.add_argument("--mask-truncated-completions", action="store_true",
+                   help="no loss on a completion that ran out of tokens before its stop token")
+    p.add_argument("--beta", type=float, default=0.0,
+                   help="the KL penalty to the reference: the base without the LoRA adapters, "
+                        "or the starting weights (default 0, as TRL's)")
+    p.add_argument("--eval-prompts", type=int, default=64,
+                   help="held-out prompts scored before and after, greedy (default 64)")
+    _add_run_arguments(p, "the prompts", {
+        "steps": "{}; " f"{GRPO_DEMO['steps']} for the demo",
+        "batch_size": "{}; " f"{GRPO_DEMO['batch_size']} for the demo: completions a "
+                      "micro-batch, batch size x grad accum a round",
+        "lr": f"{GRPO_LR['full']:g}, {GRPO_LR['lora']:g} with --lora-rank"})

@@ -1,0 +1,631 @@
+"""Group relative policy optimisation (`jax-llama grpo`): reinforcement learning from rewards a
+program checks, on the one training loop, as TRL 1.16's GRPOTrainer defines it.
+
+A round: P prompts, G completions each (num_generations), sampled from the current policy by the
+KV-cache generator that `generate` uses, all P x G in one batch. Every reward function scores
+every completion (bridge.rewards: TRL's calling convention); the weighted sum r_i of a completion
+becomes its advantage within its group of G:
+
+    A_i = (r_i - mean(r of its group)) / (std(r of its group) + 1e-4)
+
+(scale_rewards "batch": the std of the whole round; "none": no division; a completion no reward
+function scores gets A = 0). The policy is then updated num_iterations times on the round, each
+update grad_accum micro-batches of batch_size completions. A token's log-probability is
+log_softmax(logits / temperature)[token] over the whole vocabulary (TRL's: top-k / top-p choose
+the draw, not the probability), recorded by the sampler as it draws and recomputed by the
+trainer; with ratio = exp(logp - logp_old), logp_old the policy that sampled the round,
+
+    per-token loss = -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) + beta KL
+    KL = (exp(ref - logp) - (ref - logp) - 1) ratio  (ref: the base without LoRA adapters, or
+                                                      the starting weights; times the ratio as
+                                                      TRL's use_bias_correction_kl, its default)
+
+and the completion tokens' losses (mask: up to and including the stop token) are summed as the
+loss type says:
+
+    dapo      sum / (completion tokens of the whole round / grad_accum)    (TRL's default)
+    grpo      mean over completions of each one's mean
+    bnpo      sum / (completion tokens of the micro-batch)
+    dr_grpo   sum / (completions x max_completion_length)
+
+With num_iterations 1 logp_old is logp itself (its gradient stopped): the ratio is 1 and the
+loss is the policy gradient. The metrics carry TRL's names (reward, reward_std,
+rewards/NAME/mean, frac_reward_zero_std, completions/mean_length, kl, clip_ratio/*, entropy) and
+`sampler/logp_diff_max`: the largest difference between the sampler's and the trainer's
+log-probability of a sampled token, in the round's first update, when both are the same policy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bridge.config import LlamaConfig
+from bridge.errors import BridgeError
+from bridge.rewards import Reward, RewardFailed, load_reward, score
+
+from .inputs import open_init, run_config, run_tokenizer
+from .spec import LOSS_TYPES, GrpoSpec, RunSpec
+from .state import say
+
+DEMO_REWARDS = ("exact_answer",)
+
+
+# -- the advantages: host side, float32, TRL's order of operations -------------------------------
+
+def _nanstd(x: np.ndarray, axis=None) -> np.ndarray:
+    """TRL's nanstd: the Bessel-corrected std of the non-NaN values (NaN for fewer than two)."""
+    mean = np.nanmean(x, axis=axis, keepdims=True)
+    variance = np.nanmean((x - mean) ** 2, axis=axis, keepdims=True)
+    count = np.sum(~np.isnan(x), axis=axis, keepdims=True).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        variance = variance * np.where(count > 1, count / (count - 1), np.nan)
+    std = np.sqrt(variance).astype(np.float32)
+    return std.reshape(()) if axis is None else np.squeeze(std, axis=axis)
+
+
+def group_advantages(rewards_per_func: np.ndarray, weights: np.ndarray, num_generations: int,
+                     scale_rewards: str = "group") -> dict[str, np.ndarray]:
+    """{"advantages", "rewards", "std", "zero_std"} of a round: rewards_per_func (N, F) with NaN
+    where a function returned None, completions grouped by G consecutive rows."""
+    import warnings
+
+    rpf = np.asarray(rewards_per_func, np.float32)
+    unscorable = np.isnan(rpf).all(axis=1)
+    with warnings.catch_warnings():  # all-NaN groups: NaN means, as torch.nanmean gives
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rewards = np.nansum(rpf * np.asarray(weights, np.float32)[None, :], axis=1)
+        rewards = np.where(unscorable, np.nan, rewards).astype(np.float32)
+        grouped = rewards.reshape(-1, num_generations)
+        mean = np.repeat(np.nanmean(grouped, axis=1), num_generations).astype(np.float32)
+        if scale_rewards == "batch":
+            std = np.broadcast_to(_nanstd(rewards), rewards.shape).astype(np.float32)
+        else:  # "group", and "none", which computes it for frac_reward_zero_std only
+            std = np.repeat(_nanstd(grouped, axis=1), num_generations).astype(np.float32)
+        advantages = rewards - mean
+        if scale_rewards != "none":
+            advantages = advantages / (std + np.float32(1e-4))
+    zero_std = np.abs(std) <= 1e-8  # torch.isclose(std, 0): NaN is not close
+    return {"advantages": np.nan_to_num(advantages, nan=0.0).astype(np.float32),
+            "rewards": rewards, "std": std, "zero_std": zero_std}
+
+
+# -- the loss: pure functions of log-probs ------------------------------------------------------
+
+def token_logps(model, params, batch: dict, temperature: float, key=None):
+    """((B, N) log_softmax(logits / temperature) of each completion token, (B, N) the entropy of
+    that distribution), float32. batch: "inputs" (B, L - 1) the prompt, left-padded, then the
+    completion; "attention" (B, L - 1); "completion" (B, N) the completion's ids: the last N
+    positions' targets."""
+    N = batch["completion"].shape[1]
+    logits = model.apply({"params": params}, batch["inputs"], attention_mask=batch["attention"],
+                         rngs={} if key is None else {"dropout": key})
+    logits = logits[:, -N:].astype(jnp.float32) / temperature
+    logp_BNV = jax.nn.log_softmax(logits, axis=-1)
+    logps = jnp.take_along_axis(logp_BNV, batch["completion"][..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_BNV) * logp_BNV, axis=-1)
+    return logps, entropy
+
+
+def policy_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type: str,
+                epsilon_low: float, epsilon_high: float, beta: float,
+                max_completion_length: int, normalizer=None):
+    """(loss, metrics) of B completions: logps, old_logps (None: logps with its gradient stopped),
+    ref_logps (used where beta > 0), mask (B, N); advantages (B,). normalizer: dapo's, the
+    completion tokens of the whole round / grad_accum."""
+    mask = mask.astype(jnp.float32)
+    old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps
+    ratio = jnp.exp(logps - old)
+    clipped = jnp.clip(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    A = advantages[:, None]
+    per_token = -jnp.minimum(ratio * A, clipped * A)
+    metrics = {}
+    if beta != 0.0:
+        # TRL 1.16's default (use_bias_correction_kl): times the ratio, so that its gradient is
+        # the reverse KL's, unbiased (the ratio's value is 1 on the sampling policy, its
+        # gradient is not 0)
+        kl = (jnp.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
+        per_token = per_token + beta * kl
+        metrics["kl"] = _masked_mean(kl, mask)
+    if loss_type == "grpo":
+        loss = jnp.mean(jnp.sum(per_token * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))
+    elif loss_type == "bnpo":
+        loss = jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    elif loss_type == "dr_grpo":
+        loss = jnp.sum(per_token * mask) / (per_token.shape[0] * max_completion_length)
+    elif loss_type == "dapo":
+        loss = jnp.sum(per_token * mask) / jnp.maximum(normalizer, 1.0)
+    else:
+        raise BridgeError(f"unknown loss type {loss_type!r} (expected {', '.join(LOSS_TYPES)})",
+                          field="loss_type")
+    low = ((ratio < 1 - epsilon_low) & (A < 0)).astype(jnp.float32)
+    high = ((ratio > 1 + epsilon_high) & (A > 0)).astype(jnp.float32)
+    metrics.update({"clip_ratio/low_mean": _masked_mean(low, mask),
+                    "clip_ratio/high_mean": _masked_mean(high, mask),
+                    "clip_ratio/region_mean": _masked_mean(jnp.maximum(low, high), mask)})
+    return loss, metrics
+
+
+def _masked_mean(x, mask):
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def train_loss(model, spec: GrpoSpec):
+    """The micro-batch loss as a jax_llama.training.step Loss with aux metrics: policy_loss on
+    token_logps, plus the entropy and the sampler/trainer difference."""
+    def loss(params, batch, key):
+        logps, entropy = token_logps(model, params, batch, spec.temperature, key)
+        value, metrics = policy_loss(
+            logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
+            batch["mask"], loss_type=spec.loss_type, epsilon_low=spec.epsilon,
+            epsilon_high=spec.epsilon_high or spec.epsilon, beta=spec.beta,
+            max_completion_length=spec.max_completion_length, normalizer=batch["normalizer"][0])
+        mask = batch["mask"].astype(jnp.float32)
+        metrics["entropy"] = _masked_mean(jax.lax.stop_gradient(entropy), mask)
+        metrics["sampler/logp_diff_max"] = jnp.max(
+            jnp.abs(jax.lax.stop_gradient(logps) - batch["sampler_logps"]) * mask)
+        return value, metrics
+    return loss
+
+
+# -- prompts: the data, or the demo task ----------------------------------------------------------
+
+@dataclass
+class Prompt:
+    where: str          # FILE:LINE, or demo:N
+    prompt: object      # as the data gave it: a string or a list of messages
+    ids: list[int]      # rendered and encoded, ending where the completion starts
+    columns: dict       # every other column of the line
+
+
+def demo_prompts(n: int, seed: int) -> list[tuple[str, dict]]:
+    """`n` arithmetic questions, "What is A + B? Answer with the number only." over two-digit
+    A and B, with their answers: a task whose answer a program checks and that a small instruct
+    model can do but does not answer tersely (SmolLM2-135M-Instruct starts explaining)."""
+    rng = np.random.default_rng([seed, 29])
+    records = []
+    for i in range(n):
+        a, b = (int(x) for x in rng.integers(10, 100, 2))
+        records.append((f"demo:{i + 1}", {
+            "prompt": [{"role": "user",
+                        "content": f"What is {a} + {b}? Answer with the number only."}],
+            "answer": str(a + b)}))
+    return records
+
+
+def read_prompts(path: str) -> list[tuple[str, dict]]:
+    """[(FILE:LINE, record)] of a prompts JSONL (TRL's format: "prompt", a string or a list of
+    messages; every other column goes to the reward functions); anything else refused naming
+    FILE:LINE."""
+    from bridge.chat import read_json_lines
+    from bridge.preference import _check_messages
+
+    records = []
+    for where, obj in read_json_lines(path, "prompts"):
+        if not isinstance(obj, dict):
+            raise BridgeError(f"{where}: expected a JSON object (got {type(obj).__name__})")
+        if "prompt" not in obj:
+            raise BridgeError(f"{where}: no \"prompt\" (got keys "
+                              f"{', '.join(map(repr, obj)) or 'none'})")
+        prompt = obj["prompt"]
+        if isinstance(prompt, list):
+            obj = {**obj, "prompt": _check_messages(prompt, where, "prompt")}
+        elif not isinstance(prompt, str) or not prompt:
+            raise BridgeError(f"{where}: prompt: expected a non-empty string or a list of "
+                              f"messages (got {type(prompt).__name__})")
+        records.append((where, obj))
+    if not records:
+        raise BridgeError(f"{path}: no prompts (the file is empty)")
+    return records
+
+
+def encode_prompts(records, tokenizer, template, context: int, completion: int) -> list[Prompt]:
+    """Each record's prompt as ids (a string as the tokenizer encodes it, a message list
+    rendered with the chat template and its generation prompt); a prompt that leaves no room
+    for max_completion_length tokens in the model's context refused naming FILE:LINE."""
+    prompts = []
+    for where, record in records:
+        prompt = record["prompt"]
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt, bos=tokenizer.add_bos)
+        else:
+            if template is None:
+                raise BridgeError(f"{where}: a conversational prompt needs a chat template "
+                                  f"(--chat-template)")
+            ids = template.encode(prompt, tokenizer, add_generation_prompt=True)
+        if len(ids) + completion > context:
+            raise BridgeError(f"{where}: the prompt's {len(ids)} tokens and "
+                              f"max_completion_length {completion} exceed the model's context "
+                              f"({context} tokens)")
+        prompts.append(Prompt(where, prompt, list(ids),
+                              {k: v for k, v in record.items() if k != "prompt"}))
+    return prompts
+
+
+# General questions asked before and after, greedy, shown side by side: what RL on one task
+# does to the rest of what the model answers.
+GENERAL_QUESTIONS = ("What is the capital of France?", "Name three colours of the rainbow.",
+                     "Write one sentence about the sea.")
+
+
+# -- the inputs, read and checked before the run writes anything --------------------------------
+
+@dataclass
+class _Round:
+    index: int
+    rows: dict                     # numpy arrays, R rows each
+    metrics: dict
+    seconds: dict
+    logged: list                   # a few completions as text
+
+
+@dataclass
+class GrpoInputs:
+    """A GRPO run's inputs: tokenizer, model config, chat template, the encoded prompts and the
+    reward functions, all checked before the run writes anything; then (start) the model and
+    the round being trained on."""
+
+    spec: RunSpec
+    tokenizer: object
+    config: LlamaConfig
+    template: object | None
+    prompts: list
+    eval_prompts: list
+    rewards: list                  # bridge.rewards.Reward
+    weights: np.ndarray
+    prompt_len: int = 0            # the prompts' padded length (the longest)
+    model: object = None
+    reference: object = None
+    _round: _Round | None = None
+    _jitted: dict = field(default_factory=dict)
+    _handed: float = 0.0
+
+    @property
+    def grpo(self) -> GrpoSpec:
+        return self.spec.grpo
+
+    @property
+    def round_size(self) -> int:   # completions a round: batch_size x grad_accum
+        return self.spec.train.batch_size * self.spec.train.grad_accum
+
+    @property
+    def steps_per_round(self) -> int:
+        return self.spec.train.grad_accum * self.grpo.num_iterations
+
+    @property
+    def stop_ids(self) -> tuple:
+        return tuple(self.tokenizer.stop_ids)
+
+    def start(self, model, params) -> None:
+        """Hold the model; with beta > 0, the reference: the frozen base (LoRA: the same
+        weights with the adapters left out) or a copy of the starting weights."""
+        self.model = model
+        if self.grpo.beta > 0:
+            from ..lora import split
+
+            base = model.clone(lora=None)
+            if model.lora is not None:
+                if model.lora.train_embeddings:
+                    raise BridgeError("the reference is the frozen base, so the embedding table "
+                                      "must stay frozen (drop --lora-train-embeddings)",
+                                      field="lora")
+                self.reference = (base, None, lambda p: split(p)[0])
+            else:
+                self.reference = (base, jax.tree.map(lambda x: x.copy(), params), None)
+        say(f"{len(self.prompts):,} prompts ({len(self.eval_prompts):,} held out); a round: "
+            f"{self.round_size // self.grpo.num_generations} prompts x "
+            f"{self.grpo.num_generations} completions of up to "
+            f"{self.grpo.max_completion_length} tokens, {self.grpo.num_iterations} update(s) of "
+            f"{self.spec.train.grad_accum} micro-batch(es) of {self.spec.train.batch_size}; "
+            f"rewards: {', '.join(r.name for r in self.rewards)}")
+
+    # -- a round ------------------------------------------------------------------------------
+
+    def _round_prompts(self, index: int) -> list[Prompt]:
+        """The prompts of round `index`: the next P of a seeded order, reshuffled each pass."""
+        P, n, seed = self.round_size // self.grpo.num_generations, len(self.prompts), \
+            self.spec.train.seed
+        chosen = []
+        for k in range(index * P, (index + 1) * P):
+            order = np.random.default_rng([seed, 31, k // n]).permutation(n)
+            chosen.append(self.prompts[order[k % n]])
+        return chosen
+
+    def _roll(self, params, index: int, step: int, total: int) -> _Round:
+        """Sample round `index` from `params`, score it, and make its rows."""
+        from bridge.sampling import Sampler
+
+        from ..inference.generate import generate
+
+        g, N = self.grpo, self.grpo.max_completion_length
+        G = g.num_generations
+        prompts = [p for p in self._round_prompts(index) for _ in range(G)]
+        started = time.perf_counter()
+        out = generate(self.model, params, [p.ids for p in prompts], N,
+                       Sampler(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p),
+                       self.stop_ids, key=jax.random.fold_in(
+                           jax.random.key(self.spec.train.seed), index),
+                       tempered_logprobs=True)
+        generated = time.perf_counter()
+        stops = set(self.stop_ids)
+        texts = [self.tokenizer.decode([t for t in ids if t not in stops]) for ids in out.tokens]
+        truncated = np.array([not (ids and ids[-1] in stops) for ids in out.tokens])
+        completions = [t if isinstance(p.prompt, str) else [{"role": "assistant", "content": t}]
+                       for p, t in zip(prompts, texts)]
+        columns = {k: [p.columns.get(k) for p in prompts]
+                   for k in dict.fromkeys(k for p in prompts for k in p.columns)}
+        logged_metrics = {}
+        rpf = score(self.rewards, [p.prompt for p in prompts], completions,
+                    [list(ids) for ids in out.tokens], columns,
+                    trainer_state=_TrainerState(step, total),
+                    log_metric=lambda name, value: logged_metrics.__setitem__(name, value))
+        adv = group_advantages(rpf, self.weights, G, g.scale_rewards)
+        scored = time.perf_counter()
+        rows = self._rows(prompts, out, truncated, adv["advantages"])
+        lengths = np.array([len(ids) for ids in out.tokens], np.float32)
+        metrics = {"reward": float(np.nanmean(adv["rewards"])),
+                   "reward_std": float(_nanstd(adv["rewards"])),
+                   "frac_reward_zero_std": float(adv["zero_std"].mean()),
+                   "completions/mean_length": float(lengths.mean()),
+                   "completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": float(truncated.mean()),
+                   **{f"rewards/{r.name}/mean": float(np.nanmean(rpf[:, j]))
+                      if not np.isnan(rpf[:, j]).all() else float("nan")
+                      for j, r in enumerate(self.rewards)},
+                   **{k: float(v) for k, v in logged_metrics.items()}}
+        if g.num_iterations > 1:  # the sampling policy's log-probs, as the trainer computes them
+            rows["old_logps"] = self._logps(self.model, params, rows)
+        if g.beta > 0:
+            model, copy, strip = self.reference
+            rows["ref_logps"] = self._logps(model, copy if copy is not None else strip(params),
+                                            rows, ref=True)
+        logged = [{"step": step + 1, "round": index, "prompt": _as_text(p.prompt),
+                   "completion": t, "rewards": {r.name: None if np.isnan(rpf[i, j])
+                                                else float(rpf[i, j])
+                                                for j, r in enumerate(self.rewards)},
+                   "advantage": float(adv["advantages"][i])}
+                  for i, (p, t) in enumerate(zip(prompts, texts)) if i < 2]
+        seconds = {"generation": generated - started, "scoring": scored - generated}
+        return _Round(index, rows, metrics, seconds, logged)
+
+    def _rows(self, prompts, out, truncated, advantages) -> dict:
+        """The round's rows: the prompt left-padded to prompt_len, then the completion
+        right-padded to max_completion_length; its mask up to and including the stop token (all
+        0 for a truncated completion with mask_truncated_completions)."""
+        R, P, N = len(prompts), self.prompt_len, self.grpo.max_completion_length
+        tokens = np.zeros((R, P + N), np.int32)
+        attention = np.zeros((R, P + N), np.int32)
+        sampler = np.zeros((R, N), np.float32)
+        mask = np.zeros((R, N), np.float32)
+        for i, (p, ids, logps) in enumerate(zip(prompts, out.tokens, out.logprobs)):
+            tokens[i, P - len(p.ids):P], attention[i, P - len(p.ids):P] = p.ids, 1
+            tokens[i, P:P + len(ids)], attention[i, P:P + len(ids)] = ids, 1
+            sampler[i, :len(ids)] = logps
+            mask[i, :len(ids)] = 0.0 if (truncated[i] and self.grpo.mask_truncated_completions) \
+                else 1.0
+        A = self.spec.train.grad_accum
+        return {"inputs": tokens[:, :-1], "attention": attention[:, :-1],
+                "completion": tokens[:, P:], "mask": mask, "sampler_logps": sampler,
+                "advantages": advantages.astype(np.float32),
+                # per row (a batch is split by rows over the mesh), the same in every row
+                "normalizer": np.full((R,), mask.sum() / A, np.float32)}
+
+    def _logps(self, model, params, rows: dict, ref: bool = False) -> np.ndarray:
+        """(R, N) token log-probs of the round's rows under `params`, micro-batch by
+        micro-batch, without gradients."""
+        key = ("ref" if ref else "old")
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(
+                lambda p, b: token_logps(model, p, b, self.grpo.temperature)[0])
+        B = self.spec.train.batch_size
+        parts = [np.asarray(self._jitted[key](params, {k: rows[k][i:i + B] for k in (
+            "inputs", "attention", "completion")})) for i in range(0, len(rows["mask"]), B)]
+        return np.concatenate(parts)
+
+    def batch(self, step: int, params, total: int) -> dict:
+        """Micro-batch `step`: a new round (sampled from `params`) at each round's first step,
+        then the round's rows in order, num_iterations times over."""
+        index = step // self.steps_per_round
+        if self._round is None or self._round.index != index:
+            self._round = self._roll(params, index, step, total)
+        B, A = self.spec.train.batch_size, self.spec.train.grad_accum
+        m = step % A
+        self._handed = time.perf_counter()
+        return {k: v[m * B:(m + 1) * B] for k, v in self._round.rows.items()}
+
+    def step_figures(self, step: int) -> dict:
+        """The host's figures of micro-batch `step`, after it ran: the round's rewards and
+        lengths and its generation and scoring times on the round's first step; the update's
+        time on each; the sampler/trainer difference only where both were the same policy
+        (the round's first update)."""
+        figures = {"time/update": time.perf_counter() - self._handed}
+        first = step % self.steps_per_round == 0
+        if first:
+            figures.update(self._round.metrics)
+            figures.update({f"time/{k}": v for k, v in self._round.seconds.items()})
+            self._log_completions()
+        return figures
+
+    def drop(self, step: int) -> set:
+        """Names of the device figures that do not hold at micro-batch `step`: the sampler's
+        difference is only meaningful while the weights are those that sampled."""
+        return set() if step % self.steps_per_round < self.spec.train.grad_accum else \
+            {"sampler/logp_diff_max"}
+
+    def _log_completions(self) -> None:
+        path = self.spec.out / "completions.jsonl"
+        if self._round.logged:
+            with open(path, "a", encoding="utf-8") as f:
+                for record in self._round.logged:
+                    f.write(json.dumps(record) + "\n")
+
+    # -- held-out scoring -----------------------------------------------------------------------
+
+    def evaluate(self, model, params, answers: bool = False) -> dict:
+        """The held-out prompts, greedy, scored by the same rewards: eval/reward and each
+        function's mean (with answers: the general questions' replies too)."""
+        from bridge.sampling import Sampler
+
+        from ..inference.generate import generate
+
+        held = self.eval_prompts
+        N = self.grpo.max_completion_length
+        stops = set(self.stop_ids)
+        B = max(1, min(len(held), self.spec.train.batch_size))
+        texts, ids_all = [], []
+        for i in range(0, len(held), B):
+            part = held[i:i + B]
+            out = generate(model, params, [p.ids for p in part], N, Sampler(), self.stop_ids)
+            ids_all += [list(ids) for ids in out.tokens]
+            texts += [self.tokenizer.decode([t for t in ids if t not in stops])
+                      for ids in out.tokens]
+        completions = [t if isinstance(p.prompt, str) else [{"role": "assistant", "content": t}]
+                       for p, t in zip(held, texts)]
+        columns = {k: [p.columns.get(k) for p in held]
+                   for k in dict.fromkeys(k for p in held for k in p.columns)}
+        rpf = score(self.rewards, [p.prompt for p in held], completions, ids_all, columns,
+                    trainer_state=_TrainerState(0, 0), log_metric=lambda name, value: None)
+        rewards = np.nansum(rpf * self.weights[None, :], axis=1)
+        result = {"eval/reward": float(np.mean(rewards)),
+                  **{f"eval/rewards/{r.name}/mean": float(np.nanmean(rpf[:, j]))
+                     if not np.isnan(rpf[:, j]).all() else float("nan")
+                     for j, r in enumerate(self.rewards)}}
+        say(f"held-out prompts ({len(held)}), greedy: reward {result['eval/reward']:.3f}"
+            + "".join(f", {r.name} {result[f'eval/rewards/{r.name}/mean']:.3f}"
+                      for r in self.rewards))
+        if answers:
+            result["samples"] = [{"prompt": _as_text(p.prompt), "completion": t}
+                                 for p, t in list(zip(held, texts))[:4]]
+            result["general"] = self.general_answers(model, params)
+        return result
+
+    def general_answers(self, model, params) -> list[dict]:
+        """Greedy replies (48 tokens at most, fewer where the context is shorter) to
+        GENERAL_QUESTIONS, in the chat template when there is one."""
+        from bridge.sampling import Sampler
+
+        from ..inference.generate import generate
+
+        if self.template is not None:
+            ids = [self.template.encode([{"role": "user", "content": q}], self.tokenizer,
+                                        add_generation_prompt=True) for q in GENERAL_QUESTIONS]
+        else:
+            ids = [self.tokenizer.encode(q, bos=self.tokenizer.add_bos)
+                   for q in GENERAL_QUESTIONS]
+        room = self.config.max_seq_len - max(map(len, ids))
+        if room < 1:
+            return []
+        out = generate(model, params, ids, min(48, room), Sampler(), self.stop_ids)
+        stops = set(self.stop_ids)
+        return [{"question": q, "answer": self.tokenizer.decode(
+            [t for t in toks if t not in stops]).strip()}
+            for q, toks in zip(GENERAL_QUESTIONS, out.tokens)]
+
+
+class _TrainerState:
+    """What a reward function sees of the run as TRL's `trainer_state`: the step."""
+
+    def __init__(self, step: int, total: int):
+        self.global_step, self.max_steps = step, total
+
+
+def _as_text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else "\n".join(
+        f"{m['role']}: {m['content']}" for m in prompt)
+
+
+def grpo_inputs(spec: RunSpec, init=None) -> GrpoInputs:
+    """Read and check a GRPO run's inputs before anything is written: the reward functions (each
+    importable and callable), the prompts (FILE:LINE for a malformed line or one too long for
+    the context with the completion budget), the batch (a whole number of groups)."""
+    from bridge.chat import find_template
+
+    g, tc = spec.grpo, spec.train
+    if not spec.init and not spec.resume:
+        raise BridgeError("GRPO starts from a trained model: give --init CHECKPOINT",
+                          field="init")
+    if (tc.batch_size * tc.grad_accum) % g.num_generations:
+        raise BridgeError(f"batch_size x grad_accum = {tc.batch_size * tc.grad_accum} completions "
+                          f"a round is not a whole number of groups of num_generations "
+                          f"{g.num_generations}", field="batch_size")
+    specs = g.rewards or (DEMO_REWARDS if g.data is None else ())
+    if not specs:
+        raise BridgeError("give at least one --reward (FILE.py:FUNC, regex:PATTERN, or a "
+                          "built-in: exact_answer, number_only)", field="reward")
+    rewards = [load_reward(s) for s in specs]
+    weights = np.ones(len(rewards), np.float32) if g.reward_weights is None else \
+        np.asarray(g.reward_weights, np.float32)
+    if len(weights) != len(rewards):
+        raise BridgeError(f"{len(weights)} weights for {len(rewards)} rewards",
+                          field="reward_weights")
+    seed = tc.seed
+    records = read_prompts(g.data) if g.data else demo_prompts(g.demo_prompts, seed)
+    if g.eval_data:
+        eval_records = read_prompts(g.eval_data)
+    else:
+        from .sft import hold_out
+
+        records, eval_records = hold_out(records, g.eval_fraction, seed,
+                                         f"{len(records)} prompt; at least two are needed to "
+                                         f"hold one out (or pass --eval-data)")
+    eval_records = eval_records[:g.eval_prompts]
+    if init is None:
+        init = open_init(spec)
+    tokenizer = run_tokenizer(spec, init, lambda: [], "the prompts")
+    config = run_config(spec, init, tokenizer, rows_of_seq_len=False)
+    template = None
+    if any(not isinstance(r["prompt"], str) for _, r in records + eval_records):
+        template = find_template(spec.out if spec.resume else init, tokenizer,
+                                 None if spec.resume else g.chat_template)
+    context = config.max_seq_len
+    prompts = encode_prompts(records, tokenizer, template, context, g.max_completion_length)
+    eval_prompts = encode_prompts(eval_records, tokenizer, template, context,
+                                  g.max_completion_length)
+    inputs = GrpoInputs(spec, tokenizer, config, template, prompts, eval_prompts, rewards,
+                        weights)
+    inputs.prompt_len = max(len(p.ids) for p in prompts)
+    if inputs.prompt_len + g.max_completion_length > context:
+        raise BridgeError(f"the longest prompt ({inputs.prompt_len} tokens) and "
+                          f"max_completion_length {g.max_completion_length} exceed the model's "
+                          f"context ({context})", field="max_completion_length")
+    return inputs
+
+
+def plot_rewards(out: Path) -> str | None:
+    """out/reward.png: each round's mean reward and each held-out evaluation's, over steps
+    (None where matplotlib is not installed)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    train = [r for r in records if "reward" in r]
+    held = [r for r in records if "eval/reward" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["reward"] for r in train], lw=0.8, alpha=0.7,
+            label="sampled completions (mean reward of the round)")
+    ax.plot([r.get("step", 0) for r in held], [r["eval/reward"] for r in held], "o-",
+            label="held-out prompts, greedy")
+    ax.set(xlabel="step", ylabel="reward", title=out.name)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "reward.png", dpi=120)
+    plt.close(fig)
+    return str(out / "reward.png")
+
+
+def eval_scalars(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in ("samples", "general")}
+
+
+__all__ = ["GrpoInputs", "Reward", "RewardFailed", "group_advantages", "policy_loss",
+           "token_logps", "train_loss", "grpo_inputs", "demo_prompts"]
