@@ -397,6 +397,29 @@ def test_a_run_writes_trl_metrics(byte_model, tmp_path):
     assert "held-out prompts (1, greedy): reward:" in whole.stdout  # 10% of 12
 
 
+def test_lora_kl_iterations_and_accumulation(byte_model, tmp_path):
+    """LoRA with the KL to the base (--beta), two updates a round (--num-iterations 2, the old
+    policy's log-probs recomputed at sampling) of two micro-batches (--grad-accum 2): a round is
+    4 steps; kl is logged, the sampler's difference only in each round's first update, and the
+    ratio moves off 1 in the second (clip_ratio, kl > 0 once the adapters moved)."""
+    data = _prompts(tmp_path / "prompts.jsonl")
+    run = [*RUN]
+    run[run.index("--steps") + 1] = "8"
+    run[run.index("--batch-size") + 1] = "4"
+    done = _cli("--init", byte_model, "--data", data, "--reward", _length_reward(tmp_path),
+                "--beta", "0.04", "--num-iterations", "2", "--grad-accum", "2",
+                "--lora-rank", "4", "--epsilon", "0.0001", *run, "--out", tmp_path / "run")
+    assert done.returncode == 0, done.stderr
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+             .splitlines()]
+    steps = [r for r in steps if "loss" in r]
+    assert [("reward" in r) for r in steps] == [True, False, False, False] * 2  # a round: 4 steps
+    assert [("sampler/logp_diff_max" in r) for r in steps] == [True, True, False, False] * 2
+    assert all("kl" in r for r in steps) and steps[-1]["kl"] > 0
+    assert max(r["clip_ratio/region_mean"] for r in steps[2:4] + steps[6:]) > 0
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_a_run_stopped_by_sigterm_resumes_bitwise(byte_model, tmp_path, monkeypatch, capsys):
     """The same run whole, and stopped by SIGTERM at step 2 then resumed: the same weights, bit
     for bit (each round's prompts and sampling key depend on the step only)."""

@@ -103,10 +103,13 @@ def token_logps(model, params, batch: dict, temperature: float, key=None):
     that distribution), float32. batch: "inputs" (B, L - 1) the prompt, left-padded, then the
     completion; "attention" (B, L - 1); "completion" (B, N) the completion's ids: the last N
     positions' targets."""
-    N = batch["completion"].shape[1]
+    (B, N), S = batch["completion"].shape, batch["inputs"].shape[1]
+    # the vocabulary projection of the last N positions only: those that predict the completion
+    head_at = jnp.broadcast_to(jnp.arange(S - N, S), (B, N))
     logits = model.apply({"params": params}, batch["inputs"], attention_mask=batch["attention"],
-                         rngs={} if key is None else {"dropout": key})
-    logits = logits[:, -N:].astype(jnp.float32) / temperature
+                         head_at=head_at, method="run",
+                         rngs={} if key is None else {"dropout": key}).logits
+    logits = logits.astype(jnp.float32) / temperature
     logp_BNV = jax.nn.log_softmax(logits, axis=-1)
     logps = jnp.take_along_axis(logp_BNV, batch["completion"][..., None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_BNV) * logp_BNV, axis=-1)

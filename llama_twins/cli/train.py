@@ -138,7 +138,7 @@ def cmd_dpo(args) -> int:
 
 
 # GRPO's demo (no --data): arithmetic questions, a short completion budget, LoRA by default.
-GRPO_DEMO = {"steps": 150, "batch_size": 32, "max_completion_length": 16, "lora_rank": 16,
+GRPO_DEMO = {"steps": 50, "batch_size": 32, "max_completion_length": 16, "lora_rank": 16,
              "eval_every": 25, "checkpoint_every": 25}
 # GRPO's learning rates when none is given: TRL's default for full fine-tuning (1e-6), and a
 # larger one for LoRA's adapters, which start at zero.
