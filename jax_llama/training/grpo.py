@@ -601,9 +601,9 @@ def grpo_inputs(spec: RunSpec, init=None) -> GrpoInputs:
     return inputs
 
 
-def plot_rewards(out: Path) -> str | None:
-    """out/reward.png: each round's mean reward and each held-out evaluation's, over steps
-    (None where matplotlib is not installed)."""
+def plot_rewards(out: Path, before: float | None = None) -> str | None:
+    """out/reward.png: each round's mean reward and each held-out evaluation's over steps, from
+    `before` (the held-out reward at step 0) on (None where matplotlib is not installed)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     try:
         import matplotlib
@@ -616,8 +616,9 @@ def plot_rewards(out: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in train], [r["reward"] for r in train], lw=0.8, alpha=0.7,
             label="sampled completions (mean reward of the round)")
-    ax.plot([r.get("step", 0) for r in held], [r["eval/reward"] for r in held], "o-",
-            label="held-out prompts, greedy")
+    start = [] if before is None else [(0, before)]
+    points = start + [(r.get("step", 0), r["eval/reward"]) for r in held]
+    ax.plot([s for s, _ in points], [v for _, v in points], "o-", label="held-out prompts, greedy")
     ax.set(xlabel="step", ylabel="reward", title=out.name)
     ax.legend()
     fig.tight_layout()

@@ -249,7 +249,8 @@ def train(spec: RunSpec) -> dict:
                     "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": None,
                     "sample": ""}
         tokenizer.save(spec.out / "model")
-        plot = (grpo_lib.plot_rewards(spec.out) if spec.grpo else
+        plot = (grpo_lib.plot_rewards(spec.out, scores.get("before", {}).get("eval/reward"))
+                if spec.grpo else
                 plot_losses(spec.out, unigram, "DPO loss" if spec.dpo else None))
         summary = {"steps": tc.steps, "train_loss": last["loss"], "val_loss": last["val_loss"],
                    "unigram_loss": unigram, "model": str(spec.out / "model"), "plot": plot}

