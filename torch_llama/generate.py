@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
+from bridge.conversation import shared_prefix
 from bridge.inputs import check_ids, pad_rows
 from bridge.sampling import Generation, Sampler, check_generation
 
@@ -102,3 +104,64 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
             out = model.run(next_B[:, None], cache=cache)
     return Generation(tokens, logprobs)
 # --8<-- [end:decode]
+
+
+# -- a cache kept between replies (chat) -----------------------------------------------------------
+
+class ChatSession:
+    """One conversation's KV cache, kept between replies, so that a reply prefills only the ids
+    its prompt does not share with those already in the cache: jax_llama's ChatSession, with the
+    same attributes (`cached`, `prefilled`, `reused`) and the same rules. The cache holds the ids
+    of the last prompt and of its reply but the last token; cutting it back to the ids a new
+    prompt shares with them is moving its index (one row, no padding: slot i holds id i)."""
+
+    def __init__(self, model: Llama, max_new_tokens: int, sampler: Sampler = Sampler(),
+                 stop_ids: Sequence[int] = (), seed: int = 0):
+        self.model, self.max_new_tokens, self.sampler = model, max_new_tokens, sampler
+        self.stop_ids = tuple(stop_ids)
+        device = model.norm.weight.device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.cache: KVCache | None = None
+        self.cached: list[int] = []
+        self.prefilled = self.reused = 0
+
+    def forget(self) -> None:
+        """Drop the cache: the next reply prefills its whole prompt."""
+        self.cache, self.cached = None, []
+
+    def reply(self, ids: Sequence[int],
+              on_token: Callable[[int, int], None] | None = None) -> list[int]:
+        """Continue `ids` -> the new ids (up to and including a stop id); on_token(0, id) hears
+        each as it is produced. An interrupted reply (KeyboardInterrupt) leaves no cache behind."""
+        c, ids = self.model.config, [int(i) for i in ids]
+        limit = check_generation([ids], self.max_new_tokens, c)
+        check_ids(np.asarray([ids]), c.vocab_size)
+        start = min(shared_prefix(self.cached, ids), len(ids) - 1)
+        weight = self.model.norm.weight  # the model's dtype (the embedding may be int8)
+        need = len(ids) + limit
+        cache, self.cache, self.cached = self.cache, None, []  # rebuilt below once the reply ends
+        with torch.inference_mode():
+            if cache is None or cache.length < need:
+                grown = KVCache.create(c, 1, max(need, 2 * (cache.length if cache else 0)),
+                                       weight.dtype, weight.device)
+                if cache is not None:
+                    grown.k[:, :, :, :start], grown.v[:, :, :, :start] = (
+                        cache.k[:, :, :, :start], cache.v[:, :, :, :start])
+                cache = grown
+            cache.index = start
+            cache.valid[:, start:] = False
+            cache.valid[:, :start] = True
+            cache.positions.fill_(start)
+            out = self.model.run(torch.tensor([ids[start:]], device=weight.device), cache=cache)
+            new = []
+            for step in range(limit):
+                token = int(sample(out.logits[:, -1], self.sampler, self.generator)[0])
+                new.append(token)
+                if on_token is not None:
+                    on_token(0, token)
+                if token in self.stop_ids or step == limit - 1:
+                    break
+                out = self.model.run(torch.tensor([[token]], device=weight.device), cache=cache)
+        self.cache, self.cached = cache, ids + new[:-1]
+        self.prefilled, self.reused = len(ids) - start, start
+        return new

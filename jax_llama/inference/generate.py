@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from bridge.conversation import shared_prefix
 from bridge.errors import BridgeError
 from bridge.inputs import pad_rows
 from bridge.sampling import Generation, Sampler, check_generation
@@ -236,3 +237,104 @@ def _stream(params, d: Decoding, max_new_tokens: int, stops, static: dict,
         d, token_B, done_B = ahead
     return d
 
+
+
+# -- a cache kept between replies (chat) -----------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("model", "sampler", "n_max"))
+def _extend(params, cache: KVCache, start, tokens_1S, n, stop_ids, key, *, model, sampler,
+            n_max: int) -> Decoding:
+    """Keep the cache's first `start` slots, write the first n of tokens_1S (right-padded to a
+    bucket) after them, and choose the first new token from the logits of token n - 1. The cache
+    holds one row whose slots are its tokens in order, so cutting it back is setting its index."""
+    T, S = cache.length, tokens_1S.shape[1]
+    cache = cache.replace(index=start, valid=(jnp.arange(T) < start)[None],
+                          positions=jnp.full((1,), start, jnp.int32))
+    valid_1S = (jnp.arange(S) < n)[None]
+    out = model.apply({"params": params}, tokens_1S, attention_mask=valid_1S, cache=cache,
+                      head_at=jnp.full((1, 1), n - 1, jnp.int32), method="run")
+    key, sub = jax.random.split(key)
+    token_B, logprob_B = _pick(out.logits[:, 0], sub, sampler)
+    # the padding's slots are free again: the next token is written right after the n
+    cache = out.cache.replace(index=start + n)
+    begin = Decoding(step=jnp.zeros((), jnp.int32), cache=cache, token_B=token_B,
+                     done_B=jnp.zeros((1,), bool), tokens_BN=jnp.zeros((1, n_max), jnp.int32),
+                     logprobs_BN=jnp.zeros((1, n_max), jnp.float32), key=key)
+    return _emit(begin, token_B, logprob_B, stop_ids)
+
+
+def _grown(cache: KVCache, length: int) -> KVCache:
+    """The cache with `length` slots, its contents kept in the first ones."""
+    more = length - cache.length
+    slots = ((0, 0),) * 3 + ((0, more), (0, 0))
+    return cache.replace(k=jnp.pad(cache.k, slots), v=jnp.pad(cache.v, slots),
+                         valid=jnp.pad(cache.valid, ((0, 0), (0, more))))
+
+
+class ChatSession:
+    """One conversation's KV cache, kept between replies, so that a reply prefills only the ids
+    its prompt does not share with those already in the cache.
+
+    `reply(ids, on_token)` continues `ids` (the whole conversation so far, as
+    bridge.conversation.Conversation renders it) up to max_new_tokens ids. The cache holds the ids
+    of the last prompt and of its reply but the last token (the decode loop feeds a token only to
+    produce the next); a new prompt that starts with all of them prefills only its new ids, one
+    that differs earlier (a template that renders earlier turns differently, dropped turns, a
+    reply tokenised differently when read back) prefills from the first id that differs.
+    `prefilled` and `reused` say how many of the last prompt's ids took each way. The same decode
+    loop as generate(); the cache grows by powers of two as the conversation does.
+    """
+
+    def __init__(self, model, params, max_new_tokens: int, sampler: Sampler = Sampler(),
+                 stop_ids: Sequence[int] = (), seed: int = 0):
+        if len(stop_ids) > _MAX_STOP_IDS:
+            raise BridgeError(f"at most {_MAX_STOP_IDS} (got {len(stop_ids)})", field="stop_ids")
+        self.model, self.params, self.sampler = model, params, sampler
+        self.max_new_tokens, self.stop_ids = max_new_tokens, tuple(stop_ids)
+        self.stops = np.full((_MAX_STOP_IDS,), -1, np.int32)
+        self.stops[:len(stop_ids)] = stop_ids
+        self.key = jax.random.key(seed)
+        self.cache: KVCache | None = None
+        self.cached: list[int] = []  # the ids whose keys and values the cache holds, in order
+        self.prefilled = self.reused = 0
+
+    def forget(self) -> None:
+        """Drop the cache: the next reply prefills its whole prompt."""
+        self.cache, self.cached = None, []
+
+    def reply(self, ids: Sequence[int],
+              on_token: Callable[[int, int], None] | None = None) -> list[int]:
+        """Continue `ids` -> the new ids (up to and including a stop id). on_token(0, id) hears
+        each as it is produced (the decode then returns to the host after every token). A reply
+        interrupted (KeyboardInterrupt) leaves no cache behind: its state was handed to the
+        compiled loop, and the next reply prefills from the start."""
+        config, ids = self.model.config, [int(i) for i in ids]
+        limit = check_generation([ids], self.max_new_tokens, config)
+        check_inputs(np.asarray([ids], np.int32), config.vocab_size)
+        # at least the last id is prefilled: its logits choose the first new token
+        start = min(shared_prefix(self.cached, ids), len(ids) - 1)
+        n = len(ids) - start
+        S = bucket(n, config.max_seq_len)
+        need = max(start + S, len(ids) + self.max_new_tokens)
+        if self.cache is None or self.cache.length < need:
+            length = max(need, bucket(need, config.max_seq_len))
+            self.cache = (KVCache.create(config, 1, length, self.model.dtype) if self.cache is None
+                          else _grown(self.cache, length))
+        tokens = np.zeros((1, S), np.int32)
+        tokens[0, :n] = ids[start:]
+        static = dict(model=self.model, sampler=self.sampler)
+        self.key, key = jax.random.split(self.key)
+        cache, self.cache, self.cached = self.cache, None, []  # handed on: donated below
+        d = _extend(self.params, cache, jnp.int32(start), tokens, jnp.int32(n), self.stops, key,
+                    n_max=self.max_new_tokens, **static)
+        if on_token is None:
+            d = _decode(self.params, d, jnp.int32(limit), self.stops, **static)[0]
+        else:
+            d = _stream(self.params, d, limit, self.stops, static, on_token, 1)
+        steps = int(d.step)
+        new = np.asarray(d.tokens_BN)[0, :steps].tolist()
+        hits = [j for j, t in enumerate(new) if t in set(self.stop_ids)]
+        new = new[:hits[0] + 1] if hits else new
+        self.cache, self.cached = d.cache, ids + new[:steps - 1]
+        self.prefilled, self.reused = n, start
+        return new

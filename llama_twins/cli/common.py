@@ -102,8 +102,21 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the text to continue ('' starts from BOS)")
     source.add_argument("--prompt-file", help="a batch of prompts, one per line")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="tokens generated per prompt at most (default 128)")
+    add_sampling_arguments(p, max_new_tokens=128)
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the chat template as a user turn: the checkpoint's own "
+                        "(an SFT run saves it with the model), else the one its tokenizer implies")
+    p.add_argument("--chat-template", help="llama3, llama2 or a jinja file (implies --chat)")
+    p.add_argument("--system", help="a system message before each prompt (with --chat)")
+    p.add_argument("--truncate", choices=("left",), help="cut over-long prompts from the left "
+                                                         "instead of refusing them")
+    add_model_arguments(p)
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """How new tokens are chosen, and how many: what generate and chat share."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help=f"tokens generated per reply at most (default {max_new_tokens})")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature; 0 = greedy (default 0)")
     p.add_argument("--top-k", type=int, default=0,
@@ -112,15 +125,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="sample from the fewest tokens whose probabilities reach p; 1.0 = off "
                         "(default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
-    p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: the checkpoint's)")
-    p.add_argument("--chat", action="store_true",
-                   help="wrap each prompt in the chat template as a user turn: the checkpoint's own "
-                        "(an SFT run saves it with the model), else the one its tokenizer implies")
-    p.add_argument("--chat-template", help="llama3, llama2 or a jinja file (implies --chat)")
-    p.add_argument("--system", help="a system message before each prompt (with --chat)")
-    p.add_argument("--truncate", choices=("left",), help="cut over-long prompts from the left "
-                                                         "instead of refusing them")
     p.add_argument("--stop", nargs="*", default=[], help="more stop strings (each one token)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model as it is read: its tokenizer, dtype, adapter and quantisation (generate, chat)."""
+    p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: the checkpoint's)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="weights and compute (default: as stored)")
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter (PEFT format) merged into the "
                                                     "weights as they load")

@@ -1,4 +1,4 @@
-"""`jax-llama`: the JAX jobs - train, sft, dpo, grpo, generate, serve, finetune, zero-shot, predict, eval,
+"""`jax-llama`: the JAX jobs - train, sft, dpo, grpo, generate, chat, serve, finetune, zero-shot, predict, eval,
 split - and the two that also need the torch twin: `generate --compare-torch` and `bench`.
 
 Each family of subcommands lives in its own module with its parser beside its handlers (train.py,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, classify, evaluate, generate, serve, train
+from . import bench, chat, classify, evaluate, generate, serve, train
 from .common import command_main
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train.add_commands(sub)         # train, sft, dpo, grpo
     generate.add_commands(sub)
+    chat.add_commands(sub)
     serve.add_commands(sub)
     classify.add_commands(sub)      # finetune, zero-shot, predict
     evaluate.add_commands(sub)

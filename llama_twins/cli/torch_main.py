@@ -1,10 +1,11 @@
-"""`torch-llama`: the PyTorch twin's jobs (generate, eval)."""
+"""`torch-llama`: the PyTorch twin's jobs (generate, chat, eval)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .chat import add_chat_command, run_chat
 from .common import (add_command, add_eval_arguments, add_generate_arguments, command_main,
                        generation_inputs, requested_quantization, run_eval, run_generation)
 
@@ -51,6 +52,20 @@ def cmd_eval(args) -> int:
     return run_eval(args, load_model, evaluate)
 
 
+def cmd_chat(args) -> int:
+    from torch_llama import load, resolve_device
+    from torch_llama.generate import ChatSession
+
+    device = resolve_device(args.device)  # a bad --device is refused before anything is read
+
+    def open_session(checkpoint, sampler, stops):
+        model = load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype,
+                                                  adapter=args.adapter), checkpoint)
+        return ChatSession(model, args.max_new_tokens, sampler, stops, args.seed), model.config
+
+    return run_chat(args, open_session)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torch-llama", description="The PyTorch twin of jax-llama "
                                      "(CUDA, MPS, CPU).")
@@ -59,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continue prompts with a KV cache (greedy, temperature, top-k, top-p); "
                          "text streams as it is produced")
     add_generate_arguments(p)
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps... (default auto)")
+    p = add_chat_command(sub, cmd_chat)
     p.add_argument("--device", default="auto",
                    help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps... (default auto)")
     p = add_command(sub, "eval", cmd_eval,
