@@ -54,18 +54,20 @@ class Conversation:
     def ask(self, text: str) -> tuple[list[int], int]:
         """Add the user turn `text` -> (the conversation's ids up to the reply, how many of the
         oldest turns were dropped to make room now). A turn that does not fit even alone is
-        refused (and not added)."""
-        self.messages.append({"role": "user", "content": text})
+        refused, and the conversation is left as it was."""
+        turn = {"role": "user", "content": text}
+        alone = self.template.encode(self.messages[:self._first_turn] + [turn], self.tokenizer,
+                                     add_generation_prompt=True)
+        if len(alone) + self.max_new_tokens > self.max_seq_len:
+            raise BridgeError(f"this turn is {len(alone)} tokens; with max_new_tokens "
+                              f"{self.max_new_tokens} it does not fit the context of "
+                              f"{self.max_seq_len} tokens", field="max_new_tokens")
+        self.messages.append(turn)
         dropped = 0
         while True:
             ids = self.template.encode(self.messages, self.tokenizer, add_generation_prompt=True)
             if len(ids) + self.max_new_tokens <= self.max_seq_len:
                 break
-            if len(self.messages) - self._first_turn <= 1:
-                self.messages.pop()
-                raise BridgeError(f"this turn is {len(ids)} tokens; with max_new_tokens "
-                                  f"{self.max_new_tokens} it does not fit the context of "
-                                  f"{self.max_seq_len} tokens", field="max_new_tokens")
             # the oldest turn goes, and the reply to it with it: a conversation never starts with
             # an assistant turn
             del self.messages[self._first_turn]
