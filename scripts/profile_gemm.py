@@ -55,6 +55,10 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         print(json.dumps(measure(sys.argv[2])))
         return
+    if len(sys.argv) > 2 or sys.argv[1:] and sys.argv[1].startswith("-"):
+        # (an earlier run took `--help` for OUT and wrote its results into a folder of that name)
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        sys.exit(0 if sys.argv[1:] in (["--help"], ["-h"]) else 2)
     results = {}
     for framework in ("jax", "torch"):
         done = subprocess.run([sys.executable, __file__, "--worker", framework], check=True,
