@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
-from tqdm import tqdm
 
 from .dtypes import DTYPE_NAMES, numpy_dtype
 from .errors import BridgeError
 from .formats import FORMATS, Checkpoint, open_checkpoint, write_checkpoint
 from .formats.base import payload_bytes
 from .formats.safetensors_dir import DEFAULT_MAX_SHARD_SIZE
+from .progress import bar as progress_bar
 from .quantize import SCALE_SUFFIX, Quantization, check_quantizable, quantized_specs
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", re.IGNORECASE)
@@ -165,8 +165,8 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
 
     total = payload_bytes(specs)
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                  disable=not progress, desc=f"{ckpt.format} -> {to}") as bar:
+        with progress_bar(total=total, unit="B", desc=f"{ckpt.format} -> {to}",
+                          enabled=progress) as bar:
             return write_checkpoint(to, dst, ckpt.config, specs, fetch,
                                     max_shard_size=max_shard_size, overwrite=force,
                                     progress=bar.update, extra_files=extra_files, **options)

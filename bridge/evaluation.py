@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,14 +228,14 @@ def run_evaluation(score: Scorer, documents: Sequence[Document], seq_len: int, s
     """Score every document's windows with `score` (one document at a time, so that each file's
     seconds are its own) and return the report (see `report`). progress: a tqdm bar over
     windows on stderr."""
-    from tqdm import tqdm
+    from .progress import bar as progress_bar
 
     if batch_size < 1:
         raise BridgeError(f"must be a positive integer (got {batch_size})", field="batch_size")
     plans = [plan_windows(len(d.ids), seq_len, stride) for d in documents]
     nll, seconds = np.zeros(len(documents)), np.zeros(len(documents))
-    with tqdm(total=sum(map(len, plans)), unit="window", desc="scoring", file=sys.stderr,
-              disable=not progress, leave=False) as bar:
+    with progress_bar(total=sum(map(len, plans)), unit="window", desc="scoring", leave=False,
+                      enabled=progress) as bar:
         for i, (document, windows) in enumerate(zip(documents, plans)):
             started = time.perf_counter()
             for batch in window_batches(document.ids, windows, seq_len, batch_size):

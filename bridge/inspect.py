@@ -4,7 +4,6 @@ tensor for NaN and Inf values, one tensor in memory at a time."""
 from __future__ import annotations
 
 import math
-import sys
 
 import numpy as np
 
@@ -66,11 +65,11 @@ def _quantized_note(ckpt: Checkpoint) -> str:
 def scan_non_finite(ckpt: Checkpoint, progress: bool = True) -> dict[str, dict[str, int]]:
     """{tensor name: {"nan": n, "inf": m}} for every tensor holding a NaN or an infinity; empty
     when all are finite. Reads one tensor at a time, so memory is bounded by the largest one."""
-    from tqdm import tqdm
+    from .progress import bar as progress_bar
 
     bad = {}
-    with tqdm(total=ckpt.nbytes, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-              desc="scanning", leave=False, disable=not progress) as bar:
+    with progress_bar(total=ckpt.nbytes, unit="B", desc="scanning", leave=False,
+                      enabled=progress) as bar:
         for name, (shape, dtype) in ckpt.specs.items():
             nan, inf = _count_non_finite(ckpt.tensor(name))  # the tensor is freed on return
             if nan or inf:

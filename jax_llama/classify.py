@@ -16,14 +16,12 @@ torch twin loads it too (torch_llama.load_classifier).
 from __future__ import annotations
 
 import functools
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from bridge.chat import ChatTemplate, own_template
 from bridge.classification import (DEFAULT_TEMPLATE, encode_texts, read_head,
@@ -33,6 +31,7 @@ from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
 from bridge.inputs import length_batches, pad_rows
 from bridge.lora import LoraConfig
+from bridge.progress import bar as progress_bar
 from bridge.tokenizer import Tokenizer, find_tokenizer
 
 from .model.attention import choose
@@ -135,8 +134,7 @@ def predict_ids(clf: Classifier, rows: list[list[int]], batch_size: int = 64,
     lengths = np.array([len(r) for r in rows])
     out = np.zeros((len(rows), len(clf.labels)), np.float32)
     batches = length_batches(lengths, batch_size, None)
-    for idx in tqdm(batches, desc="predict", unit="batch", disable=None if progress else True,
-                    leave=False):
+    for idx in progress_bar(batches, desc="predict", unit="batch", leave=False, enabled=progress):
         length = bucket(int(lengths[idx].max()), clf.max_len)
         tokens, mask = pad_rows([rows[i] for i in idx], length, batch_size=batch_size)
         if frozen is None:
@@ -174,15 +172,16 @@ class FrozenFeatures:
 
     @classmethod
     def compute(cls, clf: Classifier, rows: list[list[int]], first_layer: int,
-                batch_size: int = 64, desc: str = "frozen blocks") -> FrozenFeatures:
+                batch_size: int = 64, desc: str = "frozen blocks",
+                progress: bool = True) -> FrozenFeatures:
         m = clf.model
         lower = Blocks(m.config, 0, first_layer, m.dtype, m.param_dtype, m.attention, m.lora,
                        m.kernels)
         run = jax.jit(lambda params, tokens, mask: lower.apply({"params": params}, tokens, mask))
         lengths = np.array([len(r) for r in rows])
         features: list[np.ndarray | None] = [None] * len(rows)
-        for idx in tqdm(length_batches(lengths, batch_size, None), desc=desc, unit="batch",
-                        file=sys.stderr, leave=False):
+        for idx in progress_bar(length_batches(lengths, batch_size, None), desc=desc,
+                                unit="batch", leave=False, enabled=progress):
             tokens, mask = pad_rows([rows[i] for i in idx],
                                     bucket(int(lengths[idx].max()), clf.max_len),
                                     batch_size=batch_size)
@@ -285,8 +284,8 @@ def continuation_logprobs(model, params, prompts: list[list[int]], continuations
     cap = max(int(lengths.max()), 16)
     conts = tuple(tuple(int(t) for t in c) for c in continuations)
     scores = np.zeros((len(prompts), len(continuations)), np.float64)
-    for idx in tqdm(length_batches(lengths, batch_size, None), desc="zero-shot", unit="batch",
-                    disable=None if progress else True, leave=False):
+    for idx in progress_bar(length_batches(lengths, batch_size, None), desc="zero-shot",
+                            unit="batch", leave=False, enabled=progress):
         S = bucket(int(lengths[idx].max()), cap)
         tokens, mask = pad_rows([prompts[i] for i in idx], S, side="left", batch_size=batch_size)
         got = np.asarray(_label_logprobs(params, tokens, mask, model=model, continuations=conts))

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import BridgeError
+from ..progress import note  # a line above an open progress bar
 
 try:
     import fcntl
@@ -80,18 +80,13 @@ def quantize_with_llama_cpp(src: str | os.PathLike, dst: str | os.PathLike, dtyp
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{ftype_name}")
     params.allow_requantize = allow_requantize
     label = ftype_name.removeprefix("MOSTLY_")
-    (stage or _above_the_bar)(f"llama.cpp: quantising {name or dst} to {label}")
-    with _llama_cpp_log(llama_cpp, warn or _above_the_bar) as errors:
+    (stage or note)(f"llama.cpp: quantising {name or dst} to {label}")
+    with _llama_cpp_log(llama_cpp, warn or note) as errors:
         status = llama_cpp.llama_model_quantize(os.fsencode(src), os.fsencode(dst),
                                                 ctypes.byref(params))
     if status != 0:
         reason = errors[-1] if errors else f"status {status}"
         raise BridgeError(f"{name or dst}: llama.cpp could not quantise it to {label} ({reason})")
-
-
-def _above_the_bar(message: str) -> None:
-    from tqdm import tqdm
-    tqdm.write(message, file=sys.stderr)  # clears an open bar's line, prints, redraws the bar
 
 
 @contextmanager

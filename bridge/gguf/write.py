@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Iterable
@@ -38,13 +37,9 @@ from ..atomic import atomic_file
 from ..config import LlamaConfig
 from ..errors import BridgeError
 from ..formats.base import Spec, check_specs
+from ..progress import note
 from .conventions import (ARCH, FILE_TYPES, LLAMA_CPP, OUR_BOS, OUR_EOS, OUR_KEY, OUTPUT_QTYPE,
                           ROPE_FREQS, gguf_dtype, gguf_name, llama3_rope_freqs)
-
-
-def _stderr(message: str) -> None:
-    from tqdm import tqdm
-    tqdm.write(message, file=sys.stderr)  # above an open progress bar (llama.cpp's warnings)
 
 
 def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec],
@@ -72,7 +67,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
     from .vocab import vocab_keys
 
     ordered = check_specs(config, specs, "tensors to write")
-    warn = warn or _stderr
+    warn = warn or note  # above an open progress bar
     stored = {d.name for _, d in ordered.values()}
     lossless = {"float16": "f16", "bfloat16": "bf16"}.get(stored.pop(), "f32") \
         if len(stored) == 1 else "f32"

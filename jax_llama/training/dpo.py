@@ -21,7 +21,6 @@ or, with precompute_ref, run once over every pair before training, and then drop
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
+from bridge.progress import bar as progress_bar
 from bridge.formats import Checkpoint
 from bridge.preference import Pair, in_order
 
@@ -280,8 +279,8 @@ class PreferenceInputs:
         self.batch_size, self.seq_len = local_batch, tc.seq_len
 
         def progress(desc):
-            return lambda it, total: tqdm(it, total=total, desc=desc, unit="batch",
-                                          file=sys.stderr, leave=False)
+            return lambda it, total: progress_bar(it, total=total, desc=desc, unit="batch",
+                                                  leave=False, enabled=self.spec.progress)
         self.eval_ref = self.reference.all_logps(params, self.eval_pairs, local_batch, tc.seq_len,
                                                  self.pad_id, progress("reference (held out)"))
         if dpo.precompute_ref:

@@ -40,11 +40,11 @@ from .tracking import Tracker, TrackingSpec
 
 
 def frozen_features(clf: Classifier, train_rows: list[list[int]], dev_rows: list[list[int]],
-                    train_layers: int | None, enabled: bool = True
+                    train_layers: int | None, enabled: bool = True, progress: bool = True
                     ) -> tuple[FrozenFeatures, FrozenFeatures] | None:
     """(train, dev) FrozenFeatures when the blocks below the top `train_layers` are frozen and
     their output for both sets fits in a quarter of the memory available; None otherwise (then
-    every step runs the whole backbone)."""
+    every step runs the whole backbone). progress: a bar for each set on stderr."""
     n = clf.model.config.n_layers
     if not enabled or train_layers is None or train_layers >= n or clf.model.scan_layers:
         return None
@@ -57,8 +57,10 @@ def frozen_features(clf: Classifier, train_rows: list[list[int]], dev_rows: list
     low = n - train_layers
     say(f"the {low} frozen blocks run once for every text ({need / 1e9:.2f} GB kept); each "
          f"step runs the top {train_layers}")
-    return (FrozenFeatures.compute(clf, train_rows, low, desc="frozen blocks (train)"),
-            FrozenFeatures.compute(clf, dev_rows, low, desc="frozen blocks (dev)"))
+    return (FrozenFeatures.compute(clf, train_rows, low, desc="frozen blocks (train)",
+                                   progress=progress),
+            FrozenFeatures.compute(clf, dev_rows, low, desc="frozen blocks (dev)",
+                                   progress=progress))
 
 
 # ----------------------------------------------------------------------------- fine-tuning
@@ -187,12 +189,13 @@ def training_batches(rows: list[list[int]], labels: np.ndarray, fc: FinetuneConf
 class RunControl:
     """How a fine-tuning run meets interruptions (jax_llama.training.state, as `train` does): resume
     from out/checkpoints, checkpoint at the end of each epoch (and when stopped by a signal),
-    and the policy for a step that is not finite."""
+    and the policy for a step that is not finite; and whether it shows progress bars on stderr."""
 
     resume: bool = False
     on_nan: str = "stop"
     max_skipped: int = 10
     keep_checkpoints: int = 2
+    progress: bool = True
 
 
 def _run_record(clf: Classifier, fc: FinetuneConfig, train: Dataset, dev: Dataset) -> dict:
@@ -273,7 +276,8 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
     best = max(history, key=lambda r: r["dev_accuracy"], default={"dev_accuracy": -1.0, "epoch": 0})
     if history and "seconds" in history[-1]:  # the time the run had taken when it stopped
         started -= history[-1]["seconds"]
-    frozen = frozen_features(clf, train_rows, dev_rows, fc.train_layers, fc.frozen_cache)
+    frozen = frozen_features(clf, train_rows, dev_rows, fc.train_layers, fc.frozen_cache,
+                             control.progress)
     train_frozen, dev_frozen = frozen or (None, None)
     step = jit_train_step(classifier_loss(clf.model if frozen is None else train_frozen.model),
                           optimizer, tc, state, trainable=labels, skip_nonfinite=nonfinite.skip)
@@ -317,7 +321,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
             raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss})")
         losses.clear()
         clf.params = params
-        logp = predict_ids(clf, dev_rows, frozen=dev_frozen)
+        logp = predict_ids(clf, dev_rows, progress=control.progress, frozen=dev_frozen)
         predictions = logp.argmax(-1)
         record = {"val_loss": float(-np.mean(logp[np.arange(len(logp)), dev.labels])),
                   "epoch": epoch, "train_loss": train_loss,
@@ -344,7 +348,7 @@ def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, 
                              desc=f"fine-tuning ({fc.epochs} epochs of {per_epoch} batches)",
                              checkpoints=checkpoints, nonfinite=nonfinite, tracker=tracker,
                              metrics=out / "metrics.jsonl", flops_per_token=None,
-                             tokens_in=real_tokens)
+                             tokens_in=real_tokens, progress=control.progress)
     clf.params = state.params
     plot = plot_losses(out, None, "cross-entropy of the labels (nats)")
     return {"best": best, "history": history, "train_truncated": train_cut,

@@ -48,6 +48,7 @@ import numpy as np
 
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
+from bridge.progress import bar as progress_bar
 from bridge.rewards import Reward, RewardFailed, load_reward, score
 
 from .inputs import open_init, run_config, run_tokenizer
@@ -483,7 +484,8 @@ class GrpoInputs:
         stops = set(self.stop_ids)
         B = max(1, min(len(held), self.spec.train.batch_size))
         texts, ids_all = [], []
-        for i in range(0, len(held), B):
+        for i in progress_bar(range(0, len(held), B), desc="held-out prompts (greedy)",
+                              unit="batch", leave=False, enabled=self.spec.progress):
             part = held[i:i + B]
             out = generate(model, params, [p.ids for p in part], N, Sampler(), self.stop_ids)
             ids_all += [list(ids) for ids in out.tokens]

@@ -31,20 +31,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from bridge.atomic import write_text
 from bridge.config import LlamaConfig
 from bridge.data_dirs import check_out_apart
 from bridge.errors import BridgeError
 from bridge.merge import merge_lora as merge_checkpoint
+from bridge.progress import bar as progress_bar
 
 from . import data as data_lib
 from ..model.attention import choose as choose_attention
@@ -231,7 +230,7 @@ def train(spec: RunSpec) -> dict:
                                 else train_flops_per_token(config, tc.seq_len),
                                 tokens_in=(lambda batch: int(batch["inputs"].size))
                                 if spec.grpo else None,
-                                host=rl if spec.grpo else None)
+                                host=rl if spec.grpo else None, progress=spec.progress)
 
         params = state.params
         if spec.lora:
@@ -296,7 +295,7 @@ def train(spec: RunSpec) -> dict:
 def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc: str,
               checkpoints: Checkpoints, nonfinite: NonFinite, tracker: Tracker,
               metrics: Path | None, flops_per_token: float | None,
-              tokens_in: Callable[[dict], int] | None = None, host=None):
+              tokens_in: Callable[[dict], int] | None = None, host=None, progress: bool = True):
     """The loop: from the state's step to tc.steps, `train_step(state, next_batch(step, state))`.
     Each step's record - step, the step's metrics (loss, grad_norm, lr, ...), tokens/s - is
     appended to `metrics` (None: this process writes nothing) and logged by `tracker`;
@@ -308,16 +307,19 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
     `flops_per_token` is given. host (GRPO's inputs): its step_figures(step) join each step's
     record, the device figures its drop(step) names leave it; a batch it cannot make
     (bridge.rewards.RewardFailed) ends the run like a NaN loss, with the last good step's
-    checkpoint. Returns (state, last): last holds the final "loss" and "val_loss" (NaN where
-    the evaluation has none)."""
+    checkpoint. progress: the bar on stderr (bridge.progress), its figures step_figures'.
+    Returns (state, last): last holds the final "loss" and "val_loss" (NaN where the evaluation
+    has none)."""
     from bridge.rewards import RewardFailed
 
     peak = measure_matmul_peak(tc.dtype) if flops_per_token else None
     last = {"loss": float("nan"), "val_loss": float("nan")}
+    evaluated = None  # the newest evaluation's figures: none yet
     start = int(state.step)
     stopped = None
     with open(metrics or os.devnull, "a") as log, \
-            tqdm(total=tc.steps, initial=start, desc=desc, unit="step", file=sys.stderr) as bar, \
+            progress_bar(total=tc.steps, initial=start, desc=desc, unit="step",
+                         enabled=progress) as bar, \
             StopSignals() as signals:
         tick = time.perf_counter()
         for step in range(start, tc.steps):
@@ -345,7 +347,8 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
             if nonfinite.skipped and nonfinite.skipped[-1] == step + 1:
                 record["skipped"] = True
             if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
-                record.update(evaluate(state.params))
+                evaluated = evaluate(state.params)
+                record.update(evaluated)
                 last["val_loss"] = record.get("val_loss", float("nan"))
                 tick = time.perf_counter()  # evaluation time is not training throughput
             if why is not None:  # too many skipped: the state itself is still good
@@ -359,16 +362,12 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
             log.flush()
             tracker.log(step + 1, record)
             last["loss"] = figures["loss"]
-            shown = {"loss": f"{figures['loss']:.3f}", "val": f"{last['val_loss']:.3f}",
-                     "tok_s": f"{tokens_per_s:,.0f}"}
-            if host is not None:  # GRPO: the last round's reward, and the held-out one
-                last.update({k: record[k] for k in ("reward", "eval/reward") if k in record})
-                shown = {"loss": f"{figures['loss']:.4f}",
-                         "reward": f"{last.get('reward', float('nan')):.3f}",
-                         "held_out": f"{last.get('eval/reward', float('nan')):.3f}"}
-            if peak:
-                shown["mfu"] = f"{tokens_per_s * flops_per_token / peak:.1%}"
-            bar.set_postfix(**shown)
+            if "reward" in record:  # GRPO: a round's reward is in the record of its first step
+                last["reward"] = record["reward"]
+            # refresh=False: the bar is drawn by update(), at its own pace (a log's is coarse)
+            bar.set_postfix(step_figures(last, tokens_per_s, evaluated, host is not None,
+                                         tokens_per_s * flops_per_token / peak if peak else None),
+                            refresh=False)
             bar.update()
             if stopped is not None:
                 break
@@ -378,6 +377,29 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
             raise RunStopped(step, tc.steps, why, checkpoints.path(step))
         raise nonfinite.diverged(why, checkpoints, checkpoints.path(step))
     return state, last
+
+
+def step_figures(last: dict, tokens_per_s: float, evaluated: dict | None, grpo: bool = False,
+                 mfu: float | None = None) -> dict[str, str]:
+    """What the progress bar shows after a step: the last "loss" and tokens/s (GRPO: the last
+    round's "reward" instead), the held-out figure of the newest evaluation - none before the
+    first, rather than a NaN that reads like a diverged run - and the MFU where it is measured.
+    evaluated: the newest evaluation's figures, or None."""
+    evaluated = evaluated or {}
+    if grpo:
+        shown = {"loss": f"{last['loss']:.4f}"}
+        if "reward" in last:
+            shown["reward"] = f"{last['reward']:.3f}"
+        if "eval/reward" in evaluated:
+            shown["held_out"] = f"{evaluated['eval/reward']:.3f}"
+    else:
+        shown = {"loss": f"{last['loss']:.3f}"}
+        if "val_loss" in evaluated:
+            shown["val"] = f"{evaluated['val_loss']:.3f}"
+        shown["tok_s"] = f"{tokens_per_s:,.0f}"
+    if mfu is not None:
+        shown["mfu"] = f"{mfu:.1%}"
+    return shown
 
 
 def _latest(checkpoints: Checkpoints) -> str:
@@ -415,8 +437,9 @@ def _corpus_batches(spec: RunSpec, files: list[Path], tokenizer, config: LlamaCo
     tokenized once into the cache beside the run, 5% held out."""
     tc = spec.train
     tokens = data_lib.tokenize_corpus(files, tokenizer, spec.out.parent / "token-cache",
-                                      progress=lambda it: tqdm(it, total=len(files), desc="tokenizing",
-                                                               unit="file", file=sys.stderr, leave=False),
+                                      progress=lambda it: progress_bar(
+                                          it, total=len(files), desc="tokenizing", unit="file",
+                                          leave=False, enabled=spec.progress),
                                       labeled=spec.strip_labels)
     train_tokens, val_tokens = data_lib.split(tokens, 0.05, tc.seq_len + 1)
     unigram = data_lib.unigram_loss(train_tokens, val_tokens, config.vocab_size)

@@ -9,18 +9,17 @@ the command shows learning on any machine with nothing downloaded.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from bridge.chat import ChatTemplate, Example, encode_example, read_chats, truncate
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint
+from bridge.progress import bar as progress_bar
 
 from ..checkpoint import load as load_checkpoint
 from . import data as data_lib
@@ -198,13 +197,16 @@ def chat_texts(chats) -> list[str]:
 # -- exact match -----------------------------------------------------------------------------------
 
 def exact_match(reply: Callable[[list[list[int]]], list[list[int]]], template: ChatTemplate,
-                tokenizer, chats, batch_size: int = 64) -> tuple[float, list[dict]]:
+                tokenizer, chats, batch_size: int = 64,
+                progress: bool = False) -> tuple[float, list[dict]]:
     """(fraction of chats whose greedy reply equals the last assistant message, stripped; one
-    record per chat). reply(prompts) -> new ids per prompt, stopped at the end of the turn."""
+    record per chat). reply(prompts) -> new ids per prompt, stopped at the end of the turn.
+    progress: a bar over the batches on stderr."""
     prompts = [template.encode(messages[:-1], tokenizer, add_generation_prompt=True)
                for _, messages in chats]
     records, stops = [], set(tokenizer.stop_ids)
-    for at in range(0, len(prompts), batch_size):
+    for at in progress_bar(range(0, len(prompts), batch_size), desc="exact match (greedy)",
+                           unit="batch", leave=False, enabled=progress):
         for (where, messages), ids in zip(chats[at:at + batch_size],
                                           reply(prompts[at:at + batch_size])):
             ids = ids[:next((i for i, t in enumerate(ids) if t in stops), len(ids))]
@@ -265,7 +267,8 @@ class ChatInputs:
             room = self.config.max_seq_len - max(map(len, prompts))
             return generate(model, params, prompts, max(1, min(longest + 4, room)), Sampler(),
                             self.tokenizer.stop_ids).tokens
-        score, records = exact_match(reply, self.template, self.tokenizer, chats)
+        score, records = exact_match(reply, self.template, self.tokenizer, chats,
+                                     progress=self.spec.progress)
         for record, (_, messages) in zip(records, chats):
             record["seen_in_training"] = prompt_key(messages) in self.train_prompts
         unseen = [r["match"] for r in records if not r["seen_in_training"]]
@@ -337,8 +340,9 @@ def replay_chats(spec: RunSpec, tokenizer, template,
     chats, dropped, batch = [], 0, 32
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     answers: dict[int, str | None] = {}
-    for start in tqdm(range(0, len(order), batch), desc=f"replay: {spec.init}'s own answers",
-                      unit="batch", file=sys.stderr, leave=False):
+    for start in progress_bar(range(0, len(order), batch),
+                              desc=f"replay: {spec.init}'s own answers", unit="batch",
+                              leave=False, enabled=spec.progress):
         rows = order[start:start + batch]
         out = generate(model, params, [ids[i] for i in rows], sft.replay_tokens,
                        stop_ids=stops).tokens

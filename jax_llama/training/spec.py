@@ -163,3 +163,5 @@ class RunSpec:
     on_nan: str = "stop"               # a step whose loss or gradients are not finite: stop
                                        # the run, or skip its update (jax_llama.training.state)
     max_skipped: int = 10              # with on_nan="skip": stop once this many were skipped
+    progress: bool = True              # progress bars on stderr (bridge.progress); not part of
+                                       # the setup either

@@ -18,8 +18,8 @@ from bridge.errors import BridgeError
 from bridge.formats import FORMATS, open_checkpoint
 from bridge.gguf.conventions import FILE_TYPES as GGUF_FILE_TYPES, LLAMA_CPP
 
-from .common import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_quantize_arguments,
-                       command_main)
+from .common import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_progress_argument,
+                     add_quantize_arguments, command_main)
 
 
 def cmd_inspect(args) -> int:
@@ -33,7 +33,7 @@ def cmd_inspect(args) -> int:
     ckpt = open_checkpoint(args.path, format=args.format)
     report = describe(ckpt)
     if not args.no_scan:
-        report["non_finite"] = scan_non_finite(ckpt, progress=not args.quiet)
+        report["non_finite"] = scan_non_finite(ckpt, progress=args.progress)
     status = EXIT_CHECK_FAILED if report.get("non_finite") else EXIT_OK
     if args.json:
         print(json.dumps(report, indent=2))
@@ -109,7 +109,7 @@ def cmd_convert(args) -> int:
     from bridge.convert import convert
 
     print(convert(args.src, args.dst, args.to, from_format=args.from_format, dtype=args.dtype,
-                  max_shard_size=args.max_shard_size, force=args.force, progress=not args.quiet,
+                  max_shard_size=args.max_shard_size, force=args.force, progress=args.progress,
                   tokenizer=args.tokenizer, quantize=args.quantize, group_size=args.group_size,
                   **writer_options(args)))
     return EXIT_OK
@@ -120,7 +120,7 @@ def cmd_merge_lora(args) -> int:
 
     print(merge_lora(args.base, args.adapter, args.dst, args.to, from_format=args.from_format,
                      dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
-                     progress=not args.quiet, tokenizer=args.tokenizer, **writer_options(args)))
+                     progress=args.progress, tokenizer=args.tokenizer, **writer_options(args)))
     return EXIT_OK
 
 
@@ -169,7 +169,7 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta-shards", type=int, help="model-parallel files for --to meta (default 1)")
     p.add_argument("--tokenizer", help="a tokenizer file (tokenizer.model / tokenizer.json) to carry "
                                        "instead of the source's, e.g. for a llama2.c checkpoint")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_progress_argument(p, "--quiet")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-scan", action="store_true",
                    help="do not read the tensors (by default every one is read once, streaming, "
                         "and NaN / Inf values are counted; exit 1 if there are any)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar for the scan")
+    add_progress_argument(p, "--quiet")  # the scan's
 
     p = add_command(sub, "convert", cmd_convert,
                     help="convert a checkpoint between formats, one tensor at a time")

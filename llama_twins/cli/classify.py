@@ -14,7 +14,7 @@ from bridge.config import preset
 from bridge.data_dirs import check_out_apart
 from bridge.errors import BridgeError
 
-from .common import EXIT_CHECK_FAILED, EXIT_OK, add_command
+from .common import EXIT_CHECK_FAILED, EXIT_OK, add_command, add_progress_argument
 from .options import (add_attention_argument, add_lora_arguments,
                       add_nonfinite_arguments, add_tracking_arguments, lora_config, say_kernels,
                       tracking_spec, with_kernels)
@@ -83,7 +83,8 @@ def cmd_finetune(args) -> int:
     if out.exists() and any(out.iterdir()) and not args.resume:
         raise BridgeError(f"{out} is not empty", field="out",
                           hint=("resume", True, "pass {} to continue that run"))
-    control = RunControl(resume=args.resume, on_nan=args.on_nan, max_skipped=args.max_skipped)
+    control = RunControl(resume=args.resume, on_nan=args.on_nan, max_skipped=args.max_skipped,
+                         progress=args.progress)
     if args.init and args.preset:
         raise BridgeError("not with --init (the backbone's config comes from the checkpoint)",
                           field="preset")
@@ -163,7 +164,7 @@ def cmd_predict(args) -> int:
     args.label_words = clf.labels
     dataset = _read_task(args, args.data, require_labels=False)
     say_kernels(args)
-    predictions, _, cut = predict(clf, dataset.texts, args.batch_size, progress=True)
+    predictions, _, cut = predict(clf, dataset.texts, args.batch_size, progress=args.progress)
     _cut_note(args.data, cut, len(dataset.examples), clf.max_len)
     _report_predictions(args, dataset, predictions, "classifier")
     return EXIT_OK
@@ -192,7 +193,8 @@ def cmd_zero_shot(args) -> int:
                                                     attention=args.attention, kernels=args.kernels))
     started = time.time()
     predictions, scores, cut = zero_shot(model, params, tokenizer, dataset.texts, labels,
-                                         args.template, args.max_len, args.batch_size, progress=True,
+                                         args.template, args.max_len, args.batch_size,
+                                         progress=args.progress,
                                          calibrate=args.calibrate, chat=chat)
     _cut_note(args.data, cut, len(dataset.examples), args.max_len or model.config.max_seq_len)
     counts = np.bincount(predictions, minlength=len(labels))
@@ -248,6 +250,7 @@ def _add_task_arguments(p, labels: bool = True) -> None:
     p.add_argument("--skip-malformed", action="store_true",
                    help="skip malformed lines (counted) instead of stopping at the first")
     p.add_argument("--batch-size", type=int, default=64, help="rows per batch (default 64)")
+    add_progress_argument(p)
 
 
 def add_commands(sub) -> None:
@@ -306,6 +309,7 @@ def add_commands(sub) -> None:
     p.add_argument("--skip-malformed", action="store_true",
                    help="skip malformed lines (counted) instead of stopping at the first")
     add_attention_argument(p, kernels=False)
+    add_progress_argument(p)
 
     p = add_command(sub, "zero-shot", cmd_zero_shot,
                     help="classify by prompting: the log-likelihood of each label word after a "

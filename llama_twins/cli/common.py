@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError, python_setting
+from bridge.progress import LOG_INTERVAL_S
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -95,6 +96,15 @@ def training_voice():
         log.propagate = before[1]
 
 
+def add_progress_argument(p: argparse.ArgumentParser, *aliases: str) -> None:
+    """--no-progress (and `aliases`, older spellings): the one flag of every command that draws
+    progress bars (bridge.progress) - its library parameter is `progress`."""
+    p.add_argument("--no-progress", *aliases, dest="progress", action="store_false",
+                   help=f"draw no progress bars on stderr (by default they redraw in place on a "
+                        f"terminal and print a line every {LOG_INTERVAL_S:.0f} s to a file or "
+                        f"pipe; TQDM_DISABLE=1 in the environment also turns them off)")
+
+
 # -- what `jax-llama generate` and `torch-llama generate` share -----------------------------------
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -135,6 +145,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter (PEFT format) merged into the "
                                                     "weights as they load")
     add_quantize_arguments(p)
+    add_progress_argument(p)  # a --prompt-file batch's decoding (one prompt streams its text)
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser,
@@ -205,20 +216,42 @@ def generation_inputs(args, load: Callable[[object], tuple]) -> tuple:
     return model, tokenizer, texts, prompts, sampler, stop_ids(tokenizer, args.stop)
 
 
-def run_generation(generate: Callable, tokenizer, texts: Sequence[str], prompts) -> int:
-    """generate(prompts, on_token) -> Generation, streamed when there is one prompt; warnings
-    (a clipped max_new_tokens) as clean lines; then the results."""
+def run_generation(generate: Callable, tokenizer, texts: Sequence[str], prompts,
+                   max_new_tokens: int, progress: bool = True) -> int:
+    """generate(prompts, on_token) -> Generation, streamed when there is one prompt, a batch
+    with a progress bar over its decode steps; warnings (a clipped max_new_tokens) as clean
+    lines; then the results."""
     import warnings
 
     from bridge.prompts import Streamer
 
     stream = Streamer(tokenizer) if len(prompts) == 1 else None
-    with warnings.catch_warnings(record=True) as caught:
+    steps = _DecodeSteps(len(prompts), max_new_tokens, enabled=progress and stream is None)
+    with warnings.catch_warnings(record=True) as caught, steps.bar:
         warnings.simplefilter("always", UserWarning)
-        result = generate(prompts, stream)
+        result = generate(prompts, stream if stream is not None else steps.on_token)
     report_warnings(w for w in caught if "donated buffers" not in str(w.message))
     print_results(tokenizer, texts, result.tokens, stream is not None)
     return EXIT_OK
+
+
+class _DecodeSteps:
+    """A bar over a batch's decode steps (max_new_tokens at most; it ends early when every row
+    has stopped), counted by on_token(row, id): None when the bar is off, and the batch then
+    decodes in one call rather than a step per call."""
+
+    def __init__(self, rows: int, max_new_tokens: int, enabled: bool):
+        from bridge.progress import bar
+
+        self.bar = bar(total=max_new_tokens, desc=f"decoding {rows} prompts", unit="step",
+                       enabled=enabled)
+        self.made = [0] * rows
+        self.on_token = self._count if enabled else None
+
+    def _count(self, row: int, token: int) -> None:
+        self.made[row] += 1
+        if self.made[row] > self.bar.n:  # the first row to reach a step
+            self.bar.update(self.made[row] - self.bar.n)
 
 
 def read_prompts(args) -> list[str]:
@@ -275,6 +308,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="one JSON object on stdout: nll_per_token, perplexity, tokens, "
                         "bits_per_byte, seconds overall and per file under \"files\"")
     add_quantize_arguments(p)
+    add_progress_argument(p)
 
 
 def run_eval(args, load: Callable[[object], object], evaluate: Callable[..., dict]) -> int:
@@ -301,7 +335,7 @@ def run_eval(args, load: Callable[[object], object], evaluate: Callable[..., dic
     documents = tokenize(texts, tokenizer)
     model = load(checkpoint)
     report = evaluate(model, documents, seq_len=seq_len, stride=stride,
-                      batch_size=args.batch_size, progress=True)
+                      batch_size=args.batch_size, progress=args.progress)
     report = {"checkpoint": str(args.checkpoint), "dtype": args.dtype or "as stored",
               "quantize": args.quantize, "group_size": args.group_size,
               "bos": tokenizer.add_bos, **report}

@@ -41,7 +41,7 @@ def cmd_generate(args) -> int:
         return EXIT_OK if report["identical"] else EXIT_CHECK_FAILED
     return run_generation(lambda prompts, stream: generate(
         model, params, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
-        tokenizer, texts, prompts)
+        tokenizer, texts, prompts, args.max_new_tokens, args.progress)
 
 
 def add_commands(sub) -> None:

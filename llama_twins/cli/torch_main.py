@@ -23,7 +23,7 @@ def cmd_generate(args) -> int:
     model, tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
     return run_generation(lambda prompts, stream: generate(
         model, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
-        tokenizer, texts, prompts)
+        tokenizer, texts, prompts, args.max_new_tokens, args.progress)
 
 
 def load_quantized(args, load, checkpoint=None):

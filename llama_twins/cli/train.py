@@ -13,7 +13,7 @@ from bridge.config import LlamaConfig, preset
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 
-from .common import EXIT_CHECK_FAILED, EXIT_OK, add_command
+from .common import EXIT_CHECK_FAILED, EXIT_OK, add_command, add_progress_argument
 from .options import (add_attention_argument, add_lora_arguments, add_nonfinite_arguments,
                       add_tracking_arguments, lora_config, tracking_spec)
 
@@ -80,7 +80,7 @@ def _run_spec(args, data: list[str] | None, pack: bool | None, default_pack: boo
                    pack=pack if pack is not None else saved.get("pack", default_pack),
                    attention=args.attention, lora=lora_config(args, saved.get("lora")), sft=sft,
                    dpo=dpo, grpo=grpo, tracking=tracking_spec(args, saved.get("tracking")),
-                   on_nan=args.on_nan, max_skipped=args.max_skipped)
+                   on_nan=args.on_nan, max_skipped=args.max_skipped, progress=args.progress)
 
 
 def cmd_train(args) -> int:
@@ -310,6 +310,7 @@ def _add_run_arguments(p, corpus: str, defaults: dict[str, str] | None = None) -
     add_tracking_arguments(p)
     add_attention_argument(p, kernels=False)
     add_nonfinite_arguments(p)
+    add_progress_argument(p)
     for name, kind, default, text in TRAIN_OPTIONS:
         shown = f"{default:g}" if kind is float and default is not None else str(default)
         if name in defaults or default is not None:
