@@ -24,6 +24,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..errors import BridgeError
+from ..locate import resolve_model
 from .base import Checkpoint, Spec
 from .hf import is_hf
 from .native import NativeCheckpoint, is_native, read_json, write_native
@@ -50,8 +51,9 @@ def _member(fmt: str, index: int):
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """Which format `path` holds, from file names and config keys; BridgeError if none."""
-    return _detect(path)[0]
+    """Which format `path` holds, from file names and config keys; BridgeError if none. `path`
+    may be a model's name (bridge.locate.resolve_model)."""
+    return _detect(resolve_model(path))[0]
 
 
 def _detect(path: str | os.PathLike) -> tuple[str, dict | None]:
@@ -59,8 +61,6 @@ def _detect(path: str | os.PathLike) -> tuple[str, dict | None]:
     directory from a Hugging Face one (None for the other formats), which the reader is given so
     that config.json is read once."""
     path = Path(path)
-    if not path.exists():
-        raise BridgeError(f"{path}: no such file or directory")
     if path.is_dir():
         if (path / "config.json").is_file():
             fields = read_json(path / "config.json")  # an unreadable config.json is named as such
@@ -80,14 +80,16 @@ def _detect(path: str | os.PathLike) -> tuple[str, dict | None]:
 
 
 def open_checkpoint(path: str | os.PathLike, format: str | None = None) -> Checkpoint:
-    """Open a checkpoint for streaming reads (validated on open); `format` None = detect."""
+    """Open a checkpoint for streaming reads (validated on open); `format` None = detect. `path`
+    may also be a model's name: a Hugging Face id in the hub cache, `ID:TAG` for one of its .gguf
+    files, a .gguf an installed package ships (bridge.locate.resolve_model; a path that exists is
+    taken as it is, at no cost)."""
     fields = None
+    if format is not None and format not in FORMATS:
+        raise BridgeError(f"format: unknown format {format!r}; known: {', '.join(FORMATS)}")
+    path = resolve_model(path)
     if format is None:
         format, fields = _detect(path)
-    elif format not in FORMATS:
-        raise BridgeError(f"format: unknown format {format!r}; known: {', '.join(FORMATS)}")
-    elif not Path(path).exists():
-        raise BridgeError(f"{path}: no such file or directory")
     reader = _member(format, 0)
     return reader(path) if fields is None else reader(path, fields)
 

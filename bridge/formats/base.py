@@ -17,6 +17,7 @@ import numpy as np
 from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..config import LlamaConfig
 from ..errors import BridgeError
+from ..locate import is_hub_blob
 from ..quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes, quantized_names
 from ..tensors import LAYER_SUFFIXES, canonical_shapes
 from ..tokenizer import Tokenizer
@@ -24,8 +25,9 @@ from ..tokenizer import Tokenizer
 
 def check_inside(file: Path, directory: Path) -> Path:
     """`file`, refused when it is a link that resolves outside `directory` (a checkpoint must not
-    make the reader open files elsewhere on the machine)."""
-    if not file.resolve().is_relative_to(directory.resolve()):
+    make the reader open files elsewhere on the machine), unless it is a Hugging Face hub cache
+    snapshot's link to its own repo's blob (bridge.locate.is_hub_blob)."""
+    if not file.resolve().is_relative_to(directory.resolve()) and not is_hub_blob(file, directory):
         raise BridgeError(f"{file}: a link to {file.resolve()}, outside the checkpoint "
                           f"directory; refused")
     return file

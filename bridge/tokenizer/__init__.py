@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from ..errors import BridgeError
+from ..locate import resolve_model
 from .bos_eos import BosEos, bos_eos_as_transformers, bos_eos_post_processor
 from .kinds import (EXPECTED, LLAMA3_PATTERN, LLAMA3_SPECIALS, ByteTokenizer, HFTokenizer,
                     Llama2Tokenizer, Llama3Tokenizer, Tokenizer, _byte_level_chars, _hf_from_file,
@@ -114,12 +115,11 @@ def find_tokenizer(checkpoint, tokenizer: str | Path | None = None) -> Tokenizer
     vocabulary, else the tokenizer.json / tokenizer.model beside the weights (in the checkpoint
     directory, or the file's directory).
 
-    `checkpoint` is a path, or a checkpoint already opened (bridge.formats.open_checkpoint),
-    whose own vocabulary then comes from what opening it read: the file is not read again."""
+    `checkpoint` is a path (or a model's name: bridge.locate.resolve_model), or a checkpoint
+    already opened (bridge.formats.open_checkpoint), whose own vocabulary then comes from what
+    opening it read: the file is not read again."""
     opened = not isinstance(checkpoint, (str, os.PathLike))
-    path = Path(checkpoint.path if opened else checkpoint)
-    if not path.exists():
-        raise BridgeError(f"{path}: no such file or directory")
+    path = Path(checkpoint.path) if opened else resolve_model(checkpoint)
     if tokenizer:
         return load_tokenizer(tokenizer)
     if opened:

@@ -18,6 +18,7 @@ from bridge.errors import BridgeError
 from bridge.formats import FORMATS, open_checkpoint
 from bridge.gguf.conventions import FILE_TYPES as GGUF_FILE_TYPES, LLAMA_CPP
 
+from . import models
 from .common import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_progress_argument,
                      add_quantize_arguments, command_main)
 
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "48 without) and load the twins one at a time: what a model too large "
                         "for them gets by default")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    models.add_commands(sub)
     return parser
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chat, classify, evaluate, generate, serve, train
+from . import bench, chat, classify, evaluate, generate, models, serve, train
 from .common import command_main
 
 
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_commands(sub)
     classify.add_split_command(sub)
     bench.add_commands(sub)
+    models.add_commands(sub)
     return parser
 
 
