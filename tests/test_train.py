@@ -285,3 +285,20 @@ def test_packed_long_context_run_from_the_command_line(tmp_path, corpus, capsys)
     losses = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 2 and all(np.isfinite(r["loss"]) for r in losses)
     assert np.isfinite(losses[-1]["val_loss"])
+
+
+def test_the_bar_in_a_log_shows_no_held_out_loss_before_the_first_evaluation(
+        tmp_path, corpus, capsys, monkeypatch):
+    """stderr not a terminal (captured), a line at every step: the held-out loss joins the bar
+    at the first evaluation, never as a NaN before it."""
+    import re
+
+    from bridge import progress
+
+    monkeypatch.setattr(progress, "LOG_INTERVAL_S", 0.0)
+    train(spec(tmp_path, corpus, steps=4, eval_every=2, checkpoint_every=4))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("training")]
+    at = {int(re.search(r"\| (\d)/4 \[", line).group(1)): line for line in lines}
+    assert sorted(at) == [0, 1, 2, 3, 4], lines
+    assert "loss=" in at[1] and "val=" not in at[1] and "nan" not in at[1], at[1]
+    assert all(re.search(r"val=\d+\.\d{3}", at[step]) for step in (2, 3, 4)), lines
