@@ -193,9 +193,13 @@ def test_each_token_is_measured_against_its_own_scale():
 
 
 def test_without_the_float64_run_the_difference_is_judged_and_it_says_so(checkpoint, capsys):
-    assert bridge_cli.main(["parity", str(checkpoint), "--no-reference-f64", "--new-tokens", "0",
-                            "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    argv = ["parity", str(checkpoint), "--no-reference-f64", "--new-tokens", "0", "--json"]
+    assert bridge_cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert "the report needs about" in err  # the stage lines, which --no-progress leaves out
+    assert bridge_cli.main([*argv, "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
     assert report["judged_by"] == "the twins' difference" and report["passed"]
     assert any("no float64 reference" in n for n in report["notes"])
     for c in report["checks"]:

@@ -107,6 +107,7 @@ COMMANDS = [
     (bridge_main, ["convert", "src", "dst"]),
     (bridge_main, ["merge-lora", "base", "adapter", "dst"]),
     (bridge_main, ["inspect", "path"]),
+    (bridge_main, ["parity", "path"]),  # its stage lines
 ]
 
 

@@ -144,7 +144,8 @@ def cmd_parity(args) -> int:
                            new_tokens=args.new_tokens, reference=args.reference, seed=args.seed,
                            reference_f64=args.reference_f64,
                            training=args.training,
-                           progress=lambda message: print(message, file=sys.stderr))
+                           progress=(lambda message: print(message, file=sys.stderr))
+                           if args.progress else None)
     print(json.dumps(report, indent=2) if args.json else format_parity_report(report))
     return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
 
@@ -240,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "48 without) and load the twins one at a time: what a model too large "
                         "for them gets by default")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_progress_argument(p, lines="stage lines (what each stage does, as it starts)")
     models.add_commands(sub)
     return parser
 

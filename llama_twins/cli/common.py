@@ -96,11 +96,14 @@ def training_voice():
         log.propagate = before[1]
 
 
-def add_progress_argument(p: argparse.ArgumentParser, *aliases: str) -> None:
-    """--no-progress (and `aliases`, older spellings): the one flag of every command that draws
-    progress bars (bridge.progress) - its library parameter is `progress`."""
+def add_progress_argument(p: argparse.ArgumentParser, *aliases: str,
+                          lines: str | None = None) -> None:
+    """--no-progress (and `aliases`, older spellings): the one flag of every command that shows
+    its progress on stderr - progress bars (bridge.progress), or the `lines` it prints instead -
+    its library parameter is `progress`."""
     p.add_argument("--no-progress", *aliases, dest="progress", action="store_false",
-                   help=f"draw no progress bars on stderr (by default they redraw in place on a "
+                   help=f"print no {lines} on stderr" if lines else
+                        f"draw no progress bars on stderr (by default they redraw in place on a "
                         f"terminal and print a line every {LOG_INTERVAL_S:.0f} s to a file or "
                         f"pipe; TQDM_DISABLE=1 in the environment also turns them off)")
 
