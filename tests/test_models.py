@@ -5,7 +5,6 @@ them. Random tiny models throughout; the real SmolLM2 (the fixture) for one end-
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
 from bridge.formats.base import check_inside
 from bridge.locate import find_models, resolve_model
-from conftest import save_random_checkpoint, small_config
+from conftest import add_to_hub_cache, save_random_checkpoint, small_config
 
 BIN = Path(sys.executable).parent
 ORG = "tiny-org/Tiny-Llama"
@@ -29,30 +28,7 @@ GGUF_REPO = "tiny-org/Tiny-Llama-GGUF"
 MAIN, OLD = "a" * 40, "b" * 40  # commits: refs/main -> MAIN, refs/v1 -> OLD
 
 
-# -- a hub cache laid out as huggingface_hub lays it out ---------------------------------------------
-
-def add_to_hub_cache(cache: Path, repo_id: str, commit: str, files: dict[str, Path],
-                     refs: tuple[str, ...] = ()) -> Path:
-    """Lay `files` (name in the repo -> a file to copy) into `cache` as huggingface_hub's
-    download does: each file once under models--ORG--NAME/blobs/<sha256>, a relative link to it
-    from snapshots/<commit>/<name>, and refs/<ref> holding the commit (no newline). Returns the
-    snapshot folder."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    for name, source in files.items():
-        data = source.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        if not blob.exists():
-            blob.write_bytes(data)
-        link = snapshot / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    for ref in refs:
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
-    return snapshot
-
+# -- a hub cache laid out as huggingface_hub lays it out (conftest.add_to_hub_cache) -------------
 
 def directory_files(directory: Path) -> dict[str, Path]:
     return {p.name: p for p in sorted(directory.iterdir())}
@@ -101,7 +77,7 @@ def snapshot(cache: Path, repo_id: str, commit: str) -> Path:
     return cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / commit
 
 
-# -- the hub cache ------------------------------------------------------------------------------------
+# -- the hub cache ---------------------------------------------------------------------------------
 
 def test_a_hub_id_resolves_by_id_commit_and_branch_to_the_snapshots_weights(hub, models):
     main, old = snapshot(hub, ORG, MAIN), snapshot(hub, ORG, OLD)
@@ -184,7 +160,7 @@ def test_a_directory_snapshot_with_ggufs_beside_is_the_directory_unless_tagged(h
     assert resolve_model("tiny-org/Both:Q8_0") == both / "tiny.Q8_0.gguf"
 
 
-# -- models installed as packages ---------------------------------------------------------------------
+# -- models installed as packages ------------------------------------------------------------------
 
 def fake_distribution(site: Path, dist: str, files: dict[str, Path]) -> Path:
     """An installed distribution in `site` (METADATA and a RECORD listing `files`, each copied
@@ -237,7 +213,7 @@ def test_two_installed_models_of_one_name_are_ambiguous(site, models):
     assert resolve_model("tiny-chat:F16") == site / "tiny_chat_f16" / "Tiny-Chat.F16.gguf"
 
 
-# -- what wins, what is refused ------------------------------------------------------------------------
+# -- what wins, what is refused --------------------------------------------------------------------
 
 def test_a_path_wins_and_costs_no_lookup(site, hub, tmp_path, models, monkeypatch):
     import bridge.locate as locate
@@ -277,7 +253,7 @@ def test_unknown_and_ambiguous_names_exit_2_with_the_candidates(site, hub, tmp_p
     assert all(part in line for part in expected), line
 
 
-# -- `models` -----------------------------------------------------------------------------------------
+# -- `models` --------------------------------------------------------------------------------------
 
 def test_find_models_names_what_resolves(site, hub):
     found = {f.name: f for f in find_models()}
@@ -309,12 +285,13 @@ def test_models_lists_the_hub_and_the_packages(site, hub, capsys):
     assert out[0].split() == ["NAME", "FORMAT", "SIZE", "PARAMS", "TENSOR", "TYPES", "CHAT",
                               "WHERE"]
     line = next(line for line in out if line.startswith(f"{ORG} "))
-    assert line.split()[1:4] == ["hf", "0.2", "MiB"] and line.endswith(str(snapshot(hub, ORG, MAIN)))
+    assert line.split()[1:4] == ["hf", "0.2", "MiB"]
+    assert line.endswith(str(snapshot(hub, ORG, MAIN)))
     assert any(line.startswith("tiny-org/bert ") and "not readable: config.json: model_type 'bert'"
                in line for line in out)
 
 
-# -- the real model ---------------------------------------------------------------------------------
+# -- the real model --------------------------------------------------------------------------------
 
 def test_the_installed_smollm2_generates_by_its_name_from_anywhere(smollm2, tmp_path):
     empty = tmp_path / "empty"
