@@ -271,6 +271,9 @@ def _grown(cache: KVCache, length: int) -> KVCache:
                          valid=jnp.pad(cache.valid, ((0, 0), (0, more))))
 
 
+_MIN_CHUNK, _MIN_SLOTS = 64, 1024
+
+
 class ChatSession:
     """One conversation's KV cache, kept between replies, so that a reply prefills only the ids
     its prompt does not share with those already in the cache.
@@ -314,10 +317,15 @@ class ChatSession:
         # at least the last id is prefilled: its logits choose the first new token
         start = min(shared_prefix(self.cached, ids), len(ids) - 1)
         n = len(ids) - start
-        S = bucket(n, config.max_seq_len)
+        # Few shapes, so few programs: each new one costs seconds to compile, and still one or
+        # two to load from the persistent compilation cache in a new process. A turn's new ids
+        # (the end of the last reply, the user's turn, the assistant's header) mostly fit one
+        # chunk of _MIN_CHUNK; the cache starts at _MIN_SLOTS, enough for several turns, and the
+        # decode kernels skip its empty slots.
+        S = bucket(max(n, _MIN_CHUNK), max(n, config.max_seq_len))
         need = max(start + S, len(ids) + self.max_new_tokens)
         if self.cache is None or self.cache.length < need:
-            length = max(need, bucket(need, config.max_seq_len))
+            length = max(need, bucket(max(need, _MIN_SLOTS), config.max_seq_len))
             self.cache = (KVCache.create(config, 1, length, self.model.dtype) if self.cache is None
                           else _grown(self.cache, length))
         tokens = np.zeros((1, S), np.int32)

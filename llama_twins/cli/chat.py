@@ -39,6 +39,10 @@ def converse(conversation, session, tokenizer, stdin=None, stdout=None, stats: b
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     interactive = stdin.isatty()
     if interactive:
+        try:
+            import readline  # noqa: F401 - input() then edits lines and keeps their history
+        except ImportError:
+            pass
         say("Type a message; " + "; ".join(f"{c}: {what}" for c, what in COMMANDS.items())
             + "; Ctrl-C stops a reply.")
     stops = set(tokenizer.stop_ids)
