@@ -238,3 +238,32 @@ def test_smollm2_chat_through_a_pipe_remembers(smollm2):
     prompt1 = int(stats[0].split()[1])
     reused2 = int(stats[1].split(", ")[1].split()[0])
     assert reused2 >= prompt1  # the first prompt and its reply came from the cache
+
+
+@pytest.mark.parametrize("twin, extra", [("jax", ["--quantize", "int8"]),
+                                         ("torch", ["--device", "cpu"]),
+                                         ("torch", ["--device", "cpu", "--quantize", "int8"])])
+def test_chat_int8_and_the_torch_twin(checkpoint, capsys, twin, extra):
+    """int8 and the torch twin's chat through the same loop: two replies, the second turn served
+    from the cache, the torch twin's float replies equal to the JAX twin's."""
+    from llama_twins.cli import torch_main
+
+    argv = ["chat", str(checkpoint), "--chat-template", str(checkpoint.parent / "template.jinja"),
+            "--max-new-tokens", "6", "--stats", *extra]
+    stdin = sys.stdin
+    try:
+        outs = []
+        for main in ((jax_cli.main, torch_main.main) if twin == "torch" else (jax_cli.main,)):
+            sys.stdin = io.StringIO("hello\nagain\n")
+            args = argv if main is torch_main.main else [a for a in argv if a not in
+                                                         ("--device", "cpu")]
+            assert main(args) == 0
+            outs.append(capsys.readouterr())
+    finally:
+        sys.stdin = stdin
+    out, err = outs[-1].out, outs[-1].err
+    assert out.count("\n\n") == 2
+    stats = [line for line in err.splitlines() if line.startswith("[prefilled")]
+    assert "0 from the cache" in stats[0] and "0 from the cache" not in stats[1]
+    if twin == "torch" and "int8" not in extra:
+        assert outs[0].out == out
