@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command(sub, "inspect", cmd_inspect, help="describe a checkpoint: config, tensors, "
                                                       "sizes, and any NaN / Inf values")
-    p.add_argument("path", help="a checkpoint file or directory, any format the bridge reads")
+    p.add_argument("path", help="a checkpoint file or directory, any format the bridge reads, "
+                                   "or a model's name (`models` lists them)")
     p.add_argument("--from", dest="format", choices=FORMATS, help="the format (default: detect)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-scan", action="store_true",
@@ -193,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command(sub, "convert", cmd_convert,
                     help="convert a checkpoint between formats, one tensor at a time")
-    p.add_argument("src", help="the checkpoint to convert, any format the bridge reads")
+    p.add_argument("src", help="the checkpoint to convert, any format the bridge reads, or "
+                                  "a model's name (`models` lists them)")
     p.add_argument("dst", help="where to write it (refused if it exists, unless --force)")
     add_output_arguments(p)
     add_quantize_arguments(p, "--to native only: the projections as int8 with float32 scales "
@@ -201,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add_command(sub, "merge-lora", cmd_merge_lora,
                     help="merge a PEFT LoRA adapter into its base checkpoint, one tensor at a time")
-    p.add_argument("base", help="the base checkpoint, in any format the bridge reads")
+    p.add_argument("base", help="the base checkpoint, in any format the bridge reads, or a "
+                                   "model's name (`models` lists them)")
     p.add_argument("adapter", help="a PEFT LoRA adapter directory (adapter_config.json + "
                                    "adapter_model.safetensors)")
     p.add_argument("dst", help="where to write the merged checkpoint (refused if it exists, "
@@ -221,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command(sub, "parity", cmd_parity,
                     help="run a checkpoint through the JAX and torch twins (and transformers) and "
                          "check, layer by layer, that they agree")
-    p.add_argument("path", help="the checkpoint to check, any format the bridge reads")
+    p.add_argument("path", help="the checkpoint to check, any format the bridge reads, or "
+                                   "a model's name (`models` lists them)")
     # dtype and reference are checked by parity_report, so that a bad value is one line
     p.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     p.add_argument("--batch", type=int, default=2, help="rows of random tokens (default 2)")

@@ -261,7 +261,8 @@ def add_commands(sub) -> None:
     p.add_argument("--train", required=True, help="LABEL ||| TEXT lines")
     p.add_argument("--dev", required=True, help="LABEL ||| TEXT lines, measured after each epoch")
     p.add_argument("--labels", required=True, help="labels.json: the label words, in index order")
-    p.add_argument("--init", help="backbone: any checkpoint the bridge reads (default: from scratch)")
+    p.add_argument("--init", help="backbone: any checkpoint the bridge reads, by path or by name "
+                                   "(`models` lists them; default: from scratch)")
     p.add_argument("--tokenizer", help="tokenizer file (default: --init's, or a BPE trained on --train)")
     p.add_argument("--preset", help="from scratch: the backbone's config (default tiny)")
     p.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained from scratch "
@@ -314,7 +315,8 @@ def add_commands(sub) -> None:
     p = add_command(sub, "zero-shot", cmd_zero_shot,
                     help="classify by prompting: the log-likelihood of each label word after a "
                          "template around the text")
-    p.add_argument("checkpoint", help="a language model, any format the bridge reads")
+    p.add_argument("checkpoint", help="a language model, any format the bridge reads, by path or "
+                                       "by name (`models` lists them)")
     p.add_argument("--data", required=True, help="LABEL ||| TEXT lines (or TEXT lines)")
     p.add_argument("--template",
                    help=f"prompt around the text, with {{text}} and optionally {{labels}} (the "

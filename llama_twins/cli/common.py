@@ -111,7 +111,8 @@ def add_progress_argument(p: argparse.ArgumentParser, *aliases: str,
 # -- what `jax-llama generate` and `torch-llama generate` share -----------------------------------
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", metavar="CKPT", help="any checkpoint the bridge reads")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="any checkpoint the bridge reads, by path or by name (`models` lists them)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the text to continue ('' starts from BOS)")
     source.add_argument("--prompt-file", help="a batch of prompts, one per line")
@@ -291,7 +292,8 @@ def report_warnings(caught: Iterable) -> None:
 # -- what `jax-llama eval` and `torch-llama eval` share -------------------------------------------
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", metavar="CKPT", help="any checkpoint the bridge reads")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="any checkpoint the bridge reads, by path or by name (`models` lists them)")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE|DIR",
                    help="text files (a .jsonl file: one document per line, its \"text\" field), "
                         "or directories of .txt and .jsonl files; each document is tokenised on "

@@ -56,7 +56,8 @@ def add_commands(sub) -> None:
                     help="an OpenAI-compatible HTTP server (/v1/chat/completions, "
                          "/v1/completions, /v1/models, /health); requests arriving together "
                          "are decoded together")
-    p.add_argument("checkpoint", metavar="CKPT", help="any checkpoint the bridge reads")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="any checkpoint the bridge reads, by path or by name (`models` lists them)")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address to bind (default 127.0.0.1: this machine only; anything "
                         "else exposes the model to the network)")

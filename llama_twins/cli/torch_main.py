@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import models
 from .chat import add_chat_command, run_chat
 from .common import (add_command, add_eval_arguments, add_generate_arguments, command_main,
                        generation_inputs, requested_quantization, run_eval, run_generation)
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_arguments(p)
     p.add_argument("--device", default="auto",
                    help="auto (CUDA, then MPS, then CPU), cpu, cuda, mps... (default auto)")
+    models.add_commands(sub)
     return parser
 
 

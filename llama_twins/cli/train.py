@@ -289,7 +289,8 @@ def _add_run_arguments(p, corpus: str, defaults: dict[str, str] | None = None) -
     p.add_argument("--tokenizer", help="tokenizer.model / tokenizer.json (default: --init's, or a "
                                        f"byte-level BPE trained on {corpus})")
     p.add_argument("--vocab-size", type=int, default=4096, help="of that BPE (default 4096)")
-    p.add_argument("--init", help="start from the weights of any checkpoint the bridge reads")
+    p.add_argument("--init", help="start from the weights of any checkpoint the bridge reads, "
+                                   "by path or by name (`models` lists them)")
     p.add_argument("--out", help="run directory (default runs/COMMAND-<time>)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out exactly, with its saved settings (the options "
