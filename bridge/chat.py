@@ -32,6 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .atomic import write_text
 from .errors import BridgeError
+from .locate import resolve_model
 
 TEMPLATE_FILE = "chat_template.jinja"  # the file name transformers saves a template under
 # Model files that carry their own template, as (holds(path), template(path) -> ChatTemplate or
@@ -247,7 +248,8 @@ def find_template(checkpoint, tokenizer, choice: str | None = None) -> ChatTempl
 def own_template(checkpoint) -> ChatTemplate | None:
     """The checkpoint's own chat template (a directory's chat_template.jinja, else the
     chat_template of its tokenizer_config.json; a .gguf file's tokenizer.chat_template), or
-    None when it carries none. `checkpoint`: a path, or a checkpoint already opened
+    None when it carries none. `checkpoint`: a path (or a model's name:
+    bridge.locate.resolve_model), or a checkpoint already opened
     (bridge.formats.open_checkpoint), whose file's own template then comes from what opening it
     read: the file is not read again."""
     if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
@@ -255,6 +257,8 @@ def own_template(checkpoint) -> ChatTemplate | None:
         if found is not None or not checkpoint.path.is_dir():
             return found
         checkpoint = checkpoint.path
+    elif checkpoint is not None:
+        checkpoint = resolve_model(checkpoint)
     for holds, template in MODEL_FILE_TEMPLATES if checkpoint is not None else ():
         if holds(Path(checkpoint)):
             return template(Path(checkpoint))

@@ -37,7 +37,9 @@ def cmd_serve(args) -> int:
         checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
         kernels=args.kernels), say=False, checkpoint=checkpoint)
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_context)
-    name = args.model_name or Path(args.checkpoint.rstrip("/")).name
+    given = Path(args.checkpoint.rstrip("/"))
+    # a path: its file or directory name; a model's name (hub id, installed model): as typed
+    name = args.model_name or (given.name if given.exists() else args.checkpoint)
     server = Server(engine, model, params, tokenizer, template, name, args.api_key)
     say_kernels(args)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (batches of up to "
@@ -69,7 +71,8 @@ def add_commands(sub) -> None:
                         "max_seq_len)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint")
     p.add_argument("--model-name", help="the name clients ask for (default: the checkpoint's "
-                                        "file or directory name)")
+                                        "file or directory name, or the model's name as given: "
+                                        "SmolLM2-135M-Instruct, ORG/NAME)")
     p.add_argument("--tokenizer", help="tokenizer file (default: the checkpoint's)")
     p.add_argument("--chat-template", help="llama3, llama2 or a jinja file (default: the "
                                            "checkpoint's own)")
