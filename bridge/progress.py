@@ -12,11 +12,13 @@ every bar (tqdm reads its TQDM_* variables as its defaults, so it is not overrid
 from __future__ import annotations
 
 import sys
-from typing import Iterable
+from typing import Callable, Iterable
 
 # Between two lines of a bar that is not on a terminal: a log of a ten-hour run keeps ~1,200 of
 # them, and a job that seems stuck says within half a minute that it is not.
 LOG_INTERVAL_S = 30.0
+# A model's load shows a bar once it has taken this long (a few seconds is not "long").
+LOAD_DELAY_S = 2.0
 
 
 def bar(iterable: Iterable | None = None, *, desc: str, unit: str, total: float | None = None,
@@ -39,6 +41,22 @@ def bar(iterable: Iterable | None = None, *, desc: str, unit: str, total: float 
         settings.update(file=_Lines(sys.stderr), mininterval=LOG_INTERVAL_S,
                         maxinterval=LOG_INTERVAL_S, miniters=1, leave=True)
     return tqdm(iterable, **settings)
+
+
+def reading(get: Callable[[str], object], total: int, *, desc: str = "loading",
+            enabled: bool = True):
+    """get(name) -> a tensor, wrapped to count the tensors read on a bar of `total` (a
+    checkpoint's len(specs)), and the bar: (counted get, bar); close the bar when done. A model's
+    load, where the sizes read (a GGUF's dequantised arrays) are not the sizes stored. The bar
+    shows only once the load has taken LOAD_DELAY_S: a small model's load says nothing."""
+    progress = bar(desc=desc, unit="tensor", total=total, enabled=enabled, leave=False,
+                   delay=LOAD_DELAY_S)
+
+    def counted(name: str):
+        value = get(name)
+        progress.update(1)
+        return value
+    return counted, progress
 
 
 def note(message: str) -> None:

@@ -20,6 +20,7 @@ from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
 from bridge.lora import read_peft
+from bridge.progress import reading
 from bridge.quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes
 from bridge.tensors import canonical_shapes
 
@@ -239,7 +240,7 @@ def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config:
 
 def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool = False,
          remat: bool = False, attention: str = "auto", adapter: str | os.PathLike | None = None,
-         mesh=None, kernels: str = "auto"):
+         mesh=None, kernels: str = "auto", progress: bool = False):
     """(Llama module, params) from a checkpoint of any supported format: a path, or a checkpoint
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
@@ -253,6 +254,7 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
     mesh: build the params already sharded on it by the training rules (jax_llama.sharding),
     each process reading only the parts its devices hold: safetensors formats (native, HF) read
     those parts alone; Meta and llama2.c files, and a merged adapter, read each tensor whole.
+    progress: a bar on stderr counting the tensors read (bridge.progress).
     """
     choose(attention, 1, 1)
     implementation(kernels)  # a bad name, or kernels that cannot run here, refused as early
@@ -275,8 +277,10 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
     if mesh is not None:
         params = params_on_mesh(read, ckpt.config, mesh, scan_layers=scan_layers, dtype=dtype)
     else:
-        params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
-                                     shapes=checkpoint_shapes(ckpt.config, ckpt.quantization))
+        get, shown = reading(get, len(ckpt.specs), enabled=progress)
+        with shown:
+            params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
+                                         shapes=checkpoint_shapes(ckpt.config, ckpt.quantization))
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
                   attention=attention, kernels=kernels)
     return model, params

@@ -102,6 +102,9 @@ COMMANDS = [
     (jax_cli, ["predict", "clf", "--data", "d"]),
     (jax_cli, ["eval", "ckpt", "--data", "d"]),
     (jax_cli, ["generate", "ckpt", "--prompt-file", "p"]),
+    (jax_cli, ["chat", "ckpt"]),  # the model's load
+    (jax_cli, ["serve", "ckpt"]),
+    (torch_main, ["chat", "ckpt"]),
     (torch_main, ["eval", "ckpt", "--data", "d"]),
     (torch_main, ["generate", "ckpt", "--prompt-file", "p"]),
     (bridge_main, ["convert", "src", "dst"]),
@@ -178,3 +181,22 @@ def test_a_batch_of_prompts_shows_its_decode_steps_and_decodes_the_same(task, ca
     quiet = capsys.readouterr()
     assert "decoding" not in quiet.err
     assert quiet.out == shown.out  # a step per call, counted, or the batch in one call
+
+
+@pytest.mark.parametrize("twin", ["jax", "torch"])
+def test_a_model_load_counts_its_tensors(task, twin, capsys, monkeypatch):
+    """A load (minutes for an 8B model) shows the tensors read, in both twins, once it has taken
+    LOAD_DELAY_S, unless asked not to: generate with stderr captured (not a terminal)."""
+    main = {"jax": jax_cli.main, "torch": torch_main.main}[twin]
+    argv = ["generate", str(task / "ckpt"), "--prompt", "hi", "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    assert "loading:" not in capsys.readouterr().err  # a tiny model's load is not long
+    monkeypatch.setattr(progress, "LOAD_DELAY_S", 0.0)  # as if it were
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("loading:")]
+    assert lines and re.search(WITH_RATE.format(unit="tensor"), lines[-1])
+    from bridge.formats import open_checkpoint
+    n = len(open_checkpoint(task / "ckpt").specs)  # 2 layers x 9, the embedding, norm and head
+    assert n == 21 and f"{n}/{n}" in lines[-1]
+    assert main([*argv, "--no-progress"]) == 0
+    assert "loading:" not in capsys.readouterr().err

@@ -14,6 +14,7 @@ from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
 from bridge.lora import read_peft
+from bridge.progress import reading
 from bridge.quantize import SCALE_SUFFIX
 
 from .model import Llama, resolve_device, resolve_dtype
@@ -21,7 +22,7 @@ from .quantize import int8_weights, quantization_of
 
 
 def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "auto", dtype=None,
-         adapter: str | os.PathLike | None = None) -> Llama:
+         adapter: str | os.PathLike | None = None, progress: bool = False) -> Llama:
     """A Llama in eval mode from a checkpoint of any supported format: a path, or a checkpoint
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
@@ -29,7 +30,8 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
     to the device one at a time; the module is built on the meta device so nothing is allocated
     twice. `adapter`, a PEFT LoRA adapter directory (bridge.lora.read_peft), is checked against
     the checkpoint's config before any weight is read, then merged into each weight as it
-    streams in, in the model's dtype as merge_lora merges: a plain model.
+    streams in, in the model's dtype as merge_lora merges: a plain model. progress: a bar on
+    stderr counting the tensors read (bridge.progress).
     """
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     if ckpt.quantization is not None and adapter is not None:
@@ -50,7 +52,9 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
         if ckpt.quantization is not None:
             for name, module in int8_weights(model):
                 module.make_int8(ckpt.specs[name + ".weight" + SCALE_SUFFIX][0][1])
-    state = {name: tensor(name, array) for name, array in ckpt}
+    read, shown = reading(ckpt.tensor, len(ckpt.specs), enabled=progress)
+    with shown:
+        state = {name: tensor(name, read(name)) for name in ckpt.specs}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 

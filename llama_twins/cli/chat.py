@@ -154,7 +154,8 @@ def cmd_chat(args) -> int:
     def open_session(checkpoint, sampler, stops):
         model, params = load_quantized(args, lambda: load(
             checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-            kernels=args.kernels), checkpoint=checkpoint, say=args.stats)
+            kernels=args.kernels, progress=args.progress), checkpoint=checkpoint,
+            say=args.stats)
         return (ChatSession(model, params, args.max_new_tokens, sampler, stops, args.seed),
                 model.config)
 

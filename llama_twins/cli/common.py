@@ -149,7 +149,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter (PEFT format) merged into the "
                                                     "weights as they load")
     add_quantize_arguments(p)
-    add_progress_argument(p)  # a --prompt-file batch's decoding (one prompt streams its text)
+    add_progress_argument(p)  # the load's, and a --prompt-file batch's decoding (one prompt streams)
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser,

@@ -13,7 +13,8 @@ def cmd_eval(args) -> int:
 
     def load_model(checkpoint):
         return load_quantized(args, lambda: load(checkpoint, dtype=args.dtype,
-                                                 attention=args.attention, kernels=args.kernels),
+                                                 attention=args.attention, kernels=args.kernels,
+                                                 progress=args.progress),
                               checkpoint=checkpoint)
 
     return run_eval(args, load_model, lambda loaded, documents, **kw: evaluate(*loaded, documents,

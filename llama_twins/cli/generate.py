@@ -19,7 +19,7 @@ def cmd_generate(args) -> int:
     def load_model(checkpoint):
         model, params = load_quantized(args, lambda: load(
             checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-            kernels=args.kernels), checkpoint=checkpoint)
+            kernels=args.kernels, progress=args.progress), checkpoint=checkpoint)
         return (model, params, checkpoint), model.config
 
     if args.compare_torch and args.quantize:

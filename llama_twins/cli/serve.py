@@ -9,7 +9,7 @@ from pathlib import Path
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 
-from .common import EXIT_OK, add_command, add_quantize_arguments
+from .common import EXIT_OK, add_command, add_progress_argument, add_quantize_arguments
 from .options import add_attention_argument, load_quantized, say_kernels
 
 
@@ -35,7 +35,7 @@ def cmd_serve(args) -> int:
     template = find_template(checkpoint, tokenizer, args.chat_template)
     model, params = load_quantized(args, lambda: load(
         checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-        kernels=args.kernels), say=False, checkpoint=checkpoint)
+        kernels=args.kernels, progress=args.progress), say=False, checkpoint=checkpoint)
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_context)
     given = Path(args.checkpoint.rstrip("/"))
     # a path: its file or directory name; a model's name (hub id, installed model): as typed
@@ -84,3 +84,4 @@ def add_commands(sub) -> None:
                                                                "info", "debug"),
                    help="uvicorn's (default warning)")
     add_attention_argument(p)
+    add_progress_argument(p)  # the model's load

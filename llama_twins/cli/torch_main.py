@@ -18,7 +18,8 @@ def cmd_generate(args) -> int:
 
     def load_model(checkpoint):
         model = load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype,
-                                                  adapter=args.adapter), checkpoint)
+                                                  adapter=args.adapter, progress=args.progress),
+                               checkpoint)
         return model, model.config
 
     model, tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
@@ -47,8 +48,8 @@ def cmd_eval(args) -> int:
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
     def load_model(checkpoint):
-        return load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype),
-                              checkpoint)
+        return load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype,
+                                                 progress=args.progress), checkpoint)
 
     return run_eval(args, load_model, evaluate)
 
@@ -61,7 +62,8 @@ def cmd_chat(args) -> int:
 
     def open_session(checkpoint, sampler, stops):
         model = load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype,
-                                                  adapter=args.adapter), checkpoint)
+                                                  adapter=args.adapter, progress=args.progress),
+                               checkpoint)
         return ChatSession(model, args.max_new_tokens, sampler, stops, args.seed), model.config
 
     return run_chat(args, open_session)
