@@ -137,12 +137,14 @@ def find_tokenizer(checkpoint, tokenizer: str | Path | None = None) -> Tokenizer
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int,
-                    special_tokens: Sequence[str] = ("<|bos|>", "<|eos|>", "<|pad|>")) -> HFTokenizer:
+                    special_tokens: Sequence[str] = ("<|bos|>", "<|eos|>", "<|pad|>"),
+                    progress: bool = False) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style, so any string round-trips) on `texts`.
 
     The specials take ids 0, 1, 2, ... and the first three are bos, eos and pad (fewer is fine);
     the 256 byte symbols follow, then merges up to `vocab_size` ids (fewer if the corpus runs out
-    of pairs). BOS opens an encoded text (add_bos). The same texts give the same tokenizer."""
+    of pairs). BOS opens an encoded text (add_bos). The same texts give the same tokenizer.
+    progress: the tokenizers library's own bars on stderr (shown on a terminal only)."""
     from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, trainers
 
     special_tokens = list(special_tokens)
@@ -159,7 +161,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int,
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+                                  show_progress=progress)
     tok.train_from_iterator(texts, trainer=trainer)
     # BOS opens every document of a corpus this tokenizer encodes (as the model trained on it
     # sees them); the post-processor is where transformers reads that from.

@@ -38,7 +38,7 @@ def run_tokenizer(spec: RunSpec, init: Checkpoint | None, texts: Callable[[], It
                                       for f in ("tokenizer.json", "tokenizer.model")):
             return load_tokenizer(init.path)  # the directory's files
     say(f"training a {spec.vocab_size}-token byte-level BPE on {what}")
-    return train_tokenizer(texts(), spec.vocab_size)
+    return train_tokenizer(texts(), spec.vocab_size, progress=spec.progress)
 
 
 def run_config(spec: RunSpec, init: Checkpoint | None, tokenizer,
