@@ -163,6 +163,7 @@ def test_chat_through_a_pipe_replies_saves_resets_and_counts(checkpoint, tmp_pat
     assert len(replies) == 4 and replies[-1] == ""  # three replies, each followed by an empty line
     assert replies[0] == replies[2]  # after /reset the same question gets the same answer
     assert "(the conversation is reset)" in err and f"(saved to {saved})" in err
+    assert "differently" not in err  # a reset conversation is not a re-rendered one
     stats = [line for line in err.splitlines() if line.startswith("[prefilled")]
     assert len(stats) == 3
     assert "0 from the cache" in stats[0] and "0 from the cache" not in stats[1]

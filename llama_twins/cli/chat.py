@@ -46,6 +46,7 @@ def converse(conversation, session, tokenizer, stdin=None, stdout=None, stats: b
         say("Type a message; " + "; ".join(f"{c}: {what}" for c, what in COMMANDS.items())
             + "; Ctrl-C stops a reply.")
     stops = set(tokenizer.stop_ids)
+    reset = False  # the cache holds a conversation that /reset ended: no reuse is expected
     for turn in _turns(stdin, interactive):
         text = turn.rstrip("\r\n")
         if not text.strip():
@@ -56,6 +57,7 @@ def converse(conversation, session, tokenizer, stdin=None, stdout=None, stats: b
                 break
             if word == "/reset":
                 conversation.reset()
+                reset = True
                 say("(the conversation is reset)")
                 continue
             if word == "/save":
@@ -74,7 +76,8 @@ def converse(conversation, session, tokenizer, stdin=None, stdout=None, stats: b
         if dropped:
             say(f"(the conversation outgrew the context of {conversation.max_seq_len} tokens: "
                 f"its {dropped} oldest turns are dropped)")
-        kept_before = len(session.cached)
+        kept_before = 0 if reset else len(session.cached)
+        reset = False
         stream, start, first = Streamer(tokenizer, out=stdout), time.perf_counter(), []
 
         def on_token(row: int, token: int) -> None:
