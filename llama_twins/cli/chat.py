@@ -101,7 +101,9 @@ def converse(conversation, session, tokenizer, stdin=None, stdout=None, stats: b
         if stopped:
             say("(stopped)")
         elif session.reused < kept_before and not dropped:
-            say(f"(the template renders the conversation so far differently from before: "
+            # a template that renders earlier turns anew, or a reply that reads back as other
+            # tokens than the model produced
+            say(f"(the conversation so far renders as other tokens than the cache holds: "
                 f"{session.prefilled} tokens prefilled again from token {session.reused})")
         if stats and not stopped:
             rate = (len(new) - 1) / (seconds - first[0]) if len(new) > 1 else float("nan")
