@@ -55,8 +55,13 @@ def has_adapters(params) -> bool:
 
 def quantization_of(params) -> Quantization | None:
     """The int8 Quantization a params pytree holds (jax_llama.quantize), read from its first
-    `scale`: the group size is in / G, and G = 1 is per channel. None for float params."""
-    for _, node in modules(params):
+    `scale`: the group size is in / G, and G = 1 is per channel. None for float params. 4-bit
+    params (a `min` beside the scale) are refused: no checkpoint holds them yet."""
+    for path, node in modules(params):
+        if "min" in node:
+            raise BridgeError(f"{'/'.join(path)}: 4-bit weights (jax_llama.quantize(params, "
+                              f"method='int4')) are not saved, converted or quantised further "
+                              f"yet", field="params")
         if "scale" in node and "kernel" in node:
             inputs, groups = node["kernel"].shape[-2], node["scale"].shape[-2]
         elif "scale" in node and "embedding" in node:  # a tied head: (vocab, dim), (vocab, G)

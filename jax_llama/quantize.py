@@ -2,6 +2,7 @@
 
     qparams = jax_llama.quantize(params)                  # per output channel
     qparams = jax_llama.quantize(params, group_size=64)   # per 64 input columns of each row
+    qparams = jax_llama.quantize(params, method="int4")   # 4 bits, a scale and a minimum per 32
     logits = model.apply({"params": qparams}, tokens)     # the same module: a Linear whose
                                                           # params hold a `scale` runs int8
     jax_llama.save(path, config, qparams)                 # int8 + scales, declared in config.json
@@ -11,6 +12,11 @@ LM head is the embedding: its `embedding` becomes int8 (vocab, dim) beside a `sc
 G), one row per token. The norms, an untied embedding and any LoRA adapters are left as they are.
 The numbers are those of bridge.quantize.quantize_weight on the canonical (out, in) weight, the
 same the torch twin and `llama-bridge convert --quantize int8` compute.
+
+method="int4" (bridge.int4; a first step of issue 57, in Python only): each projection's
+`kernel` becomes uint8 (in / 2, out), two 4-bit weights a byte, beside a float32 `scale` and
+`min` (in / 32, out); the embedding (tied or not) and the norms stay as they are. Such params run
+(jax_llama.model.projections.int4_matmul) but are not saved or converted yet.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.errors import BridgeError
+from bridge.int4 import quantize_int4
 from bridge.quantize import Quantization, quantize_weight
 
 from .checkpoint import host_array, modules, quantization_of
@@ -31,9 +38,11 @@ def quantize(params, group_size: int | None = None, method: str = "int8"):
     """A copy of `params` with every projection and the LM head int8 (see the module docstring);
     refuses params that are quantised already, and a group size that does not divide a weight's
     inputs (naming it) before anything is converted."""
-    quantization = Quantization(method, group_size)
     if quantization_of(params) is not None:
         raise BridgeError("already quantised", field="params")
+    if method == "int4":
+        return _quantize_int4(params, group_size)
+    quantization = Quantization(method, group_size)
     kernels = list(_projection_kernels(params))
     tables = list(_tied_embeddings(params))
     for path, leaf in kernels:
@@ -60,12 +69,43 @@ def quantize(params, group_size: int | None = None, method: str = "int8"):
     return out
 
 
-def _replace(params, path, q, scale) -> None:
-    """The weight at `path` (a kernel or an embedding) becomes int8 `q`, with `scale` beside it."""
+def _quantize_int4(params, group_size: int | None):
+    """quantize(params, method="int4"): every projection's kernel as 4-bit weights."""
+    from bridge.int4 import GROUP
+
+    if group_size not in (None, GROUP):
+        raise BridgeError(f"4-bit weights come in groups of {GROUP} inputs (got {group_size})",
+                          field="group_size")
+    kernels = list(_projection_kernels(params))
+    for path, leaf in kernels:
+        if leaf.shape[-2] % GROUP:
+            raise BridgeError(f"{'/'.join(path)}: {leaf.shape[-2]} input columns are not a "
+                              f"multiple of {GROUP}", field="params")
+
+    def one(kernel_IO: np.ndarray, name: str):
+        return tuple(a.T for a in quantize_int4(kernel_IO.T, name))
+
+    out = jax.tree_util.tree_map(lambda x: x, params)
+    for path, leaf in kernels:
+        host, name = host_array(leaf), "/".join(path)
+        if host.ndim == 3:  # scan_layers: (L, in, out)
+            parts = [one(layer, f"{name}[{i}]") for i, layer in enumerate(host)]
+            packed, scale, low = (np.stack([p[k] for p in parts]) for k in range(3))
+        else:
+            packed, scale, low = one(host, name)
+        _replace(out, path, packed, scale, low)
+    return out
+
+
+def _replace(params, path, q, scale, low=None) -> None:
+    """The weight at `path` (a kernel or an embedding) becomes int8 `q`, with `scale` beside it
+    (4-bit: packed `q`, `scale` and the minimum `low`, as `min`)."""
     node = params
     for key in path[:-1]:
         node = node[key]
     node[path[-1]], node["scale"] = jnp.asarray(q), jnp.asarray(scale)
+    if low is not None:
+        node["min"] = jnp.asarray(low)
 
 
 def _tied_embeddings(params):

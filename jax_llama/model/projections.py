@@ -89,7 +89,10 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x_MD):
         x_MD = x_MD.astype(self.dtype)
-        if self.has_variable("params", "scale"):  # int8 weights (jax_llama.quantize)
+        if self.has_variable("params", "min"):  # 4-bit weights (jax_llama.quantize, int4)
+            kernel, scale, low = (self.get_variable("params", n) for n in ("kernel", "scale", "min"))
+            out = int4_matmul(x_MD, kernel, scale, low, self.dtype)
+        elif self.has_variable("params", "scale"):  # int8 weights (jax_llama.quantize)
             kernel, scale = (self.get_variable("params", n) for n in ("kernel", "scale"))
             if _kernels_on(self.kernels) and decode_kernels.usable(x_MD, kernel, scale):
                 out = decode_kernels.matvec(x_MD, kernel, scale).astype(self.dtype)
@@ -213,6 +216,20 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
         return jnp.dot(x_MI, q_IO.astype(dtype)) * scale_GO[0].astype(dtype)
     w_GiO = q_IO.reshape(G, I // G, O).astype(jnp.float32) * scale_GO[:, None, :]
     return jnp.dot(x_MI, w_GiO.reshape(I, O).astype(dtype))
+
+
+def int4_matmul(x_MI, packed_JO, scale_GO, min_GO, dtype):
+    """x @ W for 4-bit W (bridge.int4): packed (in / 2, out) uint8, two weights a byte along the
+    inputs, and float32 scales and minima (in / 32, out). W = q * scale + min is dequantised in
+    float32, right before its matmul (made to depend on x, as int8_matmul's is, so that no float
+    copy of every weight is hoisted out of the decode loop), and rounded once to `dtype`."""
+    J, O = packed_JO.shape
+    G = scale_GO.shape[0]
+    packed_JO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), packed_JO.dtype), packed_JO)
+    q_IO = jnp.stack([packed_JO & 0xF, packed_JO >> 4], axis=1).reshape(2 * J, O)
+    w_GiO = (q_IO.reshape(G, 2 * J // G, O).astype(jnp.float32) * scale_GO[:, None, :]
+             + min_GO[:, None, :])
+    return jnp.dot(x_MI, w_GiO.reshape(2 * J, O).astype(dtype))
 
 
 # Rows of an int8 weight converted at a time by _int8_dot_by_blocks (at most).

@@ -1,0 +1,46 @@
+"""llama.cpp's plain 4-bit blocks (Q4_0, Q4_1) as bridge.int4's layout, exactly.
+
+A block holds 32 consecutive weights of a row (ggml-common.h, block_q4_0 / block_q4_1):
+    Q4_0: float16 d, 16 bytes qs                 w = d * (q - 8)
+    Q4_1: float16 d, float16 m, 16 bytes qs      w = d * q + m
+where q[j] = qs[j] & 0xF and q[j + 16] = qs[j] >> 4 for j < 16. bridge.int4 keeps q in input order,
+two a byte, with a float32 d and m per block: Q4_1's as they are, Q4_0's m = -8 d.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import BridgeError
+from ..int4 import GROUP, pack
+
+# bytes per block: the float16 fields, then the 16 bytes of nibbles
+BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2}
+
+
+def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str = "weight"
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The raw blocks of a Q4_0 or Q4_1 tensor of canonical `shape` (out, in) - uint8, one row of
+    blocks per output row, as gguf reads them - -> (packed (out, in / 2) uint8, d (out, in / 32)
+    float32, m (out, in / 32) float32) that bridge.int4.dequantize_int4 turns into llama.cpp's
+    numbers, bit for bit."""
+    if kind not in BLOCK_BYTES:
+        raise BridgeError(f"tensor '{name}': {kind} is not a 4-bit type held exactly "
+                          f"({', '.join(BLOCK_BYTES)})")
+    O, I = shape
+    if I % GROUP:
+        raise BridgeError(f"tensor '{name}': {I} input columns are not a multiple of {GROUP}")
+    size = BLOCK_BYTES[kind]
+    raw = np.ascontiguousarray(raw, np.uint8)
+    if raw.size != O * (I // GROUP) * size:
+        raise BridgeError(f"tensor '{name}': {raw.size} bytes of {kind} blocks, its shape "
+                          f"{shape} needs {O * (I // GROUP) * size}")
+    blocks = raw.reshape(O, I // GROUP, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        m = -8 * d
+    qs = blocks[..., size - GROUP // 2:]
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # (O, blocks, 32): the block's order
+    return pack(q.reshape(O, I)), d, m

@@ -1,0 +1,111 @@
+"""4-bit weights, their first step (issue 57): the arithmetic against float64, llama.cpp's Q4_0 and
+Q4_1 blocks held exactly, and a JAX model on 4-bit params equal to the same model on the weights
+they stand for."""
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+import jax_llama
+from bridge.errors import BridgeError
+from bridge.gguf.int4 import from_q4_blocks
+from bridge.int4 import GROUP, dequantize_int4, pack, quantize_int4, unpack
+from conftest import random_tokens, small_config
+from jax_llama.checkpoint import modules
+
+
+def test_pack_round_trips_and_keeps_input_order():
+    q = np.arange(64, dtype=np.uint8).reshape(2, 32) % 16
+    packed = pack(q)
+    assert packed.shape == (2, 16) and packed[0, 0] == (0 | 1 << 4)  # q[0], q[1] share byte 0
+    np.testing.assert_array_equal(unpack(packed), q)
+
+
+def test_quantize_int4_is_within_half_a_step_of_float64():
+    """|W - (q d + m)| <= d / 2 for each weight, computed in float64 from the float32 d and m;
+    the float32 dequantisation adds at most one rounding of the product and one of the sum (2
+    ulp of the group's largest magnitude)."""
+    w = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
+    w[3, :32] = 0.5  # a constant group: d = 1, every q 0, exact
+    packed, d, m = quantize_int4(w)
+    assert packed.shape == (24, 48) and packed.dtype == np.uint8 and d.shape == m.shape == (24, 3)
+    q = unpack(packed).reshape(24, 3, GROUP).astype(np.float64)
+    exact = q * d[..., None].astype(np.float64) + m[..., None].astype(np.float64)
+    step = d[..., None].astype(np.float64)
+    assert np.all(np.abs(w.reshape(24, 3, GROUP) - exact) <= step / 2 * (1 + 1e-6))
+    ulp = np.spacing(np.abs(w).reshape(24, 3, GROUP).max(-1, keepdims=True))
+    got = dequantize_int4(packed, d, m).reshape(24, 3, GROUP)
+    assert np.all(np.abs(got - exact) <= 2 * ulp)
+    np.testing.assert_array_equal(got[3, 0], 0.5)
+    # negative: the nibbles read in the wrong order put weights a step or more away
+    swapped = np.stack([packed >> 4, packed & 0xF], axis=-1).reshape(24, 96)
+    wrong = (swapped.reshape(24, 3, GROUP) * d[..., None] + m[..., None])
+    assert np.abs(w.reshape(24, 3, GROUP) - wrong).max() > step.max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_llama_cpps_4_bit_blocks_are_held_exactly(kind):
+    """gguf's own quantiser and dequantiser (llama.cpp's reference rounding, in numpy) against
+    our layout: the same float32 weights, bit for bit."""
+    w = np.random.default_rng(1).standard_normal((8, 128)).astype(np.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    raw = gguf.quants.quantize(w, qtype)
+    theirs = gguf.quants.dequantize(raw, qtype)
+    packed, d, m = from_q4_blocks(raw, kind, w.shape)
+    np.testing.assert_array_equal(dequantize_int4(packed, d, m), theirs)
+    # negative: Q4_0 blocks read as Q4_1 are refused by size, and a block's halves swapped differ
+    with pytest.raises(BridgeError, match="bytes of"):
+        from_q4_blocks(raw, "Q4_1" if kind == "Q4_0" else "Q4_0", w.shape)
+    q = unpack(packed).reshape(8, 4, 2, 16)[:, :, ::-1].reshape(8, 128)
+    assert not np.array_equal(dequantize_int4(pack(q), d, m), theirs)
+
+
+def test_refusals_name_the_weight():
+    with pytest.raises(BridgeError, match="'wq': 48 input columns are not a multiple of"):
+        quantize_int4(np.zeros((4, 48), np.float32), "wq")
+    with pytest.raises(BridgeError, match="Q5_0 is not a 4-bit type held exactly"):
+        from_q4_blocks(np.zeros(10, np.uint8), "Q5_0", (1, 32))
+
+
+def dequantized(params):
+    """The float32 params that 4-bit params stand for (bridge.int4's numbers), in the Flax
+    layout: each kernel (in, out) = dequantize_int4 of its canonical (out, in) transposes."""
+    out = jax.tree_util.tree_map(lambda x: x, params)
+    for _, node in modules(out):
+        if "min" in node:
+            packed, d, m = (np.asarray(node.pop(k)) for k in ("kernel", "scale", "min"))
+            node["kernel"] = jax.numpy.asarray(dequantize_int4(packed.T, d.T, m.T).T)
+    return out
+
+
+def test_a_model_on_4_bit_params_is_the_model_on_their_weights():
+    config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97)
+    model, params = jax_llama.init(config, seed=2)
+    q = jax_llama.quantize(params, method="int4")
+    wq = q["layers_0"]["attention"]["wq"]
+    assert wq["kernel"].dtype == np.uint8 and wq["kernel"].shape == (32, 64)
+    assert wq["scale"].shape == wq["min"].shape == (2, 64)
+    tokens = random_tokens(config)
+    got = np.asarray(model.apply({"params": q}, tokens))
+    want = np.asarray(model.apply({"params": dequantized(q)}, tokens))
+    # the same float32 weights, dequantised inside the matmul or before it: XLA may fuse the
+    # product and the sum (one rounding instead of two), so the weights may differ in their
+    # last bit, and the logits by a few float32 ulps of their size
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    float_logits = np.asarray(model.apply({"params": params}, tokens))
+    assert np.abs(got - float_logits).max() > 1e-3  # 4 bits do change the model
+    # the decode loop runs on them, greedy tokens as the dequantised model's
+    out = jax_llama.generate(model, q, [[1, 5, 9]], 6)
+    assert out.tokens == jax_llama.generate(model, dequantized(q), [[1, 5, 9]], 6).tokens
+
+
+def test_4_bit_params_are_not_saved_yet(tmp_path):
+    config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96)
+    _, params = jax_llama.init(config)
+    q = jax_llama.quantize(params, method="int4")
+    with pytest.raises(BridgeError, match="4-bit weights .* are not saved"):
+        jax_llama.save(tmp_path / "q4", config, q)
+    assert not (tmp_path / "q4").exists()
+    with pytest.raises(BridgeError, match="groups of 32"):
+        jax_llama.quantize(params, group_size=64, method="int4")
