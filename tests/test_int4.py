@@ -109,3 +109,33 @@ def test_4_bit_params_are_not_saved_yet(tmp_path):
     assert not (tmp_path / "q4").exists()
     with pytest.raises(BridgeError, match="groups of 32"):
         jax_llama.quantize(params, group_size=64, method="int4")
+
+
+def test_both_twins_compute_the_same_4_bit_model():
+    """The same float weights, quantised by each twin (bridge.int4 both ways: the same bits),
+    give the same logits; float32 tolerance of the twins' float parity (their matmuls sum in
+    different orders), and a negative case: the float model is far from both."""
+    import torch
+
+    import torch_llama
+    from conftest import torch_logits, torch_model
+
+    config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97)
+    tmodel = torch_model(config, seed=4)
+    with torch.no_grad():
+        float_logits = torch_logits(tmodel, random_tokens(config))
+    model, _ = jax_llama.init(config)
+    params = jax_llama.checkpoint.params_from_tensors(
+        lambda n: tmodel.state_dict()[n].numpy(), config)
+    q = jax_llama.quantize(params, method="int4")
+    torch_llama.quantize(tmodel, method="int4")
+    wq = tmodel.layers[0].attention.wq
+    np.testing.assert_array_equal(wq.weight.numpy(),
+                                  np.asarray(q["layers_0"]["attention"]["wq"]["kernel"]).T)
+    tokens = random_tokens(config)
+    got = torch_logits(tmodel, tokens)
+    np.testing.assert_allclose(got, np.asarray(model.apply({"params": q}, tokens)), rtol=0,
+                               atol=2e-5)
+    assert np.abs(got - float_logits).max() > 1e-3
+    with pytest.raises(BridgeError, match="4-bit weights .* are not saved"):
+        torch_llama.quantize(tmodel)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bridge.formats.torch_files import to_numpy
+from bridge.int4 import quantize_int4
 from bridge.lora import LoraConfig
 from bridge.quantize import Quantization, quantize_weight
 
@@ -88,8 +89,20 @@ class Linear(Int8Weight, nn.Linear):
         del self.lora_A, self.lora_B, self.lora_dropout
         self.lora = None
 
+    def quantize_int4(self, name: str = "weight") -> None:
+        """Replace W by 4-bit weights (bridge.int4): a frozen uint8 `weight` (out, in / 2), two
+        weights a byte, beside float32 buffers `weight_scale` and `weight_min` (out, in / 32):
+        the JAX twin's numbers."""
+        packed, scale, low = quantize_int4(to_numpy(self.weight.detach()), name)
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.from_numpy(packed).to(device), requires_grad=False)
+        self.register_buffer("weight_scale", torch.from_numpy(scale).to(device))
+        self.register_buffer("weight_min", torch.from_numpy(low).to(device))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.int8:
+        if self.weight.dtype == torch.uint8:
+            y = int4_linear(x, self.weight, self.weight_scale, self.weight_min)
+        elif self.weight.dtype == torch.int8:
             y = int8_linear(x, self.weight, self.weight_scale, self._scale_in(x.dtype))
         else:
             y = super().forward(x)
@@ -117,6 +130,18 @@ def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor,
         return F.linear(x, q_OI.to(x.dtype)) * scale_O
     w_OGi = q_OI.view(O, G, I // G).to(torch.float32) * scale_OG[..., None]
     return F.linear(x, w_OGi.view(O, I).to(x.dtype))
+
+
+def int4_linear(x: torch.Tensor, packed_OJ: torch.Tensor, scale_OG: torch.Tensor,
+                min_OG: torch.Tensor) -> torch.Tensor:
+    """x W^T for 4-bit W (bridge.int4): packed (out, in / 2) uint8 and float32 scales and minima
+    (out, in / 32); W = q * scale + min in float32, rounded once to x's dtype, dequantised per
+    call. jax_llama.model.projections.int4_matmul's twin."""
+    O, J = packed_OJ.shape
+    G = scale_OG.shape[1]
+    q_OI = torch.stack([packed_OJ & 0xF, packed_OJ >> 4], dim=-1).view(O, 2 * J)
+    w_OGi = q_OI.view(O, G, 2 * J // G).to(torch.float32) * scale_OG[..., None] + min_OG[..., None]
+    return F.linear(x, w_OGi.view(O, 2 * J).to(x.dtype))
 
 
 class Embedding(Int8Weight, nn.Embedding):

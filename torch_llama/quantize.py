@@ -4,11 +4,14 @@ arithmetic; jax_llama.quantize is the twin).
     torch_llama.quantize(model)                  # per output channel
     torch_llama.quantize(model, group_size=64)   # per 64 input columns of each row
     torch_llama.save(path, model)                # int8 + scales, declared in config.json
+    torch_llama.quantize(model, method="int4")   # 4 bits, a scale and a minimum per 32 inputs
 
 Each projection's `weight`, and the LM head's (the embedding's, when the head is tied to it),
 becomes a frozen int8 tensor beside a float32 `weight_scale` buffer (state_dict keys `<name>` and
 `<name>_scale`, the native format's); the norms, an untied embedding and LoRA adapters are left
-as they are.
+as they are. method="int4" (bridge.int4, a first step of issue 57): each Linear's weight becomes
+uint8 (out, in / 2) beside `weight_scale` and `weight_min` (out, in / 32); the embedding stays
+float; such a model runs but is not saved yet.
 """
 
 from __future__ import annotations
@@ -26,9 +29,19 @@ def quantize(model: Llama, group_size: int | None = None, method: str = "int8") 
     """Quantise `model`'s projections and LM head in place and return it; refuses a model
     quantised already, and a group size that does not divide a weight's inputs (naming it)
     before anything is converted."""
-    quantization = Quantization(method, group_size)
     if quantization_of(model) is not None:
         raise BridgeError("already quantised", field="model")
+    if method == "int4":
+        from bridge.int4 import GROUP
+
+        if group_size not in (None, GROUP):
+            raise BridgeError(f"4-bit weights come in groups of {GROUP} inputs (got "
+                              f"{group_size})", field="group_size")
+        for name, module in model.named_modules():
+            if isinstance(module, Linear):
+                module.quantize_int4(name + ".weight")
+        return model
+    quantization = Quantization(method, group_size)
     check_quantizable(model.config, quantization)
     for name, module in int8_weights(model):
         module.quantize(quantization, name + ".weight")
@@ -44,8 +57,13 @@ def int8_weights(model: nn.Module) -> list[tuple[str, Int8Weight]]:
 
 
 def quantization_of(model: nn.Module) -> Quantization | None:
-    """The Quantization `model` holds, from its first int8 weight; None for a float model."""
-    for _, m in int8_weights(model):
+    """The Quantization `model` holds, from its first int8 weight; None for a float model.
+    A 4-bit model is refused: no checkpoint holds one yet."""
+    for name, m in int8_weights(model):
+        if hasattr(m, "weight_min"):
+            raise BridgeError(f"{name}: 4-bit weights (torch_llama.quantize(model, "
+                              f"method='int4')) are not saved, converted or quantised further "
+                              f"yet", field="model")
         if hasattr(m, "weight_scale"):
             groups = m.weight_scale.shape[1]
             return Quantization(group_size=None if groups == 1 else m.weight.shape[1] // groups)
