@@ -77,3 +77,26 @@ def dequantize_int4(packed_OJ: np.ndarray, d_OG: np.ndarray, m_OG: np.ndarray,
     w = (q.reshape(O, I // GROUP, GROUP).astype(np.float32) * d_OG[..., None].astype(np.float32)
          + m_OG[..., None].astype(np.float32))
     return w.reshape(O, I).astype(dtype)
+
+
+def int4_reader(checkpoint, get, config):
+    """name -> (packed, scale, min) for each projection a 4-bit model holds (the layers' wq ... w3
+    and an untied LM head; bridge.quantize.quantized_names less a tied embedding), None for the
+    rest: the checkpoint's own 4-bit blocks where it has them exactly (Checkpoint.int4_tensor),
+    else quantize_int4 of get(name), one tensor at a time. Input widths are checked first."""
+    from .quantize import quantized_names
+    from .tensors import canonical_shapes
+
+    shapes = canonical_shapes(config)
+    names = {n for n in quantized_names(config) if n != "tok_embeddings.weight"}
+    for name in names:
+        if shapes[name][1] % GROUP:
+            raise BridgeError(f"tensor '{name}': {shapes[name][1]} input columns are not a "
+                              f"multiple of the 4-bit group size {GROUP}", field="int4")
+
+    def read(name: str):
+        if name not in names:
+            return None
+        held = checkpoint.int4_tensor(name)
+        return held if held is not None else quantize_int4(get(name), name)
+    return read

@@ -19,6 +19,7 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
+from bridge.int4 import int4_reader
 from bridge.lora import read_peft
 from bridge.progress import reading
 from bridge.quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes
@@ -86,13 +87,15 @@ def is_scanned(params) -> bool:
 
 
 def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *,
-                        scan_layers: bool = False, dtype=None, shapes=None):
+                        scan_layers: bool = False, dtype=None, shapes=None, int4=None):
     """Build the params pytree, reading canonical tensors one at a time with `get(name)`.
 
     shapes: the tensors to read, name -> canonical shape; default the whole model's
     (bridge.tensors.canonical_shapes), or e.g. a LoRA adapter's (bridge.lora.adapter_shapes).
     With scan_layers each per-layer tensor is gathered into one (L, ...) host buffer, so peak
-    host memory is one stacked tensor, not the model.
+    host memory is one stacked tensor, not the model. int4(name) -> (packed, scale, min) of a
+    projection (bridge.int4.read_int4), or None to read it as `get` gives it: its module then
+    holds 4-bit weights, as jax_llama.quantize(params, method="int4") makes them.
     """
     dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
     shapes = canonical_shapes(config) if shapes is None else shapes
@@ -114,6 +117,15 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
 
     for name in shapes:
         if not (scan_layers and name.startswith("layers.")):
+            packed = None if int4 is None else int4(name)
+            if packed is not None:  # (out, in / 2), (out, G), (out, G): transposed as kernels are
+                path = _flax_path(name, scan_layers)[0]
+                for leaf, value in zip(("kernel", "scale", "min"), packed):
+                    params_node = params
+                    for key in path[:-1]:
+                        params_node = params_node.setdefault(key, {})
+                    params_node[leaf] = jnp.asarray(value.T)
+                continue
             put(_flax_path(name, scan_layers)[0], read(name))
     if scan_layers:
         for suffix in [n.split(".", 2)[2] for n in shapes if n.startswith("layers.0.")]:
@@ -245,7 +257,7 @@ def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config:
 
 def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool = False,
          remat: bool = False, attention: str = "auto", adapter: str | os.PathLike | None = None,
-         mesh=None, kernels: str = "auto", progress: bool = False):
+         mesh=None, kernels: str = "auto", progress: bool = False, int4: bool = False):
     """(Llama module, params) from a checkpoint of any supported format: a path, or a checkpoint
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
@@ -260,6 +272,9 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
     each process reading only the parts its devices hold: safetensors formats (native, HF) read
     those parts alone; Meta and llama2.c files, and a merged adapter, read each tensor whole.
     progress: a bar on stderr counting the tensors read (bridge.progress).
+    int4: the projections as 4-bit weights (bridge.int4), read as the file holds them where it
+    holds them so exactly (a GGUF's Q4_0 / Q4_1), else quantised as each is read: the float
+    model is never whole in memory. The embedding and the norms keep `dtype`.
     """
     choose(attention, 1, 1)
     implementation(kernels)  # a bad name, or kernels that cannot run here, refused as early
@@ -283,9 +298,16 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
         params = params_on_mesh(read, ckpt.config, mesh, scan_layers=scan_layers, dtype=dtype)
     else:
         get, shown = reading(get, len(ckpt.specs), enabled=progress)
+        four = None
+        if int4:
+            if scan_layers or adapter is not None or ckpt.quantization is not None:
+                raise BridgeError("4-bit weights are read from a float or GGUF checkpoint, "
+                                  "without scan_layers or an adapter, for now", field="int4")
+            four = int4_reader(ckpt, get, ckpt.config)
         with shown:
             params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
-                                         shapes=checkpoint_shapes(ckpt.config, ckpt.quantization))
+                                         shapes=checkpoint_shapes(ckpt.config, ckpt.quantization),
+                                         int4=four)
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
                   attention=attention, kernels=kernels)
     return model, params

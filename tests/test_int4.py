@@ -139,3 +139,46 @@ def test_both_twins_compute_the_same_4_bit_model():
     assert np.abs(got - float_logits).max() > 1e-3
     with pytest.raises(BridgeError, match="4-bit weights .* are not saved"):
         torch_llama.quantize(tmodel)
+
+
+def test_smollm2s_q4_1_projections_load_as_4_bits_exactly(smollm2):
+    """The real model's 210 Q4_1 projections read as the file holds them (no float copy): its
+    logits are the dequantised float model's - the same float32 weights, the product d * q being
+    exact for a float16 d - and the params take a quarter of the projections' float bytes."""
+    from bridge.formats import open_checkpoint
+
+    ckpt = open_checkpoint(smollm2)
+    assert ckpt.tensor_types["Q4_1"] == 210
+    model, q = jax_llama.load(ckpt, int4=True)
+    _, f = jax_llama.load(ckpt)
+    wq = q["layers_0"]["attention"]["wq"]
+    assert wq["kernel"].dtype == np.uint8 and wq["kernel"].shape == (288, 576)
+    np.testing.assert_array_equal(
+        np.asarray(dequantized({"m": dict(wq)})["m"]["kernel"]),
+        np.asarray(f["layers_0"]["attention"]["wq"]["kernel"]))
+    tokens = np.array([[1, 504, 3458, 282, 4649, 314, 1345, 30]], np.int32)
+    np.testing.assert_allclose(np.asarray(model.apply({"params": q}, tokens)),
+                               np.asarray(model.apply({"params": f}, tokens)), rtol=0, atol=1e-4)
+    size = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
+    assert size(q) < 0.4 * size(f)
+
+
+def test_quantize_int4_on_both_generate_commands(tmp_path, capsys):
+    """--quantize int4: the JAX twin reads 4-bit weights as it loads, the torch twin quantises
+    once loaded - the same bits, so the same greedy text; refusals before any weight is read."""
+    from conftest import save_random_checkpoint
+    from llama_twins.cli import main as jax_cli
+    from llama_twins.cli import torch_main
+
+    ckpt = save_random_checkpoint(tmp_path / "ckpt", small_config(
+        dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=259, tie_embeddings=False),
+        seed=5, tokenizer=True)
+    argv = ["generate", str(ckpt), "--prompt", "hello", "--max-new-tokens", "12"]
+    assert jax_cli.main([*argv, "--quantize", "int4"]) == 0
+    jax_out = capsys.readouterr().out
+    assert torch_main.main([*argv, "--quantize", "int4", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == jax_out
+    assert jax_cli.main(argv) == 0
+    assert capsys.readouterr().out != jax_out  # 4 bits change a random model's greedy text
+    assert jax_cli.main([*argv, "--quantize", "int4", "--group-size", "64"]) == 2
+    assert "--group-size: 4-bit weights come in groups of 32" in capsys.readouterr().err

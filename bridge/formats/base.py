@@ -69,6 +69,11 @@ class Checkpoint:
     # find_tokenizer and bridge.chat's find_template take an opened checkpoint. None: the format
     # carries none, and they look beside the weights (a directory's tokenizer and template files).
 
+    def int4_tensor(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The tensor in bridge.int4's layout (packed, scale, min), where the file holds it in a
+        4-bit type that layout holds exactly (a GGUF's Q4_0 and Q4_1); None otherwise."""
+        return None
+
     def own_tokenizer(self) -> Tokenizer | None:
         """The vocabulary the checkpoint file itself holds (a GGUF file's), or None."""
         return None

@@ -94,6 +94,18 @@ class GGUFCheckpoint(Checkpoint):
             raise BridgeError(f"{self.path}: no tensor {name!r}")
         return _as_array(self._file, *self._tensors[name])
 
+    def int4_tensor(self, name: str):
+        """A Q4_0 or Q4_1 tensor's blocks as bridge.int4's layout, exactly (bridge.gguf.int4);
+        None for any other type."""
+        from .int4 import BLOCK_BYTES, from_q4_blocks
+
+        if name not in self._tensors:
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
+        t, qtype = self._tensors[name]
+        if qtype.name not in BLOCK_BYTES:
+            return None
+        return from_q4_blocks(self._file.raw(t), qtype.name, tuple(t.shape), name)
+
     def own_tokenizer(self) -> Tokenizer:
         """The file's vocabulary, rebuilt to tokenize as llama.cpp does, from the keys read on
         opening; BridgeError naming the file when there is none we rebuild."""

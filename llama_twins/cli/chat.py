@@ -157,9 +157,9 @@ def cmd_chat(args) -> int:
     from jax_llama.inference.generate import ChatSession
 
     def open_session(checkpoint, sampler, stops):
-        model, params = load_quantized(args, lambda: load(
+        model, params = load_quantized(args, lambda **four: load(
             checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-            kernels=args.kernels, progress=args.progress), checkpoint=checkpoint,
+            kernels=args.kernels, progress=args.progress, **four), checkpoint=checkpoint,
             say=args.stats)
         return (ChatSession(model, params, args.max_new_tokens, sampler, stops, args.seed),
                 model.config)

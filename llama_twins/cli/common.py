@@ -156,10 +156,29 @@ def add_quantize_arguments(p: argparse.ArgumentParser,
                            what: str = "int8 weight-only: the projections held as int8 with "
                                        "float32 scales, dequantised in the matmul (embeddings "
                                        "and norms keep --dtype)") -> None:
-    p.add_argument("--quantize", choices=("int8",), help=what)
+    p.add_argument("--quantize", choices=("int8", "int4"),
+                   help=what + "; int4: 4-bit weights in groups of 32 inputs with a scale and a "
+                               "minimum (a GGUF's Q4_0 / Q4_1 read as they are, exactly; other "
+                               "weights quantised as they load), dequantised per call, no decode "
+                               "kernels yet: less memory, not yet faster")
     p.add_argument("--group-size", type=int,
                    help="with --quantize: one scale per this many input columns of each row "
                         "(default: one per output channel)")
+
+
+def int4_request(args, checkpoint) -> bool:
+    """Whether --quantize int4 is asked for, refused where it cannot apply (an int8 checkpoint, a
+    --group-size other than 32) before any weight is read."""
+    if args.quantize != "int4":
+        return False
+    from bridge.int4 import GROUP
+
+    if args.group_size not in (None, GROUP):
+        raise BridgeError(f"4-bit weights come in groups of {GROUP} inputs", field="group_size")
+    if checkpoint.quantization is not None:
+        raise BridgeError(f"{args.checkpoint} holds int8 weights; --quantize int4 reads a float "
+                          f"or GGUF checkpoint", field="quantize")
+    return True
 
 
 def requested_quantization(args, checkpoint=None):

@@ -12,9 +12,9 @@ def cmd_eval(args) -> int:
     from jax_llama.eval import evaluate
 
     def load_model(checkpoint):
-        return load_quantized(args, lambda: load(checkpoint, dtype=args.dtype,
+        return load_quantized(args, lambda **four: load(checkpoint, dtype=args.dtype,
                                                  attention=args.attention, kernels=args.kernels,
-                                                 progress=args.progress),
+                                                 progress=args.progress, **four),
                               checkpoint=checkpoint)
 
     return run_eval(args, load_model, lambda loaded, documents, **kw: evaluate(*loaded, documents,

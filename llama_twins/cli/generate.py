@@ -17,9 +17,9 @@ def cmd_generate(args) -> int:
     from jax_llama.inference.generate import generate
 
     def load_model(checkpoint):
-        model, params = load_quantized(args, lambda: load(
+        model, params = load_quantized(args, lambda **four: load(
             checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-            kernels=args.kernels, progress=args.progress), checkpoint=checkpoint)
+            kernels=args.kernels, progress=args.progress, **four), checkpoint=checkpoint)
         return (model, params, checkpoint), model.config
 
     if args.compare_torch and args.quantize:

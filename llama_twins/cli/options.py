@@ -10,15 +10,20 @@ from typing import Callable
 
 from bridge.errors import BridgeError
 
-from .common import requested_quantization
+from .common import int4_request, requested_quantization
 
 
-def load_quantized(args, load: Callable[[], tuple], say: bool = True, checkpoint=None) -> tuple:
-    """load() -> (model, params), quantised to int8 when --quantize asks for it; --kernels said
-    as with_kernels says it. `checkpoint`: args.checkpoint already opened, if it is."""
+def load_quantized(args, load: Callable[..., tuple], say: bool = True, checkpoint=None) -> tuple:
+    """load(**options) -> (model, params), quantised to int8 when --quantize asks for it, or read
+    as 4-bit weights (load(int4=True)) for --quantize int4; --kernels said as with_kernels says
+    it. `checkpoint`: args.checkpoint already opened, if it is."""
+    from bridge.formats import open_checkpoint
     from jax_llama.quantize import quantize
 
     # refused here, before any weight is read
+    checkpoint = open_checkpoint(args.checkpoint) if checkpoint is None else checkpoint
+    if int4_request(args, checkpoint):
+        return with_kernels(args, lambda: load(int4=True), say)
     quantization = requested_quantization(args, checkpoint)
     model, params = with_kernels(args, load, say)
     if quantization is None:

@@ -33,9 +33,10 @@ def cmd_serve(args) -> int:
     checkpoint = open_checkpoint(args.checkpoint)  # opened once: tokenizer, template, weights
     tokenizer = find_tokenizer(checkpoint, args.tokenizer)
     template = find_template(checkpoint, tokenizer, args.chat_template)
-    model, params = load_quantized(args, lambda: load(
+    model, params = load_quantized(args, lambda **four: load(
         checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-        kernels=args.kernels, progress=args.progress), say=False, checkpoint=checkpoint)
+        kernels=args.kernels, progress=args.progress, **four), say=False,
+        checkpoint=checkpoint)
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_context)
     given = Path(args.checkpoint.rstrip("/"))
     # a path: its file or directory name; a model's name (hub id, installed model): as typed

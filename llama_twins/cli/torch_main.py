@@ -8,7 +8,8 @@ import sys
 from . import models
 from .chat import add_chat_command, run_chat
 from .common import (add_command, add_eval_arguments, add_generate_arguments, command_main,
-                       generation_inputs, requested_quantization, run_eval, run_generation)
+                       generation_inputs, int4_request, requested_quantization, run_eval,
+                       run_generation)
 
 
 def cmd_generate(args) -> int:
@@ -34,6 +35,11 @@ def load_quantized(args, load, checkpoint=None):
     from torch_llama import quantize
 
     # refused here, before any weight is read
+    from bridge.formats import open_checkpoint
+
+    checkpoint = open_checkpoint(args.checkpoint) if checkpoint is None else checkpoint
+    if int4_request(args, checkpoint):  # quantised once loaded (the JAX twin reads it as it loads)
+        return quantize(load(), None, "int4")
     quantization = requested_quantization(args, checkpoint)
     model = load()
     if quantization is None:
