@@ -111,6 +111,7 @@ COMMANDS = [
     (bridge_main, ["merge-lora", "base", "adapter", "dst"]),
     (bridge_main, ["inspect", "path"]),
     (bridge_main, ["parity", "path"]),  # its stage lines
+    (jax_cli, ["bench"]),  # its stage lines
 ]
 
 
@@ -200,3 +201,19 @@ def test_a_model_load_counts_its_tensors(task, twin, capsys, monkeypatch):
     assert n == 21 and f"{n}/{n}" in lines[-1]
     assert main([*argv, "--no-progress"]) == 0
     assert "loading:" not in capsys.readouterr().err
+
+
+def test_bench_stage_lines_follow_no_progress(capsys, monkeypatch):
+    """`jax-llama bench --no-progress` silences the stage lines (llama_twins.bench.common.say),
+    not its warnings; the flag reaches them through cmd_bench."""
+    from llama_twins.bench import common, suite
+
+    seen = []
+    monkeypatch.setattr(suite, "run_command", lambda args: seen.append(common.SHOW_PROGRESS) or 0)
+    monkeypatch.setattr(common, "SHOW_PROGRESS", True)
+    assert jax_cli.main(["bench", "--no-progress"]) == 0 and seen == [False]
+    common.say("measuring this machine")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(common, "SHOW_PROGRESS", True)
+    common.say("measuring this machine")
+    assert "measuring this machine" in capsys.readouterr().err

@@ -96,9 +96,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The stage lines `say` prints (off: `jax-llama bench --no-progress`).
+SHOW_PROGRESS = True
+
+
 def say(message: str) -> None:
-    """Progress goes to stderr (stdout carries the results)."""
-    print(message, file=sys.stderr, flush=True)
+    """Progress goes to stderr (stdout carries the results), unless SHOW_PROGRESS is off."""
+    if SHOW_PROGRESS:
+        print(message, file=sys.stderr, flush=True)
 
 
 def timed(run: Callable[[], object], warmup: int, repeats: int,
@@ -122,7 +127,7 @@ def timed(run: Callable[[], object], warmup: int, repeats: int,
 def run_json(command: list[str]) -> tuple[dict, float]:
     """(the JSON object a command prints on stdout, its wall seconds); the command is echoed on
     stderr first, and a failing one ends the caller with its stderr's tail."""
-    print("$ " + " ".join(command), file=sys.stderr, flush=True)
+    say("$ " + " ".join(command))
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - started

@@ -109,7 +109,7 @@ def run(plan: Plan, command: str) -> dict:
     found = probe()
     note = missing_note(found)
     if note:
-        say(f"warning: {note}")
+        print(f"warning: {note}", file=sys.stderr, flush=True)  # with or without progress
     say("measuring this machine: matmul peak and read bandwidth")
     machine = {**spawn("machine", spec), **found}
     say(f"matmul peak {machine['peak_flops'] / 1e9:.0f} GFLOP/s ({spec.dtype}), read bandwidth "

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from .common import add_command
+from .common import add_command, add_progress_argument
 
 
 def cmd_bench(args) -> int:
-    from ..bench import suite
+    from ..bench import common, suite
 
+    common.SHOW_PROGRESS = args.progress
     return suite.run_command(args)
 
 
@@ -44,3 +45,4 @@ def add_commands(sub) -> None:
                    help="directory for bench.md and bench.json (default: the current directory)")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, short runs, smaller depths: a smoke run in well under a minute")
+    add_progress_argument(p, lines="stage lines (each worker as it starts)")
