@@ -27,6 +27,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.int4 import quantize_int4
+from bridge.progress import LOAD_DELAY_S, bar
 from bridge.quantize import Quantization, quantize_weight
 
 from .checkpoint import host_array, modules, quantization_of
@@ -34,10 +35,12 @@ from .checkpoint import host_array, modules, quantization_of
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")
 
 
-def quantize(params, group_size: int | None = None, method: str = "int8"):
+def quantize(params, group_size: int | None = None, method: str = "int8",
+             progress: bool = False):
     """A copy of `params` with every projection and the LM head int8 (see the module docstring);
     refuses params that are quantised already, and a group size that does not divide a weight's
-    inputs (naming it) before anything is converted."""
+    inputs (naming it) before anything is converted. progress: a bar on stderr counting the
+    weights quantised, once it has taken a few seconds (bridge.progress)."""
     if quantization_of(params) is not None:
         raise BridgeError("already quantised", field="params")
     if method == "int4":
@@ -55,7 +58,10 @@ def quantize(params, group_size: int | None = None, method: str = "int8"):
         return q_OI.T, scale_OG.T
 
     out = jax.tree_util.tree_map(lambda x: x, params)  # a new tree; the arrays are shared
+    shown = bar(desc="quantising", unit="weight", total=len(kernels) + len(tables),
+                enabled=progress, leave=False, delay=LOAD_DELAY_S)
     for path, leaf in kernels:
+        shown.update(1)
         host = host_array(leaf)
         name = "/".join(path)
         if host.ndim == 3:  # scan_layers: (L, in, out)
@@ -65,7 +71,9 @@ def quantize(params, group_size: int | None = None, method: str = "int8"):
             q, scale = one(host, name)
         _replace(out, path, q, scale)
     for path, leaf in tables:  # (vocab, dim) is the head's (out, in) as it is
+        shown.update(1)
         _replace(out, path, *quantize_weight(host_array(leaf), group_size, "/".join(path)))
+    shown.close()
     return out
 
 

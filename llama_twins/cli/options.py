@@ -28,7 +28,8 @@ def load_quantized(args, load: Callable[..., tuple], say: bool = True, checkpoin
     model, params = with_kernels(args, load, say)
     if quantization is None:
         return model, params
-    return model, quantize(params, quantization.group_size, quantization.method)
+    return model, quantize(params, quantization.group_size, quantization.method,
+                           progress=args.progress)
 
 
 def lora_config(args, saved: dict | None = None):
