@@ -4,29 +4,18 @@ JSONL that `sft` reads. Both twins' chat sessions use it; each brings its own mo
 
 What a twin keeps between turns is the KV cache of the ids it has seen. The next turn's ids are
 the whole conversation rendered again, so the cache serves the longest prefix the two share
-(`shared_prefix`): with a template that renders earlier turns the same way every time, that is
-everything before the new user turn, and only the new tokens are prefilled.
+(bridge.inputs.shared_prefix): with a template that renders earlier turns the same way every
+time, that is everything before the new user turn, and only the new tokens are prefilled.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 from .chat import ChatTemplate
 from .errors import BridgeError
 from .tokenizer import Tokenizer
-
-
-def shared_prefix(cached: Sequence[int], ids: Sequence[int]) -> int:
-    """How many leading ids `cached` and `ids` share."""
-    n = 0
-    for a, b in zip(cached, ids):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 class Conversation:

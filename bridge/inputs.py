@@ -53,6 +53,16 @@ def check_ids(ids, vocab_size: int, field: str = "tokens") -> None:
                           f"({bad.size} such ids)", field=field)
 
 
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def pad_rows(rows: Sequence[Sequence[int]], length: int | None = None, *, side: str = "right",
              batch_size: int | None = None, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(tokens (B, length) int32, mask (B, length) bool, True on real tokens): each row padded

@@ -26,6 +26,7 @@ import numpy as np
 
 from .chat import ROLES, ChatTemplate, read_json_lines
 from .errors import BridgeError
+from .inputs import shared_prefix
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -88,15 +89,6 @@ def read_pairs(path: str | Path) -> list[tuple[str, dict]]:
     return pairs
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def encode_pair(record: dict, where: str, tokenizer, template: ChatTemplate | None) -> Pair:
     """A checked record as ids, as TRL tokenizes it: the prompt alone, and the prompt with each
     completion (standard: the text with EOS appended; conversational: the rendered
@@ -114,7 +106,7 @@ def encode_pair(record: dict, where: str, tokenizer, template: ChatTemplate | No
         prompt = template.encode(record["prompt"], tokenizer, add_generation_prompt=True)
         whole = [template.encode(record["prompt"] + record[f], tokenizer)
                  for f in ("chosen", "rejected")]
-    n = min(_common_prefix(prompt, ids) for ids in whole)
+    n = min(shared_prefix(prompt, ids) for ids in whole)
     chosen, rejected = (ids[n:] for ids in whole)
     for name, ids in (("chosen", chosen), ("rejected", rejected)):
         if not ids:

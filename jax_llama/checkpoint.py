@@ -94,19 +94,22 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
     (bridge.tensors.canonical_shapes), or e.g. a LoRA adapter's (bridge.lora.adapter_shapes).
     With scan_layers each per-layer tensor is gathered into one (L, ...) host buffer, so peak
     host memory is one stacked tensor, not the model. int4(name) -> (packed, scale, min) of a
-    projection (bridge.int4.read_int4), or None to read it as `get` gives it: its module then
+    projection (bridge.int4.int4_reader), or None to read it as `get` gives it: its module then
     holds 4-bit weights, as jax_llama.quantize(params, method="int4") makes them.
     """
     dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
     shapes = canonical_shapes(config) if shapes is None else shapes
     params: dict = {}
 
-    def put(path, value):
+    def module(path) -> dict:  # the params of the module `path` ends in, made as needed
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
+        return node
+
+    def put(path, value):
         keep = dtype is None or value.dtype == np.int8 or path[-1] == "scale"  # int8 stays int8
-        node[path[-1]] = jnp.asarray(value if keep else value.astype(dtype))
+        module(path)[path[-1]] = jnp.asarray(value if keep else value.astype(dtype))
 
     def read(name: str) -> np.ndarray:  # in the Flax layout
         value = get(name)
@@ -119,12 +122,9 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
         if not (scan_layers and name.startswith("layers.")):
             packed = None if int4 is None else int4(name)
             if packed is not None:  # (out, in / 2), (out, G), (out, G): transposed as kernels are
-                path = _flax_path(name, scan_layers)[0]
+                node = module(_flax_path(name, scan_layers)[0])
                 for leaf, value in zip(("kernel", "scale", "min"), packed):
-                    params_node = params
-                    for key in path[:-1]:
-                        params_node = params_node.setdefault(key, {})
-                    params_node[leaf] = jnp.asarray(value.T)
+                    node[leaf] = jnp.asarray(value.T)
                 continue
             put(_flax_path(name, scan_layers)[0], read(name))
     if scan_layers:

