@@ -198,11 +198,24 @@ class Checkpoints:
 
     def _remove_partial(self, step: int) -> None:
         """What a failed save left: orbax's temporary directory, or the step without its
-        manifest."""
-        for path in self.directory.iterdir():
-            if path.name == str(step) or (path.name.startswith(f"{step}.")
-                                          and "tmp" in path.name):
+        manifest. Orbax's writer threads may still be failing into that directory when its
+        error reaches us, so the removal waits for them and is repeated until nothing is left."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception:  # noqa: BLE001 - the same failure, reported again by the threads
+            pass
+
+        def partial() -> list[Path]:
+            return [path for path in self.directory.iterdir()
+                    if path.name == str(step) or (path.name.startswith(f"{step}.")
+                                                  and "tmp" in path.name)]
+
+        deadline = time.monotonic() + 10.0
+        while (left := partial()) and time.monotonic() < deadline:
+            for path in left:
                 shutil.rmtree(path, ignore_errors=True)
+            if partial():
+                time.sleep(0.05)
         self.manager.reload()
 
     def restore_newest(self, state, mesh, with_meta: bool = False):
