@@ -80,16 +80,18 @@ def dequantize_int4(packed_OJ: np.ndarray, d_OG: np.ndarray, m_OG: np.ndarray,
 
 
 def int4_reader(checkpoint, get, config):
-    """name -> (packed, scale, min) for each projection a 4-bit model holds (the layers' wq ... w3
-    and an untied LM head; bridge.quantize.quantized_names less a tied embedding), None for the
-    rest: the checkpoint's own 4-bit blocks where it has them exactly (Checkpoint.int4_tensor),
-    else quantize_int4 of get(name), one tensor at a time. Input widths are checked first."""
-    from .quantize import quantized_names
+    """name -> the quantised form of each weight a 4-bit model quantises, None for the rest:
+    (packed, scale, min) of each projection (the layers' wq ... w3 and an untied LM head): the
+    checkpoint's own 4-bit blocks where it has them exactly (Checkpoint.int4_tensor), else
+    quantize_int4 of get(name), one tensor at a time; and (q, scale) of a tied LM head, the token
+    embedding, in int8 with one scale per row (bridge.quantize.quantize_weight), which the decode
+    kernels read row by row. Input widths are checked first."""
+    from .quantize import quantize_weight, quantized_names
     from .tensors import canonical_shapes
 
     shapes = canonical_shapes(config)
-    names = {n for n in quantized_names(config) if n != "tok_embeddings.weight"}
-    for name in names:
+    names = set(quantized_names(config))
+    for name in names - {TIED_HEAD}:
         if shapes[name][1] % GROUP:
             raise BridgeError(f"tensor '{name}': {shapes[name][1]} input columns are not a "
                               f"multiple of the 4-bit group size {GROUP}", field="int4")
@@ -97,6 +99,11 @@ def int4_reader(checkpoint, get, config):
     def read(name: str):
         if name not in names:
             return None
+        if name == TIED_HEAD:
+            return quantize_weight(get(name), None, name)
         held = checkpoint.int4_tensor(name)
         return held if held is not None else quantize_int4(get(name), name)
     return read
+
+
+TIED_HEAD = "tok_embeddings.weight"  # in quantized_names only where the LM head is tied to it

@@ -63,6 +63,7 @@ def quantization_of(params) -> Quantization | None:
             raise BridgeError(f"{'/'.join(path)}: 4-bit weights (jax_llama.quantize(params, "
                               f"method='int4')) are not saved, converted or quantised further "
                               f"yet", field="params")
+    for path, node in modules(params):
         if "scale" in node and "kernel" in node:
             inputs, groups = node["kernel"].shape[-2], node["scale"].shape[-2]
         elif "scale" in node and "embedding" in node:  # a tied head: (vocab, dim), (vocab, G)
@@ -120,11 +121,12 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
 
     for name in shapes:
         if not (scan_layers and name.startswith("layers.")):
-            packed = None if int4 is None else int4(name)
-            if packed is not None:  # (out, in / 2), (out, G), (out, G): transposed as kernels are
-                node = module(_flax_path(name, scan_layers)[0])
-                for leaf, value in zip(("kernel", "scale", "min"), packed):
-                    node[leaf] = jnp.asarray(value.T)
+            quantised = None if int4 is None else int4(name)
+            if quantised is not None:  # (packed, scale, min) of a projection, (q, scale) of a
+                path, _, transposed = _flax_path(name, scan_layers)  # tied head, as (out, ...)
+                node = module(path)
+                for leaf, value in zip((path[-1], "scale", "min"), quantised):
+                    node[leaf] = jnp.asarray(value.T if transposed else value)
                 continue
             put(_flax_path(name, scan_layers)[0], read(name))
     if scan_layers:

@@ -4,6 +4,7 @@ they stand for."""
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -142,10 +143,13 @@ def test_both_twins_compute_the_same_4_bit_model():
 
 
 def test_smollm2s_q4_1_projections_load_as_4_bits_exactly(smollm2):
-    """The real model's 210 Q4_1 projections read as the file holds them (no float copy): its
-    logits are the dequantised float model's - the same float32 weights, the product d * q being
-    exact for a float16 d - and the params take a quarter of the projections' float bytes."""
+    """The real model's 210 Q4_1 projections read as the file holds them (no float copy), and its
+    tied head (Q8_0 in the file) as int8 rows: its logits are those of the float model whose
+    projections are the file's dequantised ones - the same float32 weights, the product d * q
+    being exact for a float16 d - and whose embedding is its int8 rows' (1e-4: float32 sums in
+    another order over 30 layers). The params take about a fifth of the float model's bytes."""
     from bridge.formats import open_checkpoint
+    from bridge.quantize import dequantize_weight, quantize_weight
 
     ckpt = open_checkpoint(smollm2)
     assert ckpt.tensor_types["Q4_1"] == 210
@@ -156,11 +160,17 @@ def test_smollm2s_q4_1_projections_load_as_4_bits_exactly(smollm2):
     np.testing.assert_array_equal(
         np.asarray(dequantized({"m": dict(wq)})["m"]["kernel"]),
         np.asarray(f["layers_0"]["attention"]["wq"]["kernel"]))
+    table = q["tok_embeddings"]
+    assert table["embedding"].dtype == np.int8 and table["scale"].shape == (49152, 1)
+    rows = dequantize_weight(*quantize_weight(np.asarray(f["tok_embeddings"]["embedding"])))
+    same_head = dict(f, tok_embeddings={"embedding": jnp.asarray(rows)})
     tokens = np.array([[1, 504, 3458, 282, 4649, 314, 1345, 30]], np.int32)
-    np.testing.assert_allclose(np.asarray(model.apply({"params": q}, tokens)),
-                               np.asarray(model.apply({"params": f}, tokens)), rtol=0, atol=1e-4)
+    got = np.asarray(model.apply({"params": q}, tokens))
+    np.testing.assert_allclose(got, np.asarray(model.apply({"params": same_head}, tokens)),
+                               rtol=0, atol=1e-4)
+    assert np.abs(got - np.asarray(model.apply({"params": f}, tokens))).max() > 1e-3  # int8 rows
     size = lambda tree: sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
-    assert size(q) < 0.4 * size(f)
+    assert size(q) < 0.21 * size(f)  # 108 MB against 538 MB
 
 
 def test_quantize_int4_on_both_generate_commands(tmp_path, capsys):

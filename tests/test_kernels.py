@@ -71,6 +71,62 @@ def test_int8_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O):
         assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= bound(x, q, scale))
 
 
+def int4_weight(rng, I, O):
+    """A 4-bit weight in the kernels' layout (packed (I / 2, O) uint8, scale and min (I / 32,
+    O)), its scales float16 values as a GGUF's Q4_0 / Q4_1 hold them, and the float32 weight
+    (I, O) it stands for (bridge.int4.dequantize_int4)."""
+    from bridge.int4 import dequantize_int4, pack
+    q = rng.integers(0, 16, (O, I))
+    d = (rng.random((O, I // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    m = (-8 * d) if I % 64 else (rng.standard_normal((O, I // 32)) * 0.05).astype(np.float32)
+    packed = pack(q)
+    w = dequantize_int4(packed, d, m)
+    return (np.ascontiguousarray(packed.T), np.ascontiguousarray(d.T),
+            np.ascontiguousarray(m.T)), np.ascontiguousarray(w.T)
+
+
+# SHAPES with inputs in groups of 32 (5 x 32 x 13: a vector tail of columns; 2 x 96: groups
+# that straddle the kernels' blocks of 64 inputs)
+INT4_SHAPES = [(M, I, O) for M, I, O in SHAPES if I % 32 == 0] + [(5, 32, 13), (6, 96, 37)]
+
+
+@pytest.mark.parametrize("M,I,O", INT4_SHAPES)
+def test_int4_matvec_is_the_float32_kernel_on_the_dequantised_weight(M, I, O):
+    """Each 4-bit weight is expanded in a register to q * d + m (one fused multiply-add, exact
+    for a float16 d) and summed as a float32 weight is: the float32 kernel's outputs on the
+    dequantised weight, bit for bit, so within the float32 bound of the float64 product.
+    Negative cases: the nibbles of a byte swapped, and the minimum left out, are far outside."""
+    rng = np.random.default_rng(M * 1000 + O + 7)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    (packed, d, m), w = int4_weight(rng, I, O)
+    assert kernels.usable(jnp.asarray(x), packed, d, m)
+    got = np.asarray(jax.jit(kernels.matvec_int4)(x, [(packed, d, m)])[0])
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(kernels.matvec)(x, w)))
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    assert np.all(np.abs(got - want) <= bound(x, w))
+    swapped = (packed >> 4) | (packed << 4)
+    wrong = np.asarray(kernels.matvec_int4(x, [(swapped, d, m)])[0], np.float64)
+    assert not np.all(np.abs(wrong - want) <= bound(x, w))
+    wrong = np.asarray(kernels.matvec_int4(x, [(packed, d, np.zeros_like(m))])[0], np.float64)
+    assert not np.all(np.abs(wrong - want) <= bound(x, w))
+
+
+def test_int4_weights_that_share_an_input_are_one_call_and_rows_stand_alone():
+    """q, k and v as 4-bit weights in one call equal each alone, bit for bit; and a row's
+    outputs are the same bits alone or beside 7 others."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((8, 576)).astype(np.float32)
+    weights = [int4_weight(rng, 576, o)[0] for o in (576, 192, 192)]
+    together = jax.jit(kernels.matvec_int4)(x, weights)
+    assert len(together) == 3
+    for weight, got in zip(weights, together):
+        np.testing.assert_array_equal(np.asarray(got),
+                                      np.asarray(kernels.matvec_int4(x, [weight])[0]))
+        for m in range(8):
+            np.testing.assert_array_equal(
+                np.asarray(kernels.matvec_int4(x[m:m + 1], [weight])[0])[0], np.asarray(got)[m])
+
+
 # The rows kernel (int8 q stored (O, I): a tied LM head): I = 70 and 17 leave a vector tail, O not
 # a multiple of the rows done at once leaves a row tail, and 8192 x 576 (4.5 MB of int8) is shared
 # with the helper threads
@@ -155,7 +211,7 @@ def test_weights_that_share_an_input_are_one_call_with_the_same_numbers():
 
 
 def test_outputs_do_not_depend_on_the_helper_threads():
-    """Calls large enough to be shared (float32 and int8 projections, both rows kernels) give the
+    """Calls large enough to be shared (float32, int8 and 4-bit projections, both rows kernels) give the
     same bits on the caller alone (JAX_LLAMA_KERNEL_THREADS=1), with this machine's helpers (the
     default) and with 4 threads: each unit writes its own sums, added in a fixed order. The
     thread count is read once per process, so each count runs in a subprocess of its own."""
@@ -168,8 +224,11 @@ def test_outputs_do_not_depend_on_the_helper_threads():
         "q = rng.integers(-127, 128, (576, 1536)).astype(np.int8)\n"
         "s = rng.random((1, 1536)).astype(np.float32)\n"
         "t = rng.standard_normal((8192, 576)).astype(np.float32)\n"
+        "four = (rng.integers(0, 256, (288, 1536)).astype(np.uint8),\n"
+        "        rng.random((18, 1536)).astype(np.float32), rng.random((18, 1536)).astype(np.float32))\n"
         "outs = [*kernels.matvec_f32(x, [w, w[:, :960]]), kernels.matvec(x, q, s),\n"
-        "        kernels.matvec_rows(x, t), kernels.matvec_rows(x, q.T.copy(), s.T.copy())]\n"
+        "        kernels.matvec_rows(x, t), kernels.matvec_rows(x, q.T.copy(), s.T.copy()),\n"
+        "        kernels.matvec_int4(x, [four])[0]]\n"
         "np.save(sys.argv[1], np.concatenate([np.asarray(o).ravel() for o in outs]))\n")
     got = {}
     for threads in ("1", "", "4"):
@@ -186,12 +245,14 @@ def test_outputs_do_not_depend_on_the_helper_threads():
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_decoding_makes_one_call_per_shared_input(tied):
     """A decode step runs 4 kernel calls a layer (q/k/v, wo, gate/up, down), and one for the LM
-    head: `output`, or the embedding of a tied model (matvec_rows), float32 or int8."""
+    head: `output`, or the embedding of a tied model (matvec_rows), float32, int8 or 4-bit (whose
+    tied head is int8 rows)."""
     import dataclasses
 
     import jax_llama
     from bridge.config import PRESETS
-    config = dataclasses.replace(PRESETS["tiny"], tie_embeddings=tied)
+    # a feed-forward of 192: inputs in groups of 32 for the 4-bit weights
+    config = dataclasses.replace(PRESETS["tiny"], tie_embeddings=tied, ffn_dim=192)
     model, params = jax_llama.init(config, seed=0)
     tokens = jnp.zeros((1, 1), jnp.int32)
 
@@ -200,6 +261,9 @@ def test_decoding_makes_one_call_per_shared_input(tied):
     int8 = jaxpr(jax_llama.quantize(params))
     assert int8.count("ffi_call") == 4 * config.n_layers + 1
     assert int8.count("jax_llama_matvec_int8_rows") == (1 if tied else 0)
+    int4 = jaxpr(jax_llama.quantize(params, method="int4"))  # the tied head: int8 rows
+    assert int4.count("ffi_call") == 4 * config.n_layers + 1
+    assert int4.count("jax_llama_matvec_int4") == 4 * config.n_layers + (0 if tied else 1)
     f32 = jaxpr(params)
     assert f32.count("ffi_call") == 4 * config.n_layers + 1
     assert f32.count("jax_llama_matvec_f32_rows") == (1 if tied else 0)
@@ -389,6 +453,12 @@ def test_gradients_are_xlas():
     got = jax.jit(jax.grad(loss(kernels.matvec_rows)))(x, q_OI, scale_O1)
     want = jax.grad(loss(lambda x, q, s: x @ (q.astype(jnp.float32) * s).T))(x, q_OI, scale_O1)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(jnp.abs(want).max()) * 80)
+    # 4-bit weights: dx through the dequantised weight, none for the weights
+    four, w4 = int4_weight(rng, 64, 80)
+    x64 = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(kernels.matvec_int4(x, [four])[0] * g)))(x64)
+    want = jax.grad(lambda x: jnp.sum((x @ w4) * g))(x64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_vmap_runs_each_slice():
@@ -422,20 +492,31 @@ def test_usable_only_for_what_the_kernels_serve():
     assert not kernels.usable_rows(x, q_OI.astype(jnp.bfloat16))
     assert not kernels.usable_rows(x, q_OI)  # int8 without its scales
     assert not kernels.usable_rows(x, q_OI.T, jnp.ones((16, 1)))  # stored (I, O): not rows
+    # 4-bit: packed (I / 2, O) uint8 with float32 scales and minima (I / 32, O)
+    x32 = jnp.zeros((2, 64), jnp.float32)
+    packed, d = jnp.zeros((32, 8), jnp.uint8), jnp.ones((2, 8))
+    assert kernels.usable(x32, packed, d, d)
+    assert not kernels.usable(x32, packed, d, jnp.ones((1, 8)))  # minima of another shape
+    assert not kernels.usable(x32, packed, d.astype(jnp.float16), d)  # float16 scales
+    assert not kernels.usable(x32, packed.astype(jnp.int8), d, d)
+    assert not kernels.usable(jnp.zeros((2, 48)), jnp.zeros((24, 8), jnp.uint8),
+                              jnp.ones((1, 8)), jnp.ones((1, 8)))  # 48 inputs: not groups of 32
 
 
 def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
-    """Greedy tokens of a small model, float32 and int8, batch 1 and 3, in two processes: one
+    """Greedy tokens of a small model, float32, int8 and 4-bit, batch 1 and 3, in two processes: one
     with the kernels, one with JAX_LLAMA_KERNELS=0 (XLA's matmuls); and in each, the same model
     with kernels="xla"."""
     script = (
-        "import json, jax_llama\n"
+        "import dataclasses, json, jax_llama\n"
         "from bridge.config import PRESETS\n"
         "from jax_llama.model import kernels\n"
         "from jax_llama.inference.generate import generate\n"
-        "model, params = jax_llama.init(PRESETS['tiny'], seed=0)\n"
+        "config = dataclasses.replace(PRESETS['tiny'], ffn_dim=192)  # groups of 32\n"
+        "model, params = jax_llama.init(config, seed=0)\n"
         "out = {'kernels': kernels.unavailable_reason() is None}\n"
-        "for name, p in (('f32', params), ('int8', jax_llama.quantize(params))):\n"
+        "for name, p in (('f32', params), ('int8', jax_llama.quantize(params)),\n"
+        "                ('int4', jax_llama.quantize(params, method='int4'))):\n"
         "    for batch in (1, 3):\n"
         "        prompts = [[5, 9, 2, 7][: 2 + b] for b in range(batch)]\n"
         "        out[f'{name}/{batch}'] = generate(model, p, prompts, 12).tokens\n"
@@ -480,7 +561,8 @@ ISAS = {"x86-64-v3": 8, "x86-64": 1}  # -march -> lanes: the AVX2 path and the p
 @pytest.mark.parametrize("arch", ISAS)
 def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     """The kernels built for AVX2 and for no vector extension (what CPUs without AVX-512 or
-    without AVX2 compile) pass the same float32 bound and give each row the same bits alone or
+    without AVX2 compile) pass the same float32 bound (the 4-bit kernel: the float32 kernel's bits
+    on the dequantised weight) and give each row the same bits alone or
     beside others (the rows kernel too, given the same weights stored (O, I); attention over a
     cache, with each build's own exp, to the same tolerance as AVX-512's); in a
     subprocess each, with a kernel cache of its own."""
@@ -495,6 +577,14 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "    s = (rng.random((1, O)) / 127).astype(np.float32)\n"
         "    w = rng.standard_normal((I, O)).astype(np.float32)\n"
         "    rows = (np.ascontiguousarray(q.T), np.ascontiguousarray(s.T))\n"
+        "    if I % 32 == 0:\n"
+        "        four = (rng.integers(0, 256, (I // 2, O)).astype(np.uint8),\n"
+        "                (rng.random((I // 32, O)) / 8).astype(np.float16).astype(np.float32),\n"
+        "                rng.standard_normal((I // 32, O)).astype(np.float32))\n"
+        "        from bridge.int4 import dequantize_int4\n"
+        "        w4 = dequantize_int4(four[0].T, four[1].T, four[2].T).T\n"
+        "        y4 = np.asarray(kernels.matvec_int4(x, [four])[0])\n"
+        "        assert np.array_equal(y4, np.asarray(kernels.matvec(x, w4))), (M, I, O)\n"
         "    for f, args, want, mag in (\n"
         "            (kernels.matvec, (q, s), (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s),\n"
         "            (kernels.matvec, (w,), x.astype(float) @ w, abs(x) @ abs(w)),\n"

@@ -10,8 +10,9 @@ Each projection's `weight`, and the LM head's (the embedding's, when the head is
 becomes a frozen int8 tensor beside a float32 `weight_scale` buffer (state_dict keys `<name>` and
 `<name>_scale`, the native format's); the norms, an untied embedding and LoRA adapters are left
 as they are. method="int4" (bridge.int4, a first step of issue 57): each Linear's weight becomes
-uint8 (out, in / 2) beside `weight_scale` and `weight_min` (out, in / 32); the embedding stays
-float; such a model runs but is not saved yet.
+uint8 (out, in / 2) beside `weight_scale` and `weight_min` (out, in / 32); a tied LM head (the
+embedding) becomes int8 with one scale per row, as method="int8" makes it; an untied embedding
+stays float. Such a model runs but is not saved yet.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def quantize(model: Llama, group_size: int | None = None, method: str = "int8") 
         if group_size not in (None, GROUP):
             raise BridgeError(f"4-bit weights come in groups of {GROUP} inputs (got "
                               f"{group_size})", field="group_size")
-        for name, module in model.named_modules():
+        for name, module in int8_weights(model):
             if isinstance(module, Linear):
                 module.quantize_int4(name + ".weight")
+            else:  # the tied head's rows, int8 (jax_llama.quantize does the same)
+                module.quantize(Quantization("int8", None), name + ".weight")
         return model
     quantization = Quantization(method, group_size)
     check_quantizable(model.config, quantization)
@@ -64,6 +67,7 @@ def quantization_of(model: nn.Module) -> Quantization | None:
             raise BridgeError(f"{name}: 4-bit weights (torch_llama.quantize(model, "
                               f"method='int4')) are not saved, converted or quantised further "
                               f"yet", field="model")
+    for name, m in int8_weights(model):
         if hasattr(m, "weight_scale"):
             groups = m.weight_scale.shape[1]
             return Quantization(group_size=None if groups == 1 else m.weight.shape[1] // groups)

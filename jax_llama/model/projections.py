@@ -91,7 +91,10 @@ class Linear(nn.Module):
         x_MD = x_MD.astype(self.dtype)
         if self.has_variable("params", "min"):  # 4-bit weights (jax_llama.quantize, int4)
             kernel, scale, low = (self.get_variable("params", n) for n in ("kernel", "scale", "min"))
-            out = int4_matmul(x_MD, kernel, scale, low, self.dtype)
+            if _kernels_on(self.kernels) and decode_kernels.usable(x_MD, kernel, scale, low):
+                out = decode_kernels.matvec_int4(x_MD, [(kernel, scale, low)])[0]
+            else:
+                out = int4_matmul(x_MD, kernel, scale, low, self.dtype)
         elif self.has_variable("params", "scale"):  # int8 weights (jax_llama.quantize)
             kernel, scale = (self.get_variable("params", n) for n in ("kernel", "scale"))
             if _kernels_on(self.kernels) and decode_kernels.usable(x_MD, kernel, scale):
@@ -127,16 +130,19 @@ def project(module: nn.Module, x_MD, kernel_init, **features: int) -> list[jax.A
     float32 or all int8) are one kernel call, their weights read by the same threads (the same
     numbers to float32 rounding)."""
     params = [module.variables.get("params", {}).get(name, {}) for name in features]
-    weights = [(p.get("kernel"), p.get("scale")) for p in params]
+    weights = [(p.get("kernel"), p.get("scale"), p.get("min")) for p in params]
     lora = module.lora
     adapted = lora is not None and any(n in lora.targets for n in features)
     x = x_MD.astype(module.dtype)
     if (not adapted and _kernels_on(module.kernels)
-            and all(w is not None and decode_kernels.usable(x, w, s) for w, s in weights)):
-        if all(s is None for _, s in weights):
-            return decode_kernels.matvec_f32(x, [w for w, _ in weights])
-        if all(s is not None for _, s in weights):
-            return [y.astype(module.dtype) for y in decode_kernels.matvec_int8(x, weights)]
+            and all(w[0] is not None and decode_kernels.usable(x, *w) for w in weights)):
+        if all(s is None for _, s, _ in weights):
+            return decode_kernels.matvec_f32(x, [w for w, _, _ in weights])
+        if all(s is not None and m is None for _, s, m in weights):
+            return [y.astype(module.dtype)
+                    for y in decode_kernels.matvec_int8(x, [(w, s) for w, s, _ in weights])]
+        if all(m is not None for _, _, m in weights):
+            return decode_kernels.matvec_int4(x, weights)
     return [Linear(f, dtype=module.dtype, param_dtype=module.param_dtype, kernel_init=kernel_init,
                    lora=lora if lora is not None and name in lora.targets else None,
                    kernels=module.kernels, name=name)(x_MD)
@@ -223,13 +229,18 @@ def int4_matmul(x_MI, packed_JO, scale_GO, min_GO, dtype):
     inputs, and float32 scales and minima (in / 32, out). W = q * scale + min is dequantised in
     float32, right before its matmul (made to depend on x, as int8_matmul's is, so that no float
     copy of every weight is hoisted out of the decode loop), and rounded once to `dtype`."""
+    packed_JO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), packed_JO.dtype), packed_JO)
+    return jnp.dot(x_MI, dequantize_int4(packed_JO, scale_GO, min_GO, dtype))
+
+
+def dequantize_int4(packed_JO, scale_GO, min_GO, dtype):
+    """The 4-bit weight (in, out) in `dtype`: q * scale + min in float32, rounded once."""
     J, O = packed_JO.shape
     G = scale_GO.shape[0]
-    packed_JO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), packed_JO.dtype), packed_JO)
     q_IO = jnp.stack([packed_JO & 0xF, packed_JO >> 4], axis=1).reshape(2 * J, O)
     w_GiO = (q_IO.reshape(G, 2 * J // G, O).astype(jnp.float32) * scale_GO[:, None, :]
              + min_GO[:, None, :])
-    return jnp.dot(x_MI, w_GiO.reshape(2 * J, O).astype(dtype))
+    return w_GiO.reshape(2 * J, O).astype(dtype)
 
 
 # Rows of an int8 weight converted at a time by _int8_dot_by_blocks (at most).

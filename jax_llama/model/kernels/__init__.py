@@ -4,6 +4,7 @@
     y = matvec(x_MI, q_IO, scale_GO)                # int8 weights, per-output-channel scales
     q, k, v = matvec_f32(x_MI, [w_IO, ...])         # several float32 weights reading one x
     q, k, v = matvec_int8(x_MI, [(q_IO, scale_GO), ...])   # the same, int8
+    q, k, v = matvec_int4(x_MI, [(packed_JO, scale_GO, min_GO), ...])   # 4-bit (bridge.int4)
     y = matvec_rows(x_MI, w_OI)                     # weights stored (out, in): a tied LM head
     y = matvec_rows(x_MI, q_OI, scale_OG)           # (the embedding), float32 or int8 with
                                                     # per-row scales
@@ -68,6 +69,7 @@ SOURCE = Path(__file__).with_name("matvec.cc")
 MAX_ROWS = 8
 TARGETS = {"jax_llama_matvec_f32": "JaxLlamaMatvecF32",
            "jax_llama_matvec_int8": "JaxLlamaMatvecInt8",
+           "jax_llama_matvec_int4": "JaxLlamaMatvecInt4",
            "jax_llama_matvec_int8_rows": "JaxLlamaMatvecInt8Rows",
            "jax_llama_matvec_f32_rows": "JaxLlamaMatvecF32Rows",
            "jax_llama_decode_attention": "JaxLlamaDecodeAttention"}
@@ -165,16 +167,24 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def usable(x_MI, w_IO, scale_GO=None) -> bool:
+def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
     """Whether matvec serves this matmul: float32 x of at most MAX_ROWS rows, a 2-D float32 or
-    int8 weight (int8 with one scale per output column), and the kernels loadable here."""
+    int8 weight (int8 with one scale per output column), or a 4-bit one (packed (I / 2, O) uint8
+    with float32 scales and minima (I / 32, O)), and the kernels loadable here."""
     if x_MI.ndim != 2 or x_MI.shape[0] > MAX_ROWS or x_MI.dtype != jnp.float32:
         return False
-    if scale_GO is None:
+    if w_IO.ndim != 2:
+        return False
+    if min_GO is not None:
+        I, O = x_MI.shape[1], w_IO.shape[1]
+        ok = (w_IO.dtype == jnp.uint8 and I % 32 == 0 and w_IO.shape[0] * 2 == I
+              and all(a.dtype == jnp.float32 and a.shape == (I // 32, O)
+                      for a in (scale_GO, min_GO)))
+    elif scale_GO is None:
         ok = w_IO.dtype == jnp.float32
     else:
         ok = w_IO.dtype == jnp.int8 and scale_GO.shape[0] == 1
-    return ok and w_IO.ndim == 2 and unavailable_reason() is None
+    return ok and unavailable_reason() is None
 
 
 def usable_rows(x_MI, q_OI, scale_OG=None) -> bool:
@@ -201,6 +211,13 @@ def _int8_call(x_MI, qs_IO, scales_O):
     outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[1]), jnp.float32) for q in qs_IO)
     args = [a for pair in zip(qs_IO, scales_O) for a in pair]
     return jax.ffi.ffi_call("jax_llama_matvec_int8", outs, vmap_method="sequential")(x_MI, *args)
+
+
+def _int4_call(x_MI, weights):
+    outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[1]), jnp.float32)
+                 for q, _, _ in weights)
+    args = [a for triple in weights for a in triple]
+    return jax.ffi.ffi_call("jax_llama_matvec_int4", outs, vmap_method="sequential")(x_MI, *args)
 
 
 @jax.custom_vjp
@@ -238,6 +255,24 @@ def _int8_bwd(res, gs_MO):
 
 
 _matvec_int8.defvjp(_int8_fwd, _int8_bwd)
+
+
+@jax.custom_vjp
+def _matvec_int4(x_MI, weights):
+    return _int4_call(x_MI, weights)
+
+
+def _int4_fwd(x_MI, weights):
+    return _int4_call(x_MI, weights), weights
+
+
+def _int4_bwd(weights, gs_MO):
+    from ..projections import dequantize_int4  # the weights are constants: no cotangent
+    dx_MI = sum(g_MO @ dequantize_int4(*w, jnp.float32).T for g_MO, w in zip(gs_MO, weights))
+    return dx_MI, jax.tree.map(lambda _: None, weights)
+
+
+_matvec_int4.defvjp(_int4_fwd, _int4_bwd)
 
 
 def _rows_call(x_MI, q_OI, scale_O):
@@ -308,6 +343,14 @@ def matvec_int8(x_MI, weights):
     qs = tuple(q for q, _ in weights)
     scales = tuple(s.reshape(-1) for _, s in weights)
     return list(_matvec_int8(x_MI, qs, scales))
+
+
+def matvec_int4(x_MI, weights):
+    """[x @ (q * scale + min) for each 4-bit (packed (I / 2, O) uint8, scale (I / 32, O), min
+    (I / 32, O)) of `weights`], the weights expanded in registers: the float32 kernel's numbers on
+    the dequantised weights, bit for bit. Call only where `usable` said True of each."""
+    _check()
+    return list(_matvec_int4(x_MI, tuple(tuple(w) for w in weights)))
 
 
 def matvec_rows(x_MI, q_OI, scale_OG=None):
