@@ -192,3 +192,30 @@ def test_quantize_int4_on_both_generate_commands(tmp_path, capsys):
     assert capsys.readouterr().out != jax_out  # 4 bits change a random model's greedy text
     assert jax_cli.main([*argv, "--quantize", "int4", "--group-size", "64"]) == 2
     assert "--group-size: 4-bit weights come in groups of 32" in capsys.readouterr().err
+
+
+def test_both_twins_read_a_gguf_as_the_same_4_bit_weights(smollm2):
+    """torch_llama.load(..., int4=True) reads SmolLM2's Q4_1 blocks and its int8 head rows as
+    jax_llama.load does (the same bits, transposed); their logits agree to float32 rounding of
+    sums in another order (2e-4 over 30 layers); and an adapter is refused, naming the field."""
+    import torch
+
+    import torch_llama
+    from bridge.formats import open_checkpoint
+    from conftest import torch_logits
+
+    ckpt = open_checkpoint(smollm2)
+    model, q = jax_llama.load(ckpt, int4=True)
+    tmodel = torch_llama.load(ckpt, device="cpu", int4=True)
+    wq = tmodel.layers[3].attention.wq
+    assert wq.weight.dtype == torch.uint8
+    for leaf, tensor in (("kernel", wq.weight), ("scale", wq.weight_scale), ("min", wq.weight_min)):
+        np.testing.assert_array_equal(tensor.numpy(),
+                                      np.asarray(q["layers_3"]["attention"]["wq"][leaf]).T)
+    np.testing.assert_array_equal(tmodel.tok_embeddings.weight.numpy(),
+                                  np.asarray(q["tok_embeddings"]["embedding"]))
+    tokens = np.array([[1, 504, 3458, 282, 4649, 314, 1345, 30]], np.int32)
+    np.testing.assert_allclose(torch_logits(tmodel, tokens),
+                               np.asarray(model.apply({"params": q}, tokens)), rtol=0, atol=2e-4)
+    with pytest.raises(BridgeError, match="int4"):
+        torch_llama.load(ckpt, device="cpu", int4=True, adapter="somewhere")

@@ -13,6 +13,7 @@ from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
+from bridge.int4 import MIN_SUFFIX, int4_reader
 from bridge.lora import read_peft
 from bridge.progress import reading
 from bridge.quantize import SCALE_SUFFIX
@@ -22,7 +23,8 @@ from .quantize import int8_weights, quantization_of
 
 
 def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "auto", dtype=None,
-         adapter: str | os.PathLike | None = None, progress: bool = False) -> Llama:
+         adapter: str | os.PathLike | None = None, progress: bool = False,
+         int4: bool = False) -> Llama:
     """A Llama in eval mode from a checkpoint of any supported format: a path, or a checkpoint
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
@@ -31,9 +33,14 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
     twice. `adapter`, a PEFT LoRA adapter directory (bridge.lora.read_peft), is checked against
     the checkpoint's config before any weight is read, then merged into each weight as it
     streams in, in the model's dtype as merge_lora merges: a plain model. progress: a bar on
-    stderr counting the tensors read (bridge.progress).
+    stderr counting the tensors read (bridge.progress). int4: the projections as 4-bit weights
+    and a tied head as int8 rows (bridge.int4.int4_reader: a GGUF's Q4_0 / Q4_1 blocks exactly,
+    the rest quantised as each is read), as jax_llama.load(..., int4=True) reads them.
     """
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    if int4 and (adapter is not None or ckpt.quantization is not None):
+        raise BridgeError("4-bit weights are read from a float or GGUF checkpoint, without an "
+                          "adapter, for now", field="int4")
     if ckpt.quantization is not None and adapter is not None:
         raise BridgeError(f"{ckpt.path} holds int8 weights, which an adapter cannot be merged "
                           f"into: merge it into the float model, then quantise", field="adapter")
@@ -53,8 +60,21 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
             for name, module in int8_weights(model):
                 module.make_int8(ckpt.specs[name + ".weight" + SCALE_SUFFIX][0][1])
     read, shown = reading(ckpt.tensor, len(ckpt.specs), enabled=progress)
+    four = int4_reader(ckpt, read, ckpt.config) if int4 else None
+    state = {}
     with shown:
-        state = {name: tensor(name, read(name)) for name in ckpt.specs}
+        for name in ckpt.specs:
+            quantised = None if four is None else four(name)
+            if quantised is None:
+                state[name] = tensor(name, read(name))
+                continue
+            module = model.get_submodule(name.removesuffix(".weight"))
+            if len(quantised) == 3:
+                module.make_int4()
+            else:
+                module.make_int8(1)
+            for suffix, value in zip(("", SCALE_SUFFIX, MIN_SUFFIX), quantised):
+                state[name + suffix] = to_torch(value).to(device)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 

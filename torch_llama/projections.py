@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bridge.formats.torch_files import to_numpy
-from bridge.int4 import quantize_int4
+from bridge.int4 import GROUP, quantize_int4
 from bridge.lora import LoraConfig
 from bridge.quantize import Quantization, quantize_weight
 
@@ -93,11 +93,22 @@ class Linear(Int8Weight, nn.Linear):
         """Replace W by 4-bit weights (bridge.int4): a frozen uint8 `weight` (out, in / 2), two
         weights a byte, beside float32 buffers `weight_scale` and `weight_min` (out, in / 32):
         the JAX twin's numbers."""
-        packed, scale, low = quantize_int4(to_numpy(self.weight.detach()), name)
+        quantised = quantize_int4(to_numpy(self.weight.detach()), name)
+        self.make_int4()
+        with torch.no_grad():
+            for tensor, value in zip((self.weight, self.weight_scale, self.weight_min), quantised):
+                tensor.copy_(torch.from_numpy(value))
+
+    def make_int4(self) -> None:
+        """Turn W into (uninitialised) 4-bit weights on W's device (meta included): what
+        quantize_int4 and a 4-bit load fill."""
+        O, I = self.weight.shape
         device = self.weight.device
-        self.weight = nn.Parameter(torch.from_numpy(packed).to(device), requires_grad=False)
-        self.register_buffer("weight_scale", torch.from_numpy(scale).to(device))
-        self.register_buffer("weight_min", torch.from_numpy(low).to(device))
+        self.weight = nn.Parameter(torch.empty(O, I // 2, dtype=torch.uint8, device=device),
+                                   requires_grad=False)
+        for buffer in ("weight_scale", "weight_min"):
+            self.register_buffer(buffer, torch.empty(O, I // GROUP, dtype=torch.float32,
+                                                     device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.uint8:

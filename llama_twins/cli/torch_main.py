@@ -18,9 +18,9 @@ def cmd_generate(args) -> int:
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
     def load_model(checkpoint):
-        model = load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype,
-                                                  adapter=args.adapter, progress=args.progress),
-                               checkpoint)
+        model = load_quantized(args, lambda **four: load(
+            checkpoint, device=device, dtype=args.dtype, adapter=args.adapter,
+            progress=args.progress, **four), checkpoint)
         return model, model.config
 
     model, tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
@@ -30,16 +30,17 @@ def cmd_generate(args) -> int:
 
 
 def load_quantized(args, load, checkpoint=None):
-    """load() -> the model, quantised to int8 in place when --quantize asks for it;
-    `checkpoint`: args.checkpoint already opened, if it is."""
+    """load(**options) -> the model, quantised to int8 in place when --quantize asks for it, or
+    read as 4-bit weights (load(int4=True)) for --quantize int4; `checkpoint`: args.checkpoint
+    already opened, if it is."""
     from torch_llama import quantize
 
     # refused here, before any weight is read
     from bridge.formats import open_checkpoint
 
     checkpoint = open_checkpoint(args.checkpoint) if checkpoint is None else checkpoint
-    if int4_request(args, checkpoint):  # quantised once loaded (the JAX twin reads it as it loads)
-        return quantize(load(), None, "int4")
+    if int4_request(args, checkpoint):  # read as 4-bit weights, as the JAX twin reads them
+        return load(int4=True)
     quantization = requested_quantization(args, checkpoint)
     model = load()
     if quantization is None:
@@ -54,8 +55,9 @@ def cmd_eval(args) -> int:
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
     def load_model(checkpoint):
-        return load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype,
-                                                 progress=args.progress), checkpoint)
+        return load_quantized(args, lambda **four: load(
+            checkpoint, device=device, dtype=args.dtype, progress=args.progress, **four),
+            checkpoint)
 
     return run_eval(args, load_model, evaluate)
 
@@ -67,9 +69,9 @@ def cmd_chat(args) -> int:
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
     def open_session(checkpoint, sampler, stops):
-        model = load_quantized(args, lambda: load(checkpoint, device=device, dtype=args.dtype,
-                                                  adapter=args.adapter, progress=args.progress),
-                               checkpoint)
+        model = load_quantized(args, lambda **four: load(
+            checkpoint, device=device, dtype=args.dtype, adapter=args.adapter,
+            progress=args.progress, **four), checkpoint)
         return ChatSession(model, args.max_new_tokens, sampler, stops, args.seed), model.config
 
     return run_chat(args, open_session)
