@@ -83,6 +83,24 @@ def decode_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 4,
     return int8 + 4 * scales + (matmul_params(config) - int8 + config.dim) * dtype_bytes
 
 
+def int4_bytes_per_token(config: LlamaConfig) -> int:
+    """Weight bytes one decode step of a 4-bit model (bridge.int4, as jax_llama.load(...,
+    int4=True) holds it) must read: half a byte per projection weight plus a float32 scale and
+    minimum per 32; a tied head's int8 rows with a float32 scale each (an untied head is 4-bit);
+    one embedding row."""
+    from bridge.int4 import GROUP, TIED_HEAD
+
+    shapes = canonical_shapes(config)
+    total = 0
+    for name in quantized_names(config):
+        out, inputs = shapes[name]
+        if name == TIED_HEAD:
+            total += out * inputs + 4 * out
+        else:
+            total += out * inputs // 2 + 8 * out * inputs // GROUP
+    return total + config.dim * (1 if config.tie_embeddings else 4)
+
+
 # -- compilation across processes ----------------------------------------------------------------
 
 COMPILE_CACHE_OFF = ("0", "off", "false", "no")

@@ -252,23 +252,33 @@ def test_lora_section_on_the_tiny_config(monkeypatch, tmp_path):
 
 def test_decode_rows_of_batch_1_only_and_the_ratios_against_llama_cpp():
     """Rows measured at batch 1 only (llama.cpp, JAX streamed) sit beside rows at 1 and 8; the
-    llama.cpp rows are held to their own files' bytes; each ratio is judged against its target."""
+    llama.cpp rows are held to their own files' bytes; each ratio is the median of the rounds'
+    ratios (the two rows' rates in the same round), its spread beside it, judged against its
+    target."""
     from llama_twins.bench.common import Spec
     from llama_twins.bench.decode import STREAMED, against_llama_cpp, summarize
 
-    both = {"1/1": [0.05], "1/128": [2.05], "8/1": [0.1], "8/128": [5.1]}  # 63.5 tokens/s at 1
+    both = {"1/1": [0.05, 0.05], "1/128": [2.05, 2.05], "8/1": [0.1] * 2, "8/128": [5.1] * 2}
     rows = {"jax-llama": both, "torch_llama": both, "transformers": both, "jax-llama int8": both,
-            STREAMED: {"1/1": [0.05], "1/128": [2.3]},                        # 0.89x the loop
-            "llama.cpp F32": {"1/1": [0.04], "1/128": [1.64]},                # 79.4 tokens/s
-            "llama.cpp Q8_0": {"1/1": [0.02], "1/128": [1.02]}}               # 127 tokens/s
+            STREAMED: {"1/1": [0.05] * 2, "1/128": [2.3] * 2},                # 0.89x the loop
+            "llama.cpp F32": {"1/1": [0.04] * 2, "1/128": [1.64] * 2},        # 79.4 tokens/s
+            "llama.cpp Q8_0": {"1/1": [0.02] * 2, "1/128": [1.02] * 2},       # 127 tokens/s
+            # 4-bit: round 1 at 127 tokens/s, round 2 at 63.5, against Q4_0 at 127 in both:
+            # ratios 1.0 and 0.5, median 0.75
+            "jax-llama int4": {"1/1": [0.02, 0.05], "1/128": [1.02, 2.05]},
+            "llama.cpp Q4_0": {"1/1": [0.02] * 2, "1/128": [1.02] * 2}}
     result = summarize(rows, Spec(), 40e9, {"llama.cpp F32": 540_000_000, "llama.cpp Q8_0": 1})
     assert set(result["rows"]["llama.cpp F32"]) == {"1"}
     assert result["rows"]["llama.cpp F32"]["1"]["bound_tokens_per_s"] == pytest.approx(40e9 / 540e6)
-    lines = against_llama_cpp(result)
-    assert lines[2].startswith("| jax-llama | 63.5 | llama.cpp F32 | 79.4 | 0.80x | 0.8x: met")
+    lines = against_llama_cpp(result, rounds=2)
+    assert lines[2].startswith("| jax-llama | 63.5 | llama.cpp F32 | 79.4 | 0.80x | 0.80-0.80x | "
+                               "1.0x: not met")
     assert lines[3].startswith("| jax-llama int8 | 63.5 | llama.cpp Q8_0 | 127.0 | 0.50x | "
-                               "0.6x: not met")
-    assert lines[4].startswith(f"| {STREAMED} | 56.4 | jax-llama | 63.5 | 0.89x | 0.9x: not met")
+                               "0.50-0.50x | 1.2x: not met")
+    assert lines[4].startswith("| jax-llama int4 | 84.7 | llama.cpp Q4_0 | 127.0 | 0.75x | "
+                               "0.50-1.00x | 1.0x: not met")
+    assert lines[5].startswith(f"| {STREAMED} | 56.4 | jax-llama | 63.5 | 0.89x | 0.89-0.89x | "
+                               f"0.9x: not met")
 
 
 def test_gguf_file_type_as_llama_cpp_names_it(smollm2):

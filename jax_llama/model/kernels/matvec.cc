@@ -291,6 +291,16 @@ inline void Strip4(const float* x, int64_t I, const Part<Int4>& p, int64_t i0, i
     for (int k = 0; k < NV; ++k) Store(acc + m * O + o + k * kLanes, a[m][k]);
 }
 
+// Strip4's columns, in vectors (a power of 2): its M x n sums, n scales and n minima and the two
+// expanded halves of a byte vector fit in the registers (x's splats can be memory operands).
+// StripVectors' 16 vectors for one row spilled the scales and minima to the stack in the inner
+// loop.
+constexpr int StripVectors4(int M) {
+  int n = 1;
+  while ((M + 2) * 2 * n + 2 <= kRegisters) n *= 2;
+  return n;
+}
+
 template <int M, typename W>
 void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
   int64_t b = u / p.panels, c = u % p.panels;
@@ -300,7 +310,8 @@ void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
   constexpr int NV = StripVectors(M);
   int64_t o = o0;
   if constexpr (kIsInt4<W>) {
-    for (; o + NV * kLanes <= o1; o += NV * kLanes) Strip4<M, NV>(j.x, j.I, p, i0, i1, o, acc);
+    constexpr int NV4 = StripVectors4(M);
+    for (; o + NV4 * kLanes <= o1; o += NV4 * kLanes) Strip4<M, NV4>(j.x, j.I, p, i0, i1, o, acc);
     for (; o + kLanes <= o1; o += kLanes) Strip4<M, 1>(j.x, j.I, p, i0, i1, o, acc);
   } else {
     for (; o + NV * kLanes <= o1; o += NV * kLanes)
