@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from .errors import BridgeError
+from .int4 import quantised_layouts
 from .formats import Checkpoint
 from .tensors import count_params
 
@@ -16,8 +17,9 @@ _SCAN_CHUNK = 1 << 24  # elements per NaN / Inf count: 16 MiB of booleans at a t
 
 def describe(ckpt: Checkpoint) -> dict:
     """path, format, config, parameters, tensors, files, dtypes, bytes, quantization, tensor
-    types (as a GGUF file names them, with counts; else None), tokenizer (describe_tokenizer)
-    and notes, as JSON values."""
+    types (as a GGUF file names them, with counts; else None), loads_as (what the inference
+    commands make of its quantised tensors by default: bridge.int4.quantised_layouts; None for
+    a float or int8 checkpoint), tokenizer (describe_tokenizer) and notes, as JSON values."""
     return {
         "path": str(ckpt.path),
         "format": ckpt.format,
@@ -29,6 +31,7 @@ def describe(ckpt: Checkpoint) -> dict:
         "bytes": ckpt.nbytes,
         "quantization": None if ckpt.quantization is None else ckpt.quantization.to_dict(),
         "tensor_types": ckpt.tensor_types,
+        "loads_as": quantised_layouts(ckpt) or None,
         "tokenizer": describe_tokenizer(ckpt),
         "notes": ckpt.notes + ([] if ckpt.quantization is None else [_quantized_note(ckpt)]),
     }

@@ -79,31 +79,147 @@ def dequantize_int4(packed_OJ: np.ndarray, d_OG: np.ndarray, m_OG: np.ndarray,
     return w.reshape(O, I).astype(dtype)
 
 
-def int4_reader(checkpoint, get, config):
-    """name -> the quantised form of each weight a 4-bit model quantises, None for the rest:
-    (packed, scale, min) of each projection (the layers' wq ... w3 and an untied LM head): the
-    checkpoint's own 4-bit blocks where it has them exactly (Checkpoint.int4_tensor), else
-    quantize_int4 of get(name), one tensor at a time; and (q, scale) of a tied LM head, the token
-    embedding, in int8 with one scale per row (bridge.quantize.quantize_weight), which the decode
-    kernels read row by row. Input widths are checked first."""
-    from .quantize import quantize_weight, quantized_names
-    from .tensors import canonical_shapes
+# A quantised GGUF type's nearest layout here: up to 5 bits a weight (Q4_0 4.5, Q4_1 5.0, Q4_K 4.5,
+# IQ4_XS 4.25, Q3_K, Q2_K, ...) -> 4-bit weights, more (Q5_0 5.5, Q5_K 5.5, Q6_K 6.6, Q8_0 8.5)
+# -> int8 with a scale per row.
+INT4_MAX_BITS = 5.0
+EXACT_INT4 = ("Q4_0", "Q4_1")  # the types this layout holds exactly (bridge.gguf.int4 reads them)
 
-    shapes = canonical_shapes(config)
-    names = set(quantized_names(config))
-    for name in names - {TIED_HEAD}:
-        if shapes[name][1] % GROUP:
-            raise BridgeError(f"tensor '{name}': {shapes[name][1]} input columns are not a "
-                              f"multiple of the 4-bit group size {GROUP}", field="int4")
 
-    def read(name: str):
-        if name not in names:
+def nearest_layout(type_name: str | None) -> str | None:
+    """"int4" or "int8" for a GGUF quantisation type (by its bits a weight: INT4_MAX_BITS), None
+    for a float type or None."""
+    bits = bits_per_weight(type_name)
+    if bits is None:
+        return None
+    return "int4" if bits <= INT4_MAX_BITS else "int8"
+
+
+def bits_per_weight(type_name: str | None) -> float | None:
+    """The bits a weight of a GGUF quantisation type takes (its blocks' bytes over their
+    weights, from gguf's own table); None for float types and names gguf does not know."""
+    import gguf
+
+    if type_name is None or type_name in ("F32", "F16", "BF16", "F64"):
+        return None
+    try:
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    except KeyError:
+        return None
+    return 8 * size / block
+
+
+class QuantisedReader:
+    """name -> the quantised form of a weight as the model will hold it, or None to read it as a
+    float tensor; made by int4_reader or nearest_reader. Each form is (packed, scale, min) of a
+    4-bit projection or (q, scale) of int8 weights with one scale per row, canonical (out, ...).
+    Weights it quantises from floats (not read exactly from the file's own blocks) have their
+    error recorded: `summary()` says it in one line."""
+
+    def __init__(self, checkpoint, get, config, layout_of):
+        from .tensors import canonical_shapes
+
+        self.checkpoint, self.get, self.layout_of = checkpoint, get, layout_of
+        shapes = canonical_shapes(config)
+        self.layouts = {name: layout for name in shapes
+                        if (layout := layout_of(name)) is not None}
+        for name, layout in self.layouts.items():
+            if layout == "int4" and shapes[name][1] % GROUP:
+                raise BridgeError(f"tensor '{name}': {shapes[name][1]} input columns are not a "
+                                  f"multiple of the 4-bit group size {GROUP}", field="int4")
+        self.exact: dict[str, int] = {}                  # "Q4_1 -> int4": tensors read exactly
+        self.errors: dict[str, list[float]] = {}         # "Q8_0 -> int8": relative RMS errors
+
+    def __call__(self, name: str):
+        from .quantize import dequantize_weight, quantize_weight
+
+        layout = self.layouts.get(name)
+        if layout is None:
             return None
-        if name == TIED_HEAD:
-            return quantize_weight(get(name), None, name)
-        held = checkpoint.int4_tensor(name)
-        return held if held is not None else quantize_int4(get(name), name)
-    return read
+        source = self.checkpoint.stored_type(name) or "float"
+        key = f"{source} -> {layout}" + (" rows" if layout == "int8" else "")
+        if layout == "int4":
+            held = self.checkpoint.int4_tensor(name)
+            if held is not None:
+                self.exact[key] = self.exact.get(key, 0) + 1
+                return held
+        w = self.get(name)
+        quantised = (quantize_int4 if layout == "int4" else quantize_weight)(w, name=name)
+        back = dequantize_int4 if layout == "int4" else dequantize_weight
+        change = norm = 0.0
+        step = max(1, (1 << 20) // w.shape[1])  # rows at a time: small temporaries
+        for r in range(0, w.shape[0], step):
+            rows = np.asarray(w[r:r + step], np.float32).ravel()
+            diff = back(*(a[r:r + step] for a in quantised)).ravel() - rows
+            change, norm = change + float(np.dot(diff, diff)), norm + float(np.dot(rows, rows))
+        self.errors.setdefault(key, []).append(float(np.sqrt(change / norm)) if norm > 0 else 0.0)
+        return quantised
+
+    def summary(self) -> str | None:
+        """One line: what was read exactly and what was quantised, with its error (RMS of the
+        change over RMS of the weight, the median and the largest over tensors)."""
+        parts = [f"{n} {key} exactly" for key, n in self.exact.items()]
+        for key, errors in self.errors.items():
+            parts.append(f"{len(errors)} {key} quantised (error {np.median(errors):.2%} RMS of "
+                         f"the weights, at most {max(errors):.2%})")
+        return "; ".join(parts) or None
 
 
-TIED_HEAD = "tok_embeddings.weight"  # in quantized_names only where the LM head is tied to it
+def int4_reader(checkpoint, get, config) -> QuantisedReader:
+    """The projections (the layers' wq ... w3 and an untied LM head) as 4-bit weights: the
+    checkpoint's own 4-bit blocks where it has them exactly (Checkpoint.int4_tensor), else
+    quantize_int4 of get(name), one tensor at a time; a tied LM head, the token embedding, as
+    int8 rows (bridge.quantize.quantize_weight), which the decode kernels read row by row. Input
+    widths are checked first."""
+    from .quantize import quantized_names
+
+    names = set(quantized_names(config))
+    return QuantisedReader(checkpoint, get, config, lambda name: None if name not in names
+                           else "int8" if name == EMBEDDING else "int4")
+
+
+def nearest_reader(checkpoint, get, config) -> QuantisedReader:
+    """Each weight a quantised file holds in its nearest layout (nearest_layout of its type:
+    a GGUF's Q4_0 / Q4_1 as 4-bit weights exactly, Q4_K and other types of up to 5 bits
+    quantised to 4 bits, Q5, Q6_K and Q8_0 to int8 rows); a tied head, and an untied embedding,
+    of any quantised type as int8 rows (the embedding's a lookup table); float tensors as they
+    are."""
+    from .quantize import quantized_names
+
+    projections = set(quantized_names(config)) - {EMBEDDING}
+
+    def layout_of(name: str) -> str | None:
+        nearest = nearest_layout(checkpoint.stored_type(name))
+        if nearest is None:
+            return None
+        if name in projections:
+            return nearest
+        return "int8" if name == EMBEDDING else None
+    return QuantisedReader(checkpoint, get, config, layout_of)
+
+
+def int8_reader(checkpoint, get, config) -> QuantisedReader:
+    """The projections and the LM head (a tied one: the embedding) as int8 with one scale per
+    output channel, quantised as each is read (bridge.quantize.quantize_weight: the numbers of
+    jax_llama.quantize and torch_llama.quantize), so the float model is never whole in memory."""
+    from .quantize import quantized_names
+
+    names = set(quantized_names(config))
+    return QuantisedReader(checkpoint, get, config,
+                           lambda name: "int8" if name in names else None)
+
+
+def quantised_layouts(checkpoint) -> dict[str, int]:
+    """What nearest_reader would make of `checkpoint`'s tensors, counted without reading them:
+    {"Q4_1 -> int4 (exact)": 210, "Q8_0 -> int8 rows": 1}; empty for a float checkpoint."""
+    reader = nearest_reader(checkpoint, None, checkpoint.config)
+    counts: dict[str, int] = {}
+    for name, layout in reader.layouts.items():
+        source = checkpoint.stored_type(name)
+        key = f"{source} -> {layout}" + (" rows" if layout == "int8" else "") + (
+            " (exact)" if source in EXACT_INT4 and layout == "int4" else "")
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+EMBEDDING = "tok_embeddings.weight"  # the token embedding: in quantized_names where the head is tied

@@ -19,9 +19,9 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
-from bridge.int4 import int4_reader
+from bridge.int4 import int4_reader, int8_reader, nearest_reader
 from bridge.lora import read_peft
-from bridge.progress import reading
+from bridge.progress import note, reading
 from bridge.quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes
 from bridge.tensors import canonical_shapes
 
@@ -95,8 +95,8 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
     (bridge.tensors.canonical_shapes), or e.g. a LoRA adapter's (bridge.lora.adapter_shapes).
     With scan_layers each per-layer tensor is gathered into one (L, ...) host buffer, so peak
     host memory is one stacked tensor, not the model. int4(name) -> (packed, scale, min) of a
-    projection (bridge.int4.int4_reader), or None to read it as `get` gives it: its module then
-    holds 4-bit weights, as jax_llama.quantize(params, method="int4") makes them.
+    4-bit projection or (q, scale) of int8 rows (bridge.int4.QuantisedReader), or None to read it
+    as `get` gives it: its module then holds those weights, as jax_llama.quantize makes them.
     """
     dtype = None if dtype is None else np.dtype(resolve_dtype(dtype))
     shapes = canonical_shapes(config) if shapes is None else shapes
@@ -259,7 +259,8 @@ def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config:
 
 def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool = False,
          remat: bool = False, attention: str = "auto", adapter: str | os.PathLike | None = None,
-         mesh=None, kernels: str = "auto", progress: bool = False, int4: bool = False):
+         mesh=None, kernels: str = "auto", progress: bool = False, int4: bool = False,
+         int8: bool = False, nearest: bool = False):
     """(Llama module, params) from a checkpoint of any supported format: a path, or a checkpoint
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
@@ -276,7 +277,14 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
     progress: a bar on stderr counting the tensors read (bridge.progress).
     int4: the projections as 4-bit weights (bridge.int4), read as the file holds them where it
     holds them so exactly (a GGUF's Q4_0 / Q4_1), else quantised as each is read: the float
-    model is never whole in memory. The embedding and the norms keep `dtype`.
+    model is never whole in memory. A tied LM head (the embedding) becomes int8 rows; an untied
+    embedding and the norms keep `dtype`.
+    int8: the projections and the LM head as int8 with a scale per output channel, quantised as
+    each is read (jax_llama.quantize's numbers, the float model never whole in memory).
+    nearest: each tensor a quantised file holds (a GGUF's Q4_K, Q8_0, ...) in its nearest
+    layout, as read (bridge.int4.nearest_reader: up to 5 bits a weight as 4-bit weights, Q4_0 and
+    Q4_1 exactly; more as int8 rows), the float ones in `dtype`: memory about the file's size.
+    With progress, what was read how (and the error of what was quantised) is said on stderr.
     """
     choose(attention, 1, 1)
     implementation(kernels)  # a bad name, or kernels that cannot run here, refused as early
@@ -301,15 +309,22 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
     else:
         get, shown = reading(get, len(ckpt.specs), enabled=progress)
         four = None
-        if int4:
+        asked = [k for k, v in (("int4", int4), ("int8", int8), ("nearest", nearest)) if v]
+        if asked:
+            if len(asked) > 1:
+                raise BridgeError(f"one of int4, int8 and nearest (got {', '.join(asked)})",
+                                  field=asked[1])
             if scan_layers or adapter is not None or ckpt.quantization is not None:
-                raise BridgeError("4-bit weights are read from a float or GGUF checkpoint, "
-                                  "without scan_layers or an adapter, for now", field="int4")
-            four = int4_reader(ckpt, get, ckpt.config)
+                raise BridgeError("quantised weights are read from a float or GGUF checkpoint, "
+                                  "without scan_layers or an adapter, for now", field=asked[0])
+            four = {"int4": int4_reader, "int8": int8_reader,
+                    "nearest": nearest_reader}[asked[0]](ckpt, get, ckpt.config)
         with shown:
             params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
                                          shapes=checkpoint_shapes(ckpt.config, ckpt.quantization),
                                          int4=four)
+        if four is not None and progress and four.summary():
+            note(f"{ckpt.path}: {four.summary()}")
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
                   attention=attention, kernels=kernels)
     return model, params

@@ -88,13 +88,13 @@ def int4_bytes_per_token(config: LlamaConfig) -> int:
     int4=True) holds it) must read: half a byte per projection weight plus a float32 scale and
     minimum per 32; a tied head's int8 rows with a float32 scale each (an untied head is 4-bit);
     one embedding row."""
-    from bridge.int4 import GROUP, TIED_HEAD
+    from bridge.int4 import EMBEDDING, GROUP
 
     shapes = canonical_shapes(config)
     total = 0
     for name in quantized_names(config):
         out, inputs = shapes[name]
-        if name == TIED_HEAD:
+        if name == EMBEDDING:
             total += out * inputs + 4 * out
         else:
             total += out * inputs // 2 + 8 * out * inputs // GROUP

@@ -219,3 +219,114 @@ def test_both_twins_read_a_gguf_as_the_same_4_bit_weights(smollm2):
                                np.asarray(model.apply({"params": q}, tokens)), rtol=0, atol=2e-4)
     with pytest.raises(BridgeError, match="int4"):
         torch_llama.load(ckpt, device="cpu", int4=True, adapter="somewhere")
+
+
+# -- a quantised file in its nearest layout ---------------------------------------------------------
+
+def test_each_gguf_type_has_its_nearest_layout():
+    """Up to 5 bits a weight -> 4-bit weights (Q4_0 and Q4_1 exactly), more -> int8 rows; float
+    types stay float. The bits come from gguf's own block table."""
+    from bridge.int4 import bits_per_weight, nearest_layout
+
+    assert bits_per_weight("Q4_0") == 4.5 and bits_per_weight("Q8_0") == 8.5
+    assert {t: nearest_layout(t) for t in ("Q4_0", "Q4_1", "Q4_K", "IQ4_XS", "Q3_K", "Q5_0",
+                                           "Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32")} == {
+        "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "IQ4_XS": "int4", "Q3_K": "int4",
+        "Q5_0": "int8", "Q5_K": "int8", "Q6_K": "int8", "Q8_0": "int8", "F16": None,
+        "BF16": None, "F32": None}
+    assert nearest_layout(None) is None and nearest_layout("NOT_A_TYPE") is None
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """A small untied random model as Q4_0 and Q8_0 GGUF files (the bridge's exporter: each
+    projection and the embedding in the file type, the output projection Q8_0)."""
+    from bridge.convert import convert
+    from conftest import save_random_checkpoint
+
+    root = tmp_path_factory.mktemp("nearest")
+    native = save_random_checkpoint(root / "native", small_config(
+        dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=259, tie_embeddings=False),
+        seed=6, tokenizer=True)
+    return {t: convert(native, root / f"model-{t}.gguf", to="gguf", dtype=t, progress=False)
+            for t in ("q4_0", "q8_0")}
+
+
+def test_a_quantised_gguf_loads_in_its_nearest_layout_in_both_twins(gguf_files):
+    """Q4_0 projections as 4-bit weights (exactly: the dequantised file's numbers), the Q8_0 head
+    and the quantised embedding as int8 rows; each re-quantised tensor's error is the RMS of its
+    change over the RMS of the file's weight, said in the summary; the torch twin holds the same
+    bits and computes the same logits to float32 rounding."""
+    import torch
+
+    import torch_llama
+    from bridge.formats import open_checkpoint
+    from bridge.int4 import nearest_reader, quantised_layouts
+    from conftest import torch_logits
+
+    ckpt = open_checkpoint(gguf_files["q4_0"])
+    assert quantised_layouts(ckpt) == {"Q4_0 -> int4 (exact)": 14, "Q8_0 -> int8 rows": 1,
+                                       "Q4_0 -> int8 rows": 1}
+    model, q = jax_llama.load(ckpt, nearest=True)
+    _, f = jax_llama.load(ckpt)
+    wq = q["layers_1"]["attention"]["wq"]
+    assert wq["kernel"].dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(dequantized({"m": dict(wq)})["m"]["kernel"]),
+                                  np.asarray(f["layers_1"]["attention"]["wq"]["kernel"]))
+    assert q["output"]["kernel"].dtype == np.int8 and q["output"]["scale"].shape == (1, 259)
+    assert q["tok_embeddings"]["embedding"].dtype == np.int8
+    tokens = random_tokens(model.config)
+    logits = np.asarray(model.apply({"params": q}, tokens))
+    assert 1e-4 < np.abs(logits - np.asarray(model.apply({"params": f}, tokens))).max() < 0.1
+    tmodel = torch_llama.load(ckpt, device="cpu", nearest=True)
+    assert tmodel.output.weight.dtype == torch.int8 and tmodel.tok_embeddings.weight.dtype == torch.int8
+    np.testing.assert_array_equal(tmodel.layers[1].attention.wq.weight.numpy(),
+                                  np.asarray(wq["kernel"]).T)
+    np.testing.assert_allclose(torch_logits(tmodel, tokens), logits, rtol=0, atol=2e-5)
+    # the error said of the head: RMS(change) / RMS(weight), against the file's float weight
+    reader = nearest_reader(ckpt, ckpt.tensor, ckpt.config)
+    q_head, s_head = reader("output.weight")
+    w = ckpt.tensor("output.weight").astype(np.float64)
+    want = np.sqrt(np.mean((q_head * s_head.astype(np.float64) - w) ** 2) / np.mean(w ** 2))
+    assert reader.errors["Q8_0 -> int8 rows"] == [pytest.approx(want, rel=1e-3)]
+    assert f"(error {want:.2%} RMS of the weights" in reader.summary()
+
+
+def test_int8_as_it_is_read_is_quantize_after_loading(gguf_files):
+    """load(int8=True) quantises each tensor as it is read: the same bits as loading the float
+    model and quantising it (jax_llama.quantize, torch_llama.quantize); one mode at a time."""
+    import torch_llama
+
+    path = gguf_files["q8_0"]
+    _, streamed = jax_llama.load(path, int8=True)
+    _, f = jax_llama.load(path)
+    after = jax_llama.quantize(f)
+    for a, b in zip(jax.tree_util.tree_leaves(streamed), jax.tree_util.tree_leaves(after)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    t_streamed = torch_llama.load(path, device="cpu", int8=True).state_dict()
+    t_after = torch_llama.quantize(torch_llama.load(path, device="cpu")).state_dict()
+    assert t_streamed.keys() == t_after.keys()
+    for name in t_after:
+        np.testing.assert_array_equal(t_streamed[name].numpy(), t_after[name].numpy())
+    with pytest.raises(BridgeError, match="one of int4, int8 and nearest"):
+        jax_llama.load(path, int4=True, nearest=True)
+    with pytest.raises(BridgeError, match="one of int4, int8 and nearest"):
+        torch_llama.load(path, device="cpu", int8=True, nearest=True)
+
+
+def test_generate_reads_a_quantised_gguf_in_its_nearest_layout_unless_told(gguf_files, capsys):
+    """By default the generate commands read a Q4_0 file as 4-bit weights and say so (and how to
+    dequantise); both twins write the same greedy text; --dtype float32 reads it as before."""
+    from llama_twins.cli import main as jax_cli
+    from llama_twins.cli import torch_main
+
+    argv = ["generate", str(gguf_files["q4_0"]), "--prompt", "hello", "--max-new-tokens", "12"]
+    assert jax_cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert ("read in its nearest quantised layout (1 Q4_0 -> int8 rows, 14 Q4_0 -> int4 (exact), "
+            "1 Q8_0 -> int8 rows); --dtype float32 dequantises") in err
+    assert "Q8_0 -> int8 rows quantised (error " in err
+    assert torch_main.main([*argv, "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == out
+    assert jax_cli.main([*argv, "--dtype", "float32"]) == 0
+    assert "nearest" not in capsys.readouterr().err

@@ -13,9 +13,9 @@ from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
-from bridge.int4 import MIN_SUFFIX, int4_reader
+from bridge.int4 import MIN_SUFFIX, int4_reader, int8_reader, nearest_reader
 from bridge.lora import read_peft
-from bridge.progress import reading
+from bridge.progress import note, reading
 from bridge.quantize import SCALE_SUFFIX
 
 from .model import Llama, resolve_device, resolve_dtype
@@ -24,7 +24,7 @@ from .quantize import int8_weights, quantization_of
 
 def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "auto", dtype=None,
          adapter: str | os.PathLike | None = None, progress: bool = False,
-         int4: bool = False) -> Llama:
+         int4: bool = False, int8: bool = False, nearest: bool = False) -> Llama:
     """A Llama in eval mode from a checkpoint of any supported format: a path, or a checkpoint
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
@@ -35,12 +35,19 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
     streams in, in the model's dtype as merge_lora merges: a plain model. progress: a bar on
     stderr counting the tensors read (bridge.progress). int4: the projections as 4-bit weights
     and a tied head as int8 rows (bridge.int4.int4_reader: a GGUF's Q4_0 / Q4_1 blocks exactly,
-    the rest quantised as each is read), as jax_llama.load(..., int4=True) reads them.
+    the rest quantised as each is read), as jax_llama.load(..., int4=True) reads them; int8
+    likewise, int8 with a scale per output channel (torch_llama.quantize's numbers). nearest:
+    each tensor a quantised file holds in its nearest layout (bridge.int4.nearest_reader), as
+    jax_llama.load(..., nearest=True) reads them.
     """
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-    if int4 and (adapter is not None or ckpt.quantization is not None):
-        raise BridgeError("4-bit weights are read from a float or GGUF checkpoint, without an "
-                          "adapter, for now", field="int4")
+    asked = [k for k, v in (("int4", int4), ("int8", int8), ("nearest", nearest)) if v]
+    if len(asked) > 1:
+        raise BridgeError(f"one of int4, int8 and nearest (got {', '.join(asked)})",
+                          field=asked[1])
+    if asked and (adapter is not None or ckpt.quantization is not None):
+        raise BridgeError("quantised weights are read from a float or GGUF checkpoint, without "
+                          "an adapter, for now", field=asked[0])
     if ckpt.quantization is not None and adapter is not None:
         raise BridgeError(f"{ckpt.path} holds int8 weights, which an adapter cannot be merged "
                           f"into: merge it into the float model, then quantise", field="adapter")
@@ -60,7 +67,10 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
             for name, module in int8_weights(model):
                 module.make_int8(ckpt.specs[name + ".weight" + SCALE_SUFFIX][0][1])
     read, shown = reading(ckpt.tensor, len(ckpt.specs), enabled=progress)
-    four = int4_reader(ckpt, read, ckpt.config) if int4 else None
+    four = None
+    if asked:
+        four = {"int4": int4_reader, "int8": int8_reader,
+                "nearest": nearest_reader}[asked[0]](ckpt, read, ckpt.config)
     state = {}
     with shown:
         for name in ckpt.specs:
@@ -76,6 +86,8 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
             for suffix, value in zip(("", SCALE_SUFFIX, MIN_SUFFIX), quantised):
                 state[name + suffix] = to_torch(value).to(device)
     model.load_state_dict(state, strict=True, assign=True)
+    if four is not None and progress and four.summary():
+        note(f"{ckpt.path}: {four.summary()}")
     return model.eval()
 
 

@@ -69,6 +69,12 @@ class Checkpoint:
     # find_tokenizer and bridge.chat's find_template take an opened checkpoint. None: the format
     # carries none, and they look beside the weights (a directory's tokenizer and template files).
 
+    def stored_type(self, name: str) -> str | None:
+        """The quantisation type the file holds the tensor in, as the format names it (a GGUF's
+        "Q4_K", "Q8_0", ...); None for a float tensor (int8 checkpoints say so in
+        `quantization`)."""
+        return None
+
     def int4_tensor(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The tensor in bridge.int4's layout (packed, scale, min), where the file holds it in a
         4-bit type that layout holds exactly (a GGUF's Q4_0 and Q4_1); None otherwise."""

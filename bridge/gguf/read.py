@@ -81,7 +81,8 @@ class GGUFCheckpoint(Checkpoint):
         self.tensor_types = dict(counts.most_common())
         quantised = sorted(k for k in counts if k not in STORED_FLOATS)
         self._notes.append(f"GGUF v{file.version}" + (
-            f"; {', '.join(quantised)} dequantised to float32" if quantised else ""))
+            f"; {', '.join(quantised)} read as float32 where a command asks for floats (convert, "
+            f"train, parity, --dtype), else in the nearest quantised layout" if quantised else ""))
         if rope_freqs is not None:
             self._notes.append("rope_freqs.weight matches the llama3 rope scaling")
         tokens = fields.get("tokenizer.ggml.tokens")
@@ -93,6 +94,13 @@ class GGUFCheckpoint(Checkpoint):
         if name not in self._tensors:
             raise BridgeError(f"{self.path}: no tensor {name!r}")
         return _as_array(self._file, *self._tensors[name])
+
+    def stored_type(self, name: str) -> str | None:
+        """The tensor's GGML type name where it is quantised ("Q4_1", "Q8_0", ...), else None."""
+        if name not in self._tensors:
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
+        qtype = self._tensors[name][1].name
+        return None if qtype in STORED_FLOATS else qtype
 
     def int4_tensor(self, name: str):
         """A Q4_0 or Q4_1 tensor's blocks as bridge.int4's layout, exactly (bridge.gguf.int4);

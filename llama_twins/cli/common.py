@@ -159,8 +159,9 @@ def add_quantize_arguments(p: argparse.ArgumentParser,
     p.add_argument("--quantize", choices=("int8", "int4"),
                    help=what + "; int4: 4-bit weights in groups of 32 inputs with a scale and a "
                                "minimum (a GGUF's Q4_0 / Q4_1 read as they are, exactly; other "
-                               "weights quantised as they load), dequantised per call, no decode "
-                               "kernels yet: less memory, not yet faster")
+                               "weights quantised as they load), expanded in the decode kernels' "
+                               "registers. Without --quantize or --dtype a quantised GGUF loads "
+                               "in its nearest layout: Q4 types as int4, Q5 to Q8_0 as int8")
     p.add_argument("--group-size", type=int,
                    help="with --quantize: one scale per this many input columns of each row "
                         "(default: one per output channel)")
@@ -179,6 +180,24 @@ def int4_request(args, checkpoint) -> bool:
         raise BridgeError(f"{args.checkpoint} holds int8 weights; --quantize int4 reads a float "
                           f"or GGUF checkpoint", field="quantize")
     return True
+
+
+def nearest_request(args, checkpoint) -> bool:
+    """Whether the checkpoint loads in its nearest quantised layout (bridge.int4.nearest_reader:
+    a GGUF's Q4_0 / Q4_1 as 4-bit weights exactly, Q4_K as 4-bit, Q5, Q6_K and Q8_0 as int8 rows):
+    a file that holds quantised tensors, with neither --dtype, --quantize nor --adapter given.
+    Said on stderr, with how to dequantise instead."""
+    if (getattr(args, "dtype", None) is not None or getattr(args, "quantize", None) is not None
+            or getattr(args, "adapter", None) is not None):
+        return False
+    from bridge.int4 import quantised_layouts
+
+    layouts = quantised_layouts(checkpoint)
+    if layouts:
+        print(f"{args.checkpoint}: read in its nearest quantised layout ("
+              f"{', '.join(f'{n} {layout}' for layout, n in layouts.items())}); --dtype float32 "
+              f"dequantises", file=sys.stderr, flush=True)
+    return bool(layouts)
 
 
 def requested_quantization(args, checkpoint=None):

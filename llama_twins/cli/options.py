@@ -10,7 +10,7 @@ from typing import Callable
 
 from bridge.errors import BridgeError
 
-from .common import int4_request, requested_quantization
+from .common import int4_request, nearest_request, requested_quantization
 
 
 def load_quantized(args, load: Callable[..., tuple], say: bool = True, checkpoint=None) -> tuple:
@@ -24,7 +24,12 @@ def load_quantized(args, load: Callable[..., tuple], say: bool = True, checkpoin
     checkpoint = open_checkpoint(args.checkpoint) if checkpoint is None else checkpoint
     if int4_request(args, checkpoint):
         return with_kernels(args, lambda: load(int4=True), say)
+    if nearest_request(args, checkpoint):
+        return with_kernels(args, lambda: load(nearest=True), say)
     quantization = requested_quantization(args, checkpoint)
+    if (quantization is not None and quantization.group_size is None
+            and getattr(args, "adapter", None) is None):  # quantised as each tensor is read
+        return with_kernels(args, lambda: load(int8=True), say)
     model, params = with_kernels(args, load, say)
     if quantization is None:
         return model, params

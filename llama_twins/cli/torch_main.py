@@ -8,8 +8,8 @@ import sys
 from . import models
 from .chat import add_chat_command, run_chat
 from .common import (add_command, add_eval_arguments, add_generate_arguments, command_main,
-                       generation_inputs, int4_request, requested_quantization, run_eval,
-                       run_generation)
+                     generation_inputs, int4_request, nearest_request, requested_quantization,
+                     run_eval, run_generation)
 
 
 def cmd_generate(args) -> int:
@@ -41,7 +41,12 @@ def load_quantized(args, load, checkpoint=None):
     checkpoint = open_checkpoint(args.checkpoint) if checkpoint is None else checkpoint
     if int4_request(args, checkpoint):  # read as 4-bit weights, as the JAX twin reads them
         return load(int4=True)
+    if nearest_request(args, checkpoint):
+        return load(nearest=True)
     quantization = requested_quantization(args, checkpoint)
+    if (quantization is not None and quantization.group_size is None
+            and getattr(args, "adapter", None) is None):  # quantised as each tensor is read
+        return load(int8=True)
     model = load()
     if quantization is None:
         return model
