@@ -330,3 +330,41 @@ def test_generate_reads_a_quantised_gguf_in_its_nearest_layout_unless_told(gguf_
     assert capsys.readouterr().out == out
     assert jax_cli.main([*argv, "--dtype", "float32"]) == 0
     assert "nearest" not in capsys.readouterr().err
+
+
+def test_lora_on_a_4_bit_base_trains_as_on_its_dequantised_weights():
+    """QLoRA: the adapters' gradients on 4-bit params equal those on the float model of the same
+    (dequantised) weights, to float32 rounding of sums in another order; and the backward pass
+    saves no float copy of a base weight (what the forward keeps for it is the 4-bit weight:
+    jax's own account of the saved residuals has no float32 array of a projection's shape)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from bridge.lora import LoraConfig
+    from jax_llama.lora import add_lora, combine, split
+
+    config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=97)
+    model, params = jax_llama.init(config, seed=2)
+    q = jax_llama.quantize(params, method="int4")
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("wq", "wv", "w2"))
+    lora_model, lq = add_lora(model, q, lora, seed=1)
+    _, lf = add_lora(model, dequantized(q), lora, seed=1)
+    tokens = random_tokens(config)
+
+    def grads(p):
+        weights, adapters = split(p)
+
+        def loss(adapters):
+            logits = lora_model.apply({"params": combine(weights, adapters)}, tokens)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+        return loss, adapters
+    loss_q, aq = grads(lq)
+    loss_f, af = grads(lf)
+    gq, gf = jax.grad(loss_q)(aq), jax.grad(loss_f)(af)
+    for a, b in zip(jax.tree_util.tree_leaves(gq), jax.tree_util.tree_leaves(gf)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert max(float(jnp.abs(a).max()) for a in jax.tree_util.tree_leaves(gq)) > 1e-4
+    shapes = {tuple(w.shape) for w in jax.tree_util.tree_leaves(params) if w.ndim == 2}
+    kept = [aval for aval, _ in saved_residuals(loss_q, aq)]
+    assert not [a for a in kept if a.dtype == jnp.float32 and tuple(a.shape) in shapes
+                and tuple(a.shape) != (config.vocab_size, config.dim)]
+    assert any(a.dtype == jnp.uint8 for a in kept)  # the 4-bit weights themselves

@@ -23,6 +23,7 @@ targets.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -224,13 +225,37 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     return jnp.dot(x_MI, w_GiO.reshape(I, O).astype(dtype))
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def int4_matmul(x_MI, packed_JO, scale_GO, min_GO, dtype):
     """x @ W for 4-bit W (bridge.int4): packed (in / 2, out) uint8, two weights a byte along the
     inputs, and float32 scales and minima (in / 32, out). W = q * scale + min is dequantised in
     float32, right before its matmul (made to depend on x, as int8_matmul's is, so that no float
-    copy of every weight is hoisted out of the decode loop), and rounded once to `dtype`."""
+    copy of every weight is hoisted out of the decode loop), and rounded once to `dtype`.
+
+    Its gradient (a LoRA adapter trained on a 4-bit base, QLoRA) dequantises W again rather than
+    keeping the forward's float copy for the backward pass: what is saved is the 4-bit weight
+    itself, so training holds no float copy of the base. The 4-bit weights are constants: no
+    gradient flows to them."""
+    return _int4_dot(x_MI, packed_JO, scale_GO, min_GO, dtype)
+
+
+def _int4_dot(x_MI, packed_JO, scale_GO, min_GO, dtype):
     packed_JO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), packed_JO.dtype), packed_JO)
     return jnp.dot(x_MI, dequantize_int4(packed_JO, scale_GO, min_GO, dtype))
+
+
+def _int4_fwd(x_MI, packed_JO, scale_GO, min_GO, dtype):
+    return _int4_dot(x_MI, packed_JO, scale_GO, min_GO, dtype), (packed_JO, scale_GO, min_GO)
+
+
+def _int4_bwd(dtype, saved, g_MO):
+    packed_JO, scale_GO, min_GO = saved
+    packed_JO = jnp.where(jnp.isnan(g_MO.ravel()[0]), jnp.zeros((), packed_JO.dtype), packed_JO)
+    dx_MI = jnp.dot(g_MO, dequantize_int4(packed_JO, scale_GO, min_GO, dtype).T)
+    return dx_MI, None, None, None
+
+
+int4_matmul.defvjp(_int4_fwd, _int4_bwd)
 
 
 def dequantize_int4(packed_JO, scale_GO, min_GO, dtype):
