@@ -24,6 +24,7 @@ bridge.gguf.vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from contextlib import ExitStack
@@ -134,6 +135,14 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
                         config.head_dim, config.rope_theta, config.rope_scaling))
                     continue
                 array = fetch(name)
+                if isinstance(array, Encoded):  # blocks already in the tensor's type
+                    if array.qtype != t.name or array.data.nbytes != math.prod(
+                            ordered[name][0]) // gguf.GGML_QUANT_SIZES[t][0] * \
+                            gguf.GGML_QUANT_SIZES[t][1]:
+                        raise BridgeError(f"tensor {name!r}: got {array.data.nbytes} bytes of "
+                                          f"{array.qtype}, the file holds it as {t.name}")
+                    writer.write_tensor_data(array.data)
+                    continue
                 if tuple(array.shape) != ordered[name][0]:
                     raise BridgeError(f"tensor {name!r}: got shape {tuple(array.shape)}, "
                                       f"expected {ordered[name][0]}")
@@ -146,6 +155,16 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
         if quantise is not None:
             quantise(out, tmp)
     return Path(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A tensor `fetch` hands write_gguf already in its GGML type: `data` the type's blocks as
+    uint8, (out, blocks x bytes per block), `qtype` its name ("Q4_0"). It must be the type the
+    file's rules give the tensor (_tensor_type); written as it is."""
+
+    data: np.ndarray
+    qtype: str
 
 
 def _tensor_type(gguf, name: str, shape: tuple[int, ...], qtype, warn, output: bool = False):

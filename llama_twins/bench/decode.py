@@ -96,7 +96,7 @@ def llama_cpp_runner(spec: Spec):
     import numpy as np
 
     import llama_cpp
-    from llama_twins.llama_cpp_reference import _quiet, plain_cpu_kernels
+    from llama_twins.llama_cpp_reference import _quiet, last_logits, plain_cpu_kernels
 
     kernels = plain_cpu_kernels() if has_amx() else contextlib.nullcontext()
     with kernels, _quiet():
@@ -110,7 +110,7 @@ def llama_cpp_runner(spec: Spec):
         llm.eval(prompt(spec))
         out = []
         for _ in range(n):
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            out.append(int(np.argmax(last_logits(llm))))
             if len(out) < n:
                 llm.eval([out[-1]])
         return out

@@ -1,0 +1,342 @@
+"""The default model at its size (issue 57, part 3): LLaMA 3 8B's layout, synthesised tensor by
+tensor into a Q4_0 GGUF file (random weights at realistic scales, written as blocks: no float copy
+of the model is ever made), then, each in a process of its own so that its peak RSS is its own:
+
+  - int4:    jax_llama.load(FILE, nearest=True) - the Q4_0 projections as 4-bit weights exactly, the
+             Q8_0 head and the Q4_0 embedding as int8 rows - then batch-1 greedy decoding with a KV
+             cache of 8,192 slots (the context the 8k figure is about), time to first token and
+             tokens/s;
+  - int8:    jax_llama.load(FILE, int8=True) - each projection quantised to int8 as it is read -
+             and the same decoding;
+  - llama.cpp on the same file (llama-cpp-python), the same prompt and greedy decoding;
+  - qlora:   a LoRA train step (rank 16 on every projection, AdamW, layers rematerialised) at
+             batch 1 x 512 on the 4-bit base: the base stays 4-bit, its gradient dequantises each
+             weight again (jax_llama.model.projections.int4_matmul).
+
+The memory each needs is estimated and printed before it loads. Results: OUT/llama8b.{md,json}.
+
+    python scripts/llama8b_int4.py [--file PATH] [--new 16] [--seq 512] [--out results/llama8b]
+
+The file (4.7 GB) is written to a temporary directory and removed at the end, unless --file names
+one to keep (an existing file is used as it is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PRESET = "llama3-8b"
+PROMPT = [128000] + [1000 + 37 * i for i in range(15)]  # 16 tokens
+CACHE = 8192
+GIB = 2 ** 30
+
+
+def config():
+    from bridge.config import preset
+    return preset(PRESET)
+
+
+# -- the file ---------------------------------------------------------------------------------------
+
+def synthesise(path: Path, seed: int = 0) -> dict:
+    """Write LLaMA 3 8B's tensors as a Q4_0 GGUF (bridge.gguf.write: its file rules - the output
+    projection Q8_0, 1-D tensors F32), each drawn as its blocks: 4-bit q uniform in 0..15 with
+    float16 scales d about 0.0043 (so w = d (q - 8) has a standard deviation about 0.02, the
+    init's), Q8_0's int8 q with d about 0.02 / 73; norms 1. One tensor in memory at a time."""
+    import ml_dtypes  # noqa: F401  (float16 scales via numpy)
+
+    from bridge.gguf.write import Encoded, write_gguf
+    from bridge.tensors import canonical_shapes
+    from bridge.tokenizer import load_tokenizer
+
+    c = config()
+    shapes = canonical_shapes(c)
+    rng = np.random.default_rng(seed)
+
+    def blocks(shape, kind: str) -> Encoded:
+        rows, cols = shape
+        n = cols // 32
+        if kind == "Q4_0":
+            d = (0.0043 * rng.uniform(0.5, 1.5, (rows, n))).astype(np.float16)
+            data = np.empty((rows, n, 18), np.uint8)
+            data[..., 2:] = rng.integers(0, 256, (rows, n, 16), np.uint8)
+        else:  # Q8_0
+            d = (0.02 / 73 * rng.uniform(0.5, 1.5, (rows, n))).astype(np.float16)
+            data = np.empty((rows, n, 34), np.uint8)
+            data[..., 2:] = rng.integers(-127, 128, (rows, n, 32), np.int8).view(np.uint8)
+        data[..., :2] = d[..., None].view(np.uint8)
+        return Encoded(data.reshape(rows, -1), kind)
+
+    def fetch(name: str):
+        shape = shapes[name]
+        if len(shape) == 1:
+            return np.ones(shape, np.float32)
+        return blocks(shape, "Q8_0" if name == head else "Q4_0")
+
+    head = "output.weight" if "output.weight" in shapes else "tok_embeddings.weight"  # tied
+    specs = {name: (shape, np.dtype(np.float32)) for name, shape in shapes.items()}
+    tokenizer = load_tokenizer(ROOT.parent / "shared" / "tokenizers" / "llama3" / "tokenizer.model")
+    start = time.perf_counter()
+    write_gguf(path, c, specs, fetch, dtype="q4_0", tokenizer=tokenizer, overwrite=True)
+    return {"seconds": time.perf_counter() - start, "bytes": path.stat().st_size}
+
+
+# -- estimates --------------------------------------------------------------------------------------
+
+def estimates() -> dict:
+    """Bytes each process should need: its params as held (4-bit: half a byte a weight with a
+    float32 scale and minimum per 32; int8 rows: a byte a weight and a float32 scale a row), and
+    the float32 KV cache of 8,192 slots at batch 1."""
+    from bridge.tensors import canonical_shapes
+
+    c = config()
+    int4 = int8 = 0
+    for name, shape in canonical_shapes(c).items():
+        n = math.prod(shape)
+        if len(shape) == 1:
+            int4, int8 = int4 + 4 * n, int8 + 4 * n
+        elif name in ("output.weight", "tok_embeddings.weight"):
+            rows = shape[0]
+            int4 += n + 4 * rows
+            int8 += n + 4 * rows if name == "output.weight" else 4 * n  # int8: a float table
+        else:
+            int4 += n // 2 + 8 * (n // 32)
+            int8 += n + 4 * shape[0]
+    kv = 2 * c.n_layers * c.n_kv_heads * CACHE * c.head_dim * 4
+    return {"int4_params": int4, "int8_params": int8, "kv_cache_8k": kv,
+            "kv_cache_8k_bfloat16": kv // 2}
+
+
+# -- the workers (each in a process of its own) ----------------------------------------------------
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def decode_jax(mode: str, path: str, new: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import jax_llama
+    from bridge.sampling import Sampler
+    from jax_llama.inference import generate as g
+
+    start = time.perf_counter()
+    model, params = jax_llama.load(path, **{mode: True})
+    jax.block_until_ready(params)
+    loaded, rss_loaded = time.perf_counter() - start, peak_rss()
+    held = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    tokens, mask = np.asarray([PROMPT], np.int32), np.ones((1, len(PROMPT)), bool)
+    stops = np.full((8,), -1, np.int32)
+    static = dict(model=model, sampler=Sampler(), tempered=False)
+
+    def run(n):  # the prompt into a cache of CACHE slots, then n - 1 more tokens
+        t = time.perf_counter()
+        d = g._prefill(params, tokens, mask, stops, jax.random.key(0), cache_len=CACHE, **static)
+        if n > 1:
+            d = g._decode(params, d, jnp.int32(n), stops, **static)[0]
+        ids = np.asarray(d.tokens_BN)[0, :n].tolist()
+        return time.perf_counter() - t, ids
+    run(2)  # compiles both programs
+    first, _ = run(1)
+    full, ids = run(new)
+    return {"load_s": loaded, "params_bytes": held, "rss_after_load": rss_loaded,
+            "first_token_s": first, "decode_tokens_per_s": (new - 1) / (full - first),
+            "tokens": ids, "peak_rss": peak_rss()}
+
+
+def decode_llama_cpp(path: str, new: int) -> dict:
+    import llama_cpp
+
+    from llama_twins.llama_cpp_reference import last_logits
+
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=CACHE, n_batch=512, verbose=False,
+                          n_threads=len(os.sched_getaffinity(0)))
+    loaded = time.perf_counter() - start
+
+    def run(n):
+        t = time.perf_counter()
+        llm.reset()
+        llm.eval(PROMPT)
+        out = []
+        for _ in range(n):
+            out.append(int(np.argmax(last_logits(llm))))
+            if len(out) < n:
+                llm.eval([out[-1]])
+        return time.perf_counter() - t, out
+    run(2)
+    first, _ = run(1)
+    full, ids = run(new)
+    return {"load_s": loaded, "first_token_s": first,
+            "decode_tokens_per_s": (new - 1) / (full - first), "tokens": ids,
+            "peak_rss": peak_rss()}
+
+
+def qlora_step(path: str, seq: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import jax_llama
+    from bridge.lora import LoraConfig
+    from jax_llama.lora import add_lora, combine, count, split
+
+    model, params = jax_llama.load(path, nearest=True)
+    lora = LoraConfig(rank=16, alpha=32.0,
+                      targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
+    model, params = add_lora(model.clone(remat=True), params, lora)
+    weights, adapters = split(params)
+    optimizer = optax.adamw(1e-4)
+    opt_state = optimizer.init(adapters)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 128000, (1, seq + 1)), jnp.int32)
+
+    def loss(adapters):
+        logits = model.apply({"params": combine(weights, adapters)}, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @jax.jit
+    def step(adapters, opt_state):
+        value, grads = jax.value_and_grad(loss)(adapters)
+        updates, opt_state = optimizer.update(grads, opt_state, adapters)
+        return optax.apply_updates(adapters, updates), opt_state, value
+
+    times, losses = [], []
+    for _ in range(2):  # the first compiles
+        t = time.perf_counter()
+        adapters, opt_state, value = step(adapters, opt_state)
+        losses.append(float(value))
+        times.append(time.perf_counter() - t)
+    return {"adapter_params": count(adapters), "first_step_s": times[0], "step_s": times[1],
+            "tokens_per_s": seq / times[1], "losses": losses, "peak_rss": peak_rss()}
+
+
+def worker(name: str, path: str, args) -> None:
+    if name == "synth":
+        result = synthesise(Path(path))
+    elif name in ("int4", "int8"):
+        result = decode_jax("nearest" if name == "int4" else "int8", path, args.new)
+    elif name == "llama.cpp":
+        result = decode_llama_cpp(path, args.new)
+    else:
+        result = qlora_step(path, args.seq)
+    result["peak_rss"] = peak_rss()
+    print(json.dumps(result))
+
+
+def spawn(name: str, path: Path, args) -> dict | str:
+    print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, __file__, "--worker", name, "--file", str(path),
+                           "--new", str(args.new), "--seq", str(args.seq), "--preset", args.preset],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def markdown(r: dict, cpu: str, memory: int) -> list[str]:
+    e = r["estimates"]
+
+    def gb(x):
+        return f"{x / GIB:.2f} GiB"
+
+    lines = [f"# LLaMA 3 8B's layout at its size: 4-bit and int8 on a {memory / GIB:.0f} GiB machine",
+             "", f"{cpu}; `python scripts/llama8b_int4.py --new {r['new']} --seq {r['seq']}`; "
+             f"random weights at realistic scales written as Q4_0 blocks ({gb(r['synth']['bytes'])}"
+             f" on disk, written in {r['synth']['seconds']:.0f} s, peak RSS "
+             f"{gb(r['synth']['peak_rss'])}).", "",
+             "| process | estimate before loading | params held | peak RSS | load | first token "
+             "| decode tokens/s |", "|---|---|---|---|---|---|---|"]
+    for name, estimate in (("int4", e["int4_params"] + e["kv_cache_8k"]),
+                           ("int8", e["int8_params"] + e["kv_cache_8k"]), ("llama.cpp", None)):
+        x = r[name]
+        if isinstance(x, str):
+            lines.append(f"| {name} | | {x} | | | | |")
+            continue
+        lines.append(f"| {name} | {gb(estimate) if estimate else '-'} | "
+                     f"{gb(x['params_bytes']) if 'params_bytes' in x else '-'} | "
+                     f"{gb(x['peak_rss'])} | {x['load_s']:.1f} s | {x['first_token_s']:.2f} s | "
+                     f"{x['decode_tokens_per_s']:.2f} |")
+    q = r["qlora"]
+    lines += ["", "Estimates: params as held plus the float32 KV cache of 8,192 slots at batch 1 "
+              f"({gb(e['kv_cache_8k'])}; bfloat16 would be {gb(e['kv_cache_8k_bfloat16'])}); "
+              "the JAX rows decode with a cache of that size."]
+    if isinstance(r["int4"], dict) and isinstance(r["llama.cpp"], dict):
+        ratio = r["int4"]["decode_tokens_per_s"] / r["llama.cpp"]["decode_tokens_per_s"]
+        same = r["int4"]["tokens"] == r["llama.cpp"]["tokens"]
+        lines += ["", f"int4 against llama.cpp Q4_0 on the same file: {ratio:.2f}x (target 0.9x: "
+                  f"{'met' if ratio >= 0.9 else 'not met'}); greedy tokens "
+                  f"{'the same' if same else 'differ'} ({r['int4']['tokens'][:8]} ... against "
+                  f"{r['llama.cpp']['tokens'][:8]} ...)."]
+    if isinstance(q, dict):
+        lines += ["", f"QLoRA: rank 16 on all seven projections ({q['adapter_params']:,} "
+                  f"parameters), AdamW, batch 1 x {r['seq']}, layers rematerialised: a step in "
+                  f"{q['step_s']:.0f} s ({q['tokens_per_s']:.2f} tokens/s; the first, compiling, "
+                  f"{q['first_step_s']:.0f} s), peak RSS {gb(q['peak_rss'])}; losses "
+                  f"{', '.join(f'{v:.3f}' for v in q['losses'])}."]
+    else:
+        lines += ["", f"QLoRA: {q}"]
+    return lines
+
+
+def main(argv=None) -> int:
+    global PRESET
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--file", help="the Q4_0 GGUF to use (written there if absent, and kept)")
+    parser.add_argument("--new", type=int, default=16, help="tokens decoded (default 16)")
+    parser.add_argument("--seq", type=int, default=512, help="tokens of the QLoRA step (512)")
+    parser.add_argument("--out", default=str(ROOT / "results" / "llama8b"))
+    parser.add_argument("--only", default="int4,int8,llama.cpp,qlora")
+    parser.add_argument("--preset", default=PRESET, help=argparse.SUPPRESS)  # a smaller trial
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    PRESET = args.preset
+    if args.worker:
+        worker(args.worker, args.file, args)
+        return 0
+    from llama_twins.bench.common import cpu_model
+
+    with tempfile.TemporaryDirectory(prefix="llama8b-") as tmp:
+        path = Path(args.file) if args.file else Path(tmp) / f"{args.preset}-q4_0.gguf"
+        r = {"new": args.new, "seq": args.seq, "estimates": estimates()}
+        e = r["estimates"]
+        print(f"estimates: int4 params {e['int4_params'] / GIB:.2f} GiB, int8 params "
+              f"{e['int8_params'] / GIB:.2f} GiB, KV cache of {CACHE} slots "
+              f"{e['kv_cache_8k'] / GIB:.2f} GiB (float32)", file=sys.stderr)
+        if path.exists():
+            r["synth"] = {"seconds": 0.0, "bytes": path.stat().st_size, "peak_rss": 0}
+        else:
+            r["synth"] = spawn("synth", path, args)
+            if isinstance(r["synth"], str):
+                print(f"synth: {r['synth']}", file=sys.stderr)
+                return 1
+        for name in ("int4", "int8", "llama.cpp", "qlora"):
+            r[name] = spawn(name, path, args) if name in args.only.split(",") else "not run"
+            print(f"{name}: {r[name]}", file=sys.stderr, flush=True)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    lines = markdown(r, cpu_model(), memory)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "llama8b.md").write_text("\n".join(lines) + "\n")
+    (out / "llama8b.json").write_text(json.dumps(r, indent=2) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
