@@ -122,11 +122,12 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
     for name in shapes:
         if not (scan_layers and name.startswith("layers.")):
             quantised = None if int4 is None else int4(name)
-            if quantised is not None:  # (packed, scale, min) of a projection, (q, scale) of a
-                path, _, transposed = _flax_path(name, scan_layers)  # tied head, as (out, ...)
-                node = module(path)
+            if quantised is not None:  # (packed, scale, min) of a 4-bit projection: its rows as
+                path, _, transposed = _flax_path(name, scan_layers)  # they are; (q, scale) of
+                node = module(path)  # int8 rows: transposed as a kernel is, where it is one
+                flip = transposed and len(quantised) == 2
                 for leaf, value in zip((path[-1], "scale", "min"), quantised):
-                    node[leaf] = jnp.asarray(value.T if transposed else value)
+                    node[leaf] = jnp.asarray(value.T if flip else value)
                 continue
             put(_flax_path(name, scan_layers)[0], read(name))
     if scan_layers:

@@ -13,8 +13,9 @@ G), one row per token. The norms, an untied embedding and any LoRA adapters are 
 The numbers are those of bridge.quantize.quantize_weight on the canonical (out, in) weight, the
 same the torch twin and `llama-bridge convert --quantize int8` compute.
 
-method="int4" (bridge.int4): each projection's `kernel` becomes uint8 (in / 2, out), two 4-bit
-weights a byte, beside a float32 `scale` and `min` (in / 32, out); a tied LM head (the embedding)
+method="int4" (bridge.int4): each projection's `kernel` becomes uint8 (out, in / 2) - stored as
+its canonical rows, which the decode kernels read whole (matvec_int4), not transposed as float
+kernels are - two 4-bit weights a byte, beside a float32 `scale` and `min` (out, in / 32); a tied LM head (the embedding)
 becomes int8 with one scale per row, as method="int8" makes it (the decode kernels read its rows;
 4-bit rows would be read no faster); an untied embedding and the norms stay as they are. Such
 params run (jax_llama.model.projections: the decode kernels' matvec_int4, else int4_matmul) but
@@ -92,15 +93,15 @@ def _quantize_int4(params, group_size: int | None):
             raise BridgeError(f"{'/'.join(path)}: {leaf.shape[-2]} input columns are not a "
                               f"multiple of {GROUP}", field="params")
 
-    def one(kernel_IO: np.ndarray, name: str):
-        return tuple(a.T for a in quantize_int4(kernel_IO.T, name))
+    def one(kernel_IO: np.ndarray, name: str):  # the canonical (out, ...) rows, not transposed
+        return quantize_int4(kernel_IO.T, name)
 
     out = jax.tree_util.tree_map(lambda x: x, params)
     for path, leaf in _tied_embeddings(params):  # the head's rows, int8 (as method="int8")
         _replace(out, path, *quantize_weight(host_array(leaf), None, "/".join(path)))
     for path, leaf in kernels:
         host, name = host_array(leaf), "/".join(path)
-        if host.ndim == 3:  # scan_layers: (L, in, out)
+        if host.ndim == 3:  # scan_layers: (L, in, out) -> (L, out, in / 2) ...
             parts = [one(layer, f"{name}[{i}]") for i, layer in enumerate(host)]
             packed, scale, low = (np.stack([p[k] for p in parts]) for k in range(3))
         else:

@@ -71,12 +71,12 @@ def test_refusals_name_the_weight():
 
 def dequantized(params):
     """The float32 params that 4-bit params stand for (bridge.int4's numbers), in the Flax
-    layout: each kernel (in, out) = dequantize_int4 of its canonical (out, in) transposes."""
+    layout: each kernel (in, out) = dequantize_int4 of its canonical rows, transposed."""
     out = jax.tree_util.tree_map(lambda x: x, params)
     for _, node in modules(out):
         if "min" in node:
             packed, d, m = (np.asarray(node.pop(k)) for k in ("kernel", "scale", "min"))
-            node["kernel"] = jax.numpy.asarray(dequantize_int4(packed.T, d.T, m.T).T)
+            node["kernel"] = jax.numpy.asarray(dequantize_int4(packed, d, m).T)
     return out
 
 
@@ -85,8 +85,8 @@ def test_a_model_on_4_bit_params_is_the_model_on_their_weights():
     model, params = jax_llama.init(config, seed=2)
     q = jax_llama.quantize(params, method="int4")
     wq = q["layers_0"]["attention"]["wq"]
-    assert wq["kernel"].dtype == np.uint8 and wq["kernel"].shape == (32, 64)
-    assert wq["scale"].shape == wq["min"].shape == (2, 64)
+    assert wq["kernel"].dtype == np.uint8 and wq["kernel"].shape == (64, 32)  # its rows
+    assert wq["scale"].shape == wq["min"].shape == (64, 2)
     tokens = random_tokens(config)
     got = np.asarray(model.apply({"params": q}, tokens))
     want = np.asarray(model.apply({"params": dequantized(q)}, tokens))
@@ -132,7 +132,7 @@ def test_both_twins_compute_the_same_4_bit_model():
     torch_llama.quantize(tmodel, method="int4")
     wq = tmodel.layers[0].attention.wq
     np.testing.assert_array_equal(wq.weight.numpy(),
-                                  np.asarray(q["layers_0"]["attention"]["wq"]["kernel"]).T)
+                                  np.asarray(q["layers_0"]["attention"]["wq"]["kernel"]))
     tokens = random_tokens(config)
     got = torch_logits(tmodel, tokens)
     np.testing.assert_allclose(got, np.asarray(model.apply({"params": q}, tokens)), rtol=0,
@@ -156,7 +156,7 @@ def test_smollm2s_q4_1_projections_load_as_4_bits_exactly(smollm2):
     model, q = jax_llama.load(ckpt, int4=True)
     _, f = jax_llama.load(ckpt)
     wq = q["layers_0"]["attention"]["wq"]
-    assert wq["kernel"].dtype == np.uint8 and wq["kernel"].shape == (288, 576)
+    assert wq["kernel"].dtype == np.uint8 and wq["kernel"].shape == (576, 288)
     np.testing.assert_array_equal(
         np.asarray(dequantized({"m": dict(wq)})["m"]["kernel"]),
         np.asarray(f["layers_0"]["attention"]["wq"]["kernel"]))
@@ -196,7 +196,7 @@ def test_quantize_int4_on_both_generate_commands(tmp_path, capsys):
 
 def test_both_twins_read_a_gguf_as_the_same_4_bit_weights(smollm2):
     """torch_llama.load(..., int4=True) reads SmolLM2's Q4_1 blocks and its int8 head rows as
-    jax_llama.load does (the same bits, transposed); their logits agree to float32 rounding of
+    jax_llama.load does (the same bits, in the same layout); their logits agree to float32 rounding of
     sums in another order (2e-4 over 30 layers); and an adapter is refused, naming the field."""
     import torch
 
@@ -211,7 +211,7 @@ def test_both_twins_read_a_gguf_as_the_same_4_bit_weights(smollm2):
     assert wq.weight.dtype == torch.uint8
     for leaf, tensor in (("kernel", wq.weight), ("scale", wq.weight_scale), ("min", wq.weight_min)):
         np.testing.assert_array_equal(tensor.numpy(),
-                                      np.asarray(q["layers_3"]["attention"]["wq"][leaf]).T)
+                                      np.asarray(q["layers_3"]["attention"]["wq"][leaf]))
     np.testing.assert_array_equal(tmodel.tok_embeddings.weight.numpy(),
                                   np.asarray(q["tok_embeddings"]["embedding"]))
     tokens = np.array([[1, 504, 3458, 282, 4649, 314, 1345, 30]], np.int32)
@@ -281,7 +281,7 @@ def test_a_quantised_gguf_loads_in_its_nearest_layout_in_both_twins(gguf_files):
     tmodel = torch_llama.load(ckpt, device="cpu", nearest=True)
     assert tmodel.output.weight.dtype == torch.int8 and tmodel.tok_embeddings.weight.dtype == torch.int8
     np.testing.assert_array_equal(tmodel.layers[1].attention.wq.weight.numpy(),
-                                  np.asarray(wq["kernel"]).T)
+                                  np.asarray(wq["kernel"]))
     np.testing.assert_allclose(torch_logits(tmodel, tokens), logits, rtol=0, atol=2e-5)
     # the error said of the head: RMS(change) / RMS(weight), against the file's float weight
     reader = nearest_reader(ckpt, ckpt.tensor, ckpt.config)

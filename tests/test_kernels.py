@@ -71,29 +71,35 @@ def test_int8_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O):
         assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= bound(x, q, scale))
 
 
+# The rows kernel (int8 q stored (O, I): a tied LM head): I = 70 and 17 leave a vector tail, O not
+# a multiple of the rows done at once leaves a row tail, and 8192 x 576 (4.5 MB of int8) is shared
+# with the helper threads
+ROWS_SHAPES = [(1, 576, 1000), (2, 70, 33), (3, 16, 5), (4, 17, 130), (5, 64, 7), (8, 70, 301),
+               (1, 576, 8192), (8, 576, 8192)]
+
+
 def int4_weight(rng, I, O):
-    """A 4-bit weight in the kernels' layout (packed (I / 2, O) uint8, scale and min (I / 32,
-    O)), its scales float16 values as a GGUF's Q4_0 / Q4_1 hold them, and the float32 weight
-    (I, O) it stands for (bridge.int4.dequantize_int4)."""
+    """A 4-bit weight in the kernels' layout - its canonical rows: packed (O, I / 2) uint8, scale
+    and min (O, I / 32) - its scales float16 values as a GGUF's Q4_0 / Q4_1 hold them, and the
+    float32 weight (O, I) it stands for (bridge.int4.dequantize_int4)."""
     from bridge.int4 import dequantize_int4, pack
     q = rng.integers(0, 16, (O, I))
     d = (rng.random((O, I // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
     m = (-8 * d) if I % 64 else (rng.standard_normal((O, I // 32)) * 0.05).astype(np.float32)
     packed = pack(q)
-    w = dequantize_int4(packed, d, m)
-    return (np.ascontiguousarray(packed.T), np.ascontiguousarray(d.T),
-            np.ascontiguousarray(m.T)), np.ascontiguousarray(w.T)
+    return (packed, d, m), dequantize_int4(packed, d, m)
 
 
-# SHAPES with inputs in groups of 32 (5 x 32 x 13: a vector tail of columns; 2 x 96: groups
-# that straddle the kernels' blocks of 64 inputs)
-INT4_SHAPES = [(M, I, O) for M, I, O in SHAPES if I % 32 == 0] + [(5, 32, 13), (6, 96, 37)]
+# SHAPES with inputs in groups of 32, and ROWS_SHAPES' (a row tail: O not a multiple of the
+# rows done at once; 8192 rows shared with the helper threads)
+INT4_SHAPES = ([(M, I, O) for M, I, O in SHAPES if I % 32 == 0] + [(5, 32, 13), (6, 96, 37)]
+               + [(M, I, O) for M, I, O in ROWS_SHAPES if I % 32 == 0])
 
 
 @pytest.mark.parametrize("M,I,O", INT4_SHAPES)
-def test_int4_matvec_is_the_float32_kernel_on_the_dequantised_weight(M, I, O):
+def test_int4_matvec_is_the_rows_kernel_on_the_dequantised_weight(M, I, O):
     """Each 4-bit weight is expanded in a register to q * d + m (one fused multiply-add, exact
-    for a float16 d) and summed as a float32 weight is: the float32 kernel's outputs on the
+    for a float16 d) and summed as a float32 weight is: the float32 rows kernel's outputs on the
     dequantised weight, bit for bit, so within the float32 bound of the float64 product.
     Negative cases: the nibbles of a byte swapped, and the minimum left out, are far outside."""
     rng = np.random.default_rng(M * 1000 + O + 7)
@@ -101,14 +107,14 @@ def test_int4_matvec_is_the_float32_kernel_on_the_dequantised_weight(M, I, O):
     (packed, d, m), w = int4_weight(rng, I, O)
     assert kernels.usable(jnp.asarray(x), packed, d, m)
     got = np.asarray(jax.jit(kernels.matvec_int4)(x, [(packed, d, m)])[0])
-    np.testing.assert_array_equal(got, np.asarray(jax.jit(kernels.matvec)(x, w)))
-    want = x.astype(np.float64) @ w.astype(np.float64)
-    assert np.all(np.abs(got - want) <= bound(x, w))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(kernels.matvec_rows)(x, w)))
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.all(np.abs(got - want) <= bound(x, w.T))
     swapped = (packed >> 4) | (packed << 4)
     wrong = np.asarray(kernels.matvec_int4(x, [(swapped, d, m)])[0], np.float64)
-    assert not np.all(np.abs(wrong - want) <= bound(x, w))
+    assert not np.all(np.abs(wrong - want) <= bound(x, w.T))
     wrong = np.asarray(kernels.matvec_int4(x, [(packed, d, np.zeros_like(m))])[0], np.float64)
-    assert not np.all(np.abs(wrong - want) <= bound(x, w))
+    assert not np.all(np.abs(wrong - want) <= bound(x, w.T))
 
 
 def test_int4_weights_that_share_an_input_are_one_call_and_rows_stand_alone():
@@ -126,12 +132,6 @@ def test_int4_weights_that_share_an_input_are_one_call_and_rows_stand_alone():
             np.testing.assert_array_equal(
                 np.asarray(kernels.matvec_int4(x[m:m + 1], [weight])[0])[0], np.asarray(got)[m])
 
-
-# The rows kernel (int8 q stored (O, I): a tied LM head): I = 70 and 17 leave a vector tail, O not
-# a multiple of the rows done at once leaves a row tail, and 8192 x 576 (4.5 MB of int8) is shared
-# with the helper threads
-ROWS_SHAPES = [(1, 576, 1000), (2, 70, 33), (3, 16, 5), (4, 17, 130), (5, 64, 7), (8, 70, 301),
-               (1, 576, 8192), (8, 576, 8192)]
 
 
 @pytest.mark.parametrize("M,I,O", ROWS_SHAPES)
@@ -224,8 +224,8 @@ def test_outputs_do_not_depend_on_the_helper_threads():
         "q = rng.integers(-127, 128, (576, 1536)).astype(np.int8)\n"
         "s = rng.random((1, 1536)).astype(np.float32)\n"
         "t = rng.standard_normal((8192, 576)).astype(np.float32)\n"
-        "four = (rng.integers(0, 256, (288, 1536)).astype(np.uint8),\n"
-        "        rng.random((18, 1536)).astype(np.float32), rng.random((18, 1536)).astype(np.float32))\n"
+        "four = (rng.integers(0, 256, (1536, 288)).astype(np.uint8),\n"
+        "        rng.random((1536, 18)).astype(np.float32), rng.random((1536, 18)).astype(np.float32))\n"
         "outs = [*kernels.matvec_f32(x, [w, w[:, :960]]), kernels.matvec(x, q, s),\n"
         "        kernels.matvec_rows(x, t), kernels.matvec_rows(x, q.T.copy(), s.T.copy()),\n"
         "        kernels.matvec_int4(x, [four])[0]]\n"
@@ -457,7 +457,7 @@ def test_gradients_are_xlas():
     four, w4 = int4_weight(rng, 64, 80)
     x64 = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
     got = jax.jit(jax.grad(lambda x: jnp.sum(kernels.matvec_int4(x, [four])[0] * g)))(x64)
-    want = jax.grad(lambda x: jnp.sum((x @ w4) * g))(x64)
+    want = jax.grad(lambda x: jnp.sum((x @ w4.T) * g))(x64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -492,15 +492,16 @@ def test_usable_only_for_what_the_kernels_serve():
     assert not kernels.usable_rows(x, q_OI.astype(jnp.bfloat16))
     assert not kernels.usable_rows(x, q_OI)  # int8 without its scales
     assert not kernels.usable_rows(x, q_OI.T, jnp.ones((16, 1)))  # stored (I, O): not rows
-    # 4-bit: packed (I / 2, O) uint8 with float32 scales and minima (I / 32, O)
+    # 4-bit: its rows, packed (O, I / 2) uint8 with float32 scales and minima (O, I / 32)
     x32 = jnp.zeros((2, 64), jnp.float32)
-    packed, d = jnp.zeros((32, 8), jnp.uint8), jnp.ones((2, 8))
+    packed, d = jnp.zeros((8, 32), jnp.uint8), jnp.ones((8, 2))
     assert kernels.usable(x32, packed, d, d)
-    assert not kernels.usable(x32, packed, d, jnp.ones((1, 8)))  # minima of another shape
+    assert not kernels.usable(x32, packed, d, jnp.ones((8, 1)))  # minima of another shape
     assert not kernels.usable(x32, packed, d.astype(jnp.float16), d)  # float16 scales
     assert not kernels.usable(x32, packed.astype(jnp.int8), d, d)
-    assert not kernels.usable(jnp.zeros((2, 48)), jnp.zeros((24, 8), jnp.uint8),
-                              jnp.ones((1, 8)), jnp.ones((1, 8)))  # 48 inputs: not groups of 32
+    assert not kernels.usable(x32, packed.T, d.T, d.T)  # stored (I / 2, O): not rows
+    assert not kernels.usable(jnp.zeros((2, 48)), jnp.zeros((8, 24), jnp.uint8),
+                              jnp.ones((8, 1)), jnp.ones((8, 1)))  # 48 inputs: not groups of 32
 
 
 def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
@@ -561,8 +562,8 @@ ISAS = {"x86-64-v3": 8, "x86-64": 1}  # -march -> lanes: the AVX2 path and the p
 @pytest.mark.parametrize("arch", ISAS)
 def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     """The kernels built for AVX2 and for no vector extension (what CPUs without AVX-512 or
-    without AVX2 compile) pass the same float32 bound (the 4-bit kernel: the float32 kernel's bits
-    on the dequantised weight) and give each row the same bits alone or
+    without AVX2 compile) pass the same float32 bound (the 4-bit kernel: the float32 rows kernel's
+    bits on the dequantised weight) and give each row the same bits alone or
     beside others (the rows kernel too, given the same weights stored (O, I); attention over a
     cache, with each build's own exp, to the same tolerance as AVX-512's); in a
     subprocess each, with a kernel cache of its own."""
@@ -578,13 +579,13 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "    w = rng.standard_normal((I, O)).astype(np.float32)\n"
         "    rows = (np.ascontiguousarray(q.T), np.ascontiguousarray(s.T))\n"
         "    if I % 32 == 0:\n"
-        "        four = (rng.integers(0, 256, (I // 2, O)).astype(np.uint8),\n"
-        "                (rng.random((I // 32, O)) / 8).astype(np.float16).astype(np.float32),\n"
-        "                rng.standard_normal((I // 32, O)).astype(np.float32))\n"
+        "        four = (rng.integers(0, 256, (O, I // 2)).astype(np.uint8),\n"
+        "                (rng.random((O, I // 32)) / 8).astype(np.float16).astype(np.float32),\n"
+        "                rng.standard_normal((O, I // 32)).astype(np.float32))\n"
         "        from bridge.int4 import dequantize_int4\n"
-        "        w4 = dequantize_int4(four[0].T, four[1].T, four[2].T).T\n"
         "        y4 = np.asarray(kernels.matvec_int4(x, [four])[0])\n"
-        "        assert np.array_equal(y4, np.asarray(kernels.matvec(x, w4))), (M, I, O)\n"
+        "        w4 = dequantize_int4(*four)\n"
+        "        assert np.array_equal(y4, np.asarray(kernels.matvec_rows(x, w4))), (M, I, O)\n"
         "    for f, args, want, mag in (\n"
         "            (kernels.matvec, (q, s), (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s),\n"
         "            (kernels.matvec, (w,), x.astype(float) @ w, abs(x) @ abs(w)),\n"

@@ -90,7 +90,7 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x_MD):
         x_MD = x_MD.astype(self.dtype)
-        if self.has_variable("params", "min"):  # 4-bit weights (jax_llama.quantize, int4)
+        if self.has_variable("params", "min"):  # 4-bit weights, (out, in / 2): int4_matmul
             kernel, scale, low = (self.get_variable("params", n) for n in ("kernel", "scale", "min"))
             if _kernels_on(self.kernels) and decode_kernels.usable(x_MD, kernel, scale, low):
                 out = decode_kernels.matvec_int4(x_MD, [(kernel, scale, low)])[0]
@@ -226,9 +226,10 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def int4_matmul(x_MI, packed_JO, scale_GO, min_GO, dtype):
-    """x @ W for 4-bit W (bridge.int4): packed (in / 2, out) uint8, two weights a byte along the
-    inputs, and float32 scales and minima (in / 32, out). W = q * scale + min is dequantised in
+def int4_matmul(x_MI, packed_OJ, scale_OG, min_OG, dtype):
+    """x @ W^T for 4-bit W (bridge.int4), stored as its canonical rows (not transposed as float
+    kernels are): packed (out, in / 2) uint8, two weights a byte along the inputs, and float32
+    scales and minima (out, in / 32). W = q * scale + min is dequantised in
     float32, right before its matmul (made to depend on x, as int8_matmul's is, so that no float
     copy of every weight is hoisted out of the decode loop), and rounded once to `dtype`.
 
@@ -236,36 +237,37 @@ def int4_matmul(x_MI, packed_JO, scale_GO, min_GO, dtype):
     keeping the forward's float copy for the backward pass: what is saved is the 4-bit weight
     itself, so training holds no float copy of the base. The 4-bit weights are constants: no
     gradient flows to them."""
-    return _int4_dot(x_MI, packed_JO, scale_GO, min_GO, dtype)
+    return _int4_dot(x_MI, packed_OJ, scale_OG, min_OG, dtype)
 
 
-def _int4_dot(x_MI, packed_JO, scale_GO, min_GO, dtype):
-    packed_JO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), packed_JO.dtype), packed_JO)
-    return jnp.dot(x_MI, dequantize_int4(packed_JO, scale_GO, min_GO, dtype))
+def _int4_dot(x_MI, packed_OJ, scale_OG, min_OG, dtype):
+    packed_OJ = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), packed_OJ.dtype), packed_OJ)
+    return jnp.dot(x_MI, dequantize_int4(packed_OJ, scale_OG, min_OG, dtype).T)
 
 
-def _int4_fwd(x_MI, packed_JO, scale_GO, min_GO, dtype):
-    return _int4_dot(x_MI, packed_JO, scale_GO, min_GO, dtype), (packed_JO, scale_GO, min_GO)
+def _int4_fwd(x_MI, packed_OJ, scale_OG, min_OG, dtype):
+    return _int4_dot(x_MI, packed_OJ, scale_OG, min_OG, dtype), (packed_OJ, scale_OG, min_OG)
 
 
 def _int4_bwd(dtype, saved, g_MO):
-    packed_JO, scale_GO, min_GO = saved
-    packed_JO = jnp.where(jnp.isnan(g_MO.ravel()[0]), jnp.zeros((), packed_JO.dtype), packed_JO)
-    dx_MI = jnp.dot(g_MO, dequantize_int4(packed_JO, scale_GO, min_GO, dtype).T)
+    packed_OJ, scale_OG, min_OG = saved
+    packed_OJ = jnp.where(jnp.isnan(g_MO.ravel()[0]), jnp.zeros((), packed_OJ.dtype), packed_OJ)
+    dx_MI = jnp.dot(g_MO, dequantize_int4(packed_OJ, scale_OG, min_OG, dtype))
     return dx_MI, None, None, None
 
 
 int4_matmul.defvjp(_int4_fwd, _int4_bwd)
 
 
-def dequantize_int4(packed_JO, scale_GO, min_GO, dtype):
-    """The 4-bit weight (in, out) in `dtype`: q * scale + min in float32, rounded once."""
-    J, O = packed_JO.shape
-    G = scale_GO.shape[0]
-    q_IO = jnp.stack([packed_JO & 0xF, packed_JO >> 4], axis=1).reshape(2 * J, O)
-    w_GiO = (q_IO.reshape(G, 2 * J // G, O).astype(jnp.float32) * scale_GO[:, None, :]
-             + min_GO[:, None, :])
-    return w_GiO.reshape(2 * J, O).astype(dtype)
+def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):
+    """The 4-bit weight (out, in) in `dtype`: q * scale + min in float32, rounded once
+    (bridge.int4.dequantize_int4's numbers)."""
+    O, J = packed_OJ.shape
+    G = scale_OG.shape[1]
+    q_OI = jnp.stack([packed_OJ & 0xF, packed_OJ >> 4], axis=-1).reshape(O, 2 * J)
+    w_OGi = (q_OI.reshape(O, G, 2 * J // G).astype(jnp.float32) * scale_OG[..., None]
+             + min_OG[..., None])
+    return w_OGi.reshape(O, 2 * J).astype(dtype)
 
 
 # Rows of an int8 weight converted at a time by _int8_dot_by_blocks (at most).

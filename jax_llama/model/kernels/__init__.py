@@ -4,7 +4,8 @@
     y = matvec(x_MI, q_IO, scale_GO)                # int8 weights, per-output-channel scales
     q, k, v = matvec_f32(x_MI, [w_IO, ...])         # several float32 weights reading one x
     q, k, v = matvec_int8(x_MI, [(q_IO, scale_GO), ...])   # the same, int8
-    q, k, v = matvec_int4(x_MI, [(packed_JO, scale_GO, min_GO), ...])   # 4-bit (bridge.int4)
+    q, k, v = matvec_int4(x_MI, [(packed_OJ, scale_OG, min_OG), ...])   # 4-bit (bridge.int4),
+                                                    # stored a row per output
     y = matvec_rows(x_MI, w_OI)                     # weights stored (out, in): a tied LM head
     y = matvec_rows(x_MI, q_OI, scale_OG)           # (the embedding), float32 or int8 with
                                                     # per-row scales
@@ -169,16 +170,17 @@ def unavailable_reason() -> str | None:
 
 def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
     """Whether matvec serves this matmul: float32 x of at most MAX_ROWS rows, a 2-D float32 or
-    int8 weight (int8 with one scale per output column), or a 4-bit one (packed (I / 2, O) uint8
-    with float32 scales and minima (I / 32, O)), and the kernels loadable here."""
+    int8 weight (I, O) (int8 with one scale per output column), or a 4-bit one stored a row per
+    output (packed (O, I / 2) uint8 with float32 scales and minima (O, I / 32): matvec_int4),
+    and the kernels loadable here."""
     if x_MI.ndim != 2 or x_MI.shape[0] > MAX_ROWS or x_MI.dtype != jnp.float32:
         return False
     if w_IO.ndim != 2:
         return False
     if min_GO is not None:
-        I, O = x_MI.shape[1], w_IO.shape[1]
-        ok = (w_IO.dtype == jnp.uint8 and I % 32 == 0 and w_IO.shape[0] * 2 == I
-              and all(a.dtype == jnp.float32 and a.shape == (I // 32, O)
+        I, O = x_MI.shape[1], w_IO.shape[0]
+        ok = (w_IO.dtype == jnp.uint8 and I % 32 == 0 and w_IO.shape[1] * 2 == I
+              and all(a.dtype == jnp.float32 and a.shape == (O, I // 32)
                       for a in (scale_GO, min_GO)))
     elif scale_GO is None:
         ok = w_IO.dtype == jnp.float32
@@ -214,7 +216,7 @@ def _int8_call(x_MI, qs_IO, scales_O):
 
 
 def _int4_call(x_MI, weights):
-    outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[1]), jnp.float32)
+    outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[0]), jnp.float32)
                  for q, _, _ in weights)
     args = [a for triple in weights for a in triple]
     return jax.ffi.ffi_call("jax_llama_matvec_int4", outs, vmap_method="sequential")(x_MI, *args)
@@ -268,7 +270,7 @@ def _int4_fwd(x_MI, weights):
 
 def _int4_bwd(weights, gs_MO):
     from ..projections import dequantize_int4  # the weights are constants: no cotangent
-    dx_MI = sum(g_MO @ dequantize_int4(*w, jnp.float32).T for g_MO, w in zip(gs_MO, weights))
+    dx_MI = sum(g_MO @ dequantize_int4(*w, jnp.float32) for g_MO, w in zip(gs_MO, weights))
     return dx_MI, jax.tree.map(lambda _: None, weights)
 
 
@@ -346,9 +348,10 @@ def matvec_int8(x_MI, weights):
 
 
 def matvec_int4(x_MI, weights):
-    """[x @ (q * scale + min) for each 4-bit (packed (I / 2, O) uint8, scale (I / 32, O), min
-    (I / 32, O)) of `weights`], the weights expanded in registers: the float32 kernel's numbers on
-    the dequantised weights, bit for bit. Call only where `usable` said True of each."""
+    """[x @ (q * scale + min)^T for each 4-bit (packed (O, I / 2) uint8, scale (O, I / 32), min
+    (O, I / 32)) of `weights`]: each output a dot product over a row read whole, the weights
+    expanded in registers - matvec_rows' numbers on the dequantised float32 weights, bit for bit.
+    Weights that read the same x are one call. Call only where `usable` said True of each."""
     _check()
     return list(_matvec_int4(x_MI, tuple(tuple(w) for w in weights)))
 

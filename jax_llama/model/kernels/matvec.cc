@@ -7,13 +7,13 @@
 //                                                                      "jax_llama_matvec_f32"
 //   y_k (M, O_k) = (x @ Q_k (I, O_k)) * s_k (O_k)   Q_k int8, s_k float32, k = 1..
 //                                                                      "jax_llama_matvec_int8"
-//   y_k (M, O_k) = x @ (q_k * d_k + m_k)            4-bit q_k, two a byte along the inputs
-//                                                   (I / 2, O_k) uint8; d_k, m_k float32
-//                                                   (I / 32, O_k)       "jax_llama_matvec_int4"
 //   y (M, O) = (x (M, I) @ Q (O, I)^T) * s (O)     Q int8 stored a row per output, s float32
 //                                                   (a tied LM head: the embedding table)
 //                                                                 "jax_llama_matvec_int8_rows"
 //   y (M, O) = x (M, I) @ W (O, I)^T               the same, float32 "jax_llama_matvec_f32_rows"
+//   y_k (M, O_k) = x @ (q_k * d_k + m_k)^T          4-bit q_k stored (O_k, I / 2), two weights a
+//                                                   byte; d_k, m_k float32 (O_k, I / 32), k = 1..
+//                                                                      "jax_llama_matvec_int4"
 //   out = softmax(q k^T / sqrt(H) + mask) v        k, v: layer l of the cache, read in place
 //                                                                 "jax_llama_decode_attention"
 //
@@ -35,13 +35,6 @@
 // total. Nothing in that order depends on M or on the number of threads, so a row decodes to the
 // same bits alone or beside others, on any machine with the same instruction set.
 //
-// 4-bit weights (bridge.int4): byte j of column o holds q[2j, o] in its low nibble and q[2j + 1, o]
-// in its high one; every 32 rows share a scale d and a minimum m per column. Each weight is
-// expanded in a register to the float32 q * d + m (one fused multiply-add: exact for a d read
-// from a float16 file, where q * d is exact) and then summed as a float32 weight is, in the same
-// order: the outputs are the float32 kernel's on the dequantised weight, bit for bit, and the
-// weights stream in at a quarter (plus a quarter for d and m) of the float32 bytes.
-//
 // Rows of Q (O, I) ("_rows"): each output is a dot product over one row of Q, read in order.
 // Several rows are done at once (8 for one row of x, fewer for more) so that enough independent
 // sums are in flight, and each weight vector is converted once for all M rows of x. Units are
@@ -61,6 +54,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -115,12 +109,6 @@ inline Vec Load(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-// kLanes bytes of 4-bit weights -> their low nibbles and their high nibbles, as float32.
-inline void Nibbles(const uint8_t* p, Vec& low, Vec& high) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), f = _mm_set1_epi8(0x0F);
-  low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, f)));
-  high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), f)));
-}
 inline Vec Splat(float v) { return _mm512_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
@@ -134,11 +122,6 @@ inline Vec Load(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline void Nibbles(const uint8_t* p, Vec& low, Vec& high) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), f = _mm_set1_epi8(0x0F);
-  low = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, f)));
-  high = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), f)));
-}
 inline Vec Splat(float v) { return _mm256_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
@@ -161,9 +144,6 @@ using Vec = float;
 inline Vec Load(const float* p) { return *p; }
 inline Vec Load(const int8_t* p) { return static_cast<float>(*p); }
 inline void Store(float* p, Vec v) { *p = v; }
-inline void Nibbles(const uint8_t* p, Vec& low, Vec& high) {
-  low = static_cast<float>(*p & 0x0F), high = static_cast<float>(*p >> 4);
-}
 inline Vec Splat(float v) { return v; }
 inline Vec Fma(Vec a, Vec b, Vec c) { return std::fma(a, b, c); }
 inline Vec Mul(Vec a, Vec b) { return a * b; }
@@ -171,29 +151,12 @@ inline Vec Add(Vec a, Vec b) { return a + b; }
 inline float HorizontalSum(Vec v) { return v; }
 #endif
 
-// A weight type: float, int8_t, or Int4 (bytes of two 4-bit weights, with scales and minima).
-struct Int4 {
-  uint8_t byte;
-};
-template <typename W>
-constexpr bool kIsInt4 = std::is_same_v<W, Int4>;
-
-// Weight (i, o) of a 4-bit W (I / 2, O) as float32: q * d + m, as Strip4 computes it.
-inline float Int4At(const Int4* w, const float* d, const float* m, int64_t O, int64_t i,
-                    int64_t o) {
-  const uint8_t b = w[(i / 2) * O + o].byte;
-  const int64_t g = (i / kGroup4) * O + o;
-  return std::fma(static_cast<float>(i % 2 ? b >> 4 : b & 0x0F), d[g], m[g]);
-}
-
-// One weight of a call: W (I, O), its scale (int8; 4-bit: scales and minima (I / 32, O)) and
-// output, cut into units of (block of rows, panel of columns); its partial sums are blocks x M x O
-// floats of the scratch.
+// One weight of a call: W (I, O), its scale (int8) and output, cut into units of
+// (block of rows, panel of columns); its partial sums are blocks x M x O floats of the scratch.
 template <typename W>
 struct Part {
   const W* w;
   const float* scale;  // nullptr for float32 weights
-  const float* min;    // 4-bit weights only
   float* y;
   float* partial;
   int64_t O, block_rows, blocks, panels, first_unit;
@@ -256,51 +219,6 @@ inline void Strip(const float* x, int64_t I, const W* w, int64_t O, int64_t i0, 
     for (int k = 0; k < NV; ++k) Store(acc + m * O + o + k * kLanes, a[m][k]);
 }
 
-// Strip for 4-bit weights: rows [i0, i1) (even) of W are packed rows [i0 / 2, i1 / 2), each
-// expanded in registers to two float32 rows (the low nibbles: row i, the high: row i + 1) and
-// multiplied in as Strip multiplies float32 rows, in the same order.
-template <int M, int NV>
-inline void Strip4(const float* x, int64_t I, const Part<Int4>& p, int64_t i0, int64_t i1,
-                   int64_t o, float* acc) {
-  const int64_t O = p.O;
-  Vec a[M][NV], d[NV], mn[NV];
-  const uint8_t* row = reinterpret_cast<const uint8_t*>(p.w) + (i0 / 2) * O + o;
-  constexpr int64_t kBytes = NV * kLanes;
-  for (int64_t i = i0; i < i1; i += 2, row += O) {
-    if (i == i0 || i % kGroup4 == 0)
-      for (int k = 0; k < NV; ++k) {
-        d[k] = Load(p.scale + (i / kGroup4) * O + o + k * kLanes);
-        mn[k] = Load(p.min + (i / kGroup4) * O + o + k * kLanes);
-      }
-    const char* next = reinterpret_cast<const char*>(row) + O;
-    for (int64_t b = 0; b < kBytes; b += kCacheLine) __builtin_prefetch(next + b);
-    Vec xl[M], xh[M];
-    for (int m = 0; m < M; ++m) xl[m] = Splat(x[m * I + i]), xh[m] = Splat(x[m * I + i + 1]);
-    for (int k = 0; k < NV; ++k) {
-      Vec low, high;
-      Nibbles(row + k * kLanes, low, high);
-      low = Fma(low, d[k], mn[k]);
-      high = Fma(high, d[k], mn[k]);
-      for (int m = 0; m < M; ++m) {
-        a[m][k] = i == i0 ? Mul(xl[m], low) : Fma(xl[m], low, a[m][k]);
-        a[m][k] = Fma(xh[m], high, a[m][k]);
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int k = 0; k < NV; ++k) Store(acc + m * O + o + k * kLanes, a[m][k]);
-}
-
-// Strip4's columns, in vectors (a power of 2): its M x n sums, n scales and n minima and the two
-// expanded halves of a byte vector fit in the registers (x's splats can be memory operands).
-// StripVectors' 16 vectors for one row spilled the scales and minima to the stack in the inner
-// loop.
-constexpr int StripVectors4(int M) {
-  int n = 1;
-  while ((M + 2) * 2 * n + 2 <= kRegisters) n *= 2;
-  return n;
-}
-
 template <int M, typename W>
 void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
   int64_t b = u / p.panels, c = u % p.panels;
@@ -309,23 +227,12 @@ void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
   float* acc = p.partial + b * j.M * p.O;
   constexpr int NV = StripVectors(M);
   int64_t o = o0;
-  if constexpr (kIsInt4<W>) {
-    constexpr int NV4 = StripVectors4(M);
-    for (; o + NV4 * kLanes <= o1; o += NV4 * kLanes) Strip4<M, NV4>(j.x, j.I, p, i0, i1, o, acc);
-    for (; o + kLanes <= o1; o += kLanes) Strip4<M, 1>(j.x, j.I, p, i0, i1, o, acc);
-  } else {
-    for (; o + NV * kLanes <= o1; o += NV * kLanes)
-      Strip<M, NV>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
-    for (; o + kLanes <= o1; o += kLanes) Strip<M, 1>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
-  }
+  for (; o + NV * kLanes <= o1; o += NV * kLanes) Strip<M, NV>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
+  for (; o + kLanes <= o1; o += kLanes) Strip<M, 1>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
   // The columns past the last full vector, one at a time in the same order.
   for (; o < o1; ++o)
     for (int64_t i = i0; i < i1; ++i) {
-      float wo;
-      if constexpr (kIsInt4<W>)
-        wo = Int4At(p.w, p.scale, p.min, p.O, i, o);
-      else
-        wo = LoadS(p.w + i * p.O + o);
+      float wo = LoadS(p.w + i * p.O + o);
       for (int m = 0; m < M; ++m) {
         float* a = acc + m * p.O + o;
         *a = i == i0 ? j.x[m * j.I + i] * wo : std::fma(j.x[m * j.I + i], wo, *a);
@@ -487,12 +394,12 @@ void Reduce(const Part<W>& p, int64_t M) {
     for (; o + kLanes <= O; o += kLanes) {
       Vec s = Load(first + o);
       for (int64_t b = 1; b < p.blocks; ++b) s = Add(s, Load(first + b * M * O + o));
-      Store(out + o, p.scale && !kIsInt4<W> ? Mul(s, Load(p.scale + o)) : s);
+      Store(out + o, p.scale ? Mul(s, Load(p.scale + o)) : s);
     }
     for (; o < O; ++o) {
       float s = first[o];
       for (int64_t b = 1; b < p.blocks; ++b) s = s + first[b * M * O + o];
-      out[o] = p.scale && !kIsInt4<W> ? s * p.scale[o] : s;
+      out[o] = p.scale ? s * p.scale[o] : s;
     }
   }
 }
@@ -505,7 +412,7 @@ ffi::Error Run(std::shared_ptr<Job<W>> job) {
   if (M > 8) return ffi::Error::InvalidArgument("matvec: at most 8 rows");
   size_t floats = 0, bytes = 0;
   for (Part<W>& p : job->parts) {
-    bytes += kIsInt4<W> ? I * p.O / 2 + I / kGroup4 * p.O * 8 : I * p.O * sizeof(W);
+    bytes += I * p.O * sizeof(W);
     if (I == 0) std::fill(p.y, p.y + M * p.O, 0.0f);
     if (M == 0 || I == 0 || p.O == 0) p.blocks = p.panels = 0;
     p.first_unit = job->units;
@@ -524,9 +431,8 @@ ffi::Error Run(std::shared_ptr<Job<W>> job) {
 }
 
 template <typename W>
-Part<W> MakePart(const W* w, const float* scale, const float* min, float* y, int64_t I,
-                 int64_t O) {
-  Part<W> p{w, scale, min, y, nullptr, O, BlockRows(I, O), 0, 0, 0};
+Part<W> MakePart(const W* w, const float* scale, float* y, int64_t I, int64_t O) {
+  Part<W> p{w, scale, y, nullptr, O, BlockRows(I, O), 0, 0, 0};
   p.blocks = (I + p.block_rows - 1) / p.block_rows;
   p.panels = (O + kPanel - 1) / kPanel;
   return p;
@@ -537,47 +443,37 @@ bool Matches(ffi::Span<const int64_t> x, ffi::Span<const int64_t> w, ffi::Span<c
          y[1] == w[1];
 }
 
-// x, then w_k for each weight k (float32), (q_k, s_k) (int8) or (q_k, d_k, m_k) (4-bit); one
-// output y_k each: weights that share their input (q, k and v; gate and up) are one call, one set
-// of units for the helpers.
+// x, then w_k for each weight k (float32) or (q_k, s_k) (int8); one output y_k each: weights that
+// share their input (q, k and v; gate and up) are one call, one set of units for the helpers.
 template <typename W>
 ffi::Error MatvecMany(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                       ffi::RemainingRets rets) {
-  constexpr bool kInt8 = std::is_same_v<W, int8_t>, kInt4 = kIsInt4<W>;
-  constexpr size_t kArgs = kInt4 ? 3 : kInt8 ? 2 : 1;  // arguments per weight
-  constexpr const char* kWhat = kInt4 ? "matvec: expected x, then (q, scale, min) per output"
-                                : kInt8 ? "matvec: expected x, then (q, scale) per output"
-                                        : "matvec: expected x, then w per output";
+  constexpr bool kScaled = std::is_same_v<W, int8_t>;
+  constexpr size_t kArgs = kScaled ? 2 : 1;  // arguments per weight
   if (rets.size() == 0 || args.size() != kArgs * rets.size())
-    return ffi::Error::InvalidArgument(kWhat);
-  using WBuffer = ffi::Buffer<kInt4 ? ffi::U8 : kInt8 ? ffi::S8 : ffi::F32>;
+    return ffi::Error::InvalidArgument(kScaled ? "matvec: expected x, then (q, scale) per output"
+                                               : "matvec: expected x, then w per output");
+  using WBuffer = ffi::Buffer<kScaled ? ffi::S8 : ffi::F32>;
   auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data(), job->M = x.dimensions()[0], job->I = x.dimensions()[1];
-  if (kInt4 && job->I % kGroup4)
-    return ffi::Error::InvalidArgument("matvec: 4-bit weights need inputs in groups of 32");
   for (size_t k = 0; k < rets.size(); ++k) {
     auto w = args.get<WBuffer>(kArgs * k);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(kWhat);
-    auto wd = w->dimensions();
-    const int64_t rows = wd.size() == 2 ? wd[0] * (kInt4 ? 2 : 1) : -1;
-    const int64_t shape[2] = {rows, wd.size() == 2 ? wd[1] : -1};
-    if (!Matches(x.dimensions(), ffi::Span<const int64_t>(shape, 2), (*y)->dimensions()))
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument(kScaled ? "matvec: int8 weights and float32 outputs"
+                                                 : "matvec: float32 weights and outputs");
+    if (!Matches(x.dimensions(), w->dimensions(), (*y)->dimensions()))
       return ffi::Error::InvalidArgument("matvec: expected x (M, I), w (I, O) and y (M, O)");
-    const float *scale = nullptr, *min = nullptr;
-    if constexpr (kInt8 || kInt4) {
-      const int64_t wanted = kInt4 ? job->I / kGroup4 * wd[1] : wd[1];
-      for (size_t a = 1; a < kArgs; ++a) {
-        auto s = args.get<ffi::Buffer<ffi::F32>>(kArgs * k + a);
-        if (!s.has_value() || s->element_count() != wanted)
-          return ffi::Error::InvalidArgument(
-              kInt4 ? "matvec: 4-bit scales and minima must be float32 (I / 32, O)"
-                    : "matvec: int8 scale must be float32 with one value per column");
-        (a == 1 ? scale : min) = s->typed_data();
-      }
+    const float* scale = nullptr;
+    if constexpr (kScaled) {
+      auto s = args.get<ffi::Buffer<ffi::F32>>(kArgs * k + 1);
+      if (!s.has_value()) return ffi::Error::InvalidArgument("matvec: float32 scales");
+      if (s->element_count() != w->dimensions()[1])
+        return ffi::Error::InvalidArgument("matvec: int8 scale must hold one value per column");
+      scale = s->typed_data();
     }
-    job->parts.push_back(MakePart(reinterpret_cast<const W*>(w->typed_data()), scale, min,
-                                  (*y)->typed_data(), job->I, wd[1]));
+    job->parts.push_back(MakePart(w->typed_data(), scale, (*y)->typed_data(), job->I,
+                                  w->dimensions()[1]));
   }
   return Run(job);
 }
@@ -590,11 +486,6 @@ ffi::Error MatvecF32(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
 ffi::Error MatvecInt8(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                       ffi::RemainingRets rets) {
   return MatvecMany<int8_t>(x, args, rets);
-}
-
-ffi::Error MatvecInt4(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
-                      ffi::RemainingRets rets) {
-  return MatvecMany<Int4>(x, args, rets);
 }
 
 // -- rows of Q (O, I): y[m, o] = s[o] * (x[m, :] . Q[o, :]) -----------------------------------
@@ -704,6 +595,155 @@ ffi::Error MatvecF32Rows(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                          ffi::ResultBuffer<ffi::F32> y) {
   return MatvecRows(x, w.typed_data(), w.dimensions(), static_cast<const float*>(nullptr),
                     *y);
+}
+
+// -- 4-bit rows: y_k[m, o] = x[m, :] . W_k[o, :], W_k = q * d + m stored a row per output ------
+//
+//   y_k (M, O_k) = x (M, I) @ W_k^T    q_k (O_k, I / 2) uint8, two weights a byte along the inputs
+//                                       (byte j: q[o, 2j] low, q[o, 2j + 1] high); d_k, m_k
+//                                       (O_k, I / 32) float32              "jax_llama_matvec_int4"
+//
+// The 4-bit weights are stored as the canonical (out, in) rows, so a unit streams whole rows of
+// bytes - as the rows kernel reads a tied LM head, which kept the memory busier than the (I, O)
+// strips (a 4096 x 14336 int8 weight: 12-16 GB/s in strips, a 128256 x 2048 head 27 GB/s in rows,
+// 2-core AMD EPYC Zen 4). Each vector of kLanes inputs is expanded in registers - its bytes split
+// into nibbles, put back in input order, widened and converted - to q * d + m (one fused
+// multiply-add: exact for a float16 d), then multiplied in as Dots multiplies a float32 row: the
+// outputs are matvec_f32_rows' on the dequantised weight, bit for bit. Several weights that read
+// the same x (q, k and v; gate and up) are one call, their rows units of one job.
+
+struct Rows4Part {
+  const uint8_t* q;
+  const float *d, *m;
+  float* y;
+  int64_t O, first_unit;
+};
+
+struct Rows4Job {
+  const float* x;
+  int64_t M, I, units = 0;
+  std::vector<Rows4Part> parts;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// kLanes weights of a row from their kLanes / 2 bytes at p, as float32 q in input order.
+inline Vec Nibbles4(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), f = _mm_set1_epi8(0x0F);
+  const __m128i q = _mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+#elif defined(__AVX2__) && defined(__FMA__)
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  const __m128i b = _mm_cvtsi32_si128(word), f = _mm_set1_epi8(0x0F);
+  const __m128i q = _mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+#else
+  return static_cast<float>(*p & 0x0F);  // kLanes = 1: the low nibble; Row4 takes the high
+#endif
+}
+
+// y[m, o + r] for m < M, r < R (Dots' order: lanes over inputs l, l + kLanes, ..., added by a
+// fixed tree), the weights expanded as they are read.
+template <int M, int R>
+inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o) {
+  const int64_t I = j.I, J = I / 2, G = I / kGroup4;
+  const float* x = j.x;
+  Vec acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = Splat(0.0f);
+  const char* base = reinterpret_cast<const char*>(p.q);
+  const int64_t ahead = o * J + kPrefetchBytes, last = p.O * J - 1;
+  for (int64_t g = 0; g < G; ++g) {
+    Vec d[R], mn[R];
+    for (int r = 0; r < R; ++r) d[r] = Splat(p.d[(o + r) * G + g]), mn[r] = Splat(p.m[(o + r) * G + g]);
+    for (int64_t b = 0; b < R * kGroup4 / 2; b += kCacheLine)
+      __builtin_prefetch(base + std::min(ahead + R * g * kGroup4 / 2 + b, last));
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    for (int64_t i = g * kGroup4; i < (g + 1) * kGroup4; i += kLanes) {
+      Vec wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = Fma(Nibbles4(p.q + (o + r) * J + i / 2), d[r], mn[r]);
+      for (int m = 0; m < M; ++m) {
+        const Vec xv = Load(x + m * I + i);
+        for (int r = 0; r < R; ++r) acc[r][m] = Fma(xv, wv[r], acc[r][m]);
+      }
+    }
+#else
+    for (int64_t i = g * kGroup4; i < (g + 1) * kGroup4; ++i)
+      for (int r = 0; r < R; ++r) {
+        const uint8_t byte = p.q[(o + r) * J + i / 2];
+        const float w = std::fma(static_cast<float>(i % 2 ? byte >> 4 : byte & 0x0F), d[r], mn[r]);
+        for (int m = 0; m < M; ++m) acc[r][m] = std::fma(x[m * I + i], w, acc[r][m]);
+      }
+#endif
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) p.y[m * p.O + o + r] = HorizontalSum(acc[r][m]);
+}
+
+template <int M>
+void Rows4Unit(const Rows4Job& j, const Rows4Part& p, int64_t u) {
+  constexpr int R = RowsAtOnce(M);
+  int64_t o = u * kUnitRows, o1 = std::min(p.O, o + kUnitRows);
+  for (; o + R <= o1; o += R) Dots4<M, R>(j, p, o);
+  for (; o < o1; ++o) Dots4<M, 1>(j, p, o);
+}
+
+void RunUnit(const Rows4Job& j, int64_t u) {
+  size_t k = 0;
+  while (k + 1 < j.parts.size() && u >= j.parts[k + 1].first_unit) ++k;
+  const Rows4Part& p = j.parts[k];
+  u -= p.first_unit;
+  switch (j.M) {
+    case 1: return Rows4Unit<1>(j, p, u);
+    case 2: return Rows4Unit<2>(j, p, u);
+    case 3: return Rows4Unit<3>(j, p, u);
+    case 4: return Rows4Unit<4>(j, p, u);
+    case 5: return Rows4Unit<5>(j, p, u);
+    case 6: return Rows4Unit<6>(j, p, u);
+    case 7: return Rows4Unit<7>(j, p, u);
+    default: return Rows4Unit<8>(j, p, u);
+  }
+}
+
+// x, then (q_k, d_k, m_k) for each weight k; one output y_k (M, O_k) each.
+ffi::Error MatvecInt4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets) {
+  constexpr const char* kWhat =
+      "matvec_int4: expected x (M, I), then (q (O, I / 2) uint8, scale (O, I / 32) float32, min "
+      "(O, I / 32) float32) per output y (M, O); I a multiple of 32, M at most 8";
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[0] > 8 || xd[1] % kGroup4 || rets.size() == 0 ||
+      args.size() != 3 * rets.size())
+    return ffi::Error::InvalidArgument(kWhat);
+  auto job = std::make_shared<Rows4Job>();
+  job->x = x.typed_data(), job->M = xd[0], job->I = xd[1];
+  size_t bytes = 0;
+  for (size_t k = 0; k < rets.size(); ++k) {
+    auto q = args.get<ffi::Buffer<ffi::U8>>(3 * k);
+    auto d = args.get<ffi::Buffer<ffi::F32>>(3 * k + 1);
+    auto m = args.get<ffi::Buffer<ffi::F32>>(3 * k + 2);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
+    if (!q.has_value() || !d.has_value() || !m.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument(kWhat);
+    auto qd = q->dimensions(), yd = (*y)->dimensions();
+    const int64_t O = qd.size() == 2 ? qd[0] : -1;
+    if (O < 0 || qd[1] * 2 != job->I || d->element_count() != O * (job->I / kGroup4) ||
+        m->element_count() != O * (job->I / kGroup4) || yd.size() != 2 || yd[0] != job->M ||
+        yd[1] != O)
+      return ffi::Error::InvalidArgument(kWhat);
+    Rows4Part part{q->typed_data(), d->typed_data(), m->typed_data(), (*y)->typed_data(), O,
+                   job->units};
+    if (job->M > 0) job->units += (O + kUnitRows - 1) / kUnitRows;
+    job->parts.push_back(part);
+    bytes += size_t(O) * size_t(job->I) * 3 / 4;
+  }
+  if (job->I == 0)
+    for (auto& part : job->parts) std::fill(part.y, part.y + job->M * part.O, 0.0f);
+  else
+    RunUnits(job, bytes >= kShareBytes);
+  return ffi::Error::Success();
 }
 
 // -- attention of a few queries over a KV cache ------------------------------------------------
@@ -885,7 +925,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8, MatvecInt8,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt4, MatvecInt4,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt4, MatvecInt4Rows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
