@@ -23,7 +23,6 @@ past --job-timeout. Writes OUT/gpu.json (every figure, the command, the commit) 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics

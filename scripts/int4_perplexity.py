@@ -18,7 +18,6 @@ bit for bit), and int4 by our own quantiser (bridge.int4.quantize_int4: a scale 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -28,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def windows(tokenizer, n: int, size: int) -> list[list[int]]:
@@ -84,6 +82,7 @@ def main(argv=None) -> int:
     from bridge.convert import convert
     from bridge.tokenizer import find_tokenizer
     from jax_llama.quantize import quantize
+    from llama_twins import results
     from llama_twins.bench.common import cpu_model, given_or_smollm2
 
     source = given_or_smollm2(None)
@@ -114,7 +113,7 @@ def main(argv=None) -> int:
     ours, theirs = (rows["jax-llama int4 (the Q4_0 file's blocks)"]["rise_over_float32"],
                     rows["llama.cpp Q4_0"]["rise_over_float32"])
     n = args.windows * (args.window - 1)
-    lines = [f"# 4-bit perplexity against llama.cpp's, SmolLM2-135M-Instruct", "",
+    lines = ["# 4-bit perplexity against llama.cpp's, SmolLM2-135M-Instruct", "",
              f"{cpu_model()}; `python scripts/int4_perplexity.py --windows {args.windows} "
              f"--window {args.window}`: {args.windows} windows of {args.window} tokens of SST dev "
              f"sentences ({n:,} scored tokens), each alone.", "",
@@ -127,13 +126,8 @@ def main(argv=None) -> int:
               f"{theirs:+.2%} (target: no larger: {'met' if ours <= theirs + 1e-4 else 'not met'}"
               f"; llama.cpp also rounds the activations to 8 bits, Q8_0, for its dot products, "
               f"which this project does not)."]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "int4_perplexity.md").write_text("\n".join(lines) + "\n")
-    (out / "int4_perplexity.json").write_text(json.dumps(
-        {"cpu": cpu_model(), "windows": args.windows, "window": args.window, "rows": rows},
-        indent=2) + "\n")
-    print("\n".join(lines))
+    print(results.write("int4_perplexity", {"windows": args.windows, "window": args.window,
+                                            "rows": rows}, lines, args.out))
     return 0
 
 

@@ -37,11 +37,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 PRESET = "llama3-8b"
 PROMPT = [128000] + [1000 + 37 * i for i in range(15)]  # 16 tokens
 CACHE = 8192
+REMAT = os.environ.get("QLORA_REMAT", "1") == "1"  # 0: without (an experiment's switch)
 GIB = 2 ** 30
 
 
@@ -56,7 +56,8 @@ def synthesise(path: Path, seed: int = 0) -> dict:
     """Write LLaMA 3 8B's tensors as a Q4_0 GGUF (bridge.gguf.write: its file rules - the output
     projection Q8_0, 1-D tensors F32), each drawn as its blocks: 4-bit q uniform in 0..15 with
     float16 scales d about 0.0043 (so w = d (q - 8) has a standard deviation about 0.02, the
-    init's), Q8_0's int8 q with d about 0.02 / 73; norms 1. One tensor in memory at a time."""
+    init's; wo and w2 1 / sqrt(2 L) of that), Q8_0's int8 q with d about 0.02 / 73; norms 1. One
+    tensor in memory at a time."""
     import ml_dtypes  # noqa: F401  (float16 scales via numpy)
 
     from bridge.gguf.write import Encoded, write_gguf
@@ -67,11 +68,11 @@ def synthesise(path: Path, seed: int = 0) -> dict:
     shapes = canonical_shapes(c)
     rng = np.random.default_rng(seed)
 
-    def blocks(shape, kind: str) -> Encoded:
+    def blocks(shape, kind: str, scale: float = 1.0) -> Encoded:
         rows, cols = shape
         n = cols // 32
         if kind == "Q4_0":
-            d = (0.0043 * rng.uniform(0.5, 1.5, (rows, n))).astype(np.float16)
+            d = (0.0043 * scale * rng.uniform(0.5, 1.5, (rows, n))).astype(np.float16)
             data = np.empty((rows, n, 18), np.uint8)
             data[..., 2:] = rng.integers(0, 256, (rows, n, 16), np.uint8)
         else:  # Q8_0
@@ -85,7 +86,12 @@ def synthesise(path: Path, seed: int = 0) -> dict:
         shape = shapes[name]
         if len(shape) == 1:
             return np.ones(shape, np.float32)
-        return blocks(shape, "Q8_0" if name == head else "Q4_0")
+        if name == head:
+            return blocks(shape, "Q8_0")
+        # the projections into the residual stream scaled by 1 / sqrt(2 L), as GPT-2's init
+        # does, so that 32 random layers keep it within float16 (llama.cpp's KV cache)
+        out = name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+        return blocks(shape, "Q4_0", 1 / math.sqrt(2 * c.n_layers) if out else 1.0)
 
     head = "output.weight" if "output.weight" in shapes else "tok_embeddings.weight"  # tied
     specs = {name: (shape, np.dtype(np.float32)) for name, shape in shapes.items()}
@@ -199,31 +205,34 @@ def qlora_step(path: str, seq: int) -> dict:
     model, params = jax_llama.load(path, nearest=True)
     lora = LoraConfig(rank=16, alpha=32.0,
                       targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
-    model, params = add_lora(model.clone(remat=True), params, lora)
+    model, params = add_lora(model.clone(remat=REMAT), params, lora)
     weights, adapters = split(params)
     optimizer = optax.adamw(1e-4)
     opt_state = optimizer.init(adapters)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 128000, (1, seq + 1)), jnp.int32)
 
-    def loss(adapters):
+    def loss(adapters, weights):
         logits = model.apply({"params": combine(weights, adapters)}, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
-    @jax.jit
-    def step(adapters, opt_state):
-        value, grads = jax.value_and_grad(loss)(adapters)
+    @jax.jit  # the base weights an argument, not constants captured in the program (a copy)
+    def step(adapters, opt_state, weights):
+        value, grads = jax.value_and_grad(loss)(adapters, weights)
         updates, opt_state = optimizer.update(grads, opt_state, adapters)
         return optax.apply_updates(adapters, updates), opt_state, value
 
-    times, losses = [], []
-    for _ in range(2):  # the first compiles
-        t = time.perf_counter()
-        adapters, opt_state, value = step(adapters, opt_state)
-        losses.append(float(value))
-        times.append(time.perf_counter() - t)
-    return {"adapter_params": count(adapters), "first_step_s": times[0], "step_s": times[1],
-            "tokens_per_s": seq / times[1], "losses": losses, "peak_rss": peak_rss()}
+    t = time.perf_counter()
+    compiled = step.lower(adapters, opt_state, weights).compile()
+    compile_s = time.perf_counter() - t
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    t = time.perf_counter()
+    adapters, opt_state, value = compiled(adapters, opt_state, weights)
+    value = float(value)
+    step_s = time.perf_counter() - t
+    return {"adapter_params": count(adapters), "compile_s": compile_s, "step_s": step_s,
+            "tokens_per_s": seq / step_s, "loss": value, "xla_temp_bytes": temp,
+            "peak_rss": peak_rss()}
 
 
 def worker(name: str, path: str, args) -> None:
@@ -286,9 +295,9 @@ def markdown(r: dict, cpu: str, memory: int) -> list[str]:
     if isinstance(q, dict):
         lines += ["", f"QLoRA: rank 16 on all seven projections ({q['adapter_params']:,} "
                   f"parameters), AdamW, batch 1 x {r['seq']}, layers rematerialised: a step in "
-                  f"{q['step_s']:.0f} s ({q['tokens_per_s']:.2f} tokens/s; the first, compiling, "
-                  f"{q['first_step_s']:.0f} s), peak RSS {gb(q['peak_rss'])}; losses "
-                  f"{', '.join(f'{v:.3f}' for v in q['losses'])}."]
+                  f"{q['step_s']:.0f} s ({q['tokens_per_s']:.2f} tokens/s; compiling it "
+                  f"{q['compile_s']:.0f} s, XLA's temporaries {gb(q['xla_temp_bytes'])}), peak "
+                  f"RSS {gb(q['peak_rss'])}; loss {q['loss']:.3f} (random weights and tokens)."]
     else:
         lines += ["", f"QLoRA: {q}"]
     return lines
@@ -309,6 +318,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.worker, args.file, args)
         return 0
+    from llama_twins import results
     from llama_twins.bench.common import cpu_model
 
     with tempfile.TemporaryDirectory(prefix="llama8b-") as tmp:
@@ -328,14 +338,14 @@ def main(argv=None) -> int:
         for name in ("int4", "int8", "llama.cpp", "qlora"):
             r[name] = spawn(name, path, args) if name in args.only.split(",") else "not run"
             print(f"{name}: {r[name]}", file=sys.stderr, flush=True)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    lines = markdown(r, cpu_model(), memory)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "llama8b.md").write_text("\n".join(lines) + "\n")
-    (out / "llama8b.json").write_text(json.dumps(r, indent=2) + "\n")
-    print("\n".join(lines))
+    r["memory"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    r["cpu_model"] = cpu_model()
+    print(results.write("llama8b", r, render, args.out))
     return 0
+
+
+def render(r: dict) -> list[str]:
+    return markdown(r, r["cpu_model"], r["memory"])
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     # paths as seen from the directory the script ran in
     result = json.loads(json.dumps(result).replace(str(Path.cwd()) + os.sep, ""))
     s, d = result["sigterm"], result["damaged"]
-    lines = [f"# What a run loses: signals, damaged checkpoints, a full disk", "",
+    lines = ["# What a run loses: signals, damaged checkpoints, a full disk", "",
              f"{result['cpu']}, {result['cores']} cores; `python scripts/reliability.py"
              f"{' --gguf <SmolLM2 .gguf>' if args.gguf else ''}`. The tiny rows run "
              f"`jax-llama train {' '.join(TINY)}` on the embedded corpus.", "",

@@ -491,3 +491,27 @@ def test_off_a_cpu_the_int8_matmul_is_one_dot_with_the_same_result(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the negative case: the loop
     projections.int8_matmul(x, q, scale, jnp.float32)
     assert loops == [1]
+
+
+def test_the_int8_block_matmuls_gradient_keeps_no_float_copy_of_the_weight():
+    """int8_matmul by blocks (per channel, on a CPU: an int8 LM head under a LoRA or QLoRA run):
+    its gradient is the dequantised matmul's to float32 rounding, and what the forward keeps for
+    it is the int8 weight, not a float copy of each block (jax's account of saved residuals)."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jax_llama.model.projections import int8_matmul
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 5, 256)), jnp.float32)
+    q = jnp.asarray(rng.integers(-127, 128, (256, 40)), jnp.int8)
+    s = jnp.asarray(rng.random((1, 40)) / 127, jnp.float32)
+    r = jnp.asarray(rng.standard_normal((3, 5, 40)), jnp.float32)
+
+    def loss(x):
+        return jnp.sum(int8_matmul(x, q, s, jnp.float32) * r)
+    want = jax.grad(lambda x: jnp.sum((x @ (q.astype(jnp.float32) * s)) * r))(x)
+    np.testing.assert_allclose(jax.grad(loss)(x), want, rtol=0, atol=1e-5)
+    kept = [aval for aval, _ in saved_residuals(loss, x)]
+    assert not [a for a in kept if a.dtype == jnp.float32 and a.size >= 64 * 40]

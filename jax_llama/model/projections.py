@@ -211,7 +211,7 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     K = math.gcd(I, INT8_BLOCK_ROWS)  # rows per block: 64, or fewer where 64 does not divide I
     # by blocks on a CPU only: on a GPU each block would be a kernel of its own, per token
     if G == 1 and K >= INT8_BLOCK_ROWS // 4 and I > K and jax.default_backend() == "cpu":
-        return _int8_dot_by_blocks(x_MI, q_IO, K, dtype).astype(dtype) * scale_GO[0].astype(dtype)
+        return _int8_blocks_matmul(x_MI, q_IO, scale_GO, K, dtype)
     # The weight is made to depend on x, so that it is dequantised only once x exists, right
     # before its matmul. Independent of x it is a constant of any loop around the model (the
     # decode loop) and XLA hoists its conversion out of the loop, or schedules every weight's
@@ -268,6 +268,36 @@ def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):
     w_OGi = (q_OI.reshape(O, G, 2 * J // G).astype(jnp.float32) * scale_OG[..., None]
              + min_OG[..., None])
     return w_OGi.reshape(O, 2 * J).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _int8_blocks_matmul(x_MI, q_IO, scale_GO, K: int, dtype):
+    """(x @ Q) * s by blocks of K rows of Q (_int8_dot_by_blocks). Its gradient converts Q by
+    blocks again, as the forward does, rather than keeping each block's float copy for the
+    backward pass (XLA's gradient of the loop would: a float copy of the whole weight, 2 GB for
+    LLaMA 3 8B's int8 LM head); Q and its scales are constants, with no gradient."""
+    return _int8_dot_by_blocks(x_MI, q_IO, K, dtype).astype(dtype) * scale_GO[0].astype(dtype)
+
+
+def _int8_blocks_fwd(x_MI, q_IO, scale_GO, K, dtype):
+    return _int8_blocks_matmul(x_MI, q_IO, scale_GO, K, dtype), (q_IO, scale_GO)
+
+
+def _int8_blocks_bwd(K, dtype, saved, g_MO):
+    q_IO, scale_GO = saved
+    I = q_IO.shape[0]
+    gs_MO = g_MO.astype(jnp.float32) * scale_GO[0]
+
+    def block(i, dx_MI):
+        q_KO = jax.lax.dynamic_slice_in_dim(q_IO, i * K, K, axis=0).astype(jnp.float32)
+        dx_MK = jnp.dot(gs_MO, q_KO.T).astype(dx_MI.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(dx_MI, dx_MK, i * K, axis=dx_MI.ndim - 1)
+
+    dx_MI = jax.lax.fori_loop(0, I // K, block, jnp.zeros((*g_MO.shape[:-1], I), g_MO.dtype))
+    return dx_MI, None, None
+
+
+_int8_blocks_matmul.defvjp(_int8_blocks_fwd, _int8_blocks_bwd)
 
 
 # Rows of an int8 weight converted at a time by _int8_dot_by_blocks (at most).
