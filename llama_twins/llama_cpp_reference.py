@@ -73,7 +73,6 @@ def run(path, dtype: str, prompts: Sequence[Sequence[int]], new_tokens: int
     return logits, greedy
 
 
-@contextlib.contextmanager
 def last_logits(llm) -> np.ndarray:
     """The logits of the last token llm.eval evaluated (vocab,), float32. Without logits_all,
     llama-cpp-python (0.3) no longer copies them into llm.scores, which then holds whatever the
@@ -81,6 +80,7 @@ def last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
 
 
+@contextlib.contextmanager
 def plain_cpu_kernels():
     """Load without llama.cpp's extra buffer types (weight repacking): in llama-cpp-python 0.3.36
     the AMX repack segfaults on Sapphire Rapids CPUs in the first decode; the plain CPU kernels
