@@ -220,16 +220,20 @@ def test_bench_stage_lines_follow_no_progress(capsys, monkeypatch):
 
 
 def test_quantising_on_load_shows_its_weights(task, capsys, monkeypatch):
-    """--quantize int8 quantises once loaded: minutes for an 8B model, a bar of its weights
-    (shown once it has taken LOAD_DELAY_S; here as if it had), none with --no-progress."""
+    """--quantize int8 --group-size G quantises once loaded: minutes for an 8B model, a bar of
+    its weights (shown once it has taken LOAD_DELAY_S; here as if it had), none with
+    --no-progress. Per channel (no --group-size) each tensor is quantised as it is read: the
+    loading bar is the one."""
     monkeypatch.setattr(progress, "LOAD_DELAY_S", 0.0)
     import jax_llama.quantize  # noqa: F401 - the module (jax_llama.quantize is its function)
     monkeypatch.setattr(sys.modules["jax_llama.quantize"], "LOAD_DELAY_S", 0.0)
     argv = ["generate", str(task / "ckpt"), "--prompt", "hi", "--max-new-tokens", "2",
-            "--quantize", "int8"]
+            "--quantize", "int8", "--group-size", "16"]
     assert jax_cli.main(argv) == 0
     lines = [line for line in capsys.readouterr().err.splitlines()
              if line.startswith("quantising:")]
     assert lines and "15/15" in lines[-1]  # 2 layers x 7 projections and the untied head
     assert jax_cli.main([*argv, "--no-progress"]) == 0
     assert "quantising:" not in capsys.readouterr().err
+    assert jax_cli.main(argv[:-2]) == 0
+    assert "quantising:" not in capsys.readouterr().err  # quantised as read, under the load's bar

@@ -36,6 +36,7 @@ from bridge.errors import BridgeError
 from bridge.lora import LoraConfig
 
 from . import kernels as decode_kernels
+from .kernels import dequantize_int4
 from .attention import AttentionMask, attend, choose
 
 log = logging.getLogger(__name__)
@@ -257,17 +258,6 @@ def _int4_bwd(dtype, saved, g_MO):
 
 
 int4_matmul.defvjp(_int4_fwd, _int4_bwd)
-
-
-def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):
-    """The 4-bit weight (out, in) in `dtype`: q * scale + min in float32, rounded once
-    (bridge.int4.dequantize_int4's numbers)."""
-    O, J = packed_OJ.shape
-    G = scale_OG.shape[1]
-    q_OI = jnp.stack([packed_OJ & 0xF, packed_OJ >> 4], axis=-1).reshape(O, 2 * J)
-    w_OGi = (q_OI.reshape(O, G, 2 * J // G).astype(jnp.float32) * scale_OG[..., None]
-             + min_OG[..., None])
-    return w_OGi.reshape(O, 2 * J).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

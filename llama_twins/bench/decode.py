@@ -278,7 +278,8 @@ LLAMA_CPP_TYPES = ("f32", "q8_0", "q4_0")
 INT4_ROWS = (f"{JAX} int4",)
 
 
-def real_weights(spec: Spec, source: str, rounds: int, found: dict, work) -> tuple[dict, Spec, dict]:
+def real_weights(spec: Spec, source: str, rounds: int, found: dict, work,
+                 only: list[str] | None = None) -> tuple[dict, Spec, dict]:
     """Decode on the weights of checkpoint `source` (any format the bridge reads): our twins and
     transformers in float32 and int8 at each batch size, JAX streamed at batch 1, and
     llama.cpp at batch 1 on the same weights as F32 and Q8_0 GGUF files (and on `source` itself
@@ -321,9 +322,14 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work) -> tup
         for kind, path in files.items():
             variants[f"{LLAMA_CPP} {kind}"] = (LLAMA_CPP, dataclasses.replace(one, gguf=str(path)))
             row_bytes[f"{LLAMA_CPP} {kind}"] = sum(t.n_bytes for t in read_gguf(path).tensors)
+    if only:  # --rows: these rows alone (named as in the table)
+        unknown = sorted(set(only) - set(variants))
+        if unknown:
+            raise SystemExit(f"error: --rows: no row {unknown[0]!r} (rows: {', '.join(variants)})")
+        variants = {label: variants[label] for label in only}
     times = run_variant_rounds(("decode",), variants, rounds)
     per_row = {label: times[label]["decode"] for label in variants}
-    for impl in (JAX, TWIN, REFERENCE):
+    for impl in (JAX, TWIN, REFERENCE) if not only else ():
         per_row.setdefault(impl, None)
     return per_row, spec, row_bytes
 
@@ -439,6 +445,8 @@ def main(argv=None) -> int:
                         help="decode these weights (any format the bridge reads) instead of the "
                              "random benchmark model, with JAX streamed and llama.cpp rows: "
                              "writes DIR/generate_weights.{md,json}")
+    parser.add_argument("--rows", help="with --weights: only these rows, comma-separated, named "
+                                       "as in the table (e.g. 'jax-llama int4,llama.cpp Q4_0')")
     parser.add_argument("--cold-start", action="store_true",
                         help="with --weights: also time a cold `jax-llama generate` with and "
                              "without the persistent compilation cache")
@@ -466,14 +474,16 @@ def main_weights(args, spec: Spec, found: dict, bandwidth: float) -> int:
 
     from .common import cpu_model
     with tempfile.TemporaryDirectory(prefix="jax-llama-bench-") as work:
-        per_row, spec, row_bytes = real_weights(spec, args.weights, args.rounds, found, work)
+        per_row, spec, row_bytes = real_weights(spec, args.weights, args.rounds, found, work,
+                                                args.rows.split(",") if args.rows else None)
         result = summarize(per_row, spec, bandwidth, row_bytes)
         cold = cold_start(spec.weights) if args.cold_start else None
+    rows = f" --rows '{args.rows}'" if args.rows else ""
     lines = [f"{cpu_model()}; {describe(spec.config)}; the weights of {args.weights}; measured "
              f"read bandwidth {bandwidth / 1e9:.1f} GB/s; medians of {args.rounds} rounds x "
              f"{args.repeats} runs, each row in its own process", "",
              f"Reproduce: `python -m llama_twins.bench.decode --weights {args.weights} --rounds "
-             f"{args.rounds} --repeats {args.repeats}{' --cold-start' if cold else ''}`", "",
+             f"{args.rounds} --repeats {args.repeats}{' --cold-start' if cold else ''}{rows}`", "",
              *markdown(result, spec.dtype), "", *against_llama_cpp(result, args.rounds)]
     if cold:
         lines += ["", *cold_start_lines(cold)]

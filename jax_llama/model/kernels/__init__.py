@@ -269,7 +269,7 @@ def _int4_fwd(x_MI, weights):
 
 
 def _int4_bwd(weights, gs_MO):
-    from ..projections import dequantize_int4  # the weights are constants: no cotangent
+    # the weights are constants: no cotangent
     dx_MI = sum(g_MO @ dequantize_int4(*w, jnp.float32) for g_MO, w in zip(gs_MO, weights))
     return dx_MI, jax.tree.map(lambda _: None, weights)
 
@@ -345,6 +345,17 @@ def matvec_int8(x_MI, weights):
     qs = tuple(q for q, _ in weights)
     scales = tuple(s.reshape(-1) for _, s in weights)
     return list(_matvec_int8(x_MI, qs, scales))
+
+
+def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):
+    """The 4-bit weight (out, in) in `dtype`: q * scale + min in float32, rounded once
+    (bridge.int4.dequantize_int4's numbers)."""
+    O, J = packed_OJ.shape
+    G = scale_OG.shape[1]
+    q_OI = jnp.stack([packed_OJ & 0xF, packed_OJ >> 4], axis=-1).reshape(O, 2 * J)
+    w_OGi = (q_OI.reshape(O, G, 2 * J // G).astype(jnp.float32) * scale_OG[..., None]
+             + min_OG[..., None])
+    return w_OGi.reshape(O, 2 * J).astype(dtype)
 
 
 def matvec_int4(x_MI, weights):
