@@ -209,6 +209,25 @@ def int8_reader(checkpoint, get, config) -> QuantisedReader:
                            lambda name: "int8" if name in names else None)
 
 
+def requested_reader(checkpoint, *, int4: bool = False, int8: bool = False,
+                     nearest: bool = False, unsupported: str | None = None):
+    """What a load's int4 / int8 / nearest flags ask for, checked before any weight is read:
+    None for none; else make(get) -> the QuantisedReader of that mode (int4_reader, int8_reader,
+    nearest_reader). Refuses more than one mode, an int8 checkpoint, and `unsupported` (what
+    the caller cannot combine with them, e.g. "an adapter"), naming the flag."""
+    asked = [k for k, v in (("int4", int4), ("int8", int8), ("nearest", nearest)) if v]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise BridgeError(f"one of int4, int8 and nearest (got {', '.join(asked)})",
+                          field=asked[1])
+    if unsupported is not None or checkpoint.quantization is not None:
+        raise BridgeError(f"quantised weights are read from a float or GGUF checkpoint, without "
+                          f"{unsupported or 'int8 weights'}, for now", field=asked[0])
+    reader = {"int4": int4_reader, "int8": int8_reader, "nearest": nearest_reader}[asked[0]]
+    return lambda get: reader(checkpoint, get, checkpoint.config)
+
+
 def quantised_layouts(checkpoint) -> dict[str, int]:
     """What nearest_reader would make of `checkpoint`'s tensors, counted without reading them:
     {"Q4_1 -> int4 (exact)": 210, "Q8_0 -> int8 rows": 1}; empty for a float checkpoint."""

@@ -19,7 +19,7 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
-from bridge.int4 import int4_reader, int8_reader, nearest_reader
+from bridge.int4 import requested_reader
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes
@@ -309,17 +309,9 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
         params = params_on_mesh(read, ckpt.config, mesh, scan_layers=scan_layers, dtype=dtype)
     else:
         get, shown = reading(get, len(ckpt.specs), enabled=progress)
-        four = None
-        asked = [k for k, v in (("int4", int4), ("int8", int8), ("nearest", nearest)) if v]
-        if asked:
-            if len(asked) > 1:
-                raise BridgeError(f"one of int4, int8 and nearest (got {', '.join(asked)})",
-                                  field=asked[1])
-            if scan_layers or adapter is not None or ckpt.quantization is not None:
-                raise BridgeError("quantised weights are read from a float or GGUF checkpoint, "
-                                  "without scan_layers or an adapter, for now", field=asked[0])
-            four = {"int4": int4_reader, "int8": int8_reader,
-                    "nearest": nearest_reader}[asked[0]](ckpt, get, ckpt.config)
+        make = requested_reader(ckpt, int4=int4, int8=int8, nearest=nearest, unsupported=(
+            "scan_layers" if scan_layers else "an adapter" if adapter is not None else None))
+        four = None if make is None else make(get)
         with shown:
             params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
                                          shapes=checkpoint_shapes(ckpt.config, ckpt.quantization),

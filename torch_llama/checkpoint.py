@@ -13,7 +13,7 @@ from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
-from bridge.int4 import MIN_SUFFIX, int4_reader, int8_reader, nearest_reader
+from bridge.int4 import MIN_SUFFIX, requested_reader
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.quantize import SCALE_SUFFIX
@@ -41,13 +41,8 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
     jax_llama.load(..., nearest=True) reads them.
     """
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-    asked = [k for k, v in (("int4", int4), ("int8", int8), ("nearest", nearest)) if v]
-    if len(asked) > 1:
-        raise BridgeError(f"one of int4, int8 and nearest (got {', '.join(asked)})",
-                          field=asked[1])
-    if asked and (adapter is not None or ckpt.quantization is not None):
-        raise BridgeError("quantised weights are read from a float or GGUF checkpoint, without "
-                          "an adapter, for now", field=asked[0])
+    make = requested_reader(ckpt, int4=int4, int8=int8, nearest=nearest,
+                            unsupported="an adapter" if adapter is not None else None)
     if ckpt.quantization is not None and adapter is not None:
         raise BridgeError(f"{ckpt.path} holds int8 weights, which an adapter cannot be merged "
                           f"into: merge it into the float model, then quantise", field="adapter")
@@ -67,10 +62,7 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
             for name, module in int8_weights(model):
                 module.make_int8(ckpt.specs[name + ".weight" + SCALE_SUFFIX][0][1])
     read, shown = reading(ckpt.tensor, len(ckpt.specs), enabled=progress)
-    four = None
-    if asked:
-        four = {"int4": int4_reader, "int8": int8_reader,
-                "nearest": nearest_reader}[asked[0]](ckpt, read, ckpt.config)
+    four = None if make is None else make(read)
     state = {}
     with shown:
         for name in ckpt.specs:
