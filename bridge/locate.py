@@ -123,7 +123,15 @@ def hub_cache_dir(hub_cache: str | os.PathLike | None = None) -> Path:
 
 def _hub_snapshot(repo: str, revision: str | None, cache: Path) -> Path | None:
     """The snapshot folder of `repo` at `revision` (None: main) in the cache, by huggingface_hub,
-    offline; a repo cached under another case of its id is found too. None when not cached."""
+    offline; a repo cached under another case of its id is found too. None when not cached.
+    A repo with no folder of its name in the cache (any case) is not looked for: importing
+    huggingface_hub and asking it costs 0.3 s on every command that names an installed model."""
+    folder = "models--" + repo.replace("/", "--").lower()
+    try:
+        if not any(entry.name.lower() == folder for entry in os.scandir(cache)):
+            return None
+    except OSError:  # no cache at all
+        return None
     from huggingface_hub import snapshot_download
 
     def snapshot(repo_id: str) -> Path | None:

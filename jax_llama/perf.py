@@ -113,9 +113,12 @@ def use_compile_cache(directory: str | os.PathLike | None = None) -> str | None:
     (results/decode/generate_smollm2.md). The directory: `directory`, else $JAX_LLAMA_COMPILE_CACHE, else
     $XDG_CACHE_HOME/jax-llama/xla (~/.cache/jax-llama/xla); JAX_LLAMA_COMPILE_CACHE=off leaves
     it off. A cache already configured (JAX_COMPILATION_CACHE_DIR, jax.config) is kept as it is.
-    Returns the directory in use, or None."""
+    Generation's programs are then also kept whole in its `programs/` folder
+    (jax_llama.inference.programs). Returns the directory in use, or None."""
+    global _keep_programs
     configured = jax.config.jax_compilation_cache_dir
     if configured:
+        _keep_programs = True
         return configured
     setting = os.environ.get("JAX_LLAMA_COMPILE_CACHE", "")
     if directory is None and setting.lower() in COMPILE_CACHE_OFF:
@@ -126,4 +129,14 @@ def use_compile_cache(directory: str | os.PathLike | None = None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", str(directory))
     # programs that compile in under a second are not worth a file each
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    _keep_programs = True
     return str(directory)
+
+
+_keep_programs = False
+
+
+def keep_programs() -> bool:
+    """Whether use_compile_cache put a cache in place, and with it generation's programs kept
+    whole beside it (jax_llama.inference.programs)."""
+    return _keep_programs

@@ -41,3 +41,79 @@ def test_jaxs_own_setting_wins(tmp_path):
     theirs = str(tmp_path / "theirs")
     assert configured(tmp_path, JAX_COMPILATION_CACHE_DIR=theirs,
                       JAX_LLAMA_COMPILE_CACHE="off") == [theirs, theirs]
+
+
+# -- generation's programs kept whole (jax_llama.inference.programs) -------------------------------
+
+PROGRAMS = """
+import json, sys
+import numpy as np
+import jax_llama
+from jax_llama.perf import use_compile_cache
+from jax_llama.inference import programs
+from jax_llama.inference.generate import ChatSession, generate
+from bridge.config import LlamaConfig
+use_compile_cache(sys.argv[1])
+config = LlamaConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=2, ffn_dim=80, vocab_size=259,
+                     max_seq_len=96, norm_eps=1e-5, rope_theta=10000.0)
+model, params = jax_llama.init(config, seed=3)
+out = generate(model, params, [[1, 5, 9, 2], [7, 3]], 6).tokens
+streamed = []
+generate(model, params, [[1, 5, 9, 2]], 6, on_token=lambda r, t: streamed.append(t))
+chat = ChatSession(model, params, 5)
+turns = [chat.reply([1, 4, 4, 2]), chat.reply([1, 4, 4, 2, 8, 8, 9])]
+print(json.dumps({"tokens": out, "streamed": streamed, "turns": turns, **programs.counts}))
+"""
+
+
+def run_programs(tmp_path, **env) -> dict:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_LLAMA_COMPILE_CACHE")}
+    done = subprocess.run([sys.executable, "-c", PROGRAMS, str(tmp_path / "cache")],
+                          capture_output=True, text=True, timeout=300, env={**base, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return __import__("json").loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_new_process_loads_generations_programs_instead_of_tracing_them(tmp_path):
+    """The first process compiles generate's and a chat's programs (prefill, decode, extend)
+    and keeps them in programs/; the next loads every one and gives the same tokens, streamed
+    and in chat turns too. A file cut short is compiled again and replaced; a changed setting
+    that tracing reads (JAX_LLAMA_KERNELS) is another program, not the old one.
+    JAX_LLAMA_PROGRAMS=0 keeps none."""
+    first = run_programs(tmp_path)
+    saved = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "programs").iterdir())
+    assert first["compiled"] == len(saved) >= 4 and first["loaded"] == 0
+    assert {"prefill", "decode", "extend"} == set(saved)
+    second = run_programs(tmp_path)
+    assert second["compiled"] == 0 and second["loaded"] == first["compiled"]
+    assert [second[k] for k in ("tokens", "streamed", "turns")] == \
+        [first[k] for k in ("tokens", "streamed", "turns")]
+
+    for path in (tmp_path / "cache" / "programs").iterdir():
+        path.write_bytes(path.read_bytes()[:1000])
+    cut = run_programs(tmp_path)
+    assert cut["loaded"] == 0 and cut["compiled"] == first["compiled"]
+    assert cut["tokens"] == first["tokens"]
+    assert run_programs(tmp_path)["loaded"] == first["compiled"]  # replaced whole
+
+    other = run_programs(tmp_path, JAX_LLAMA_KERNELS="0")
+    assert other["loaded"] == 0 and other["compiled"] == first["compiled"]
+    off = run_programs(tmp_path, JAX_LLAMA_PROGRAMS="0")
+    assert off["loaded"] == off["compiled"] == 0 and off["tokens"] == first["tokens"]
+
+
+def test_programs_are_kept_only_where_use_compile_cache_asked_for_them(tmp_path):
+    """A library user (or this suite) who configured jax's cache alone gets jax.jit as before;
+    `jax-llama` commands call use_compile_cache, which turns the programs on."""
+    script = ("import jax, sys; from jax_llama.inference import programs; "
+              "jax.config.update('jax_compilation_cache_dir', sys.argv[1]); "
+              "print(programs.directory()); "
+              "from jax_llama.perf import use_compile_cache; use_compile_cache(); "
+              "print(programs.directory())")
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_LLAMA_COMPILE_CACHE")}
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env=base)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["None", str(tmp_path / "programs")]

@@ -117,6 +117,29 @@ def test_int4_matvec_is_the_rows_kernel_on_the_dequantised_weight(M, I, O):
     assert not np.all(np.abs(wrong - want) <= bound(x, w.T))
 
 
+@pytest.mark.parametrize("M", [9, 35, 64])
+def test_int4_prefill_rows_are_served_eight_at_a_time_with_the_bits_of_a_row_alone(M):
+    """Up to MAX_ROWS_INT4 rows (a short prefill) go through the 4-bit kernel, 8 rows at a time
+    over each group of weight rows: every row gets the bits it gets in a call of its own, and so
+    the float32 rows kernel's on the dequantised weight. Negative case: rows shifted by one
+    chunk (what a wrong offset into x or y would give) differ."""
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, 96)).astype(np.float32)
+    (packed, d, m), w = int4_weight(rng, 96, 1100)  # 1100: a tail of the unit's R rows at once
+    assert kernels.usable(jnp.asarray(x), packed, d, m)
+    assert not kernels.usable(jnp.zeros((kernels.MAX_ROWS_INT4 + 1, 96)), packed, d, m)
+    assert not kernels.usable(jnp.asarray(x), w.T.copy())  # float32 weights: still 8 rows
+    got = np.asarray(jax.jit(kernels.matvec_int4)(x, [(packed, d, m)])[0])
+    for m0 in range(0, M, 8):
+        chunk = slice(m0, min(m0 + 8, M))
+        np.testing.assert_array_equal(got[chunk], np.asarray(kernels.matvec_rows(x[chunk], w)))
+    np.testing.assert_array_equal(got[-1], np.asarray(kernels.matvec_int4(x[-1:], [(packed, d,
+                                                                                      m)])[0])[0])
+    assert not np.array_equal(got[8:16], np.asarray(kernels.matvec_rows(x[:8], w)))
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.all(np.abs(got - want) <= bound(x, w.T))
+
+
 def test_int4_weights_that_share_an_input_are_one_call_and_rows_stand_alone():
     """q, k and v as 4-bit weights in one call equal each alone, bit for bit; and a row's
     outputs are the same bits alone or beside 7 others."""
@@ -228,7 +251,8 @@ def test_outputs_do_not_depend_on_the_helper_threads():
         "        rng.random((1536, 18)).astype(np.float32), rng.random((1536, 18)).astype(np.float32))\n"
         "outs = [*kernels.matvec_f32(x, [w, w[:, :960]]), kernels.matvec(x, q, s),\n"
         "        kernels.matvec_rows(x, t), kernels.matvec_rows(x, q.T.copy(), s.T.copy()),\n"
-        "        kernels.matvec_int4(x, [four])[0]]\n"
+        "        kernels.matvec_int4(x, [four])[0],\n"
+        "        kernels.matvec_int4(rng.standard_normal((21, 576)).astype(np.float32), [four])[0]]\n"
         "np.save(sys.argv[1], np.concatenate([np.asarray(o).ravel() for o in outs]))\n")
     got = {}
     for threads in ("1", "", "4"):
@@ -586,6 +610,10 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "        y4 = np.asarray(kernels.matvec_int4(x, [four])[0])\n"
         "        w4 = dequantize_int4(*four)\n"
         "        assert np.array_equal(y4, np.asarray(kernels.matvec_rows(x, w4))), (M, I, O)\n"
+        "        x19 = rng.standard_normal((19, I)).astype(np.float32)  # a prefill: in chunks\n"
+        "        y19 = np.asarray(kernels.matvec_int4(x19, [four])[0])\n"
+        "        assert all(np.array_equal(y19[i:i + 8], np.asarray(kernels.matvec_rows(\n"
+        "            x19[i:i + 8], w4))) for i in (0, 8, 16)), (M, I, O)\n"
         "    for f, args, want, mag in (\n"
         "            (kernels.matvec, (q, s), (x.astype(float) @ q) * s, (abs(x) @ abs(q)) * s),\n"
         "            (kernels.matvec, (w,), x.astype(float) @ w, abs(x) @ abs(w)),\n"

@@ -143,8 +143,10 @@ class _Vocab:
         value = self.fields.get(key, default)
         if value is None:
             raise BridgeError(f"{self.where}: {key} is missing")
-        if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool)
-                                                  for v in value):
+        exact = set(kind) if isinstance(kind, tuple) else {kind}
+        if not isinstance(value, list) or not (  # the types themselves first: 10x faster
+                set(map(type, value)) <= exact
+                or all(isinstance(v, kind) and not isinstance(v, bool) for v in value)):
             what = "strings" if kind is str else "numbers"
             raise BridgeError(f"{self.where}: {key} is not a list of {what}")
         return value
@@ -301,16 +303,19 @@ class _Vocab:
     def _merges(self) -> list[tuple[str, str]]:
         """The merges in rank order: the first of a repeated pair counts (as in llama.cpp's
         map); one whose result is no token is dropped (`tokenizers` cannot hold it)."""
-        pairs, seen, vocab = [], set(), self.vocab
-        for rank, merge in enumerate(self._list("tokenizer.ggml.merges", str, [])):
-            cut = merge.find(" ", 1)
-            if cut < 0:
-                raise BridgeError(f"{self.where}: tokenizer.ggml.merges[{rank}] is {merge!r}, not "
-                                  f"two tokens separated by a space")
+        merges, vocab = self._list("tokenizer.ggml.merges", str, []), self.vocab
+        cuts = [merge.find(" ", 1) for merge in merges]  # a token may be " " itself
+        if -1 in cuts:
+            rank = cuts.index(-1)
+            raise BridgeError(f"{self.where}: tokenizer.ggml.merges[{rank}] is {merges[rank]!r}, "
+                              f"not two tokens separated by a space")
+        pairs, seen = [], set()
+        for merge, cut in zip(merges, cuts):
             a, b = pair = merge[:cut], merge[cut + 1:]
-            if pair not in seen and a in vocab and b in vocab and a + b in vocab:
-                pairs.append(pair)
-            seen.add(pair)
+            if pair not in seen:
+                seen.add(pair)
+                if a in vocab and b in vocab and a + b in vocab:
+                    pairs.append(pair)
         self.dropped = len(seen) - len(pairs)
         return pairs
 

@@ -28,6 +28,7 @@ from bridge.sampling import Generation, Sampler, check_generation
 
 from ..model.inputs import bucket, check_inputs
 from ..model.llama import KVCache
+from .programs import held, program
 
 _MAX_STOP_IDS = 8  # stop ids travel as a fixed-size array so that their number does not recompile
 
@@ -156,9 +157,9 @@ def _decode(params, d: Decoding, until, stop_ids, *, model, sampler, tempered=Fa
 
 
 def compilations() -> int:
-    """How many prefill programs have been compiled (one per batch size, prompt bucket, cache
-    bucket and sampler), from jax.jit's own cache."""
-    return _prefill._cache_size()
+    """How many prefill programs this process holds (one per batch size, prompt bucket, cache
+    bucket and sampler): jax.jit's own cache, and those kept on disk (.programs)."""
+    return _prefill._cache_size() + held("prefill")
 
 
 def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -192,11 +193,13 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     stops[:len(stop_ids)] = stop_ids
     static = dict(model=model, sampler=sampler, tempered=tempered_logprobs)
     key = jax.random.key(seed) if key is None else key
-    d = _prefill(params, tokens, mask, stops, key, cache_len=cache_len, **static)
+    args = (params, tokens, mask, stops, key)
+    d = program(_prefill, "prefill", args, dict(cache_len=cache_len, **static))(*args)
+    decode = functools.partial(program, _decode, "decode", (params, d, jnp.int32(1), stops), static)
     if on_token is None:
-        d = _decode(params, d, jnp.int32(max_new_tokens), stops, **static)[0]
+        d = decode()(params, d, jnp.int32(max_new_tokens), stops)[0]
     else:
-        d = _stream(params, d, max_new_tokens, stops, static, on_token, len(prompts))
+        d = _stream(params, d, max_new_tokens, stops, decode, on_token, len(prompts))
     out_tokens, out_logprobs = np.asarray(d.tokens_BN), np.asarray(d.logprobs_BN)
     result = Generation([], [])
     for row in range(len(prompts)):
@@ -208,10 +211,10 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     return result
 
 
-def _stream(params, d: Decoding, max_new_tokens: int, stops, static: dict,
+def _stream(params, d: Decoding, max_new_tokens: int, stops, decode: Callable[[], Callable],
             on_token: Callable[[int, int], None], rows: int) -> Decoding:
-    """Decode one token per _decode call, calling on_token(row, id) for each row not done before
-    it. Token k is read on the host while the call for token k + 1 already runs (JAX dispatches
+    """Decode one token per call of _decode's program (`decode()`, asked for once the first
+    token is out), calling on_token(row, id) for each row not done before it. Token k is read on the host while the call for token k + 1 already runs (JAX dispatches
     asynchronously), so the host's per-token work - dispatch, the copy, on_token - overlaps the
     device's. The first token is read before any call: it is reported at once."""
     reported = np.zeros(rows, bool)  # done before the token being reported
@@ -226,10 +229,11 @@ def _stream(params, d: Decoding, max_new_tokens: int, stops, static: dict,
 
     if report(d.token_B, d.done_B) or max_new_tokens == 1:
         return d
-    d, token_B, done_B = _decode(params, d, jnp.int32(2), stops, **static)
+    decode = decode()
+    d, token_B, done_B = decode(params, d, jnp.int32(2), stops)
     for step in range(2, max_new_tokens + 1):
         # the next token's call goes first; where this one ends the generation it is a no-op
-        ahead = (_decode(params, d, jnp.int32(step + 1), stops, **static)
+        ahead = (decode(params, d, jnp.int32(step + 1), stops)
                  if step < max_new_tokens else None)
         if report(token_B, done_B) or ahead is None:
             return d if ahead is None else ahead[0]
@@ -332,12 +336,14 @@ class ChatSession:
         static = dict(model=self.model, sampler=self.sampler)
         self.key, key = jax.random.split(self.key)
         cache, self.cache, self.cached = self.cache, None, []  # handed on: donated below
-        d = _extend(self.params, cache, jnp.int32(start), tokens, jnp.int32(n), self.stops, key,
-                    n_max=self.max_new_tokens, **static)
+        args = (self.params, cache, jnp.int32(start), tokens, jnp.int32(n), self.stops, key)
+        d = program(_extend, "extend", args, dict(n_max=self.max_new_tokens, **static))(*args)
+        decode = functools.partial(program, _decode, "decode",
+                                   (self.params, d, jnp.int32(1), self.stops), static)
         if on_token is None:
-            d = _decode(self.params, d, jnp.int32(limit), self.stops, **static)[0]
+            d = decode()(self.params, d, jnp.int32(limit), self.stops)[0]
         else:
-            d = _stream(self.params, d, limit, self.stops, static, on_token, 1)
+            d = _stream(self.params, d, limit, self.stops, decode, on_token, 1)
         steps = int(d.step)
         new = np.asarray(d.tokens_BN)[0, :steps].tolist()
         hits = [j for j, t in enumerate(new) if t in set(self.stop_ids)]

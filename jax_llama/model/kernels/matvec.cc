@@ -644,12 +644,12 @@ inline Vec Nibbles4(const uint8_t* p) {
 #endif
 }
 
-// y[m, o + r] for m < M, r < R (Dots' order: lanes over inputs l, l + kLanes, ..., added by a
-// fixed tree), the weights expanded as they are read.
+// y[m0 + m, o + r] for m < M, r < R (Dots' order: lanes over inputs l, l + kLanes, ..., added by
+// a fixed tree), the weights expanded as they are read.
 template <int M, int R>
-inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o) {
+inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
   const int64_t I = j.I, J = I / 2, G = I / kGroup4;
-  const float* x = j.x;
+  const float* x = j.x + m0 * I;
   Vec acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = Splat(0.0f);
@@ -679,15 +679,41 @@ inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o) {
 #endif
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) p.y[m * p.O + o + r] = HorizontalSum(acc[r][m]);
+    for (int m = 0; m < M; ++m) p.y[(m0 + m) * p.O + o + r] = HorizontalSum(acc[r][m]);
 }
 
 template <int M>
 void Rows4Unit(const Rows4Job& j, const Rows4Part& p, int64_t u) {
   constexpr int R = RowsAtOnce(M);
   int64_t o = u * kUnitRows, o1 = std::min(p.O, o + kUnitRows);
-  for (; o + R <= o1; o += R) Dots4<M, R>(j, p, o);
-  for (; o < o1; ++o) Dots4<M, 1>(j, p, o);
+  for (; o + R <= o1; o += R) Dots4<M, R>(j, p, o, 0);
+  for (; o < o1; ++o) Dots4<M, 1>(j, p, o, 0);
+}
+
+// More than 8 rows (a short prefill): each group of R weight rows, expanded for a chunk of 8
+// rows of x at a time, stays in cache across the chunks. An output's arithmetic is the same
+// whatever its chunk and R, so its bits are those of a call with its row alone.
+template <int R>
+void Dots4Chunks(const Rows4Job& j, const Rows4Part& p, int64_t o) {
+  for (int64_t m0 = 0; m0 < j.M; m0 += 8) {
+    switch (std::min<int64_t>(8, j.M - m0)) {
+      case 1: Dots4<1, R>(j, p, o, m0); break;
+      case 2: Dots4<2, R>(j, p, o, m0); break;
+      case 3: Dots4<3, R>(j, p, o, m0); break;
+      case 4: Dots4<4, R>(j, p, o, m0); break;
+      case 5: Dots4<5, R>(j, p, o, m0); break;
+      case 6: Dots4<6, R>(j, p, o, m0); break;
+      case 7: Dots4<7, R>(j, p, o, m0); break;
+      default: Dots4<8, R>(j, p, o, m0); break;
+    }
+  }
+}
+
+void Rows4UnitChunks(const Rows4Job& j, const Rows4Part& p, int64_t u) {
+  constexpr int R = RowsAtOnce(8);
+  int64_t o = u * kUnitRows, o1 = std::min(p.O, o + kUnitRows);
+  for (; o + R <= o1; o += R) Dots4Chunks<R>(j, p, o);
+  for (; o < o1; ++o) Dots4Chunks<1>(j, p, o);
 }
 
 void RunUnit(const Rows4Job& j, int64_t u) {
@@ -703,7 +729,8 @@ void RunUnit(const Rows4Job& j, int64_t u) {
     case 5: return Rows4Unit<5>(j, p, u);
     case 6: return Rows4Unit<6>(j, p, u);
     case 7: return Rows4Unit<7>(j, p, u);
-    default: return Rows4Unit<8>(j, p, u);
+    case 8: return Rows4Unit<8>(j, p, u);
+    default: return Rows4UnitChunks(j, p, u);
   }
 }
 
@@ -712,9 +739,9 @@ ffi::Error MatvecInt4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                           ffi::RemainingRets rets) {
   constexpr const char* kWhat =
       "matvec_int4: expected x (M, I), then (q (O, I / 2) uint8, scale (O, I / 32) float32, min "
-      "(O, I / 32) float32) per output y (M, O); I a multiple of 32, M at most 8";
+      "(O, I / 32) float32) per output y (M, O); I a multiple of 32";
   auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[0] > 8 || xd[1] % kGroup4 || rets.size() == 0 ||
+  if (xd.size() != 2 || xd[1] % kGroup4 || rets.size() == 0 ||
       args.size() != 3 * rets.size())
     return ffi::Error::InvalidArgument(kWhat);
   auto job = std::make_shared<Rows4Job>();
