@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import BridgeError
-from ..int4 import GROUP, pack
+from ..int4 import GROUP
 
 # bytes per block: the float16 fields, then the 16 bytes of nibbles
 BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2}
@@ -36,11 +36,13 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
         raise BridgeError(f"tensor '{name}': {raw.size} bytes of {kind} blocks, its shape "
                           f"{shape} needs {O * (I // GROUP) * size}")
     blocks = raw.reshape(O, I // GROUP, size)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    else:
-        m = -8 * d
+    fields = blocks[..., :size - GROUP // 2].copy().view(np.float16).astype(np.float32)
+    d = np.ascontiguousarray(fields[..., 0])
+    m = np.ascontiguousarray(fields[..., 1]) if kind == "Q4_1" else -8 * d
+    # Byte j of a block holds its inputs j and j + 16; bridge.int4's byte k holds 2k and 2k + 1.
+    # So the first 8 bytes pair the low nibbles of bytes 2k and 2k + 1, the last 8 their high
+    # nibbles: byte for byte, without the weights spread out one a byte in between.
     qs = blocks[..., size - GROUP // 2:]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # (O, blocks, 32): the block's order
-    return pack(q.reshape(O, I)), d, m
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    packed = np.concatenate([(even & 0xF) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+    return packed.reshape(O, I // 2), d, m

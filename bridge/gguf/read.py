@@ -207,8 +207,35 @@ def _as_array(file: GGUFFile, t: TensorInfo, qtype) -> np.ndarray:
     out = np.empty((rows.shape[0], row), np.float32)
     step = max(1, _DEQUANT_CHUNK // row)
     for start in range(0, rows.shape[0], step):
-        out[start:start + step] = gguf.quants.dequantize(rows[start:start + step], qtype)
+        chunk = rows[start:start + step]
+        out[start:start + step] = (_dequantize_plain(chunk, qtype.name)
+                                   if qtype.name in _PLAIN else gguf.quants.dequantize(chunk, qtype))
     return out.reshape(t.shape)
+
+
+# bytes per block of 32 weights: the float16 fields (d; d and m), then the quantised weights
+_PLAIN = {"Q8_0": (2, 34), "Q4_0": (2, 18), "Q4_1": (4, 20)}
+
+
+def _dequantize_plain(rows: np.ndarray, kind: str) -> np.ndarray:
+    """Rows of Q8_0, Q4_0 or Q4_1 blocks (uint8) -> float32 rows, gguf.quants.dequantize's numbers
+    bit for bit (x d; d (q - 8); d q + m, each product and sum rounded to float32 as there), in
+    whole-array passes: gguf's own goes a group of blocks at a time, 3-4x slower (2-core AMD
+    EPYC Zen 4; tests/test_gguf.py holds them equal)."""
+    head, size = _PLAIN[kind]
+    blocks = rows.reshape(-1, size)
+    fields = blocks[:, :head].copy().view(np.float16).astype(np.float32)  # (n, 1) or (n, 2)
+    if kind == "Q8_0":
+        w = blocks[:, head:].view(np.int8).astype(np.float32) * fields
+    else:
+        qs = blocks[:, head:]
+        q = np.empty((blocks.shape[0], 32), np.uint8)
+        q[:, :16], q[:, 16:] = qs & 0xF, qs >> 4  # byte j: weights j and j + 16
+        if kind == "Q4_0":
+            w = fields * (q.view(np.int8) - np.int8(8)).astype(np.float32)
+        else:
+            w = fields[:, :1] * q.astype(np.float32) + fields[:, 1:]
+    return w.reshape(rows.shape[0], -1)
 
 
 def _f32_value(value: float) -> float:

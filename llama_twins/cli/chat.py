@@ -134,18 +134,20 @@ def run_chat(args, open_session) -> int:
     from bridge.conversation import Conversation
     from bridge.formats import open_checkpoint
     from bridge.prompts import stop_ids
+    from bridge.resources import gc_paused
     from bridge.sampling import Sampler
     from bridge.tokenizer import find_tokenizer
 
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
-    checkpoint = open_checkpoint(args.checkpoint)
-    tokenizer = find_tokenizer(checkpoint, args.tokenizer)
-    template = find_template(checkpoint, tokenizer, args.chat_template)
-    max_seq_len = checkpoint.config.max_seq_len
-    if args.max_new_tokens >= max_seq_len:
-        raise BridgeError(f"must be less than the context, {max_seq_len} tokens",
-                          field="max_new_tokens")
-    session, config = open_session(checkpoint, sampler, stop_ids(tokenizer, args.stop))
+    with gc_paused():  # many long-lived objects, no cycles (bridge.resources)
+        checkpoint = open_checkpoint(args.checkpoint)
+        tokenizer = find_tokenizer(checkpoint, args.tokenizer)
+        template = find_template(checkpoint, tokenizer, args.chat_template)
+        max_seq_len = checkpoint.config.max_seq_len
+        if args.max_new_tokens >= max_seq_len:
+            raise BridgeError(f"must be less than the context, {max_seq_len} tokens",
+                              field="max_new_tokens")
+        session, config = open_session(checkpoint, sampler, stop_ids(tokenizer, args.stop))
     conversation = Conversation(template, tokenizer, config.max_seq_len, args.max_new_tokens,
                                 system=args.system)
     return converse(conversation, session, tokenizer, stats=args.stats,

@@ -236,7 +236,15 @@ def generation_inputs(args, load: Callable[[object], tuple]) -> tuple:
     """What both generate commands check and prepare, in an order that refuses bad input before
     the weights are read: (model, tokenizer, texts, prompt ids, sampler, stop ids), with
     load(checkpoint) -> (model, its LlamaConfig). The checkpoint is opened once, here: its
-    tokenizer, chat template, config and weights all come from that one opening."""
+    tokenizer, chat template, config and weights all come from that one opening (with Python's
+    cycle collector paused: bridge.resources.gc_paused)."""
+    from bridge.resources import gc_paused
+
+    with gc_paused():
+        return _generation_inputs(args, load)
+
+
+def _generation_inputs(args, load: Callable[[object], tuple]) -> tuple:
     from bridge.formats import open_checkpoint
     from bridge.prompts import encode_prompts, stop_ids
     from bridge.sampling import Sampler
