@@ -12,7 +12,6 @@ import os
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bridge.config import LlamaConfig
