@@ -20,6 +20,7 @@ from .formats import FORMATS, Checkpoint, open_checkpoint, write_checkpoint
 from .formats.base import payload_bytes
 from .formats.safetensors_dir import DEFAULT_MAX_SHARD_SIZE
 from .progress import bar as progress_bar
+from .int4 import int4_reader, int4_specs
 from .quantize import SCALE_SUFFIX, Quantization, check_quantizable, quantized_specs
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", re.IGNORECASE)
@@ -108,16 +109,16 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
     if quantize is not None:
         quantization = Quantization(quantize, group_size)
         if to != "native":
-            raise BridgeError(f"int8 weights are stored in the native format only, not {to}",
-                              field="quantize")
+            raise BridgeError(f"{quantize} weights are stored in the native format only, not "
+                              f"{to}", field="quantize")
     elif group_size is not None:
         raise BridgeError("sets the int8 quantisation's groups", field="group_size",
                           hint=("quantize", "int8", "add {}"))
     ckpt = open_checkpoint(src, format=from_format)
     if ckpt.quantization is not None:
-        raise BridgeError(f"{ckpt.path}: holds int8-quantised weights (config.json "
-                          f"'quantization'), which no conversion carries: convert the float "
-                          f"checkpoint it was made from instead")
+        raise BridgeError(f"{ckpt.path}: holds {ckpt.quantization.method}-quantised weights "
+                          f"(config.json 'quantization'), which no conversion carries: convert "
+                          f"the float checkpoint it was made from instead")
     if quantization is not None:
         check_quantizable(ckpt.config, quantization)
     for source in (ckpt.path, *map(Path, inputs)):
@@ -142,7 +143,12 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
 
     target = None if dtype is None else numpy_dtype(dtype)
     specs = {name: (shape, target or stored) for name, (shape, stored) in ckpt.specs.items()}
-    if quantization is not None:
+    four = None
+    if quantization is not None and quantization.method == "int4":
+        four = int4_reader(ckpt, lambda name: read(name), ckpt.config)
+        specs, quantized = int4_specs(ckpt.config, specs, four)
+        options["quantization"] = quantization
+    elif quantization is not None:
         specs, quantized = quantized_specs(ckpt.config, quantization, specs)
         options["quantization"] = quantization
 
@@ -156,10 +162,15 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
         return array if transform is None else transform(name, array)
 
     def fetch(name: str) -> np.ndarray:
-        if quantization is not None and name in specs and specs[name][1] == np.int8:
-            return quantized(name, read)[0]
-        if quantization is not None and name.endswith(SCALE_SUFFIX):
-            return quantized(name[:-len(SCALE_SUFFIX)], read)[1]
+        if four is not None:
+            held = quantized(name)
+            if held is not None:
+                return held
+        elif quantization is not None:
+            if name in specs and specs[name][1] == np.int8:
+                return quantized(name, read)[0]
+            if name.endswith(SCALE_SUFFIX):
+                return quantized(name[:-len(SCALE_SUFFIX)], read)[1]
         array = read(name)
         return array if target is None or array.dtype == target else array.astype(target)
 
@@ -167,9 +178,12 @@ def stream_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str = 
     try:
         with progress_bar(total=total, unit="B", desc=f"{ckpt.format} -> {to}",
                           enabled=progress) as bar:
-            return write_checkpoint(to, dst, ckpt.config, specs, fetch,
-                                    max_shard_size=max_shard_size, overwrite=force,
-                                    progress=bar.update, extra_files=extra_files, **options)
+            written = write_checkpoint(to, dst, ckpt.config, specs, fetch,
+                                       max_shard_size=max_shard_size, overwrite=force,
+                                       progress=bar.update, extra_files=extra_files, **options)
+        if four is not None and four.summary():  # what was read exactly, what quantised
+            print(f"{ckpt.path}: {four.summary()}", file=sys.stderr)
+        return written
     except OSError as e:
         # bridge.atomic names the destination for what it can explain: an errno, or a write that
         # failed on a full disk or past a file-size limit. What is left is a short write it cannot

@@ -59,10 +59,14 @@ def describe_tokenizer(ckpt: Checkpoint) -> dict | None:
 
 def _quantized_note(ckpt: Checkpoint) -> str:
     q = ckpt.quantization
+    runs = "the jax-llama and torch-llama commands run it, conversions refuse it"
+    if q.method == "int4":
+        head = "; the tied LM head (the embedding) int8 rows" if ckpt.config.tie_embeddings else ""
+        return (f"int4 weight-only: the projections 4-bit, a float32 scale and minimum per "
+                f"{q.group_size} input columns{head}; {runs}")
     per = "output channel" if q.group_size is None else f"{q.group_size} input columns"
     return (f"{q.method} weight-only: the projections and the LM head int8 with a float32 "
-            f"scale per {per}; "
-            f"the jax-llama and torch-llama commands run it, conversions refuse it")
+            f"scale per {per}; {runs}")
 
 
 def scan_non_finite(ckpt: Checkpoint, progress: bool = True) -> dict[str, dict[str, int]]:

@@ -1,4 +1,4 @@
-"""4-bit weights: the arithmetic both twins share (issue 57, its first step).
+"""4-bit weights: the arithmetic both twins share.
 
 A weight W (out, in) is cut into groups of GROUP = 32 consecutive input columns; each group of
 each row has a float32 scale d and a float32 minimum m, and each weight a 4-bit q in 0..15:
@@ -13,8 +13,9 @@ Q4_1 (d * q + m) as it is, and Q4_0 (d * (q - 8)) with m = -8 d, since d * q and
 float32 for a float16 d and their sum, d * (q - 8), is too.
 
 Two q share a byte, along the inputs: byte j of row o holds q[o, 2j] in its low nibble and
-q[o, 2j + 1] in its high one, so the packed weight is (out, in / 2) uint8, and (in / 2, out) in
-the Flax layout, its transpose. Dequantised, q * d + m is computed in float32, then rounded to the
+q[o, 2j + 1] in its high one, so the packed weight is (out, in / 2) uint8, in both twins (the
+decode kernels read its rows whole). A checkpoint holds it so too (bridge.quantize: the native
+format's "int4" method). Dequantised, q * d + m is computed in float32, then rounded to the
 compute dtype. For a d read from a float16 file the product is exact (11 bits times 4), so the
 result is rounded once, whatever the order of the operations (fused or not); for a d computed
 here it may round twice, and the twins' sums may differ in their last bit.
@@ -25,10 +26,10 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import BridgeError
+from .quantize import INT4_GROUP as GROUP  # inputs per scale and minimum
+from .quantize import MIN_SUFFIX, SCALE_SUFFIX  # <name>_scale, <name>_min beside <name>
 
-GROUP = 32            # inputs per scale and minimum
 LEVELS = 15           # q in 0..LEVELS
-MIN_SUFFIX = "_min"   # <name>_min beside <name> and <name>_scale
 
 
 def check_int4(w_OI: np.ndarray, name: str = "weight") -> None:
@@ -178,6 +179,33 @@ def int4_reader(checkpoint, get, config) -> QuantisedReader:
                            else "int8" if name == EMBEDDING else "int4")
 
 
+def int4_specs(config, specs: dict, reader: QuantisedReader):
+    """A float checkpoint's `specs` (name -> (shape, dtype)) -> (the specs of its 4-bit native
+    checkpoint (bridge.quantize's "int4" method: each projection's uint8 weight, scale and
+    minimum; a tied head's int8 rows and scale; the rest as they are), stored(name) -> that
+    checkpoint's tensor for the names quantisation decides, None for the others). Each weight is
+    read once, through `reader` (int4_reader), and kept until its last part is written."""
+    from .quantize import Quantization, checkpoint_shapes, stored_dtype_of
+
+    quantization = Quantization("int4")
+    out = {}
+    for name, shape in checkpoint_shapes(config, quantization).items():
+        dtype = stored_dtype_of(name, config, quantization)
+        out[name] = (shape, dtype if dtype is not None else specs[name][1])
+    held: dict[str, tuple] = {}
+
+    def stored(name: str):
+        if stored_dtype_of(name, config, quantization) is None:
+            return None
+        base = name.removesuffix(MIN_SUFFIX).removesuffix(SCALE_SUFFIX)
+        if base not in held:
+            held.clear()
+            held[base] = reader(base)
+        return held[base][0 if name == base else 1 if name.endswith(SCALE_SUFFIX) else 2]
+
+    return out, stored
+
+
 def nearest_reader(checkpoint, get, config) -> QuantisedReader:
     """Each weight a quantised file holds in its nearest layout (nearest_layout of its type:
     a GGUF's Q4_0 / Q4_1 as 4-bit weights exactly, Q4_K and other types of up to 5 bits
@@ -209,21 +237,53 @@ def int8_reader(checkpoint, get, config) -> QuantisedReader:
                            lambda name: "int8" if name in names else None)
 
 
+class StoredReader:
+    """A 4-bit native checkpoint's quantised weights as it stores them (bridge.quantize: the
+    "int4" method): name -> (packed, scale, min) of a 4-bit projection, (q, scale) of the int8
+    head rows, None for the float tensors - the QuantisedReader interface, nothing quantised."""
+
+    def __init__(self, checkpoint):
+        from .quantize import int4_head, quantized_names
+
+        self.checkpoint, self.head = checkpoint, int4_head(checkpoint.config)
+        self.names = set(quantized_names(checkpoint.config))
+
+    def __call__(self, name: str):
+        if name not in self.names:
+            return None
+        read = self.checkpoint.tensor
+        suffixes = (SCALE_SUFFIX,) if name == self.head else (SCALE_SUFFIX, MIN_SUFFIX)
+        return (read(name), *(read(name + suffix) for suffix in suffixes))
+
+    def summary(self) -> None:
+        return None
+
+
 def requested_reader(checkpoint, *, int4: bool = False, int8: bool = False,
                      nearest: bool = False, unsupported: str | None = None):
     """What a load's int4 / int8 / nearest flags ask for, checked before any weight is read:
     None for none; else make(get) -> the QuantisedReader of that mode (int4_reader, int8_reader,
-    nearest_reader). Refuses more than one mode, an int8 checkpoint, and `unsupported` (what
-    the caller cannot combine with them, e.g. "an adapter"), naming the flag."""
+    nearest_reader). A 4-bit native checkpoint is read as it is stored (StoredReader) with no
+    flag, int4 or nearest. Refuses more than one mode, int8 from a quantised checkpoint, and
+    `unsupported` (what the caller cannot combine with them, e.g. "an adapter"), naming the
+    flag."""
     asked = [k for k, v in (("int4", int4), ("int8", int8), ("nearest", nearest)) if v]
-    if not asked:
-        return None
     if len(asked) > 1:
         raise BridgeError(f"one of int4, int8 and nearest (got {', '.join(asked)})",
                           field=asked[1])
-    if unsupported is not None or checkpoint.quantization is not None:
+    quantization = checkpoint.quantization
+    if quantization is not None and quantization.method == "int4" and asked != ["int8"]:
+        if unsupported is not None:
+            raise BridgeError(f"{checkpoint.path} holds 4-bit weights, which cannot be read "
+                              f"with {unsupported}: use the float checkpoint it was made from",
+                              field=asked[0] if asked else None)
+        return lambda get: StoredReader(checkpoint)
+    if not asked:
+        return None
+    if unsupported is not None or quantization is not None:
         raise BridgeError(f"quantised weights are read from a float or GGUF checkpoint, without "
-                          f"{unsupported or 'int8 weights'}, for now", field=asked[0])
+                          f"{unsupported or quantization.method + ' weights'}, for now",
+                          field=asked[0])
     reader = {"int4": int4_reader, "int8": int8_reader, "nearest": nearest_reader}[asked[0]]
     return lambda get: reader(checkpoint, get, checkpoint.config)
 

@@ -18,6 +18,11 @@ row per token, int8 would save nothing a decode step reads.
 On disk (the native format) a quantised tensor is the int8 `<name>` (canonical shape, e.g.
 `layers.0.attention.wq.weight`) plus its float32 `<name>_scale` (out, in / G), and config.json
 declares it: `"quantization": {"method": "int8", "group_size": null | G}`.
+
+4-bit weights (bridge.int4; `"quantization": {"method": "int4", "group_size": 32}`): every
+projection (the layers' wq ... w3 and an untied `output`) is the uint8 `<name>` (out, in / 2), two
+weights a byte in input order, with float32 `<name>_scale` and `<name>_min` (out, in / 32); a tied
+LM head, the token embedding, is int8 rows as above, `<name>_scale` (vocab, 1).
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from .config import LlamaConfig
 from .errors import BridgeError
 from .tensors import canonical_shapes
 
-METHODS = ("int8",)
+METHODS = ("int8", "int4")
+INT4_GROUP = 32  # bridge.int4.GROUP
+MIN_SUFFIX = "_min"  # beside <name>_scale: a 4-bit weight's minima
 QMAX = 127
 SCALE_SUFFIX = "_scale"
 # The canonical weights of a layer that are quantised (and the LM head: quantized_names).
@@ -42,8 +49,9 @@ QUANTIZED_SUFFIXES = ("attention.wq.weight", "attention.wk.weight", "attention.w
 
 @dataclass(frozen=True)
 class Quantization:
-    """How a model's projection weights are quantised: `method` (int8) and `group_size` (None:
-    one scale per output channel; G: one per G consecutive input columns of each row)."""
+    """How a model's projection weights are quantised: `method` (int8 or int4) and `group_size`
+    (int8: None, one scale per output channel, or G, one per G consecutive input columns of each
+    row; int4: 32, which None stands for)."""
 
     method: str = "int8"
     group_size: int | None = None
@@ -56,6 +64,11 @@ class Quantization:
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g <= 0):
             raise BridgeError(f"must be a positive integer or None (got {g!r})",
                               field="group_size")
+        if self.method == "int4":
+            if g not in (None, INT4_GROUP):
+                raise BridgeError(f"4-bit weights come in groups of {INT4_GROUP} inputs (got "
+                                  f"{g})", field="group_size")
+            object.__setattr__(self, "group_size", INT4_GROUP)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "group_size": self.group_size}
@@ -73,6 +86,9 @@ class Quantization:
     def groups(self, in_features: int, name: str = "weight") -> int:
         """Scale columns of a weight with `in_features` inputs; refuses a group size that does
         not divide them."""
+        if self.method == "int4" and in_features % INT4_GROUP:
+            raise BridgeError(f"tensor '{name}': {in_features} input columns are not a multiple "
+                              f"of the 4-bit group size {INT4_GROUP}", field="quantize")
         if self.group_size is None:
             return 1
         if in_features % self.group_size:
@@ -93,24 +109,53 @@ def scale_shapes(config: LlamaConfig, quantization: Quantization) -> dict[str, t
     """`<name>_scale` -> (out, in / G) for every quantised tensor; refuses, naming the first
     tensor, a group size that does not divide its input columns (checked before any work)."""
     shapes = canonical_shapes(config)
-    return {name + SCALE_SUFFIX: (shapes[name][0], quantization.groups(shapes[name][1], name))
+    head = int4_head(config) if quantization.method == "int4" else None
+    return {name + SCALE_SUFFIX: (shapes[name][0], 1 if name == head else
+                                  quantization.groups(shapes[name][1], name))
             for name in quantized_names(config)}
+
+
+def int4_head(config: LlamaConfig) -> str | None:
+    """The tensor a 4-bit model holds as int8 rows: the token embedding when the head is tied to
+    it (a lookup table the decode kernels read row by row); None when the head is untied."""
+    return "tok_embeddings.weight" if config.tie_embeddings else None
 
 
 def checkpoint_shapes(config: LlamaConfig,
                       quantization: Quantization | None = None) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of `config` holds, in order: bridge.tensors.canonical_shapes,
-    with each quantised projection's `<name>_scale` right after it."""
+    """Every tensor a checkpoint of `config` holds, in order, as stored: bridge.tensors.
+    canonical_shapes, with each quantised projection's `<name>_scale` right after it (and, 4-bit,
+    its `<name>_min` after that, the weight itself (out, in / 2))."""
     shapes = canonical_shapes(config)
     if quantization is None:
         return shapes
     scales = scale_shapes(config, quantization)
+    four = set(int4_names(config)) if quantization.method == "int4" else set()
     out = {}
     for name, shape in shapes.items():
-        out[name] = shape
+        out[name] = (shape[0], shape[1] // 2) if name in four else shape
         if name + SCALE_SUFFIX in scales:
             out[name + SCALE_SUFFIX] = scales[name + SCALE_SUFFIX]
+        if name in four:
+            out[name + MIN_SUFFIX] = scales[name + SCALE_SUFFIX]
     return out
+
+
+def int4_names(config: LlamaConfig) -> list[str]:
+    """The tensors a 4-bit checkpoint holds as 4-bit weights: quantized_names but a tied head."""
+    head = int4_head(config)
+    return [n for n in quantized_names(config) if n != head]
+
+
+def stored_dtype_of(name: str, config: LlamaConfig, quantization: Quantization) -> np.dtype | None:
+    """The dtype a quantised checkpoint stores `name` in where quantisation decides it (uint8
+    4-bit weights, int8 weights, float32 scales and minima); None for the float tensors."""
+    if name.endswith((SCALE_SUFFIX, MIN_SUFFIX)):
+        return np.dtype(np.float32)
+    if name in quantized_names(config):
+        four = quantization.method == "int4" and name != int4_head(config)
+        return np.dtype(np.uint8 if four else np.int8)
+    return None
 
 
 def check_quantizable(config: LlamaConfig, quantization: Quantization) -> None:

@@ -22,7 +22,7 @@ from bridge.int4 import requested_reader
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.resources import gc_paused
-from bridge.quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes
+from bridge.quantize import MIN_SUFFIX, SCALE_SUFFIX, Quantization, checkpoint_shapes
 from bridge.tensors import canonical_shapes
 
 from .model.attention import choose
@@ -30,10 +30,17 @@ from .model.llama import Llama, resolve_dtype
 from .model.projections import implementation
 
 
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # modules quantisation covers
+
+
 def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None, bool]:
     """Canonical name -> (path in the params pytree, layer index on a stacked axis, transposed?).
     An int8 projection's `<name>_scale` (out, in / G) is its module's `scale` (in / G, out); an
-    int8 embedding's (vocab, dim / G) is its `scale` as it is."""
+    int8 embedding's (vocab, dim / G) is its `scale` as it is. (A 4-bit projection's `kernel`,
+    `scale` and `min` are its canonical rows, not transposed: tensor_specs sees to that.)"""
+    if name.endswith(MIN_SUFFIX):
+        path, layer, _ = _flax_path(name.removesuffix(MIN_SUFFIX), scan_layers)
+        return (*path[:-1], "min"), layer, False
     module, leaf = name.rsplit(".", 1)  # drop ".weight" / ".weight_scale"
     parts = module.split(".")
     layer = None
@@ -48,6 +55,12 @@ def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | Non
     return (*parts, "scale" if leaf == "weight" + SCALE_SUFFIX else "kernel"), layer, True
 
 
+def int8_only(quantization: Quantization | None) -> Quantization | None:
+    """The quantisation a load reads tensor by tensor, its scales beside the weights: int8's.
+    (A 4-bit checkpoint's weights come whole from bridge.int4.StoredReader.)"""
+    return quantization if quantization is not None and quantization.method == "int8" else None
+
+
 def has_adapters(params) -> bool:
     """True when the params pytree holds LoRA adapters (lora_A / lora_B entries)."""
     return any(getattr(k, "key", None) in ("lora_A", "lora_B")
@@ -55,14 +68,20 @@ def has_adapters(params) -> bool:
 
 
 def quantization_of(params) -> Quantization | None:
-    """The int8 Quantization a params pytree holds (jax_llama.quantize), read from its first
-    `scale`: the group size is in / G, and G = 1 is per channel. None for float params. 4-bit
-    params (a `min` beside the scale) are refused: no checkpoint holds them yet."""
-    for path, node in modules(params):
-        if "min" in node:
-            raise BridgeError(f"{'/'.join(path)}: 4-bit weights (jax_llama.quantize(params, "
-                              f"method='int4')) are not saved, converted or quantised further "
-                              f"yet", field="params")
+    """The Quantization a params pytree holds (jax_llama.quantize), read from its first `scale`:
+    int8, the group size in / G (G = 1: per channel); int4 where a `min` is beside the scale
+    (every projection then 4-bit: a mixture, as a nearest load of a file with 6- and 8-bit
+    tensors holds it, is refused). None for float params."""
+    four = [path for path, node in modules(params) if "min" in node]
+    if four:
+        mixed = [path for path, node in modules(params)
+                 if "kernel" in node and "min" not in node and path[-1] in PROJECTIONS]
+        if mixed:
+            raise BridgeError(f"{'/'.join(mixed[0])}: int8 beside 4-bit projections (a load in "
+                              f"each tensor's nearest layout): no checkpoint holds the mixture; "
+                              f"load with int4=True (--quantize int4) to hold every projection "
+                              f"as 4-bit", field="params")
+        return Quantization("int4")
     for path, node in modules(params):
         if "scale" in node and "kernel" in node:
             inputs, groups = node["kernel"].shape[-2], node["scale"].shape[-2]
@@ -161,11 +180,13 @@ def tensor_specs(params, config: LlamaConfig, shapes=None):
         shapes = checkpoint_shapes(config, quantization_of(params))
     for name in shapes:
         path, layer, transposed = _flax_path(name, scanned)
-        node = params
+        node = parent = params
         for key in path:
             if not isinstance(node, dict) or key not in node:
                 raise BridgeError(f"params: no entry {'/'.join(path)} for tensor '{name}'")
-            node = node[key]
+            parent, node = node, node[key]
+        if "min" in parent:
+            transposed = False  # 4-bit weights, their scales and minima: canonical rows
         leaves[name] = (node, layer, transposed)
     n_leaves = len(jax.tree_util.tree_leaves(params))
     n_expected = len({id(leaf) for leaf, _, _ in leaves.values()})
@@ -304,12 +325,13 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
           int8, nearest):
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     if ckpt.quantization is not None:
+        method = ckpt.quantization.method
         if adapter is not None:
-            raise BridgeError(f"{ckpt.path} holds int8 weights, which an adapter cannot be "
+            raise BridgeError(f"{ckpt.path} holds {method} weights, which an adapter cannot be "
                               f"merged into: merge it into the float model, then quantise",
                               field="adapter")
         if mesh is not None:
-            raise BridgeError(f"not with the int8 checkpoint {ckpt.path} (load it whole)",
+            raise BridgeError(f"not with the {method} checkpoint {ckpt.path} (load it whole)",
                               field="mesh")
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     get = ckpt.tensor
@@ -327,7 +349,8 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
         four = None if make is None else make(get)
         with shown:
             params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
-                                         shapes=checkpoint_shapes(ckpt.config, ckpt.quantization),
+                                         shapes=checkpoint_shapes(ckpt.config, int8_only(
+                                             ckpt.quantization)),
                                          int4=four)
         if four is not None and progress and four.summary():
             note(f"{ckpt.path}: {four.summary()}")

@@ -15,11 +15,11 @@ same the torch twin and `llama-bridge convert --quantize int8` compute.
 
 method="int4" (bridge.int4): each projection's `kernel` becomes uint8 (out, in / 2) - stored as
 its canonical rows, which the decode kernels read whole (matvec_int4), not transposed as float
-kernels are - two 4-bit weights a byte, beside a float32 `scale` and `min` (out, in / 32); a tied LM head (the embedding)
-becomes int8 with one scale per row, as method="int8" makes it (the decode kernels read its rows;
-4-bit rows would be read no faster); an untied embedding and the norms stay as they are. Such
-params run (jax_llama.model.projections: the decode kernels' matvec_int4, else int4_matmul) but
-are not saved or converted yet.
+kernels are - two 4-bit weights a byte, beside a float32 `scale` and `min` (out, in / 32); a tied
+LM head (the embedding) becomes int8 with one scale per row, as method="int8" makes it (the decode
+kernels read its rows; 4-bit rows would be read no faster); an untied embedding and the norms stay
+as they are. Such params run (jax_llama.model.projections: the decode kernels' matvec_int4, else
+int4_matmul), and jax_llama.save writes them as they are (bridge.quantize's "int4" method).
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ from bridge.int4 import quantize_int4
 from bridge.progress import LOAD_DELAY_S, bar
 from bridge.quantize import Quantization, quantize_weight
 
-from .checkpoint import host_array, modules, quantization_of
-
-PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")
+from .checkpoint import PROJECTIONS, host_array, modules, quantization_of
 
 
 def quantize(params, group_size: int | None = None, method: str = "int8",

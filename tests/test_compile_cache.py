@@ -78,9 +78,10 @@ def run_programs(tmp_path, **env) -> dict:
 def test_a_new_process_loads_generations_programs_instead_of_tracing_them(tmp_path):
     """The first process compiles generate's and a chat's programs (prefill, decode, extend)
     and keeps them in programs/; the next loads every one and gives the same tokens, streamed
-    and in chat turns too. A file cut short is compiled again and replaced; a changed setting
-    that tracing reads (JAX_LLAMA_KERNELS) is another program, not the old one.
-    JAX_LLAMA_PROGRAMS=0 keeps none."""
+    and in chat turns too. A file cut short is compiled again and replaced; a file others may
+    write is not read (compiled again, replaced by a private one), and a folder others may write
+    is not used at all; a changed setting that tracing reads (JAX_LLAMA_KERNELS) is another
+    program, not the old one. JAX_LLAMA_PROGRAMS=0 keeps none."""
     first = run_programs(tmp_path)
     saved = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "programs").iterdir())
     assert first["compiled"] == len(saved) >= 4 and first["loaded"] == 0
@@ -96,6 +97,16 @@ def test_a_new_process_loads_generations_programs_instead_of_tracing_them(tmp_pa
     assert cut["loaded"] == 0 and cut["compiled"] == first["compiled"]
     assert cut["tokens"] == first["tokens"]
     assert run_programs(tmp_path)["loaded"] == first["compiled"]  # replaced whole
+
+    program = next((tmp_path / "cache" / "programs").iterdir())
+    program.chmod(0o666)  # others may write it: not read, compiled again and replaced
+    shared = run_programs(tmp_path)
+    assert shared["loaded"] == first["compiled"] - 1 and shared["compiled"] == 1
+    assert program.stat().st_mode & 0o777 == 0o600
+    (tmp_path / "cache" / "programs").chmod(0o777)  # the folder too: nothing kept or read
+    open_folder = run_programs(tmp_path)
+    assert open_folder["loaded"] == 0 and open_folder["tokens"] == first["tokens"]
+    (tmp_path / "cache" / "programs").chmod(0o700)
 
     other = run_programs(tmp_path, JAX_LLAMA_KERNELS="0")
     assert other["loaded"] == 0 and other["compiled"] == first["compiled"]

@@ -1,6 +1,6 @@
-"""4-bit weights, their first step (issue 57): the arithmetic against float64, llama.cpp's Q4_0 and
-Q4_1 blocks held exactly, and a JAX model on 4-bit params equal to the same model on the weights
-they stand for."""
+"""4-bit weights (bridge.int4): the arithmetic against float64, llama.cpp's Q4_0 and Q4_1 blocks
+held exactly, a JAX model on 4-bit params equal to the same model on the weights they stand for,
+both twins on the same bits, and 4-bit checkpoints written and read back."""
 
 import gguf
 import jax
@@ -101,15 +101,100 @@ def test_a_model_on_4_bit_params_is_the_model_on_their_weights():
     assert out.tokens == jax_llama.generate(model, dequantized(q), [[1, 5, 9]], 6).tokens
 
 
-def test_4_bit_params_are_not_saved_yet(tmp_path):
-    config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96)
-    _, params = jax_llama.init(config)
+@pytest.mark.parametrize("tied", [True, False])
+def test_4_bit_params_are_saved_and_read_back_bit_for_bit_by_both_twins(tmp_path, tied):
+    """jax_llama.save writes 4-bit params in the native format (config.json's quantization
+    "int4"; each projection's uint8 rows, scale and minimum; a tied head's int8 rows); the torch
+    twin reads them, saves them again, and JAX reads that back: the same bits all the way, and
+    the twins' logits within float32 rounding of each other."""
+    import json
+
+    import torch
+
+    import torch_llama
+    from conftest import torch_logits
+
+    config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, tie_embeddings=tied)
+    model, params = jax_llama.init(config, seed=2)
     q = jax_llama.quantize(params, method="int4")
-    with pytest.raises(BridgeError, match="4-bit weights .* are not saved"):
-        jax_llama.save(tmp_path / "q4", config, q)
-    assert not (tmp_path / "q4").exists()
+    jax_llama.save(tmp_path / "jax", config, q)
+    assert json.loads((tmp_path / "jax" / "config.json").read_text())["quantization"] == \
+        {"method": "int4", "group_size": 32}
+    tmodel = torch_llama.load(tmp_path / "jax", device="cpu")
+    assert tmodel.layers[0].attention.wq.weight.dtype == torch.uint8
+    torch_llama.save(tmp_path / "torch", tmodel)
+    _, back = jax_llama.load(tmp_path / "torch")
+    assert jax.tree.structure(back) == jax.tree.structure(q)
+    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(back)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokens = random_tokens(config, 2, 9)
+    ours = np.asarray(model.apply({"params": back}, jnp.asarray(tokens)))
+    assert np.abs(ours - torch_logits(tmodel, tokens)).max() <= 1e-5 * max(1, np.abs(ours).max())
+
+
+def tokenizer_of(gguf_file):
+    """The tokenizer.json the random GGUF's native source was saved with."""
+    return next(gguf_file.parent.glob("native/tokenizer.*"))
+
+
+def test_4_bit_saves_and_loads_refuse_what_they_cannot_hold(tmp_path, gguf_files, capsys):
+    """A mixture of 4-bit and int8 projections (a nearest load of a file with 8-bit tensors) is
+    refused, naming a projection, with nothing written; so is a group size other than 32, a
+    4-bit checkpoint whose weights are not uint8 (naming the tensor), --quantize int8 on a 4-bit
+    checkpoint, and its conversion to another format (exit 2, one line)."""
+    from safetensors.numpy import load_file, save_file
+
+    from llama_twins.cli import main as jax_cli
+    from llama_twins.cli.bridge_main import main as bridge_cli
+
+    model, nearest = jax_llama.load(gguf_files["q8_0"], nearest=True)  # int8 rows everywhere
+    _, four = jax_llama.load(gguf_files["q4_0"], nearest=True)  # Q4_0 layers, a Q8_0 head
+    with pytest.raises(BridgeError, match="output: int8 beside 4-bit projections"):
+        jax_llama.save(tmp_path / "mixed", model.config, four)
+    assert not (tmp_path / "mixed").exists()
     with pytest.raises(BridgeError, match="groups of 32"):
-        jax_llama.quantize(params, group_size=64, method="int4")
+        jax_llama.quantize(jax_llama.init(model.config)[1], group_size=64, method="int4")
+
+    _, whole = jax_llama.load(gguf_files["q4_0"], int4=True)
+    jax_llama.save(tmp_path / "q4", model.config, whole)
+    assert jax_cli.main(["generate", str(tmp_path / "q4"), "--prompt", "hi", "--quantize",
+                         "int8", "--max-new-tokens", "2", "--tokenizer",
+                         str(tokenizer_of(gguf_files["q4_0"]))]) == 2
+    assert "holds int4 weights; --quantize int8 reads a float or GGUF" in capsys.readouterr().err
+    assert bridge_cli(["convert", str(tmp_path / "q4"), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    assert "holds int4-quantised weights" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+    tensors = load_file(tmp_path / "q4" / "model.safetensors")
+    tensors["layers.1.feed_forward.w2.weight"] = tensors["layers.1.feed_forward.w2.weight"].view(
+        np.int8)
+    save_file(tensors, tmp_path / "q4" / "model.safetensors")
+    with pytest.raises(BridgeError, match="tensor 'layers.1.feed_forward.w2.weight' has dtype "
+                                          "int8, but config.json declares int4"):
+        jax_llama.load(tmp_path / "q4")
+
+
+def test_convert_writes_a_4_bit_checkpoint_as_a_4_bit_load_reads_it(tmp_path, gguf_files, capsys):
+    """`llama-bridge convert SRC DST --to native --quantize int4`: a GGUF's Q4_0 blocks as they
+    are, the rest quantised as read (said on stderr, with the error); the checkpoint holds the
+    very params jax_llama.load(SRC, int4=True) makes, and generates the same greedy tokens."""
+    from llama_twins.cli.bridge_main import main as bridge_cli
+
+    assert bridge_cli(["convert", str(gguf_files["q4_0"]), str(tmp_path / "q4"), "--to",
+                       "native", "--quantize", "int4", "--no-progress"]) == 0
+    said = capsys.readouterr().err
+    assert "14 Q4_0 -> int4 exactly" in said and "Q8_0 -> int4 quantised (error" in said
+    model, stored = jax_llama.load(tmp_path / "q4")
+    _, direct = jax_llama.load(gguf_files["q4_0"], int4=True)
+    assert jax.tree.structure(stored) == jax.tree.structure(direct)
+    for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(direct)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert bridge_cli(["convert", str(gguf_files["q4_0"]), str(tmp_path / "g"), "--to",
+                       "native", "--quantize", "int4", "--group-size", "64"]) == 2
+    assert "groups of 32" in capsys.readouterr().err and not (tmp_path / "g").exists()
+    prompt = [[1, 5, 9, 2]]
+    assert jax_llama.generate(model, stored, prompt, 5).tokens == \
+        jax_llama.generate(model, direct, prompt, 5).tokens
 
 
 def test_both_twins_compute_the_same_4_bit_model():
@@ -138,7 +223,7 @@ def test_both_twins_compute_the_same_4_bit_model():
     np.testing.assert_allclose(got, np.asarray(model.apply({"params": q}, tokens)), rtol=0,
                                atol=2e-5)
     assert np.abs(got - float_logits).max() > 1e-3
-    with pytest.raises(BridgeError, match="4-bit weights .* are not saved"):
+    with pytest.raises(BridgeError, match="already quantised"):
         torch_llama.quantize(tmodel)
 
 

@@ -71,8 +71,11 @@ def test_group_size_that_does_not_divide_is_refused_naming_the_tensor():
     for bad in (0, -4, 2.5, True):
         with pytest.raises(BridgeError, match="group_size: must be a positive integer"):
             Quantization(group_size=bad)
-    with pytest.raises(BridgeError, match="quantize: unknown method 'int4'"):
-        Quantization("int4")
+    with pytest.raises(BridgeError, match="quantize: unknown method 'int3'"):
+        Quantization("int3")
+    with pytest.raises(BridgeError, match="group_size: 4-bit weights come in groups of 32"):
+        Quantization("int4", 64)
+    assert Quantization("int4").group_size == 32
 
 
 # -- the twins on the same int8 weights --------------------------------------------------------------
@@ -283,8 +286,8 @@ def _rewrite(path, change_config=None, change_tensors=None):
      "implies \\(48, 3\\)"),
     (lambda c: c["quantization"].update(group_size=7), None,
      "config.json: quantization.group_size: 7 does not divide the 48 input columns"),
-    (lambda c: c["quantization"].update(method="int4"), None,
-     "config.json: quantization.quantize: unknown method 'int4'"),
+    (lambda c: c["quantization"].update(method="int3"), None,
+     "config.json: quantization.quantize: unknown method 'int3'"),
     (lambda c: c.update(quantization="int8"), None, "'quantization' must be an object"),
 ], ids=["missing-scale", "float-weight", "f16-scale", "wrong-groups", "bad-group", "bad-method",
         "not-object"])

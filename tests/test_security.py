@@ -102,11 +102,20 @@ def unsafe_calls(source: str, filename: str = "<snippet>") -> list[str]:
     return [hit for _, hit in sorted(found)]
 
 
+# The one unpickling the packages do, and why: generation's compiled programs, kept by this
+# user in a private folder beside jax's own compilation cache (compiled code either way), read
+# only when no one else owns or may write them (tests/test_compile_cache.py), never a checkpoint
+# or other input.
+ALLOWED = {"jax_llama/inference/programs.py": "pickle.load(...) unpickles"}
+
+
 def test_the_packages_never_call_code_that_runs_data():
     files = sorted(f for package in PACKAGES for f in (ROOT / package).rglob("*.py"))
     assert len(files) > 30  # the packages were found
     found = [hit for f in files for hit in unsafe_calls(f.read_text(), str(f.relative_to(ROOT)))]
-    assert found == []
+    allowed = [hit for hit in found if ALLOWED.get(hit.split(":")[0], "~") in hit]
+    assert [hit for hit in found if hit not in allowed] == []
+    assert len(allowed) == len(ALLOWED)  # each allowance still used, once
 
 
 BAD = '''

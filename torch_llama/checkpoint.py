@@ -44,8 +44,9 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
     make = requested_reader(ckpt, int4=int4, int8=int8, nearest=nearest,
                             unsupported="an adapter" if adapter is not None else None)
     if ckpt.quantization is not None and adapter is not None:
-        raise BridgeError(f"{ckpt.path} holds int8 weights, which an adapter cannot be merged "
-                          f"into: merge it into the float model, then quantise", field="adapter")
+        raise BridgeError(f"{ckpt.path} holds {ckpt.quantization.method} weights, which an "
+                          f"adapter cannot be merged into: merge it into the float model, then "
+                          f"quantise", field="adapter")
     device = resolve_device(device)
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     lora = None if adapter is None else read_peft(adapter, ckpt.config)
@@ -58,7 +59,7 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
 
     with torch.device("meta"):
         model = Llama(ckpt.config)
-        if ckpt.quantization is not None:
+        if ckpt.quantization is not None and ckpt.quantization.method == "int8":
             for name, module in int8_weights(model):
                 module.make_int8(ckpt.specs[name + ".weight" + SCALE_SUFFIX][0][1])
     read, shown = reading(ckpt.tensor, len(ckpt.specs), enabled=progress)
@@ -66,6 +67,8 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
     state = {}
     with shown:
         for name in ckpt.specs:
+            if name in state:  # a 4-bit weight's scale and minimum, read with it
+                continue
             quantised = None if four is None else four(name)
             if quantised is None:
                 state[name] = tensor(name, read(name))
@@ -94,8 +97,9 @@ def save(path: str | os.PathLike, model: Llama, *, overwrite: bool = False,
                           "(torch_llama.save_adapter, i.e. bridge.lora.write_peft(path, "
                           "model.config, adapter_of(model)))", field="model")
     state = model.state_dict()
-    specs = {name: (tuple(t.shape), np.dtype(np.int8) if t.dtype == torch.int8
-                    else numpy_dtype(t.dtype, field=f"tensor '{name}'"))
+    held = {torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8)}  # int8, 4-bit
+    specs = {name: (tuple(t.shape), held.get(t.dtype) or
+                    numpy_dtype(t.dtype, field=f"tensor '{name}'"))
              for name, t in state.items()}
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     write_native(path, model.config, specs, lambda name: to_numpy(state[name]), overwrite=overwrite,

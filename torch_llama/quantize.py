@@ -9,10 +9,10 @@ arithmetic; jax_llama.quantize is the twin).
 Each projection's `weight`, and the LM head's (the embedding's, when the head is tied to it),
 becomes a frozen int8 tensor beside a float32 `weight_scale` buffer (state_dict keys `<name>` and
 `<name>_scale`, the native format's); the norms, an untied embedding and LoRA adapters are left
-as they are. method="int4" (bridge.int4, a first step of issue 57): each Linear's weight becomes
-uint8 (out, in / 2) beside `weight_scale` and `weight_min` (out, in / 32); a tied LM head (the
-embedding) becomes int8 with one scale per row, as method="int8" makes it; an untied embedding
-stays float. Such a model runs but is not saved yet.
+as they are. method="int4" (bridge.int4): each Linear's weight becomes uint8 (out, in / 2)
+beside `weight_scale` and `weight_min` (out, in / 32); a tied LM head (the embedding) becomes int8
+with one scale per row, as method="int8" makes it; an untied embedding stays float.
+torch_llama.save writes it as it is (bridge.quantize's "int4" method), the same bits as JAX's.
 """
 
 from __future__ import annotations
@@ -60,13 +60,19 @@ def int8_weights(model: nn.Module) -> list[tuple[str, Int8Weight]]:
 
 
 def quantization_of(model: nn.Module) -> Quantization | None:
-    """The Quantization `model` holds, from its first int8 weight; None for a float model.
-    A 4-bit model is refused: no checkpoint holds one yet."""
-    for name, m in int8_weights(model):
-        if hasattr(m, "weight_min"):
-            raise BridgeError(f"{name}: 4-bit weights (torch_llama.quantize(model, "
-                              f"method='int4')) are not saved, converted or quantised further "
-                              f"yet", field="model")
+    """The Quantization `model` holds, from its first int8 weight; int4 where 4-bit weights are
+    (every Linear then 4-bit: the mixture a nearest load of a file with 6- and 8-bit tensors
+    makes is refused); None for a float model."""
+    weights = int8_weights(model)
+    if any(hasattr(m, "weight_min") for _, m in weights):
+        mixed = [name for name, m in weights if isinstance(m, Linear) and
+                 not hasattr(m, "weight_min")]
+        if mixed:
+            raise BridgeError(f"{mixed[0]}: int8 beside 4-bit projections (a load in each "
+                              f"tensor's nearest layout): no checkpoint holds the mixture; load "
+                              f"with int4=True (--quantize int4) to hold every projection as "
+                              f"4-bit", field="model")
+        return Quantization("int4")
     for name, m in int8_weights(model):
         if hasattr(m, "weight_scale"):
             groups = m.weight_scale.shape[1]

@@ -18,7 +18,7 @@ from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..config import LlamaConfig
 from ..errors import BridgeError
 from ..locate import is_hub_blob
-from ..quantize import SCALE_SUFFIX, Quantization, checkpoint_shapes, quantized_names
+from ..quantize import (MIN_SUFFIX, SCALE_SUFFIX, Quantization, checkpoint_shapes, stored_dtype_of)
 from ..tensors import LAYER_SUFFIXES, canonical_shapes
 from ..tokenizer import Tokenizer
 
@@ -106,7 +106,8 @@ class Checkpoint:
         """The dtype the tensors are stored in ('float32', 'bfloat16', 'float16'); 'float32' when
         they are mixed or wider, so that no tensor loses precision by default."""
         dtypes = {dtype.name for name, (_, dtype) in self.specs.items()
-                  if dtype != np.int8 and not name.endswith(SCALE_SUFFIX)}
+                  if dtype not in (np.int8, np.uint8) and not name.endswith(SCALE_SUFFIX)
+                  and not name.endswith(MIN_SUFFIX)}
         return dtypes.pop() if len(dtypes) == 1 and dtypes <= {"bfloat16", "float16"} else "float32"
 
 
@@ -136,7 +137,6 @@ def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,
                                       f"({source} says n_layers={config.n_layers}, but "
                                       f"{len(specs)} tensors are stored)")
     expected = checkpoint_shapes(config, quantization)
-    int8 = set() if quantization is None else set(quantized_names(config))
     missing = [n for n in expected if n not in specs]
     if missing == ["tok_embeddings.weight" + SCALE_SUFFIX]:  # an int8 file before tied heads were
         raise BridgeError(f"{where}: tensor {missing[0]!r} is missing: the tied LM head (the "
@@ -152,14 +152,15 @@ def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,
         if tuple(got) != shape:
             raise BridgeError(f"{where}: tensor '{name}' has shape {tuple(got)}, but {source} "
                               f"implies {shape}")
-        if name in int8:
-            if np.dtype(dtype) != np.int8:
-                raise BridgeError(f"{where}: tensor '{name}' has dtype {np.dtype(dtype)}, but "
-                                  f"{source} declares int8 quantisation")
-        elif name.endswith(SCALE_SUFFIX) and quantization is not None:
-            if np.dtype(dtype) != np.float32:
+        held = None if quantization is None else stored_dtype_of(name, config, quantization)
+        if held is not None:
+            if np.dtype(dtype) != held and held == np.float32:
                 raise BridgeError(f"{where}: tensor '{name}' has dtype {np.dtype(dtype)}, "
                                   f"expected float32 scales")
+            if np.dtype(dtype) != held:
+                raise BridgeError(f"{where}: tensor '{name}' has dtype {np.dtype(dtype)}, but "
+                                  f"{source} declares {quantization.method} quantisation "
+                                  f"({held})")
         elif np.dtype(dtype) not in FLOAT_DTYPES:
             raise BridgeError(f"{where}: tensor '{name}' has dtype {np.dtype(dtype)}, expected a "
                               f"floating type")

@@ -22,8 +22,15 @@ jax_llama.perf.use_compile_cache put a persistent cache in place (every `jax-lla
 a library user, or the test suite, who configured jax's cache alone is left as before); on
 several devices (a mesh's shardings are not in the key); and with JAX_LLAMA_PROGRAMS=0. A file
 that cannot be read back (another jaxlib wrote it, it was cut short) is compiled again and
-overwritten. Like jax's own cache, the folder holds executables that are run when loaded: it
-must be yours.
+overwritten.
+
+Like jax's own cache, the folder holds compiled code, and its files are pickles
+(jax.experimental.serialize_executable's format): loading one runs what it holds. So this is the
+one place the packages unpickle (tests/test_security.py names it), and only what this user wrote
+and no one else can change: the folder is made private (0700), and a file, or a folder, that
+another user owns or that group or others may write is neither read nor written (the program is
+compiled, as with no store; JAX_LLAMA_PROGRAMS=0 turns the store off altogether). No checkpoint
+or other input ever comes through here.
 """
 
 from __future__ import annotations
@@ -60,9 +67,18 @@ def directory() -> Path | None:
     cache = jax.config.jax_compilation_cache_dir
     if not (cache and keep_programs()) or os.environ.get("JAX_LLAMA_PROGRAMS", "").lower() in OFF:
         return None
-    if jax.device_count() > 1:
+    if jax.device_count() > 1 or not hasattr(os, "getuid"):
         return None
     return Path(cache) / "programs"
+
+
+def _private(path: Path) -> bool:
+    """Whether `path` is this user's and no one else may write it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def program(jitted, name: str, args: tuple, static: dict[str, Any]) -> Callable:
@@ -88,8 +104,18 @@ def held(name: str) -> int:
 def _load_or_compile(jitted, name, args, static, folder: Path, digest: str) -> Callable:
     from jax.experimental import serialize_executable
 
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:  # a read-only cache: compile, keep nothing
+        log.info("%s: not made (%s)", folder, e)
+    if not _private(folder):
+        log.warning("%s: not private to this user (its owner or mode), so no program is kept "
+                    "there", folder)
+        return jitted.lower(*args, **static).compile()
     path = folder / f"{name}-{digest}.bin"
-    if path.is_file():
+    if path.is_file() and not _private(path):
+        log.warning("%s: not private to this user, so not loaded; compiling it again", path)
+    elif path.is_file():
         try:
             with open(path, "rb") as f:
                 blob, in_tree, out_tree = pickle.load(f)
@@ -113,7 +139,6 @@ def _load_or_compile(jitted, name, args, static, folder: Path, digest: str) -> C
     counts["compiled"] += 1
     try:
         blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-        folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}-", delete=False) as f:
             pickle.dump((blob, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(f.name, path)

@@ -176,9 +176,10 @@ def int4_request(args, checkpoint) -> bool:
 
     if args.group_size not in (None, GROUP):
         raise BridgeError(f"4-bit weights come in groups of {GROUP} inputs", field="group_size")
-    if checkpoint.quantization is not None:
-        raise BridgeError(f"{args.checkpoint} holds int8 weights; --quantize int4 reads a float "
-                          f"or GGUF checkpoint", field="quantize")
+    held = checkpoint.quantization
+    if held is not None and held.method != "int4":
+        raise BridgeError(f"{args.checkpoint} holds {held.method} weights; --quantize int4 reads "
+                          f"a float, GGUF or 4-bit checkpoint", field="quantize")
     return True
 
 
@@ -225,9 +226,14 @@ def quantization_request(args, checkpoint_quantization) -> bool:
             raise BridgeError("only with --quantize int8", field="group_size")
         return False
     if checkpoint_quantization is not None:
+        method = checkpoint_quantization.method
+        if args.quantize != method:
+            raise BridgeError(f"{args.checkpoint} holds {method} weights; --quantize "
+                              f"{args.quantize} reads a float or GGUF checkpoint",
+                              field="quantize")
         if args.group_size not in (None, checkpoint_quantization.group_size):
-            raise BridgeError(f"{args.checkpoint} holds int8 weights quantised with group size "
-                              f"{checkpoint_quantization.group_size}", field="group_size")
+            raise BridgeError(f"{args.checkpoint} holds {method} weights quantised with group "
+                              f"size {checkpoint_quantization.group_size}", field="group_size")
         return False
     return True
 
