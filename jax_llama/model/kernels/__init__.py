@@ -368,8 +368,10 @@ def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):
 def matvec_int4(x_MI, weights):
     """[x @ (q * scale + min)^T for each 4-bit (packed (O, I / 2) uint8, scale (O, I / 32), min
     (O, I / 32)) of `weights`]: each output a dot product over a row read whole, the weights
-    expanded in registers - matvec_rows' numbers on the dequantised float32 weights, bit for bit.
-    Weights that read the same x are one call. Call only where `usable` said True of each."""
+    expanded in registers (AVX-512: looked up in a table of the group's 16 values; AVX2 and
+    plain C++: matvec_rows' numbers on the dequantised float32 weights, bit for bit), within
+    float32 rounding of the product on the dequantised weights. Weights that read the same x are
+    one call. Call only where `usable` said True of each."""
     _check()
     return list(_matvec_int4(x_MI, tuple(tuple(w) for w in weights)))
 
