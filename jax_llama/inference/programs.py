@@ -48,11 +48,10 @@ from typing import Any, Callable
 
 import jax
 
-from ..perf import keep_programs
+from ..perf import COMPILE_CACHE_OFF, keep_programs
 
 log = logging.getLogger(__name__)
 
-OFF = ("0", "off", "false", "no")
 SOURCES = ("jax_llama", "bridge")  # the packages whose code a traced program depends on
 
 # compiler options that change nothing on the platform (True: CPU) but the program's cache key
@@ -65,7 +64,9 @@ counts = {"compiled": 0, "loaded": 0}  # programs this process compiled or read 
 def directory() -> Path | None:
     """The folder programs are kept in, or None where they are not (the module's docstring)."""
     cache = jax.config.jax_compilation_cache_dir
-    if not (cache and keep_programs()) or os.environ.get("JAX_LLAMA_PROGRAMS", "").lower() in OFF:
+    if not (cache and keep_programs()):
+        return None
+    if os.environ.get("JAX_LLAMA_PROGRAMS", "").lower() in COMPILE_CACHE_OFF:
         return None
     if jax.device_count() > 1 or not hasattr(os, "getuid"):
         return None
