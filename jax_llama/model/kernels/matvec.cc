@@ -611,7 +611,8 @@ ffi::Error MatvecF32Rows(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
 //   AVX-512: the group's 16 possible weights are one register (q = 0..15 times d plus m), its 16
 //     bytes are widened to 16 lanes, and vpermps looks up each lane's low nibble, then its high
 //     one: a lane sums the group's even inputs, then its odd ones (x deinterleaved to match, once
-//     a call). Two lookups and two multiply-adds for 32 weights, where converting them took 18
+//     a call). With more than kLookupRows rows the nibbles are converted instead, in the same
+//     order and to the same fma(q, d, m): the same bits. Two lookups and two multiply-adds for 32 weights, where converting them took 18
 //     operations: a 4096 x 14336 weight in 2.9 ms against 3.9 ms, SmolLM2's decode 113-122 tokens/s
 //     against 92-98 (2-core AMD EPYC Zen 4, alternating runs).
 //   AVX2 and plain C++: each vector of kLanes inputs split into nibbles, put back in input order,
@@ -641,6 +642,14 @@ struct Rows4Job {
 };
 
 #if defined(__AVX512F__)
+#ifndef JAX_LLAMA_LOOKUP_ROWS
+#define JAX_LLAMA_LOOKUP_ROWS 2
+#endif
+// Up to this many rows of x the AVX-512 Dots4 looks each weight up (vpermps); more rows share the
+// expansion, and converting the nibbles is faster there (8 rows: 6.3 ms against 8.9 ms for a
+// 4096 x 14336 weight). Either way a weight is fma(q, d, m), so an output's bits are the same.
+constexpr int kLookupRows = JAX_LLAMA_LOOKUP_ROWS;
+
 inline Vec Iota() {  // 0, 1, ..., 15
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -693,16 +702,26 @@ inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) 
     // bytes widened to a lane: vpermps picks a lane's weight by the low 4 bits of its index, the
     // low nibble as it is and the high one shifted down. The lanes then hold the group's even
     // inputs and its odd ones, which x (deinterleaved by MatvecInt4Rows) matches.
+    Vec even[R], odd[R];
     for (int r = 0; r < R; ++r) {
-      const Vec table = Fma(Iota(), d[r], mn[r]);
-      const __m512i b = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (o + r) * J + g * kGroup4 / 2)));
-      const Vec even = _mm512_permutexvar_ps(b, table);
-      const Vec odd = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
-      for (int m = 0; m < M; ++m) {
-        const float* xg = x + m * I + g * kGroup4;
-        acc[r][m] = Fma(Load(xg + kGroup4 / 2), odd, Fma(Load(xg), even, acc[r][m]));
+      const __m128i bytes =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (o + r) * J + g * kGroup4 / 2));
+      if constexpr (M <= kLookupRows) {  // looked up: fewer operations, few rows to share them
+        const Vec table = Fma(Iota(), d[r], mn[r]);
+        const __m512i b = _mm512_cvtepu8_epi32(bytes);
+        even[r] = _mm512_permutexvar_ps(b, table);
+        odd[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+      } else {  // converted: the same q d + m, so the same bits, and no vpermps to wait for
+        const __m128i f = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(bytes, f), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), f);
+        even[r] = Fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d[r], mn[r]);
+        odd[r] = Fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d[r], mn[r]);
       }
+    }
+    for (int m = 0; m < M; ++m) {
+      const float* xg = x + m * I + g * kGroup4;
+      const Vec xe = Load(xg), xo = Load(xg + kGroup4 / 2);
+      for (int r = 0; r < R; ++r) acc[r][m] = Fma(xo, odd[r], Fma(xe, even[r], acc[r][m]));
     }
 #elif defined(__AVX2__) && defined(__FMA__)
     for (int64_t i = g * kGroup4; i < (g + 1) * kGroup4; i += kLanes) {
