@@ -237,6 +237,14 @@ def int8_reader(checkpoint, get, config) -> QuantisedReader:
                            lambda name: "int8" if name in names else None)
 
 
+def mixture_refused(name: str, field: str) -> BridgeError:
+    """The refusal to save a model holding `name` as int8 beside 4-bit projections (a load in each
+    tensor's nearest layout of a file with 6- or 8-bit tensors): no checkpoint holds both."""
+    return BridgeError(f"{name}: int8 beside 4-bit projections (a load in each tensor's nearest "
+                       f"layout): no checkpoint holds the mixture; load with int4=True "
+                       f"(--quantize int4) to hold every projection as 4-bit", field=field)
+
+
 class StoredReader:
     """A 4-bit native checkpoint's quantised weights as it stores them (bridge.quantize: the
     "int4" method): name -> (packed, scale, min) of a 4-bit projection, (q, scale) of the int8

@@ -18,7 +18,7 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
-from bridge.int4 import requested_reader
+from bridge.int4 import mixture_refused, requested_reader
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.resources import gc_paused
@@ -72,15 +72,11 @@ def quantization_of(params) -> Quantization | None:
     int8, the group size in / G (G = 1: per channel); int4 where a `min` is beside the scale
     (every projection then 4-bit: a mixture, as a nearest load of a file with 6- and 8-bit
     tensors holds it, is refused). None for float params."""
-    four = [path for path, node in modules(params) if "min" in node]
-    if four:
+    if any("min" in node for _, node in modules(params)):
         mixed = [path for path, node in modules(params)
                  if "kernel" in node and "min" not in node and path[-1] in PROJECTIONS]
         if mixed:
-            raise BridgeError(f"{'/'.join(mixed[0])}: int8 beside 4-bit projections (a load in "
-                              f"each tensor's nearest layout): no checkpoint holds the mixture; "
-                              f"load with int4=True (--quantize int4) to hold every projection "
-                              f"as 4-bit", field="params")
+            raise mixture_refused("/".join(mixed[0]), field="params")
         return Quantization("int4")
     for path, node in modules(params):
         if "scale" in node and "kernel" in node:

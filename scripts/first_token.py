@@ -29,11 +29,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from llama_twins import results
-from llama_twins.bench.common import cpu_model, given_or_smollm2
+from llama_twins.bench.common import cpu_model, first_byte_and_exit, given_or_smollm2
 
 PROMPT = "What is the capital of France?"
 BASE_ENV = {k: v for k, v in os.environ.items()
@@ -97,19 +96,6 @@ def command(path: str, *extra: str) -> list[str]:
             "--prompt", PROMPT, "--max-new-tokens", "16", *extra]
 
 
-def once(argv: list[str], env: dict, cwd: str | None = None) -> tuple[float, float]:
-    """(seconds to stdout's first byte, seconds to the exit) of one fresh process."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-                            cwd=cwd)
-    proc.stdout.read(1)
-    first = time.perf_counter() - start
-    proc.stdout.read()
-    if proc.wait():
-        raise SystemExit(f"error: {' '.join(argv)} exited with {proc.returncode}")
-    return first, time.perf_counter() - start
-
-
 def stages(path: str, cache: str) -> dict[str, float]:
     """One warm run with its stages marked (STAGES) -> {mark: seconds since the start}."""
     run = subprocess.run([sys.executable, "-c", STAGES, *command(path)[3:]], capture_output=True,
@@ -144,12 +130,12 @@ def main(argv=None) -> int:
             cases["incumbent"] = (command(path), {**warm, "PYTHONPATH": incumbent}, incumbent)
         for name, (argv_, env, cwd) in cases.items():  # fill the caches
             if name != "cold":
-                once(argv_, env, cwd)
+                first_byte_and_exit(argv_, env, cwd)
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
         for r in range(args.rounds):
             order = list(cases) if r % 2 == 0 else list(reversed(cases))
             for name in order:
-                times[name].append(once(*cases[name]))
+                times[name].append(first_byte_and_exit(*cases[name]))
             print(f"round {r + 1}: " + ", ".join(f"{n} {times[n][-1][0]:.2f} s" for n in cases),
                   file=sys.stderr, flush=True)
         marks = stages(path, f"{tmp}/cache")

@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 from bridge.errors import BridgeError
+from bridge.int4 import mixture_refused
 from bridge.quantize import Quantization, check_quantizable
 
 from .model import Llama
@@ -68,10 +69,7 @@ def quantization_of(model: nn.Module) -> Quantization | None:
         mixed = [name for name, m in weights if isinstance(m, Linear) and
                  not hasattr(m, "weight_min")]
         if mixed:
-            raise BridgeError(f"{mixed[0]}: int8 beside 4-bit projections (a load in each "
-                              f"tensor's nearest layout): no checkpoint holds the mixture; load "
-                              f"with int4=True (--quantize int4) to hold every projection as "
-                              f"4-bit", field="model")
+            raise mixture_refused(mixed[0], field="model")
         return Quantization("int4")
     for name, m in int8_weights(model):
         if hasattr(m, "weight_scale"):

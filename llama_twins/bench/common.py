@@ -135,6 +135,21 @@ def timed(run: Callable[[], object], warmup: int, repeats: int,
 
 # -- torch side (imported in the torch workers only) --------------------------------------------
 
+def first_byte_and_exit(command: list[str], env: dict, cwd: str | None = None
+                        ) -> tuple[float, float]:
+    """(seconds to the first byte on stdout, seconds to the exit) of `command` in a fresh
+    process: a generate command's time to its first token, and its whole run."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                            cwd=cwd)
+    proc.stdout.read(1)
+    first = time.perf_counter() - start
+    proc.stdout.read()
+    if proc.wait():
+        raise RuntimeError(f"{' '.join(command)} exited with {proc.returncode}")
+    return first, time.perf_counter() - start
+
+
 def run_json(command: list[str]) -> tuple[dict, float]:
     """(the JSON object a command prints on stdout, its wall seconds); the command is echoed on
     stderr first, and a failing one ends the caller with its stderr's tail."""

@@ -391,24 +391,14 @@ def cold_start(checkpoint: str, runs: int = 2) -> dict:
     stdout's first byte (time to first token, process start included) and its exit: without
     the persistent compilation cache, with it empty (the run fills it) and with it warm.
     Medians of `runs` each."""
-    import subprocess
     import tempfile
-    import time
+
+    from .common import first_byte_and_exit
 
     command = [sys.executable, "-m", "llama_twins.cli.main", "generate", checkpoint, "--chat",
                "--prompt", "What is the capital of France?", "--max-new-tokens", "16"]
     base = {k: v for k, v in os.environ.items()
             if k not in ("JAX_COMPILATION_CACHE_DIR", "JAX_LLAMA_COMPILE_CACHE")}
-
-    def once(env) -> tuple[float, float]:
-        start = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-        proc.stdout.read(1)
-        first = time.perf_counter() - start
-        proc.stdout.read()
-        if proc.wait():
-            raise RuntimeError(f"{' '.join(command)} exited with {proc.returncode}")
-        return first, time.perf_counter() - start
 
     result = {}
     with tempfile.TemporaryDirectory(prefix="jax-llama-cache-") as tmp:
@@ -417,7 +407,7 @@ def cold_start(checkpoint: str, runs: int = 2) -> dict:
                  "cache warm": lambda i: {**base, "JAX_LLAMA_COMPILE_CACHE": f"{tmp}/{i}"}}
         for case, env in cases.items():
             say(f"cold start: {case}")
-            times = [once(env(i)) for i in range(runs)]
+            times = [first_byte_and_exit(command, env(i)) for i in range(runs)]
             result[case] = {"first_token_s": statistics.median(t[0] for t in times),
                             "total_s": statistics.median(t[1] for t in times),
                             "runs": times}
