@@ -242,24 +242,19 @@ class _Blocks:
         return value, grads
 
 
-def adamw_steps(start: np.ndarray, grads: Callable[[int], np.ndarray], norms: list[float],
+def adamw_steps(start: np.ndarray, base: np.ndarray, scales: list[np.float32], norms: list[float],
                 adamw: AdamW) -> np.ndarray:
     """One tensor after `adamw.steps` float64 steps of the recipe from `start`, step k taking the
-    gradient grads(k) (this tensor's part of gradients whose global norm is norms[k]) instead of
-    the model's own: the optimizer alone, for the report's figure that feeds both twins the same
-    gradients. Clipping by global norm is a scale per step, so the tensors run one by one."""
+    gradient base * scales[k] rounded to float32 (this tensor's part of gradients whose global norm
+    is norms[k]) instead of the model's own: the optimizer alone, for the report's figure that
+    feeds both twins the same gradients. Clipping by global norm is a scale per step, so the
+    tensors run one by one, each in one compiled program (its steps unrolled)."""
     import jax
-    import jax.numpy as jnp
 
     with jax.enable_x64(True):
-        optimizer = _tensor_adamw(adamw)  # compiled once for every tensor of the recipe
-        weight = jnp.asarray(np.asarray(start, np.float64))
-        state = optimizer.init(weight)
-        for k in range(adamw.steps):
-            weight, state = optimizer.step(weight, state,
-                                           jnp.asarray(np.asarray(grads(k), np.float64)),
-                                           _clip_scale(norms[k], adamw.grad_clip))
-        return np.asarray(weight)
+        clips = np.array([_clip_scale(n, adamw.grad_clip) for n in norms], np.float64)
+        return np.asarray(_tensor_adamw(adamw).steps(start, np.asarray(base, np.float32),
+                                                     np.asarray(scales, np.float32), clips))
 
 
 @functools.lru_cache(maxsize=2)
@@ -274,6 +269,7 @@ class _TensorAdamW:
 
     def __init__(self, adamw: AdamW):
         import jax
+        import jax.numpy as jnp
         import optax
 
         schedule = optax.warmup_cosine_decay_schedule(
@@ -289,11 +285,25 @@ class _TensorAdamW:
         # the weight and its moments are consumed: their buffers hold the new ones
         self._step = jax.jit(step, static_argnums=0, donate_argnums=(1, 2))
 
+        def steps(decay, start, base, scales, clips):  # step k's gradient: f32(base * scales[k])
+            weight = start.astype(jnp.float64)
+            state = self._optimizers[decay].init(weight)
+            for k in range(adamw.steps):
+                grad = (base * scales[k]).astype(jnp.float64)
+                weight, state = step(decay, weight, state, grad, clips[k])
+            return weight
+        self._steps = jax.jit(steps, static_argnums=0)
+
     def init(self, weight):
         return self._optimizers[weight.ndim == 2].init(weight)
 
     def step(self, weight, state, grad, scale: float):
         return self._step(weight.ndim == 2, weight, state, grad, scale)
+
+    def steps(self, start, base, scales, clips):
+        """The weight after len(scales) steps from start (any float dtype), step k's gradient
+        base (float32) * scales[k] rounded to float32, clipped by clips[k]."""
+        return self._steps(start.ndim == 2, start, base, scales, clips)
 
 
 def _global_norm(tensors) -> float:

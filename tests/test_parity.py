@@ -6,6 +6,7 @@ difference without the float64 run; bad input exits 2 with one line. Four full r
 bugs are in tests/test_parity_bugs.py."""
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -208,6 +209,76 @@ def test_without_the_float64_run_the_difference_is_judged_and_it_says_so(checkpo
         if c["kind"] in parity.BUDGET["float32"] and c["kind"] != "weights":
             assert c["tolerance"] == 2 * parity.budget("float32", c["kind"], c["ops"],
                                                        c["storage"])
+
+
+def test_bfloat16_products_reach_torch_as_float32_and_round_once():
+    """On a CPU where torch has no bfloat16 matrix kernel, the report multiplies bfloat16
+    matrices in float32 (forward and backward), rounding each product once: what torch's oneDNN
+    kernel computes, in another order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from llama_twins.parity.products import float32_products
+
+    seen = []
+
+    class Spy(TorchDispatchMode):  # entered first, so it sees what the products mode passes on
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm"):
+                seen.append((func.__name__, *(a.dtype for a in args
+                                             if isinstance(a, torch.Tensor))))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, 512, generator=g).bfloat16() for n in (7, 9))
+    c = torch.randn(7, 9, generator=g).bfloat16()
+    layer = torch.nn.Linear(512, 9).bfloat16()
+    x = a.clone().requires_grad_()
+    with Spy():
+        layer(x).sum().backward()  # a negative case: without the mode torch gets bfloat16
+        assert seen and all(set(dtypes) == {torch.bfloat16} for _, *dtypes in seen), seen
+        seen.clear()
+        with float32_products():
+            got = {"mm": torch.mm(a, b.T), "addmm": torch.addmm(c, a, b.T),
+                   "bmm": torch.bmm(a[None], b.T[None])[0],
+                   "baddbmm": torch.baddbmm(c[None], a[None], b.T[None])[0]}
+            layer.zero_grad()
+            x.grad = None
+            layer(x).sum().backward()
+    wide = {"mm": a.float() @ b.float().T, "addmm": torch.addmm(c.float(), a.float(), b.float().T)}
+    wide.update(bmm=wide["mm"], baddbmm=wide["addmm"])
+    for name, product in got.items():
+        assert product.dtype == torch.bfloat16
+        assert torch.equal(product, wide[name].bfloat16()), name
+    assert seen and all(set(dtypes) == {torch.float32} for _, *dtypes in seen), seen
+    assert {name.split(".")[0] for name, *_ in seen} >= {"mm", "addmm", "bmm", "baddbmm"}
+    ones = torch.ones(7, 9)
+    assert torch.equal(x.grad, (ones @ layer.weight.float()).bfloat16())  # the backward too
+    assert torch.equal(layer.weight.grad, (ones.T @ x.detach().float()).bfloat16())
+
+
+def test_the_report_says_when_torch_has_no_bfloat16_kernel(checkpoint, monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 tells torch what an AVX2-only CPU has: no bfloat16 kernel. The
+    report then notes its float32 products, and still fails a corrupted torch twin in bfloat16."""
+    import subprocess
+
+    from llama_twins.parity import report as report_module
+    from llama_twins.parity.products import NOTE
+
+    script = ("from llama_twins.parity.products import torch_lacks_bfloat16_kernel as lacks; "
+              "print(lacks())")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, check=True)
+    assert done.stdout.strip() == "True"
+    monkeypatch.setattr(report_module, "torch_lacks_bfloat16_kernel", lambda: True)
+    clean = parity.parity_report(checkpoint, dtype="bfloat16", new_tokens=4)
+    assert clean["passed"] and NOTE in clean["notes"]
+    tmodel = torch_llama.load(checkpoint, device="cpu", dtype="bfloat16")
+    with torch.no_grad():
+        tmodel.layers[1].feed_forward.w2.weight[3, 5] += 0.05
+    bad = parity.parity_report(checkpoint, dtype="bfloat16", new_tokens=4, torch_model=tmodel)
+    assert not bad["passed"] and bad["culprit"]["torch vs JAX"] == "torch"
+    assert bad["first_divergence"]["torch vs JAX"]["block"] == 1
 
 
 @pytest.mark.parametrize("args, message", [

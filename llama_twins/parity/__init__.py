@@ -13,6 +13,7 @@ The package, in the order a report runs:
 - greedy.py      greedy decoding by both twins (also behind `generate --compare-torch`)
 - training.py    one step's loss and gradients, AdamW steps, the optimizers on shared gradients
 - references.py  transformers and llama.cpp as independent references
+- products.py    torch's bfloat16 products in float32 where torch has no bfloat16 kernel (AVX2)
 - judgement.py   how a figure is measured and judged: U, BUDGET, budget, judge
 - planted.py     bugs planted in one twin, for the tests' and the calibration's negative cases
                  (imports torch: not imported here)

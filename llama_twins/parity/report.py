@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +20,8 @@ from .forward import _forward_checks, _jax_forward, _random_batch, _torch_forwar
 from .greedy import _greedy_check
 from .judgement import BUDGET, _check
 from .memory import _freed_memory_returned, _give_back, _plan_memory, training_skipped
+from .products import NOTE as PRODUCTS_NOTE
+from .products import float32_products, torch_lacks_bfloat16_kernel
 from .references import REFERENCES, _import_error, _llama_cpp_checks, _transformers_forward
 from .training import (ADAMW_EPS, ADAMW_STEPS, _float64_recipe, _optimizer_check,
                        _training_checks)
@@ -110,14 +113,19 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
         notes.append(f"greedy tokens: skipped ({why})")
     work = _Batch(ckpt, config, dtype, tokens, mask, real, seed, max(n_new, 0), truth, held,
                     reference_f64, path)
-    if training:
-        checks, first_divergence, nearest, jax_out, twins = _both_twins(
-            work, tc, torch_model, jax_model, reference, say)
-    else:
+    wide = dtype == "bfloat16" and torch_lacks_bfloat16_kernel()
+    if wide:
+        notes.append(PRODUCTS_NOTE)
+    if not training:
         notes.append(f"training figures: skipped ({training_skipped(ckpt, reference_f64)}); "
                      "the twins were loaded one at a time")
-        checks, first_divergence, nearest, jax_out, twins = _one_twin_at_a_time(
-            work, torch_model, jax_model, reference, say)
+    with float32_products() if wide else nullcontext():
+        if training:
+            checks, first_divergence, nearest, jax_out, twins = _both_twins(
+                work, tc, torch_model, jax_model, reference, say)
+        else:
+            checks, first_divergence, nearest, jax_out, twins = _one_twin_at_a_time(
+                work, torch_model, jax_model, reference, say)
     ref = None
     if reference == "transformers":
         ref = {"name": "transformers", "status": "ok", "reason": None}

@@ -126,14 +126,12 @@ def _optimizer_check(model, tmodel, tc, held: dict[str, np.ndarray], grads0: dic
     norm = _global_norm(grads0.__getitem__, names)
     factor = (tc.grad_clip or 1.0) / norm if norm > 0 else 0.0
     scales = [np.float32((k + 2) * factor) for k in range(tc.steps)]
+    # step k's gradients: base * scales[k] rounded to float32, the same numbers for all three
     base = {n: np.asarray(grads0[n], np.float32) for n in names}
-
-    def step_grad(name: str, k: int) -> np.ndarray:  # float32: the same numbers for all three
-        return base[name] * scales[k]
 
     optimizer = make_optimizer(tc)
 
-    def step(grads, scale, state, trained):  # g * scale: one float32 rounding, as step_grad's
+    def step(grads, scale, state, trained):  # g * scale: one float32 rounding
         grads = jax.tree.map(lambda g: g * scale, grads)
         updates, state = optimizer.update(grads, state, trained)
         return optax.apply_updates(trained, updates), state
@@ -169,7 +167,7 @@ def _optimizer_check(model, tmodel, tc, held: dict[str, np.ndarray], grads0: dic
         norms = [float(scale) * norm for scale in scales]
 
         def truth(n):
-            return adamw_steps(held[n], lambda k: step_grad(n, k), norms, recipe)
+            return adamw_steps(held[n], base[n], scales, norms, recipe)
     row = _compare_tensors(f"AdamW on shared gradients, {tc.steps} steps", "torch vs JAX", names,
                            {"JAX": jax_trained, "torch": torch_trained.get}, truth, "float32",
                            "optimizer", scale=tc.lr, ops=tc.steps,
