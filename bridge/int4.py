@@ -87,6 +87,26 @@ INT4_MAX_BITS = 5.0
 EXACT_INT4 = ("Q4_0", "Q4_1")  # the types this layout holds exactly (bridge.gguf.int4 reads them)
 
 
+ACTIVATIONS_ENV = "JAX_LLAMA_INT4_ACTIVATIONS"
+
+
+def activations() -> str:
+    """How both twins' 4-bit projections take their input: "float32" (the default: x as it is),
+    or "int8" ($JAX_LLAMA_INT4_ACTIVATIONS=int8; experimental, what llama.cpp's Q4 types do):
+    each group of GROUP inputs rounded to dx * round(x * (1 / dx)), dx = max |x| times
+    float32(1 / 127) (ties to even, within +-127; 0 for a group of zeros), the gradient passing
+    straight through.
+    The decode kernel then sums each group's products as integers (matvec.cc). Read when a
+    program is traced: set it before the process starts (a program jitted before the change keeps
+    the setting it was traced with)."""
+    import os
+
+    value = os.environ.get(ACTIVATIONS_ENV, "float32").strip().lower()
+    if value not in ("float32", "int8"):
+        raise BridgeError(f"expected float32 or int8, got {value!r}", field=ACTIVATIONS_ENV)
+    return value
+
+
 def nearest_layout(type_name: str | None) -> str | None:
     """"int4" or "int8" for a GGUF quantisation type (by its bits a weight: INT4_MAX_BITS), None
     for a float type or None."""

@@ -197,10 +197,14 @@ def test_convert_writes_a_4_bit_checkpoint_as_a_4_bit_load_reads_it(tmp_path, gg
         jax_llama.generate(model, direct, prompt, 5).tokens
 
 
-def test_both_twins_compute_the_same_4_bit_model():
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_both_twins_compute_the_same_4_bit_model(activations, monkeypatch):
     """The same float weights, quantised by each twin (bridge.int4 both ways: the same bits),
     give the same logits; float32 tolerance of the twins' float parity (their matmuls sum in
-    different orders), and a negative case: the float model is far from both."""
+    different orders), and a negative case: the float model is far from both. With
+    JAX_LLAMA_INT4_ACTIVATIONS=int8 both round x to 8 bits per group of 32 the same way (the
+    JAX side on its decode kernel): the same tolerance, and far from float32 activations'."""
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", activations)
     import torch
 
     import torch_llama
@@ -223,6 +227,9 @@ def test_both_twins_compute_the_same_4_bit_model():
     np.testing.assert_allclose(got, np.asarray(model.apply({"params": q}, tokens)), rtol=0,
                                atol=2e-5)
     assert np.abs(got - float_logits).max() > 1e-3
+    if activations == "int8":
+        monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
+        assert np.abs(got - torch_logits(tmodel, tokens)).max() > 1e-4
     with pytest.raises(BridgeError, match="already quantised"):
         torch_llama.quantize(tmodel)
 

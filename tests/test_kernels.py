@@ -161,6 +161,80 @@ def test_int4_weights_that_share_an_input_are_one_call_and_rows_stand_alone():
 
 
 
+def quantise_q8(x):
+    """x (M, I) as the 4-bit kernel with 8-bit activations takes it, in float64: each group of
+    32 inputs to dx * round(x * (1 / dx)) (ties to even, within +-127), dx = max |x| times
+    float32(1 / 127), and 0 where the group is all zero."""
+    M, I = x.shape
+    xg = x.reshape(M, I // 32, 32)
+    dx = np.abs(xg).max(-1) * np.float32(1 / 127)
+    inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
+    xq = np.clip(np.rint(xg * inv[..., None]), -127, 127)
+    return (xq * dx[..., None].astype(np.float64)).reshape(M, I)
+
+
+@pytest.mark.parametrize("M,I,O", INT4_SHAPES + [(20, 576, 64), (64, 96, 37)])
+def test_int4_with_8_bit_activations_is_the_quantised_x_times_the_weight(M, I, O, monkeypatch):
+    """JAX_LLAMA_INT4_ACTIVATIONS=int8: x quantised to 8 bits per group of 32 (quantise_q8) and
+    each group's products summed as integers, as llama.cpp's Q4 types do: within the float32
+    bound of the float64 product of the quantised x and the dequantised weight. Each row gets
+    the same bits alone. Negative cases: float32 activations (the default kernel) and swapped
+    nibbles are outside that bound; a wrong setting is refused by name."""
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "int8")
+    rng = np.random.default_rng(M * 1000 + O + 11)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    x[0, :32] = 0  # a group of zeros: scale 0
+    (packed, d, m), w = int4_weight(rng, I, O)
+    got = np.asarray(kernels.matvec_int4(x, [(packed, d, m)])[0])  # read when traced: no jit
+    xd = quantise_q8(x)
+    want = xd @ w.T.astype(np.float64)
+    assert np.all(np.abs(got - want) <= bound(xd, w.T))
+    np.testing.assert_array_equal(got[-1], np.asarray(kernels.matvec_int4(x[-1:], [(packed, d, m)])[0])[0])
+    swapped = (packed >> 4) | (packed << 4)
+    wrong = np.asarray(kernels.matvec_int4(x, [(swapped, d, m)])[0], np.float64)
+    assert not np.all(np.abs(wrong - want) <= bound(xd, w.T))
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
+    plain = np.asarray(kernels.matvec_int4(x, [(packed, d, m)])[0], np.float64)
+    assert not np.all(np.abs(plain - want) <= bound(xd, w.T))
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "int4")
+    from bridge.errors import BridgeError
+    with pytest.raises(BridgeError, match="JAX_LLAMA_INT4_ACTIVATIONS.*expected float32 or int8"):
+        kernels.matvec_int4(x, [(packed, d, m)])
+
+
+def test_8_bit_activations_are_the_same_products_on_xla_and_their_gradient_passes_through(
+        monkeypatch):
+    """With JAX_LLAMA_INT4_ACTIVATIONS=int8 the XLA path of a 4-bit projection (more rows than
+    the kernel serves, or kernels="xla") rounds x as the kernel does (quantise_activations equals
+    the tests' quantise_q8 bit for bit in float32): a model's logits on either path agree to
+    float32 rounding, and differ from float32 activations' by far more. Its gradient in x is the
+    dequantised weight's (straight through)."""
+    import dataclasses
+
+    import jax_llama
+    from bridge.config import PRESETS
+    from jax_llama.model.projections import int4_matmul
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((70, 96)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(kernels.quantise_activations(jnp.asarray(x))),
+                                  quantise_q8(x).astype(np.float32))
+    (packed, d, m), w = int4_weight(rng, 96, 40)
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "int8")
+    g = rng.standard_normal((70, 40)).astype(np.float32)
+    grad = jax.grad(lambda x: jnp.sum(int4_matmul(x, packed, d, m, jnp.float32) * g))(x)
+    np.testing.assert_allclose(np.asarray(grad), g @ w, rtol=1e-5, atol=1e-5)
+    config = dataclasses.replace(PRESETS["tiny"], ffn_dim=192)  # groups of 32
+    model, params = jax_llama.init(config, seed=0)
+    four = jax_llama.quantize(params, method="int4")
+    tokens = jnp.asarray([[5, 9, 2, 7, 11, 3]])
+    logits = {k: np.asarray(model.clone(kernels=k).apply({"params": four}, tokens))
+              for k in ("kernels", "xla")}
+    np.testing.assert_allclose(logits["kernels"], logits["xla"], rtol=0, atol=1e-4)
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
+    plain = np.asarray(model.clone(kernels="xla").apply({"params": four}, tokens))
+    assert np.abs(plain - logits["xla"]).max() > 10 * np.abs(logits["kernels"] - logits["xla"]).max()
+
+
 @pytest.mark.parametrize("M,I,O", ROWS_SHAPES)
 def test_int8_rows_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O):
     rng = np.random.default_rng(M * 1000 + O + 2)
@@ -257,6 +331,8 @@ def test_outputs_do_not_depend_on_the_helper_threads():
         "        kernels.matvec_rows(x, t), kernels.matvec_rows(x, q.T.copy(), s.T.copy()),\n"
         "        kernels.matvec_int4(x, [four])[0],\n"
         "        kernels.matvec_int4(rng.standard_normal((21, 576)).astype(np.float32), [four])[0]]\n"
+        "import os; os.environ['JAX_LLAMA_INT4_ACTIVATIONS'] = 'int8'\n"
+        "outs += [kernels.matvec_int4(x, [four])[0]]\n"
         "np.save(sys.argv[1], np.concatenate([np.asarray(o).ravel() for o in outs]))\n")
     got = {}
     for threads in ("1", "", "4"):
@@ -614,6 +690,16 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "        y4 = np.asarray(kernels.matvec_int4(x, [four])[0])\n"
         "        w4 = dequantize_int4(*four)\n"
         "        assert np.array_equal(y4, np.asarray(kernels.matvec_rows(x, w4))), (M, I, O)\n"
+        "        import os; os.environ['JAX_LLAMA_INT4_ACTIVATIONS'] = 'int8'\n"
+        "        xg = x.reshape(M, I // 32, 32)  # tests' quantise_q8: no group is all zero\n"
+        "        dx = np.abs(xg).max(-1) * np.float32(1 / 127)\n"
+        "        xq = np.clip(np.rint(xg * (np.float32(1) / dx)[..., None]), -127, 127)\n"
+        "        xd = (xq * dx[..., None].astype(float)).reshape(M, I)\n"
+        "        y8 = np.asarray(kernels.matvec_int4(x, [four])[0])\n"
+        "        assert np.all(abs(y8 - xd @ w4.T.astype(float))\n"
+        "                      <= I * 1.2e-7 * (abs(xd) @ abs(w4.T.astype(float)))), (M, I, O)\n"
+        "        assert np.array_equal(y8[-1], np.asarray(kernels.matvec_int4(x[-1:], [four])[0])[0])\n"
+        "        del os.environ['JAX_LLAMA_INT4_ACTIVATIONS']\n"
         "        x19 = rng.standard_normal((19, I)).astype(np.float32)  # a prefill: in chunks\n"
         "        y19 = np.asarray(kernels.matvec_int4(x19, [four])[0])\n"
         "        assert all(np.array_equal(y19[i:i + 8], np.asarray(kernels.matvec_rows(\n"

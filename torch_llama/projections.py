@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bridge.formats.torch_files import to_numpy
-from bridge.int4 import GROUP, quantize_int4
+from bridge.int4 import GROUP, activations, quantize_int4
 from bridge.lora import LoraConfig
 from bridge.quantize import Quantization, quantize_weight
 
@@ -150,9 +150,22 @@ def int4_linear(x: torch.Tensor, packed_OJ: torch.Tensor, scale_OG: torch.Tensor
     call. jax_llama.model.projections.int4_matmul's twin."""
     O, J = packed_OJ.shape
     G = scale_OG.shape[1]
+    if activations() == "int8":  # x rounded to 8 bits per group, as JAX's twin does
+        x = quantise_activations(x)
     q_OI = torch.stack([packed_OJ & 0xF, packed_OJ >> 4], dim=-1).view(O, 2 * J)
     w_OGi = q_OI.view(O, G, 2 * J // G).to(torch.float32) * scale_OG[..., None] + min_OG[..., None]
     return F.linear(x, w_OGi.view(O, 2 * J).to(x.dtype))
+
+
+def quantise_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to 8 bits per group of 32 inputs (bridge.int4.activations' rule), in x's dtype,
+    computed in float32; the gradient passes straight through.
+    jax_llama.model.kernels.quantise_activations' twin."""
+    xg = x.to(torch.float32).unflatten(-1, (x.shape[-1] // 32, 32))
+    dx = xg.abs().amax(dim=-1, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
+    inv = torch.where(dx > 0, 1 / torch.where(dx > 0, dx, torch.ones_like(dx)), torch.zeros_like(dx))
+    xq = (torch.clamp(torch.round(xg * inv), -127, 127) * dx).flatten(-2).to(x.dtype)
+    return xq.detach() + (x - x.detach())  # exactly xq
 
 
 class Embedding(Int8Weight, nn.Embedding):

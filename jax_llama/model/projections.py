@@ -237,11 +237,17 @@ def int4_matmul(x_MI, packed_OJ, scale_OG, min_OG, dtype):
     Its gradient (a LoRA adapter trained on a 4-bit base, QLoRA) dequantises W again rather than
     keeping the forward's float copy for the backward pass: what is saved is the 4-bit weight
     itself, so training holds no float copy of the base. The 4-bit weights are constants: no
-    gradient flows to them."""
+    gradient flows to them.
+
+    With JAX_LLAMA_INT4_ACTIVATIONS=int8, x is first rounded to 8 bits per group of 32 inputs
+    as the decode kernel rounds it (decode_kernels.quantise_activations), so that a long prompt
+    and a decode step see the same products to float32 rounding."""
     return _int4_dot(x_MI, packed_OJ, scale_OG, min_OG, dtype)
 
 
 def _int4_dot(x_MI, packed_OJ, scale_OG, min_OG, dtype):
+    if decode_kernels.int4_activations() == "int8":  # its gradient: straight through (_int4_bwd)
+        x_MI = decode_kernels.quantise_activations(x_MI)
     packed_OJ = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), packed_OJ.dtype), packed_OJ)
     return jnp.dot(x_MI, dequantize_int4(packed_OJ, scale_OG, min_OG, dtype).T)
 

@@ -77,6 +77,7 @@ MAX_ROWS_INT4 = 64
 TARGETS = {"jax_llama_matvec_f32": "JaxLlamaMatvecF32",
            "jax_llama_matvec_int8": "JaxLlamaMatvecInt8",
            "jax_llama_matvec_int4": "JaxLlamaMatvecInt4",
+           "jax_llama_matvec_int4_q8": "JaxLlamaMatvecInt4Q8",
            "jax_llama_matvec_int8_rows": "JaxLlamaMatvecInt8Rows",
            "jax_llama_matvec_f32_rows": "JaxLlamaMatvecF32Rows",
            "jax_llama_decode_attention": "JaxLlamaDecodeAttention"}
@@ -222,11 +223,33 @@ def _int8_call(x_MI, qs_IO, scales_O):
     return jax.ffi.ffi_call("jax_llama_matvec_int8", outs, vmap_method="sequential")(x_MI, *args)
 
 
-def _int4_call(x_MI, weights):
+def int4_activations() -> str:
+    """bridge.int4.activations(): "float32", or "int8" with JAX_LLAMA_INT4_ACTIVATIONS=int8 (x
+    quantised per group of 32, each group summed as integers)."""
+    from bridge.int4 import activations
+
+    return activations()
+
+
+def quantise_activations(x_MI):
+    """x (..., I) as the 4-bit kernel with 8-bit activations takes it (matvec.cc's QuantiseQ8),
+    dequantised: each group of 32 inputs to dx * round(x * (1 / dx)) (ties to even, within +-127),
+    dx = max |x| * float32(1 / 127), 0 for a group of zeros; in x's dtype, computed in float32. Its
+    gradient passes straight through (the identity), as the kernel's does."""
+    shape = x_MI.shape
+    xg = x_MI.astype(jnp.float32).reshape(*shape[:-1], shape[-1] // 32, 32)
+    dx = jnp.max(jnp.abs(xg), axis=-1, keepdims=True) * jnp.float32(1 / 127)
+    inv = jnp.where(dx > 0, 1 / jnp.where(dx > 0, dx, 1), 0)
+    xq = jnp.clip(jnp.round(xg * inv), -127, 127) * dx
+    xq = xq.reshape(shape).astype(x_MI.dtype)
+    return jax.lax.stop_gradient(xq) + (x_MI - jax.lax.stop_gradient(x_MI))  # exactly xq
+
+
+def _int4_call(x_MI, weights, target="jax_llama_matvec_int4"):
     outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[0]), jnp.float32)
                  for q, _, _ in weights)
     args = [a for triple in weights for a in triple]
-    return jax.ffi.ffi_call("jax_llama_matvec_int4", outs, vmap_method="sequential")(x_MI, *args)
+    return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(x_MI, *args)
 
 
 @jax.custom_vjp
@@ -266,17 +289,18 @@ def _int8_bwd(res, gs_MO):
 _matvec_int8.defvjp(_int8_fwd, _int8_bwd)
 
 
-@jax.custom_vjp
-def _matvec_int4(x_MI, weights):
-    return _int4_call(x_MI, weights)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matvec_int4(x_MI, weights, target):
+    return _int4_call(x_MI, weights, target)
 
 
-def _int4_fwd(x_MI, weights):
-    return _int4_call(x_MI, weights), weights
+def _int4_fwd(x_MI, weights, target):
+    return _int4_call(x_MI, weights, target), weights
 
 
-def _int4_bwd(weights, gs_MO):
-    # the weights are constants: no cotangent
+def _int4_bwd(target, weights, gs_MO):
+    # the weights are constants: no cotangent; x's 8-bit rounding (int4_q8) passes the gradient
+    # straight through
     dx_MI = sum(g_MO @ dequantize_int4(*w, jnp.float32) for g_MO, w in zip(gs_MO, weights))
     return dx_MI, jax.tree.map(lambda _: None, weights)
 
@@ -371,9 +395,14 @@ def matvec_int4(x_MI, weights):
     expanded in registers (AVX-512: looked up in a table of the group's 16 values; AVX2 and
     plain C++: matvec_rows' numbers on the dequantised float32 weights, bit for bit), within
     float32 rounding of the product on the dequantised weights. Weights that read the same x are
-    one call. Call only where `usable` said True of each."""
+    one call. With JAX_LLAMA_INT4_ACTIVATIONS=int8 (int4_activations), x is first quantised per
+    group of 32 inputs to 8 bits and each group summed as integers (matvec.cc,
+    "jax_llama_matvec_int4_q8"): x' @ W^T within float32 rounding, x' the dequantised x. Call only
+    where `usable` said True of each."""
     _check()
-    return list(_matvec_int4(x_MI, tuple(tuple(w) for w in weights)))
+    target = {"float32": "jax_llama_matvec_int4",
+              "int8": "jax_llama_matvec_int4_q8"}[int4_activations()]
+    return list(_matvec_int4(x_MI, tuple(tuple(w) for w in weights), target))
 
 
 def matvec_rows(x_MI, q_OI, scale_OG=None):

@@ -636,6 +636,11 @@ struct Rows4Part {
 struct Rows4Job {
   const float* x;
   int64_t M, I, units = 0;
+  // "_q8" (Int4Q8): x quantised to 8 bits per group of 32 (QuantiseQ8), not read as float32
+  bool q8 = false;
+  const int8_t* xq = nullptr;   // (M, Q8Bytes(I)): per 4 groups, their even inputs, then odd ones
+  const float* dxe = nullptr;   // (M, Q8Lanes(I)): each group's scale, once per lane of it
+  const float* c = nullptr;     // (M, Q8Mins(I)): scale x the sum of the group's 8-bit values
   std::vector<Rows4Part> parts;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -684,7 +689,11 @@ inline Vec Nibbles4(const uint8_t* p) {
 // y[m0 + m, o + r] for m < M, r < R (Dots' order: lanes over inputs l, l + kLanes, ..., added by
 // a fixed tree), the weights expanded as they are read.
 template <int M, int R>
+void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0);
+
+template <int M, int R>
 inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
+  if (j.q8) return Dots4Q8<M, R>(j, p, o, m0);
   const int64_t I = j.I, J = I / 2, G = I / kGroup4;
   const float* x = j.x + m0 * I;
   Vec acc[R][M];
@@ -745,10 +754,170 @@ inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) 
     for (int m = 0; m < M; ++m) p.y[(m0 + m) * p.O + o + r] = HorizontalSum(acc[r][m]);
 }
 
+// -- 4-bit rows with 8-bit activations: "jax_llama_matvec_int4_q8" -----------------------------
+//
+// What llama.cpp does for its Q4 types: x is quantised per group of 32 inputs to 8 bits, and
+// each group's products are summed as integers. For row m and group g of x:
+//   dx = max |x| * float32(1 / 127), xq = x * (1 / dx) rounded to the nearest integer (ties to
+//   even; 0 where dx is 0), s = the sum of the group's xq, c = dx * s (float32);
+//   y[m, o] = sum_g (dw[o, g] * dx) * isum_g + sum_g mw[o, g] * c_g,
+// isum_g = sum_i q[o, i] xq_i exactly (an integer below 2^16). That is x' @ W^T exactly, x' the
+// dequantised dx * xq, up to float32 rounding of the sums; against x @ W^T it adds x's
+// quantisation error (at most dx / 2 an input). Sums: AVX-512, 16 lanes, lane l of 4 groups at a
+// time (4 lanes a group: vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI) times that group's
+// dw * dx, then added by a fixed tree; AVX2, the same over 2 groups (8 lanes); groups past the
+// last full vector one by one in order; then the minima's sum (lanes over groups, a fixed tree,
+// the rest in order). Nothing depends on M, the rows beside a row or the threads.
+
+constexpr int64_t Q8Blocks(int64_t I) { return (I / kGroup4 + 3) / 4; }   // of 4 groups
+constexpr int64_t Q8Bytes(int64_t I) { return Q8Blocks(I) * 128; }
+constexpr int64_t Q8Lanes(int64_t I) { return Q8Blocks(I) * 16; }  // 4 a group
+constexpr int64_t Q8Mins(int64_t I) { return (I / kGroup4 + 15) / 16 * 16; }
+
+// 1 / 127 in float32: dx = max |x| * kInv127 (a multiplication: XLA turns a division by a
+// constant into one, so every implementation multiplies by the same float32 constant)
+constexpr float kInv127 = 1.0f / 127.0f;
+
+// x (M, I) -> xq, dxe, c (layouts in Rows4Job); the padding is zero.
+void QuantiseQ8(const float* x, int64_t M, int64_t I, int8_t* xq, float* dxe, float* c) {
+  const int64_t G = I / kGroup4, bytes = Q8Bytes(I), lanes = Q8Lanes(I), mins = Q8Mins(I);
+  std::fill(xq, xq + M * bytes, int8_t{0});
+  std::fill(dxe, dxe + M * lanes, 0.0f);
+  std::fill(c, c + M * mins, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * I + g * kGroup4;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < kGroup4; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      const float d = amax * kInv127, inv = d > 0.0f ? 1.0f / d : 0.0f;
+      int8_t* block = xq + m * bytes + (g / 4) * 128 + (g % 4) * 16;
+      int32_t sum = 0;
+      for (int64_t t = 0; t < kGroup4 / 2; ++t)
+        for (int odd = 0; odd < 2; ++odd) {
+          const float r = std::nearbyint(xg[2 * t + odd] * inv);  // ties to even
+          const int8_t v = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+          block[odd * 64 + t] = v;
+          sum += v;
+        }
+      for (int k = 0; k < 4; ++k) dxe[m * lanes + g * 4 + k] = d;
+      c[m * mins + g] = d * static_cast<float>(sum);
+    }
+}
+
+// One group's integer sum, in order (the groups no vector covers, and the plain build).
+inline int32_t GroupSumQ8(const uint8_t* q, const int8_t* xq_row, int64_t g) {
+  const int8_t* block = xq_row + (g / 4) * 128 + (g % 4) * 16;
+  int32_t s = 0;
+  for (int t = 0; t < kGroup4 / 2; ++t)
+    s += (q[g * 16 + t] & 0x0F) * block[t] + (q[g * 16 + t] >> 4) * block[64 + t];
+  return s;
+}
+
+#ifndef JAX_LLAMA_Q8_ROWS
+#define JAX_LLAMA_Q8_ROWS 1
+#endif
+constexpr int kQ8Rows = JAX_LLAMA_Q8_ROWS;
+
+template <int M, int R>
+void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
+  const int64_t I = j.I, J = I / 2, G = I / kGroup4, bytes = Q8Bytes(I);
+  const int64_t lanes = Q8Lanes(I), mins = Q8Mins(I);
+  Vec acc[R][M], low[R][M];
+  float tail[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = Splat(0.0f), low[r][m] = Splat(0.0f), tail[r][m] = 0.0f;
+  const char* base = reinterpret_cast<const char*>(p.q);
+  const int64_t ahead = o * J + kPrefetchBytes, last = p.O * J - 1;
+  int64_t g = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i f = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+#if !defined(__AVX512VNNI__)
+  const __m512i ones = _mm512_set1_epi16(1);
+#endif
+  // 4 groups at a time; the last 1-3 by masked loads (x's padding is zero)
+  for (; g < G; g += 4) {
+    const int n = static_cast<int>(std::min<int64_t>(4, G - g));
+    const __mmask64 bytes_in = n == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * n)) - 1;
+    const __mmask8 groups_in = static_cast<__mmask8>((1u << n) - 1);
+    for (int r = 0; r < R; ++r)
+      __builtin_prefetch(base + std::min(ahead + R * g * kGroup4 / 2 + r * 64, last));
+    for (int r = 0; r < R; ++r) {  // a row at a time: its bytes, then every row of x
+      const __m512i b = _mm512_maskz_loadu_epi8(bytes_in, p.q + (o + r) * J + g * 16);
+      const __m512i lo = _mm512_and_si512(b, f), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), f);
+      const __m128 d4 = _mm_maskz_loadu_ps(groups_in, p.d + (o + r) * G + g);
+      const Vec dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xb = j.xq + (m0 + m) * bytes + (g / 4) * 128;
+        const __m512i xe = _mm512_loadu_si512(xb), xo = _mm512_loadu_si512(xb + 64);
+#if defined(__AVX512VNNI__)
+        const __m512i s =
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+#else
+        const __m512i s = _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(lo, xe), ones),
+                                           _mm512_madd_epi16(_mm512_maddubs_epi16(hi, xo), ones));
+#endif
+        const Vec dx = Load(j.dxe + (m0 + m) * lanes + g * 4);
+        acc[r][m] = Fma(_mm512_cvtepi32_ps(s), Mul(dw, dx), acc[r][m]);
+      }
+    }
+  }
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  const __m256i f = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  for (; g + 2 <= G; g += 2) {
+    for (int r = 0; r < R; ++r)
+      __builtin_prefetch(base + std::min(ahead + R * g * kGroup4 / 2 + r * 64, last));
+    for (int r = 0; r < R; ++r) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + (o + r) * J + g * 16));
+      const __m256i lo = _mm256_and_si256(b, f), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), f);
+      const __m128d two = _mm_load_sd(reinterpret_cast<const double*>(p.d + (o + r) * G + g));
+      const Vec dw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(two)), spread);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xb = j.xq + (m0 + m) * bytes + (g / 4) * 128 + (g % 4) * 16;
+        const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+        const __m256i xo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 64));
+        const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xe), ones),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xo), ones));
+        const Vec dx = Load(j.dxe + (m0 + m) * lanes + g * 4);
+        acc[r][m] = Fma(_mm256_cvtepi32_ps(s), Mul(dw, dx), acc[r][m]);
+      }
+    }
+  }
+#endif
+  for (; g < G; ++g)  // the groups past the last full vector, in order
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) {
+        const int32_t s = GroupSumQ8(p.q + (o + r) * J, j.xq + (m0 + m) * bytes, g);
+        const float scale = p.d[(o + r) * G + g] * j.dxe[(m0 + m) * lanes + g * 4];
+        tail[r][m] = std::fma(static_cast<float>(s), scale, tail[r][m]);
+      }
+  // the minima: sum_g mw[o, g] * c_g, lanes over groups
+  int64_t h = 0;
+  for (; h + kLanes <= G; h += kLanes)
+    for (int r = 0; r < R; ++r) {
+      const Vec mw = Load(p.m + (o + r) * G + h);
+      for (int m = 0; m < M; ++m) low[r][m] = Fma(mw, Load(j.c + (m0 + m) * mins + h), low[r][m]);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float rest = 0.0f;
+      for (int64_t k = h; k < G; ++k)
+        rest = std::fma(p.m[(o + r) * G + k], j.c[(m0 + m) * mins + k], rest);
+      p.y[(m0 + m) * p.O + o + r] =
+          (HorizontalSum(acc[r][m]) + tail[r][m]) + (HorizontalSum(low[r][m]) + rest);
+    }
+}
+
 template <int M>
 void Rows4Unit(const Rows4Job& j, const Rows4Part& p, int64_t u) {
   constexpr int R = RowsAtOnce(M);
   int64_t o = u * kUnitRows4, o1 = std::min(p.O, o + kUnitRows4);
+  if (j.q8) {
+    for (; o + kQ8Rows <= o1; o += kQ8Rows) Dots4Q8<M, kQ8Rows>(j, p, o, 0);
+    for (; o < o1; ++o) Dots4Q8<M, 1>(j, p, o, 0);
+    return;
+  }
   for (; o + R <= o1; o += R) Dots4<M, R>(j, p, o, 0);
   for (; o < o1; ++o) Dots4<M, 1>(j, p, o, 0);
 }
@@ -797,9 +966,10 @@ void RunUnit(const Rows4Job& j, int64_t u) {
   }
 }
 
-// x, then (q_k, d_k, m_k) for each weight k; one output y_k (M, O_k) each.
-ffi::Error MatvecInt4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
-                          ffi::RemainingRets rets) {
+// x, then (q_k, d_k, m_k) for each weight k; one output y_k (M, O_k) each. q8: x quantised to
+// 8 bits per group ("jax_llama_matvec_int4_q8").
+ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                    bool q8) {
   constexpr const char* kWhat =
       "matvec_int4: expected x (M, I), then (q (O, I / 2) uint8, scale (O, I / 32) float32, min "
       "(O, I / 32) float32) per output y (M, O); I a multiple of 32";
@@ -808,12 +978,23 @@ ffi::Error MatvecInt4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
       args.size() != 3 * rets.size())
     return ffi::Error::InvalidArgument(kWhat);
   auto job = std::make_shared<Rows4Job>();
-  job->x = x.typed_data(), job->M = xd[0], job->I = xd[1];
+  job->x = x.typed_data(), job->M = xd[0], job->I = xd[1], job->q8 = q8;
+  // scratch that outlives the units (RunUnits waits for them)
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dxe, c;
+  if (q8) {
+    xq.resize(job->M * Q8Bytes(job->I)), dxe.resize(job->M * Q8Lanes(job->I));
+    c.resize(job->M * Q8Mins(job->I));
+    QuantiseQ8(job->x, job->M, job->I, xq.data(), dxe.data(), c.data());
+    job->xq = xq.data(), job->dxe = dxe.data(), job->c = c.data();
+  }
 #if defined(__AVX512F__)
-  thread_local std::vector<float> split;  // outlives the units (RunUnits waits for them)
-  if (split.size() < size_t(job->M * job->I)) split.resize(job->M * job->I);
-  SplitEvenOdd(job->x, job->M, job->I, split.data());
-  job->x = split.data();
+  thread_local std::vector<float> split;
+  if (!q8) {
+    if (split.size() < size_t(job->M * job->I)) split.resize(job->M * job->I);
+    SplitEvenOdd(job->x, job->M, job->I, split.data());
+    job->x = split.data();
+  }
 #endif
   size_t bytes = 0;
   for (size_t k = 0; k < rets.size(); ++k) {
@@ -840,6 +1021,16 @@ ffi::Error MatvecInt4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
   else
     RunUnits(job, bytes >= kShareBytes);
   return ffi::Error::Success();
+}
+
+ffi::Error MatvecInt4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets) {
+  return Int4Rows(x, args, rets, false);
+}
+
+ffi::Error MatvecInt4Q8Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                            ffi::RemainingRets rets) {
+  return Int4Rows(x, args, rets, true);
 }
 
 // -- attention of a few queries over a KV cache ------------------------------------------------
@@ -1022,6 +1213,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8, MatvecInt8,
                                   .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt4, MatvecInt4Rows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt4Q8, MatvecInt4Q8Rows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
