@@ -9,8 +9,8 @@ scored alone from its first token (the NLL of tokens 2..window given those befor
 
 Rows: llama.cpp (llama-cpp-python) on the F32 and the Q4_0 file; jax-llama float32 (the F32 file),
 int4 reading the Q4_0 file's blocks exactly (jax_llama.load(..., int4=True): llama.cpp's weights,
-bit for bit), the same with JAX_LLAMA_INT4_ACTIVATIONS=int8, and int4 by our own quantiser (bridge.int4.quantize_int4: a scale and a minimum per
-32) from the float32 weights. Writes OUT/int4_perplexity.{md,json}.
+bit for bit), the same with JAX_LLAMA_INT4_ACTIVATIONS=int8, and int4 by our own quantiser
+(bridge.int4.quantize_int4: a scale and a minimum per 32) from the float32 weights. Writes OUT/int4_perplexity.{md,json}.
 
     python scripts/int4_perplexity.py [--windows 16] [--window 512] [--out results/quality]
 """

@@ -163,7 +163,8 @@ def quantise_activations(x: torch.Tensor) -> torch.Tensor:
     jax_llama.model.kernels.quantise_activations' twin."""
     xg = x.to(torch.float32).unflatten(-1, (x.shape[-1] // 32, 32))
     dx = xg.abs().amax(dim=-1, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
-    inv = torch.where(dx > 0, 1 / torch.where(dx > 0, dx, torch.ones_like(dx)), torch.zeros_like(dx))
+    safe = torch.where(dx > 0, dx, torch.ones_like(dx))
+    inv = torch.where(dx > 0, 1 / safe, torch.zeros_like(dx))
     xq = (torch.clamp(torch.round(xg * inv), -127, 127) * dx).flatten(-2).to(x.dtype)
     return xq.detach() + (x - x.detach())  # exactly xq
 
