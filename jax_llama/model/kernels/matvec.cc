@@ -14,6 +14,8 @@
 //   y_k (M, O_k) = x @ (q_k * d_k + m_k)^T          4-bit q_k stored (O_k, I / 2), two weights a
 //                                                   byte; d_k, m_k float32 (O_k, I / 32), k = 1..
 //                                                                      "jax_llama_matvec_int4"
+//   the same with x rounded to 8 bits per group of 32 and each group summed as integers
+//   (JAX_LLAMA_INT4_ACTIVATIONS=int8)                              "jax_llama_matvec_int4_q8"
 //   out = softmax(q k^T / sqrt(H) + mask) v        k, v: layer l of the cache, read in place
 //                                                                 "jax_llama_decode_attention"
 //
@@ -763,11 +765,13 @@ inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) 
 //   y[m, o] = sum_g (dw[o, g] * dx) * isum_g + sum_g mw[o, g] * c_g,
 // isum_g = sum_i q[o, i] xq_i exactly (an integer below 2^16). That is x' @ W^T exactly, x' the
 // dequantised dx * xq, up to float32 rounding of the sums; against x @ W^T it adds x's
-// quantisation error (at most dx / 2 an input). Sums: AVX-512, 16 lanes, lane l of 4 groups at a
-// time (4 lanes a group: vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI) times that group's
-// dw * dx, then added by a fixed tree; AVX2, the same over 2 groups (8 lanes); groups past the
-// last full vector one by one in order; then the minima's sum (lanes over groups, a fixed tree,
-// the rest in order). Nothing depends on M, the rows beside a row or the threads.
+// quantisation error (at most dx / 2 an input). Sums: AVX-512, 16 lanes, 4 groups at a time (4
+// lanes a group: vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI; the last 1-3 groups by masked
+// loads), each lane's integer times its group's dw * dx, then added by a fixed tree; AVX2, the
+// same over 2 groups (8 lanes), an odd last group alone; plain C++, group by group in order; then
+// the minima's sum (lanes over groups, a fixed tree, the rest in order). Nothing depends on M,
+// the rows beside a row or the threads. A 4096 x 14336 weight: 1.3-1.4 ms against 2.4-2.6 ms with
+// float32 x (2-core AMD EPYC Zen 4, alternating calls); SmolLM2's small projections about even.
 
 constexpr int64_t Q8Blocks(int64_t I) { return (I / kGroup4 + 3) / 4; }   // of 4 groups
 constexpr int64_t Q8Bytes(int64_t I) { return Q8Blocks(I) * 128; }
