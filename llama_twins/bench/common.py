@@ -51,6 +51,8 @@ class Spec:
     stream: bool = False           # decode: JAX streams each token through the CLI's Streamer
     kernels: bool = True           # decode: JAX's model with kernels="auto" (True, its default)
                                    # or "xla" (False: XLA's matmuls), as --kernels sets it
+    activations: str = "float32"   # decode: how 4-bit projections take x (bridge.int4.activations;
+                                   # "int8": JAX_LLAMA_INT4_ACTIVATIONS=int8 in the worker)
     warmup: int = 2           # untimed runs first: the first compiles (JAX) or warms caches
     repeats: int = 3          # timed runs per worker process
 

@@ -45,6 +45,8 @@ def prompt(spec: Spec) -> list[int]:
 
 def jax_runner(spec: Spec):
     os.environ["JAX_LLAMA_KERNELS"] = "1"  # whatever the caller set: the rows choose below
+    from bridge.int4 import ACTIVATIONS_ENV
+    os.environ[ACTIVATIONS_ENV] = spec.activations  # a worker process of its own
     import jax_llama
     from jax_llama.inference.generate import generate
     kernels = "auto" if spec.kernels else "xla"  # the model's `kernels`, as --kernels sets it
@@ -275,7 +277,7 @@ LLAMA_CPP_TYPES = ("f32", "q8_0", "q4_0")
 # The 4-bit row reads the Q4_0 file's blocks (load(int4=True)), batch 1 and 8. (The torch twin's
 # 4-bit Linear dequantises every weight per call: 2.9 tokens/s on SmolLM2, 4 minutes a round, so
 # it has no row here.)
-INT4_ROWS = (f"{JAX} int4",)
+INT4_ROWS = (f"{JAX} int4", f"{JAX} int4 q8")  # q8: 8-bit activations (bridge.int4.activations)
 
 
 def real_weights(spec: Spec, source: str, rounds: int, found: dict, work,
@@ -312,7 +314,8 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work,
                                 progress=False) for t in LLAMA_CPP_TYPES}
     for label in INT4_ROWS:  # the 4-bit rows read the Q4_0 file's blocks as they are
         variants[label] = (label.split(" ")[0], dataclasses.replace(
-            spec, quantize="int4", weights=str(files["Q4_0"])))
+            spec, quantize="int4", weights=str(files["Q4_0"]),
+            activations="int8" if label.endswith("q8") else "float32"))
         row_bytes[label] = int4_bytes_per_token(config)
     if found.get("llama_cpp"):
         say(f"warning: no llama.cpp rows: {found['llama_cpp']}")
@@ -348,7 +351,8 @@ def gguf_file_type(path) -> str:
 AGAINST_LLAMA_CPP = ((JAX, f"{LLAMA_CPP} F32", 1.0), (JAX_XLA, f"{LLAMA_CPP} F32", 1.0),
                      (f"{JAX} int8", f"{LLAMA_CPP} Q8_0", 1.2),
                      (JAX_INT8_XLA, f"{LLAMA_CPP} Q8_0", 1.2),
-                     (f"{JAX} int4", f"{LLAMA_CPP} Q4_0", 1.0), (STREAMED, JAX, 0.9))
+                     (f"{JAX} int4", f"{LLAMA_CPP} Q4_0", 1.0),
+                     (f"{JAX} int4 q8", f"{LLAMA_CPP} Q4_0", 1.0), (STREAMED, JAX, 0.9))
 
 
 def round_rates(row: dict, rounds: int, new_tokens: int) -> list[float]:
