@@ -128,3 +128,31 @@ def test_programs_are_kept_only_where_use_compile_cache_asked_for_them(tmp_path)
                           text=True, timeout=120, env=base)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["None", str(tmp_path / "programs")]
+
+
+def test_the_least_recently_used_programs_are_evicted_past_the_limit(tmp_path, monkeypatch):
+    """Past JAX_LLAMA_PROGRAMS_MAX_MB the oldest programs (by modification time: a load touches
+    its file) are removed until the rest fit; the newest stays even alone over the limit; a bad
+    limit is refused naming the variable."""
+    from bridge.errors import BridgeError
+    from jax_llama.inference import programs
+
+    sizes = {"a": 400_000, "b": 300_000, "c": 500_000, "d": 200_000}  # written in this order
+    for age, (name, size) in enumerate(sizes.items()):
+        path = tmp_path / f"prefill-{name}.bin"
+        path.write_bytes(b"\0" * size)
+        os.utime(path, (1_000_000 + age, 1_000_000 + age))
+    os.utime(tmp_path / "prefill-a.bin")  # "a" loaded just now: the most recently used
+    (tmp_path / "notes.txt").write_text("not a program")
+    monkeypatch.setenv("JAX_LLAMA_PROGRAMS_MAX_MB", str(1_000_000 / 2**20))  # 1,000,000 bytes
+    removed = programs.evict(tmp_path)
+    # newest first: a (400k), d (200k), c (500k: over) -> c and b go
+    assert sorted(p.name for p in removed) == ["prefill-b.bin", "prefill-c.bin"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "prefill-a.bin",
+                                                          "prefill-d.bin"]
+    monkeypatch.setenv("JAX_LLAMA_PROGRAMS_MAX_MB", "0")
+    assert [p.name for p in programs.evict(tmp_path)] == ["prefill-d.bin"]
+    assert (tmp_path / "prefill-a.bin").exists()  # the newest stays
+    monkeypatch.setenv("JAX_LLAMA_PROGRAMS_MAX_MB", "lots")
+    with pytest.raises(BridgeError, match="JAX_LLAMA_PROGRAMS_MAX_MB.*number of megabytes"):
+        programs.evict(tmp_path)

@@ -12,7 +12,8 @@ arguments, and everything else that could change what tracing would give - the s
 jax_llama and bridge (hashed once a process), the jax and jaxlib versions, the device and CPU,
 XLA_FLAGS, the JAX_* and JAX_LLAMA_* environment and jax's config. A program not found is traced
 and compiled (afresh: see _load_or_compile), then serialised (jax.experimental.serialize_executable)
-into `programs/` inside that cache's folder.
+into `programs/` inside that cache's folder, which keeps at most $JAX_LLAMA_PROGRAMS_MAX_MB (1024)
+megabytes of them, the least recently used removed first (evict).
 
     step = program(_prefill, "prefill", (params, tokens, mask, stops, key), dict(model=..., ...))
     d = step(params, tokens, mask, stops, key)
@@ -122,6 +123,7 @@ def _load_or_compile(jitted, name, args, static, folder: Path, digest: str) -> C
                 blob, in_tree, out_tree = pickle.load(f)
             compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
             counts["loaded"] += 1
+            os.utime(path)  # used now: the last to be evicted
             return compiled
         except Exception as e:  # another jaxlib's file, a file cut short: compile it again
             log.info("%s: not loaded (%s: %s); compiling it again", path, type(e).__name__, e)
@@ -145,7 +147,44 @@ def _load_or_compile(jitted, name, args, static, folder: Path, digest: str) -> C
         os.replace(f.name, path)
     except Exception as e:  # a read-only cache, a program that cannot be serialised: run it
         log.info("%s: not saved (%s: %s)", path, type(e).__name__, e)
+    evict(folder)
     return compiled
+
+
+def limit() -> int:
+    """The most bytes of programs kept: $JAX_LLAMA_PROGRAMS_MAX_MB megabytes (default 1024)."""
+    value = os.environ.get("JAX_LLAMA_PROGRAMS_MAX_MB", "1024")
+    try:
+        return int(float(value) * 2**20)
+    except ValueError:
+        from bridge.errors import BridgeError
+        raise BridgeError(f"expected a number of megabytes, got {value!r}",
+                          field="JAX_LLAMA_PROGRAMS_MAX_MB") from None
+
+
+def evict(folder: Path) -> list[Path]:
+    """Remove the least recently used programs (by modification time: written or loaded) until
+    the folder holds at most limit() bytes; the newest is always kept. Returns what was removed.
+    SmolLM2's generation programs are 1.5-3 MB each; a new model, sampler, cache length, batch
+    shape or jax_llama version makes new ones, so without this the folder only grows."""
+    cap, files = limit(), []
+    for path in folder.glob("*.bin"):
+        try:
+            st = path.stat()
+        except OSError:  # removed by another process meanwhile
+            continue
+        files.append((st.st_mtime, st.st_size, path))
+    files.sort(reverse=True)  # newest first
+    total, removed = 0, []
+    for i, (_, size, path) in enumerate(files):
+        total += size
+        if i > 0 and total > cap:
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
 
 
 def _digest(key: tuple) -> str:
