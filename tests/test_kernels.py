@@ -207,13 +207,12 @@ def test_8_bit_activations_are_the_same_products_on_xla_and_their_gradient_passe
         monkeypatch):
     """With JAX_LLAMA_INT4_ACTIVATIONS=int8 the XLA path of a 4-bit projection (more rows than
     the kernel serves, or kernels="xla") rounds x as the kernel does (quantise_activations equals
-    the tests' quantise_q8 bit for bit in float32): a model's logits on either path agree to
-    float32 rounding, and differ from float32 activations' by far more. Its gradient in x is the
-    dequantised weight's (straight through)."""
-    import dataclasses
-
-    import jax_llama
-    from bridge.config import PRESETS
+    the tests' quantise_q8 bit for bit in float32): on the same x, int4_matmul and the kernel are
+    within the float32 bound of the product of the rounded x, and float32 activations are not.
+    (Through a model's layers the paths' x differ in their last bits, and a last bit can move an
+    8-bit input by a step: the rounding is not continuous, so whole models are compared by
+    their figures in the docs, not here.) Its gradient in x is the dequantised weight's
+    (straight through)."""
     from jax_llama.model.projections import int4_matmul
     rng = np.random.default_rng(3)
     x = rng.standard_normal((70, 96)).astype(np.float32)
@@ -221,20 +220,18 @@ def test_8_bit_activations_are_the_same_products_on_xla_and_their_gradient_passe
                                   quantise_q8(x).astype(np.float32))
     (packed, d, m), w = int4_weight(rng, 96, 40)
     monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "int8")
+    xd = quantise_q8(x)
+    want = xd @ w.T.astype(np.float64)
+    on_xla = np.asarray(int4_matmul(jnp.asarray(x), packed, d, m, jnp.float32), np.float64)
+    on_kernel = np.asarray(kernels.matvec_int4(x[:8], [(packed, d, m)])[0], np.float64)
+    assert np.all(np.abs(on_xla - want) <= bound(xd, w.T))
+    assert np.all(np.abs(on_kernel - want[:8]) <= bound(xd[:8], w.T))
     g = rng.standard_normal((70, 40)).astype(np.float32)
     grad = jax.grad(lambda x: jnp.sum(int4_matmul(x, packed, d, m, jnp.float32) * g))(x)
     np.testing.assert_allclose(np.asarray(grad), g @ w, rtol=1e-5, atol=1e-5)
-    config = dataclasses.replace(PRESETS["tiny"], ffn_dim=192)  # groups of 32
-    model, params = jax_llama.init(config, seed=0)
-    four = jax_llama.quantize(params, method="int4")
-    tokens = jnp.asarray([[5, 9, 2, 7, 11, 3]])
-    logits = {k: np.asarray(model.clone(kernels=k).apply({"params": four}, tokens))
-              for k in ("kernels", "xla")}
-    np.testing.assert_allclose(logits["kernels"], logits["xla"], rtol=0, atol=1e-4)
     monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
-    plain = np.asarray(model.clone(kernels="xla").apply({"params": four}, tokens))
-    paths = np.abs(logits["kernels"] - logits["xla"]).max()
-    assert np.abs(plain - logits["xla"]).max() > 10 * paths
+    plain = np.asarray(int4_matmul(jnp.asarray(x), packed, d, m, jnp.float32), np.float64)
+    assert not np.all(np.abs(plain - want) <= bound(xd, w.T))
 
 
 @pytest.mark.parametrize("M,I,O", ROWS_SHAPES)

@@ -240,8 +240,8 @@ def int4_matmul(x_MI, packed_OJ, scale_OG, min_OG, dtype):
     gradient flows to them.
 
     With JAX_LLAMA_INT4_ACTIVATIONS=int8, x is first rounded to 8 bits per group of 32 inputs
-    as the decode kernel rounds it (decode_kernels.quantise_activations), so that a long prompt
-    and a decode step see the same products to float32 rounding."""
+    as the decode kernel rounds it (decode_kernels.quantise_activations): on the same x, the
+    same products to float32 rounding."""
     return _int4_dot(x_MI, packed_OJ, scale_OG, min_OG, dtype)
 
 
