@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from bridge.errors import BridgeError
+from bridge.int4 import activations
 from bridge.lora import LoraConfig
 
 from . import kernels as decode_kernels
@@ -246,7 +247,7 @@ def int4_matmul(x_MI, packed_OJ, scale_OG, min_OG, dtype):
 
 
 def _int4_dot(x_MI, packed_OJ, scale_OG, min_OG, dtype):
-    if decode_kernels.int4_activations() == "int8":  # its gradient: straight through (_int4_bwd)
+    if activations() == "int8":  # its gradient: straight through (_int4_bwd)
         x_MI = decode_kernels.quantise_activations(x_MI)
     packed_OJ = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), packed_OJ.dtype), packed_OJ)
     return jnp.dot(x_MI, dequantize_int4(packed_OJ, scale_OG, min_OG, dtype).T)

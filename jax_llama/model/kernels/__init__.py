@@ -60,6 +60,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from bridge.int4 import activations
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("matvec.cc")
@@ -221,14 +223,6 @@ def _int8_call(x_MI, qs_IO, scales_O):
     outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[1]), jnp.float32) for q in qs_IO)
     args = [a for pair in zip(qs_IO, scales_O) for a in pair]
     return jax.ffi.ffi_call("jax_llama_matvec_int8", outs, vmap_method="sequential")(x_MI, *args)
-
-
-def int4_activations() -> str:
-    """bridge.int4.activations(): "float32", or "int8" with JAX_LLAMA_INT4_ACTIVATIONS=int8 (x
-    quantised per group of 32, each group summed as integers)."""
-    from bridge.int4 import activations
-
-    return activations()
 
 
 def quantise_activations(x_MI):
@@ -395,13 +389,13 @@ def matvec_int4(x_MI, weights):
     expanded in registers (AVX-512: looked up in a table of the group's 16 values; AVX2 and
     plain C++: matvec_rows' numbers on the dequantised float32 weights, bit for bit), within
     float32 rounding of the product on the dequantised weights. Weights that read the same x are
-    one call. With JAX_LLAMA_INT4_ACTIVATIONS=int8 (int4_activations), x is first quantised per
-    group of 32 inputs to 8 bits and each group summed as integers (matvec.cc,
+    one call. With JAX_LLAMA_INT4_ACTIVATIONS=int8 (bridge.int4.activations), x is first quantised
+    per group of 32 inputs to 8 bits and each group summed as integers (matvec.cc,
     "jax_llama_matvec_int4_q8"): x' @ W^T within float32 rounding, x' the dequantised x. Call only
     where `usable` said True of each."""
     _check()
     target = {"float32": "jax_llama_matvec_int4",
-              "int8": "jax_llama_matvec_int4_q8"}[int4_activations()]
+              "int8": "jax_llama_matvec_int4_q8"}[activations()]
     return list(_matvec_int4(x_MI, tuple(tuple(w) for w in weights), target))
 
 
