@@ -1,0 +1,166 @@
+"""How fast the 4-bit decode kernel streams a model's projections: a decode step's calls.
+
+    python scripts/int4_stream.py [--shapes smollm2,llama3.2-1b,llama3-8b] [--rounds 3]
+        [--activations int8,float32] [--incumbent DIR] [--out results/kernels]
+
+Each (shape, activations) row runs in its own process: random 4-bit weights for L layers of the
+model's shape (fused q/k/v, o, fused gate/up, down, as jax_llama.model.projections calls them),
+then one jitted program of `--chain` passes over them, each call's input depending on the last
+output (as a decode step's do, so XLA runs no two calls at once), batch 1. It reports the time of
+a pass and the weight bytes it read per second (half a byte a weight plus float32 scale and
+minimum per 32: 0.75 bytes). With --incumbent DIR (a checkout, e.g. `git worktree add
+/tmp/before HEAD~1`), every row also runs from DIR, alternating, and the ratio of the medians is
+beside it. Writes OUT/int4_stream.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# name -> (dim, ffn hidden, kv heads x head dim, layers timed): the layers keep the weights
+# (0.75 bytes a weight) well beyond the last-level cache
+SHAPES = {"smollm2": (576, 1536, 192, 30), "llama3.2-1b": (2048, 8192, 512, 16),
+          "llama3-8b": (4096, 14336, 1024, 8)}
+
+WORKER = r"""
+import json, sys, time, numpy as np, jax, jax.numpy as jnp
+from jax_llama.model import kernels as K
+D, F, KV, L, chain, repeats = (int(a) for a in sys.argv[1:7])
+calls = [(D, [D + 2 * KV]), (D, [D]), (D, [F, F]), (F, [D])]
+rng = np.random.default_rng(0)
+def weight(I, O):
+    return (jnp.asarray(rng.integers(0, 256, (O, I // 2), dtype=np.uint8)),
+            jnp.asarray(rng.random((O, I // 32), dtype=np.float32)),
+            jnp.asarray(rng.random((O, I // 32), dtype=np.float32) - 0.5))
+ws = [[[weight(I, O) for O in outs] for I, outs in calls] for _ in range(L)]
+x = jnp.asarray(rng.standard_normal((1, D), dtype=np.float32))
+xf = jnp.asarray(rng.standard_normal((1, F), dtype=np.float32))
+@jax.jit
+def run(x, xf, ws):
+    def body(i, acc):
+        for layer in ws:
+            for (I, outs), w in zip(calls, layer):
+                ys = K.matvec_int4((xf if I == F else x) + acc * 1e-30, w)
+                acc = acc + sum(y[0, 0] for y in ys)
+        return acc
+    return jax.lax.fori_loop(0, chain, body, jnp.float32(0))
+run(x, xf, ws).block_until_ready()
+times = []
+for _ in range(repeats):
+    t = time.perf_counter(); run(x, xf, ws).block_until_ready()
+    times.append((time.perf_counter() - t) / chain)
+weights = sum(I * O for I, outs in calls for O in outs) * L
+print(json.dumps({"pass_s": float(np.median(times)), "weights": weights}))
+"""
+
+
+def measure(tree: str | None, shape: str, activations: str, args) -> dict:
+    D, F, KV, L = SHAPES[shape]
+    env = {**os.environ, "JAX_LLAMA_INT4_ACTIVATIONS": activations}
+    if tree is not None:  # the incumbent's packages first
+        env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run([sys.executable, "-c", WORKER, str(D), str(F), str(KV), str(L),
+                           str(args.chain), str(args.repeats)],
+                          capture_output=True, text=True, env=env, cwd=tree or None)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {shape} {activations} ({tree or 'this checkout'}): "
+                         f"{(done.stderr.strip().splitlines() or ['exit ' + str(done.returncode)])[-1]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**out, "gb_s": 0.75 * out["weights"] / out["pass_s"] / 1e9}
+
+
+def render(r: dict) -> list[str]:
+    lines = ["# The 4-bit decode kernel streaming a model's projections", "",
+             f"{(r.get('cpu') or {}).get('model_name') or 'CPU unrecorded'}; batch 1; a pass is one decode step's 4-bit calls over the layers "
+             f"timed, {r['chain']} passes in one program, median of {r['repeats']} programs a "
+             f"process, then the median of {r['rounds']} rounds"
+             + (f", alternating with the incumbent ({r['incumbent']})" if r["incumbent"] else "")
+             + ". GB/s: 0.75 bytes a weight (4-bit weights, float32 scale and minimum per 32).", ""]
+    head = "| shape | layers | activations | pass (ms) | GB/s |"
+    rule = "|---|---|---|---|---|"
+    if r["incumbent"]:
+        head += " incumbent pass (ms) | incumbent GB/s | speed-up |"
+        rule += "---|---|---|"
+    lines += [head, rule]
+    for row in r["rows"]:
+        line = (f"| {row['shape']} | {row['layers']} | {row['activations']} | "
+                f"{row['pass_s'] * 1e3:.2f} | {row['gb_s']:.1f} |")
+        if r["incumbent"]:
+            inc = row["incumbent"]
+            line += (f" {inc['pass_s'] * 1e3:.2f} | {inc['gb_s']:.1f} | "
+                     f"{inc['pass_s'] / row['pass_s']:.2f}x |")
+        lines.append(line)
+    lines += ["", "Each row's passes by round (ms): " + "; ".join(
+        f"{row['shape']} {row['activations']} "
+        + ", ".join(f"{t * 1e3:.2f}" for t in row["rounds_s"])
+        + (" (incumbent " + ", ".join(f"{t * 1e3:.2f}" for t in row["incumbent"]["rounds_s"])
+           + ")" if r["incumbent"] else "") for row in r["rows"])]
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--activations", default="int8,float32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="programs timed a process")
+    parser.add_argument("--chain", type=int, default=10, help="passes in one program")
+    parser.add_argument("--incumbent", default=None, help="a checkout to compare with")
+    parser.add_argument("--out", default="results/kernels")
+    args = parser.parse_args(argv)
+    shapes = args.shapes.split(",")
+    acts = args.activations.split(",")
+    for s in shapes:
+        if s not in SHAPES:
+            print(f"error: --shapes: unknown shape {s!r} (one of {', '.join(SHAPES)})",
+                  file=sys.stderr)
+            return 2
+    for a in acts:
+        if a not in ("int8", "float32"):
+            print(f"error: --activations: expected int8 or float32, got {a!r}", file=sys.stderr)
+            return 2
+    if args.incumbent and not (Path(args.incumbent) / "jax_llama").is_dir():
+        print(f"error: {args.incumbent}: not a checkout of this project (no jax_llama/)",
+              file=sys.stderr)
+        return 2
+    incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None
+    from llama_twins.results import write
+
+    runs: dict = {}
+    for k in range(args.rounds):
+        for shape in shapes:
+            for a in acts:
+                for tree in ([None, incumbent] if incumbent else [None]):
+                    got = measure(tree, shape, a, args)
+                    runs.setdefault((shape, a, tree), []).append(got)
+                    print(f"round {k + 1}: {shape} {a} {'incumbent' if tree else 'this'}: "
+                          f"{got['pass_s'] * 1e3:.2f} ms, {got['gb_s']:.1f} GB/s",
+                          file=sys.stderr, flush=True)
+
+    def summary(done: list[dict]) -> dict:
+        t = statistics.median(x["pass_s"] for x in done)
+        return {"pass_s": t, "gb_s": 0.75 * done[0]["weights"] / t / 1e9,
+                "rounds_s": [x["pass_s"] for x in done]}
+    rows = []
+    for shape in shapes:
+        for a in acts:
+            row = {"shape": shape, "layers": SHAPES[shape][3], "activations": a,
+                   **summary(runs[(shape, a, None)])}
+            if incumbent:
+                row["incumbent"] = summary(runs[(shape, a, incumbent)])
+            rows.append(row)
+    data = {"rows": rows, "rounds": args.rounds, "repeats": args.repeats, "chain": args.chain,
+            "incumbent": args.incumbent,
+            "command": "python scripts/int4_stream.py " + " ".join(argv or sys.argv[1:])}
+    print(write("int4_stream", data, render, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
