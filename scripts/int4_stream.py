@@ -80,12 +80,15 @@ def render(r: dict) -> list[str]:
              f"{(r.get('cpu') or {}).get('model_name') or 'CPU unrecorded'}; batch 1; a pass is one decode step's 4-bit calls over the layers "
              f"timed, {r['chain']} passes in one program, median of {r['repeats']} programs a "
              f"process, then the median of {r['rounds']} rounds"
-             + (f", alternating with the incumbent ({r['incumbent']})" if r["incumbent"] else "")
+             + (f", alternating with the incumbent ({r['incumbent']}, commit "
+                f"{(r.get('incumbent_commit') or 'unrecorded')[:12]})" if r["incumbent"] else "")
+             + (" (the speed-up: the median of the rounds' ratios, their spread beside it)"
+                if r["incumbent"] else "")
              + ". GB/s: 0.75 bytes a weight (4-bit weights, float32 scale and minimum per 32).", ""]
     head = "| shape | layers | activations | pass (ms) | GB/s |"
     rule = "|---|---|---|---|---|"
     if r["incumbent"]:
-        head += " incumbent pass (ms) | incumbent GB/s | speed-up |"
+        head += " incumbent pass (ms) | incumbent GB/s | speed-up (rounds) |"
         rule += "---|---|---|"
     lines += [head, rule]
     for row in r["rows"]:
@@ -93,8 +96,9 @@ def render(r: dict) -> list[str]:
                 f"{row['pass_s'] * 1e3:.2f} | {row['gb_s']:.1f} |")
         if r["incumbent"]:
             inc = row["incumbent"]
+            ratios = sorted(a / b for a, b in zip(inc["rounds_s"], row["rounds_s"]))
             line += (f" {inc['pass_s'] * 1e3:.2f} | {inc['gb_s']:.1f} | "
-                     f"{inc['pass_s'] / row['pass_s']:.2f}x |")
+                     f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}x) |")
         lines.append(line)
     lines += ["", "Each row's passes by round (ms): " + "; ".join(
         f"{row['shape']} {row['activations']} "
@@ -130,7 +134,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None
-    from llama_twins.results import write
+    from llama_twins.results import commit, write
 
     runs: dict = {}
     for k in range(args.rounds):
@@ -157,6 +161,7 @@ def main(argv=None) -> int:
             rows.append(row)
     data = {"rows": rows, "rounds": args.rounds, "repeats": args.repeats, "chain": args.chain,
             "incumbent": args.incumbent,
+            "incumbent_commit": commit(incumbent) if incumbent else None,
             "command": "python scripts/int4_stream.py " + " ".join(argv or sys.argv[1:])}
     print(write("int4_stream", data, render, args.out))
     return 0
