@@ -60,6 +60,10 @@ print(json.dumps({"pass_s": float(np.median(times)), "weights": weights}))
 """
 
 
+# the environment that picks other code paths (e.g. the AVX2 ones on an AVX-512 machine)
+PATH_SWITCHES = ("XLA_FLAGS", "JAX_LLAMA_KERNEL_MARCH", "JAX_LLAMA_KERNEL_THREADS")
+
+
 def measure(tree: str | None, shape: str, activations: str, args) -> dict:
     D, F, KV, L = SHAPES[shape]
     env = {**os.environ, "JAX_LLAMA_INT4_ACTIVATIONS": activations}
@@ -69,22 +73,25 @@ def measure(tree: str | None, shape: str, activations: str, args) -> dict:
                            str(args.chain), str(args.repeats)],
                           capture_output=True, text=True, env=env, cwd=tree or None)
     if done.returncode != 0:
-        raise SystemExit(f"error: {shape} {activations} ({tree or 'this checkout'}): "
-                         f"{(done.stderr.strip().splitlines() or ['exit ' + str(done.returncode)])[-1]}")
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise SystemExit(f"error: {shape} {activations} ({tree or 'this checkout'}): {last}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
     return {**out, "gb_s": 0.75 * out["weights"] / out["pass_s"] / 1e9}
 
 
 def render(r: dict) -> list[str]:
+    cpu = (r.get("cpu") or {}).get("model_name") or "CPU unrecorded"
     lines = ["# The 4-bit decode kernel streaming a model's projections", "",
-             f"{(r.get('cpu') or {}).get('model_name') or 'CPU unrecorded'}; batch 1; a pass is one decode step's 4-bit calls over the layers "
-             f"timed, {r['chain']} passes in one program, median of {r['repeats']} programs a "
+             f"{cpu}; batch 1; a pass is one decode step's 4-bit calls over the layers timed,"
+             f" {r['chain']} passes in one program, median of {r['repeats']} programs a "
              f"process, then the median of {r['rounds']} rounds"
              + (f", alternating with the incumbent ({r['incumbent']}, commit "
                 f"{(r.get('incumbent_commit') or 'unrecorded')[:12]})" if r["incumbent"] else "")
              + (" (the speed-up: the median of the rounds' ratios, their spread beside it)"
                 if r["incumbent"] else "")
-             + ". GB/s: 0.75 bytes a weight (4-bit weights, float32 scale and minimum per 32).", ""]
+             + ". GB/s: 0.75 bytes a weight (4-bit weights, float32 scale and minimum per 32)."
+             + ("" if not r.get("paths") else " Code paths: " + " ".join(
+                 f"{k}={v}" for k, v in r["paths"].items()) + "."), ""]
     head = "| shape | layers | activations | pass (ms) | GB/s |"
     rule = "|---|---|---|---|---|"
     if r["incumbent"]:
@@ -162,6 +169,7 @@ def main(argv=None) -> int:
     data = {"rows": rows, "rounds": args.rounds, "repeats": args.repeats, "chain": args.chain,
             "incumbent": args.incumbent,
             "incumbent_commit": commit(incumbent) if incumbent else None,
+            "paths": {k: os.environ[k] for k in PATH_SWITCHES if os.environ.get(k)},
             "command": "python scripts/int4_stream.py " + " ".join(argv or sys.argv[1:])}
     print(write("int4_stream", data, render, args.out))
     return 0
