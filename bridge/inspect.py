@@ -62,7 +62,9 @@ def _quantized_note(ckpt: Checkpoint) -> str:
     runs = "the jax-llama and torch-llama commands run it, conversions refuse it"
     if q.method == "int4":
         head = "; the tied LM head (the embedding) int8 rows" if ckpt.config.tie_embeddings else ""
-        return (f"int4 weight-only: the projections 4-bit, a float32 scale and minimum per "
+        mins = [spec[1] for name, spec in ckpt.specs.items() if name.endswith("_min")]
+        held = np.dtype(mins[0]).name if mins else "float16"  # float32: saved before 2026-12-05
+        return (f"int4 weight-only: the projections 4-bit, a {held} scale and minimum per "
                 f"{q.group_size} input columns{head}; {runs}")
     per = "output channel" if q.group_size is None else f"{q.group_size} input columns"
     return (f"{q.method} weight-only: the projections and the LM head int8 with a float32 "

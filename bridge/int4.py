@@ -1,24 +1,30 @@
 """4-bit weights: the arithmetic both twins share.
 
 A weight W (out, in) is cut into groups of GROUP = 32 consecutive input columns; each group of
-each row has a float32 scale d and a float32 minimum m, and each weight a 4-bit q in 0..15:
+each row has a float16 scale d and a float16 minimum m, and each weight a 4-bit q in 0..15:
 
-    d = (max - min) / 15,  m = min                    (d = 1 where a group is constant)
-    q = round((W - m) / d)                            in 0..15, ties to even
-    W ~ q * d + m                                     |error| <= d / 2 per weight, before rounding
+    d = float16((max - min) / 15),  m = float16(min)  (d = 1 where a group is constant)
+    q = round((W - m) / d)                            in 0..15, ties to even, with d and m as
+                                                      rounded, so that q * d + m is nearest W
+    W ~ q * d + m                                     |error| <= d / 2 per weight, but for the
+                                                      ends of a group (m and d rounded: a little
+                                                      more), before rounding
 
-This is llama.cpp's Q4_1 (ggml-quants.c, quantize_row_q4_1_ref), whose d and m are float16 there
-and float32 here. It holds both of llama.cpp's plain 4-bit types exactly (bridge.gguf.int4):
+This is llama.cpp's Q4_1 (ggml-quants.c, quantize_row_q4_1_ref), whose d and m are float16 too:
+0.625 bytes a weight (they were float32 until 2026-12-05: 0.75, and checkpoints saved so still
+load, as they are). It holds both of llama.cpp's plain 4-bit types exactly (bridge.gguf.int4):
 Q4_1 (d * q + m) as it is, and Q4_0 (d * (q - 8)) with m = -8 d, since d * q and -8 d are exact in
-float32 for a float16 d and their sum, d * (q - 8), is too.
+float32 for a float16 d and their sum, d * (q - 8), is too. A weight with values beyond float16's
+range (65504) is refused, naming it; a group whose d rounds to 0 in float16 (a range below about
+1e-6) holds m alone.
 
 Two q share a byte, along the inputs: byte j of row o holds q[o, 2j] in its low nibble and
 q[o, 2j + 1] in its high one, so the packed weight is (out, in / 2) uint8, in both twins (the
 decode kernels read its rows whole). A checkpoint holds it so too (bridge.quantize: the native
 format's "int4" method). Dequantised, q * d + m is computed in float32, then rounded to the
-compute dtype. For a d read from a float16 file the product is exact (11 bits times 4), so the
-result is rounded once, whatever the order of the operations (fused or not); for a d computed
-here it may round twice, and the twins' sums may differ in their last bit.
+compute dtype. A float16 d times q is exact in float32 (11 bits times 4), so the result is rounded
+once, whatever the order of the operations (fused or not); only for the float32 d of a checkpoint
+saved before float16 may it round twice, and the twins' sums differ in their last bit.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from .quantize import INT4_GROUP as GROUP  # inputs per scale and minimum
 from .quantize import MIN_SUFFIX, SCALE_SUFFIX  # <name>_scale, <name>_min beside <name>
 
 LEVELS = 15           # q in 0..LEVELS
+F16_MAX = 65504.0     # float16's largest finite value
 
 
 def check_int4(w_OI: np.ndarray, name: str = "weight") -> None:
@@ -55,24 +62,32 @@ def unpack(packed_OJ: np.ndarray) -> np.ndarray:
 
 def quantize_int4(w_OI: np.ndarray, name: str = "weight"
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """W (out, in) float -> (packed (out, in / 2) uint8, d (out, in / 32) float32, m (out,
-    in / 32) float32), computed in float32 (float64 for a float64 W)."""
+    """W (out, in) float -> (packed (out, in / 2) uint8, d (out, in / 32) float16, m (out,
+    in / 32) float16), computed in float32 (float64 for a float64 W)."""
     w = np.asarray(w_OI)
     check_int4(w, name)
     wide = np.float64 if w.dtype == np.float64 else np.float32
     O, I = w.shape
     blocks = w.astype(wide).reshape(O, I // GROUP, GROUP)
     low, high = blocks.min(axis=-1), blocks.max(axis=-1)
-    d = np.where(high > low, (high - low) / LEVELS, 1).astype(np.float32)
-    m = low.astype(np.float32)
-    q = np.rint((blocks - m[..., None].astype(wide)) / d[..., None].astype(wide))
-    q = np.clip(q, 0, LEVELS).astype(np.uint8).reshape(O, I)
+    if not (np.all(np.isfinite(low)) and np.all(np.isfinite(high))
+            and max(-float(low.min(initial=0)), float(high.max(initial=0))) <= F16_MAX):
+        raise BridgeError(f"tensor '{name}': values beyond float16's range ({F16_MAX:g}) or not "
+                          f"finite, which 4-bit weights with float16 scales cannot hold")
+    with np.errstate(over="ignore"):
+        d = np.where(high > low, (high - low) / LEVELS, 1).astype(np.float16)
+    d = np.where(np.isinf(d), np.float16(F16_MAX), d)  # a range just past 15 x 65504 / 15
+    m = low.astype(np.float16)
+    step = np.where(d > 0, d, 1).astype(wide)[..., None]  # d = 0: every q is 0, the group is m
+    q = np.rint((blocks - m[..., None].astype(wide)) / step)
+    q = np.where(d[..., None] > 0, np.clip(q, 0, LEVELS), 0).astype(np.uint8).reshape(O, I)
     return pack(q), d, m
 
 
 def dequantize_int4(packed_OJ: np.ndarray, d_OG: np.ndarray, m_OG: np.ndarray,
                     dtype=np.float32) -> np.ndarray:
-    """The weight (out, in) in `dtype`: q * d + m in float32, rounded once to `dtype`."""
+    """The weight (out, in) in `dtype`: q * d + m in float32 (d and m float16, or float32 as
+    checkpoints saved before 2026-12-05 hold them), rounded once to `dtype`."""
     q = unpack(packed_OJ)
     O, I = q.shape
     w = (q.reshape(O, I // GROUP, GROUP).astype(np.float32) * d_OG[..., None].astype(np.float32)

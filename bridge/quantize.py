@@ -21,8 +21,9 @@ declares it: `"quantization": {"method": "int8", "group_size": null | G}`.
 
 4-bit weights (bridge.int4; `"quantization": {"method": "int4", "group_size": 32}`): every
 projection (the layers' wq ... w3 and an untied `output`) is the uint8 `<name>` (out, in / 2), two
-weights a byte in input order, with float32 `<name>_scale` and `<name>_min` (out, in / 32); a tied
-LM head, the token embedding, is int8 rows as above, `<name>_scale` (vocab, 1).
+weights a byte in input order, with float16 `<name>_scale` and `<name>_min` (out, in / 32) (float32
+in checkpoints saved before 2026-12-05, which load as they are); a tied LM head, the token
+embedding, is int8 rows as above, `<name>_scale` (vocab, 1).
 """
 
 from __future__ import annotations
@@ -149,13 +150,20 @@ def int4_names(config: LlamaConfig) -> list[str]:
 
 def stored_dtype_of(name: str, config: LlamaConfig, quantization: Quantization) -> np.dtype | None:
     """The dtype a quantised checkpoint stores `name` in where quantisation decides it (uint8
-    4-bit weights, int8 weights, float32 scales and minima); None for the float tensors."""
+    4-bit weights and their float16 scales and minima, int8 weights and their float32 scales);
+    None for the float tensors. (OLD_INT4_SCALES: what 4-bit checkpoints held before.)"""
     if name.endswith((SCALE_SUFFIX, MIN_SUFFIX)):
-        return np.dtype(np.float32)
+        base = name.removesuffix(SCALE_SUFFIX).removesuffix(MIN_SUFFIX)
+        four = quantization.method == "int4" and base != int4_head(config)
+        return np.dtype(np.float16 if four else np.float32)
     if name in quantized_names(config):
         four = quantization.method == "int4" and name != int4_head(config)
         return np.dtype(np.uint8 if four else np.int8)
     return None
+
+
+# 4-bit checkpoints saved before 2026-12-05 hold float32 scales and minima; they load as they are
+OLD_INT4_SCALES = np.dtype(np.float32)
 
 
 def check_quantizable(config: LlamaConfig, quantization: Quantization) -> None:

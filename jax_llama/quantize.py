@@ -15,7 +15,7 @@ same the torch twin and `llama-bridge convert --quantize int8` compute.
 
 method="int4" (bridge.int4): each projection's `kernel` becomes uint8 (out, in / 2) - stored as
 its canonical rows, which the decode kernels read whole (matvec_int4), not transposed as float
-kernels are - two 4-bit weights a byte, beside a float32 `scale` and `min` (out, in / 32); a tied
+kernels are - two 4-bit weights a byte, beside a float16 `scale` and `min` (out, in / 32); a tied
 LM head (the embedding) becomes int8 with one scale per row, as method="int8" makes it (the decode
 kernels read its rows; 4-bit rows would be read no faster); an untied embedding and the norms stay
 as they are. Such params run (jax_llama.model.projections: the decode kernels' matvec_int4, else

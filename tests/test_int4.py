@@ -24,13 +24,14 @@ def test_pack_round_trips_and_keeps_input_order():
 
 
 def test_quantize_int4_is_within_half_a_step_of_float64():
-    """|W - (q d + m)| <= d / 2 for each weight, computed in float64 from the float32 d and m;
-    the float32 dequantisation adds at most one rounding of the product and one of the sum (2
-    ulp of the group's largest magnitude)."""
+    """|W - (q d + m)| <= d / 2 for each weight, computed in float64 from the float16 d and m
+    (q chosen with d and m as rounded); the float32 dequantisation adds at most one rounding of
+    the product and one of the sum (2 ulp of the group's largest magnitude)."""
     w = np.random.default_rng(0).standard_normal((24, 96)).astype(np.float32)
     w[3, :32] = 0.5  # a constant group: d = 1, every q 0, exact
     packed, d, m = quantize_int4(w)
     assert packed.shape == (24, 48) and packed.dtype == np.uint8 and d.shape == m.shape == (24, 3)
+    assert d.dtype == m.dtype == np.float16  # 0.625 bytes a weight, as llama.cpp's Q4_1
     q = unpack(packed).reshape(24, 3, GROUP).astype(np.float64)
     exact = q * d[..., None].astype(np.float64) + m[..., None].astype(np.float64)
     step = d[..., None].astype(np.float64)
@@ -65,6 +66,19 @@ def test_llama_cpps_4_bit_blocks_are_held_exactly(kind):
 def test_refusals_name_the_weight():
     with pytest.raises(BridgeError, match="'wq': 48 input columns are not a multiple of"):
         quantize_int4(np.zeros((4, 48), np.float32), "wq")
+    # values float16 scales cannot hold: beyond 65504, or not finite
+    big = np.zeros((2, 32), np.float32)
+    big[1, 3] = -7e4
+    with pytest.raises(BridgeError, match="'w2': values beyond float16's range"):
+        quantize_int4(big, "w2")
+    big[1, 3] = np.nan
+    with pytest.raises(BridgeError, match="'w2': values beyond float16's range"):
+        quantize_int4(big, "w2")
+    # a Q4_0 scale whose minimum -8 d float16 cannot hold
+    block = np.zeros(18, np.uint8)
+    block[:2] = np.array([9000], np.float16).view(np.uint8)
+    with pytest.raises(BridgeError, match="'wo': a Q4_0 scale beyond 8188"):
+        from_q4_blocks(block, "Q4_0", (1, 32), "wo")
     with pytest.raises(BridgeError, match="Q5_0 is not a 4-bit type held exactly"):
         from_q4_blocks(np.zeros(10, np.uint8), "Q5_0", (1, 32))
 
@@ -131,6 +145,51 @@ def test_4_bit_params_are_saved_and_read_back_bit_for_bit_by_both_twins(tmp_path
     tokens = random_tokens(config, 2, 9)
     ours = np.asarray(model.apply({"params": back}, jnp.asarray(tokens)))
     assert np.abs(ours - torch_logits(tmodel, tokens)).max() <= 1e-5 * max(1, np.abs(ours).max())
+
+
+def test_4_bit_checkpoints_with_float32_scales_still_load_as_they_are(tmp_path):
+    """4-bit checkpoints saved before 2026-12-05 hold float32 scales and minima: both twins read
+    them as stored (float32, not rounded to float16) and compute what the float16 ones do (the
+    same values here: bit for bit in JAX, within float32 rounding across the twins). Negative: a
+    float64 scale is refused, naming the tensor."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    import torch_llama
+    from conftest import torch_logits
+
+    config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96)
+    model, params = jax_llama.init(config, seed=3)
+    jax_llama.save(tmp_path / "new", config, jax_llama.quantize(params, method="int4"))
+    tensors = load_file(tmp_path / "new" / "model.safetensors")
+    four = [n for n in tensors if n.endswith(("_scale", "_min")) and tensors[n].dtype == np.float16]
+    assert len(four) == 2 * (7 * config.n_layers + 1)  # each projection's and the head's
+    old = tmp_path / "old"
+    old.mkdir()
+    shutil.copy(tmp_path / "new" / "config.json", old / "config.json")
+    save_file({n: t.astype(np.float32) if n in four else t for n, t in tensors.items()},
+              old / "model.safetensors")
+    _, new_params = jax_llama.load(tmp_path / "new")
+    _, old_params = jax_llama.load(old)
+    scale = old_params["layers_0"]["attention"]["wq"]["scale"]
+    assert scale.dtype == jnp.float32  # held as stored
+    tokens = random_tokens(config, 2, 7)
+    want = np.asarray(model.apply({"params": new_params}, jnp.asarray(tokens)))
+    got = np.asarray(model.apply({"params": old_params}, jnp.asarray(tokens)))
+    np.testing.assert_array_equal(got, want)
+    tmodel = torch_llama.load(old, device="cpu")
+    assert tmodel.layers[0].attention.wq.weight_scale.dtype == torch_dtype("float32")
+    assert np.abs(torch_logits(tmodel, tokens) - want).max() <= 1e-5 * max(1, np.abs(want).max())
+    bad = old / "model.safetensors"
+    save_file({n: t.astype(np.float64) if n == four[0] else t for n, t in tensors.items()}, bad)
+    with pytest.raises(BridgeError, match=f"tensor '{four[0]}' has dtype float64"):
+        jax_llama.load(old)
+
+
+def torch_dtype(name):
+    import torch
+    return getattr(torch, name)
 
 
 def tokenizer_of(gguf_file):

@@ -78,16 +78,17 @@ ROWS_SHAPES = [(1, 576, 1000), (2, 70, 33), (3, 16, 5), (4, 17, 130), (5, 64, 7)
                (1, 576, 8192), (8, 576, 8192)]
 
 
-def int4_weight(rng, I, O):
+def int4_weight(rng, I, O, scales=np.float16):
     """A 4-bit weight in the kernels' layout - its canonical rows: packed (O, I / 2) uint8, scale
-    and min (O, I / 32) - its scales float16 values as a GGUF's Q4_0 / Q4_1 hold them, and the
+    and min (O, I / 32) - its scales and minima float16 values as a GGUF's Q4_0 / Q4_1 hold them
+    (held as `scales`: float16 as bridge.int4 holds them now, or float32 as before), and the
     float32 weight (O, I) it stands for (bridge.int4.dequantize_int4)."""
     from bridge.int4 import dequantize_int4, pack
     q = rng.integers(0, 16, (O, I))
-    d = (rng.random((O, I // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
-    m = (-8 * d) if I % 64 else (rng.standard_normal((O, I // 32)) * 0.05).astype(np.float32)
+    d = (rng.random((O, I // 32)) * 0.02 + 1e-3).astype(np.float16)
+    m = (np.float16(-8) * d) if I % 64 else (rng.standard_normal((O, I // 32)) * 0.05).astype(np.float16)
     packed = pack(q)
-    return (packed, d, m), dequantize_int4(packed, d, m)
+    return (packed, d.astype(scales), m.astype(scales)), dequantize_int4(packed, d, m)
 
 
 # SHAPES with inputs in groups of 32, and ROWS_SHAPES' (a row tail: O not a multiple of the
@@ -112,6 +113,10 @@ def test_int4_matvec_is_within_float32_rounding_of_the_dequantised_product(M, I,
     got = np.asarray(jax.jit(kernels.matvec_int4)(x, [(packed, d, m)])[0])
     if kernels.lanes() != 16:
         np.testing.assert_array_equal(got, np.asarray(jax.jit(kernels.matvec_rows)(x, w)))
+    # the same values held as float32 (checkpoints saved before float16 scales): the same bits
+    d32, m32 = d.astype(np.float32), m.astype(np.float32)
+    np.testing.assert_array_equal(got, np.asarray(kernels.matvec_int4(x, [(packed, d32, m32)])[0]))
+    assert not kernels.usable(jnp.asarray(x), packed, d32, m)  # one of each: not served
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     assert np.all(np.abs(got - want) <= bound(x, w.T))
     swapped = (packed >> 4) | (packed << 4)
@@ -191,6 +196,10 @@ def test_int4_with_8_bit_activations_is_the_quantised_x_times_the_weight(M, I, O
     assert np.all(np.abs(got - want) <= bound(xd, w.T))
     alone = np.asarray(kernels.matvec_int4(x[-1:], [(packed, d, m)])[0])[0]
     np.testing.assert_array_equal(got[-1], alone)
+    # float16 scales are read in place and converted in registers; float32 ones (checkpoints
+    # saved before) give the same bits
+    as32 = [(packed, d.astype(np.float32), m.astype(np.float32))]
+    np.testing.assert_array_equal(got, np.asarray(kernels.matvec_int4(x, as32)[0]))
     swapped = (packed >> 4) | (packed << 4)
     wrong = np.asarray(kernels.matvec_int4(x, [(swapped, d, m)])[0], np.float64)
     assert not np.all(np.abs(wrong - want) <= bound(xd, w.T))
@@ -595,7 +604,7 @@ def test_usable_only_for_what_the_kernels_serve():
     assert not kernels.usable_rows(x, q_OI.astype(jnp.bfloat16))
     assert not kernels.usable_rows(x, q_OI)  # int8 without its scales
     assert not kernels.usable_rows(x, q_OI.T, jnp.ones((16, 1)))  # stored (I, O): not rows
-    # 4-bit: its rows, packed (O, I / 2) uint8 with float32 scales and minima (O, I / 32)
+    # 4-bit: its rows, packed (O, I / 2) uint8 with float16 scales and minima (O, I / 32)
     x32 = jnp.zeros((2, 64), jnp.float32)
     packed, d = jnp.zeros((8, 32), jnp.uint8), jnp.ones((8, 2))
     assert kernels.usable(x32, packed, d, d)
@@ -666,7 +675,8 @@ ISAS = {"x86-64-v3": 8, "x86-64": 1}  # -march -> lanes: the AVX2 path and the p
 def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     """The kernels built for AVX2 and for no vector extension (what CPUs without AVX-512 or
     without AVX2 compile) pass the same float32 bound (the 4-bit kernel: the float32 rows kernel's
-    bits on the dequantised weight) and give each row the same bits alone or
+    bits on the dequantised weight, its float16 scales the bits of the same values in float32)
+    and give each row the same bits alone or
     beside others (the rows kernel too, given the same weights stored (O, I); attention over a
     cache, with each build's own exp, to the same tolerance as AVX-512's); in a
     subprocess each, with a kernel cache of its own."""
@@ -684,9 +694,11 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "    if I % 32 == 0:\n"
         "        four = (rng.integers(0, 256, (O, I // 2)).astype(np.uint8),\n"
         "                (rng.random((O, I // 32)) / 8).astype(np.float16).astype(np.float32),\n"
-        "                rng.standard_normal((O, I // 32)).astype(np.float32))\n"
+        "                rng.standard_normal((O, I // 32)).astype(np.float16).astype(np.float32))\n"
+        "        half = (four[0], four[1].astype(np.float16), four[2].astype(np.float16))\n"
         "        from bridge.int4 import dequantize_int4\n"
         "        y4 = np.asarray(kernels.matvec_int4(x, [four])[0])\n"
+        "        assert np.array_equal(y4, np.asarray(kernels.matvec_int4(x, [half])[0]))\n"
         "        w4 = dequantize_int4(*four)\n"
         "        assert np.array_equal(y4, np.asarray(kernels.matvec_rows(x, w4))), (M, I, O)\n"
         "        import os; os.environ['JAX_LLAMA_INT4_ACTIVATIONS'] = 'int8'\n"
@@ -698,9 +710,11 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "        assert np.all(abs(y8 - xd @ w4.T.astype(float))\n"
         "                      <= I * 1.2e-7 * (abs(xd) @ abs(w4.T.astype(float)))), (M, I, O)\n"
         "        assert np.array_equal(y8[-1], np.asarray(kernels.matvec_int4(x[-1:], [four])[0])[0])\n"
+        "        assert np.array_equal(y8, np.asarray(kernels.matvec_int4(x, [half])[0]))\n"
         "        del os.environ['JAX_LLAMA_INT4_ACTIVATIONS']\n"
         "        x19 = rng.standard_normal((19, I)).astype(np.float32)  # a prefill: in chunks\n"
         "        y19 = np.asarray(kernels.matvec_int4(x19, [four])[0])\n"
+        "        assert np.array_equal(y19, np.asarray(kernels.matvec_int4(x19, [half])[0]))\n"
         "        assert all(np.array_equal(y19[i:i + 8], np.asarray(kernels.matvec_rows(\n"
         "            x19[i:i + 8], w4))) for i in (0, 8, 16)), (M, I, O)\n"
         "    for f, args, want, mag in (\n"

@@ -91,7 +91,7 @@ class Linear(Int8Weight, nn.Linear):
 
     def quantize_int4(self, name: str = "weight") -> None:
         """Replace W by 4-bit weights (bridge.int4): a frozen uint8 `weight` (out, in / 2), two
-        weights a byte, beside float32 buffers `weight_scale` and `weight_min` (out, in / 32):
+        weights a byte, beside float16 buffers `weight_scale` and `weight_min` (out, in / 32):
         the JAX twin's numbers."""
         quantised = quantize_int4(to_numpy(self.weight.detach()), name)
         self.make_int4()
@@ -107,7 +107,7 @@ class Linear(Int8Weight, nn.Linear):
         self.weight = nn.Parameter(torch.empty(O, I // 2, dtype=torch.uint8, device=device),
                                    requires_grad=False)
         for buffer in ("weight_scale", "weight_min"):
-            self.register_buffer(buffer, torch.empty(O, I // GROUP, dtype=torch.float32,
+            self.register_buffer(buffer, torch.empty(O, I // GROUP, dtype=torch.float16,
                                                      device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,15 +145,16 @@ def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor,
 
 def int4_linear(x: torch.Tensor, packed_OJ: torch.Tensor, scale_OG: torch.Tensor,
                 min_OG: torch.Tensor) -> torch.Tensor:
-    """x W^T for 4-bit W (bridge.int4): packed (out, in / 2) uint8 and float32 scales and minima
-    (out, in / 32); W = q * scale + min in float32, rounded once to x's dtype, dequantised per
+    """x W^T for 4-bit W (bridge.int4): packed (out, in / 2) uint8 and float16 scales and minima
+    (out, in / 32; float32 from checkpoints saved before them); W = q * scale + min in float32, rounded once to x's dtype, dequantised per
     call. jax_llama.model.projections.int4_matmul's twin."""
     O, J = packed_OJ.shape
     G = scale_OG.shape[1]
     if activations() == "int8":  # x rounded to 8 bits per group, as JAX's twin does
         x = quantise_activations(x)
     q_OI = torch.stack([packed_OJ & 0xF, packed_OJ >> 4], dim=-1).view(O, 2 * J)
-    w_OGi = q_OI.view(O, G, 2 * J // G).to(torch.float32) * scale_OG[..., None] + min_OG[..., None]
+    w_OGi = (q_OI.view(O, G, 2 * J // G).to(torch.float32) * scale_OG[..., None].float()
+             + min_OG[..., None].float())
     return F.linear(x, w_OGi.view(O, 2 * J).to(x.dtype))
 
 

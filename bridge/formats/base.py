@@ -18,7 +18,8 @@ from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..config import LlamaConfig
 from ..errors import BridgeError
 from ..locate import is_hub_blob
-from ..quantize import (MIN_SUFFIX, SCALE_SUFFIX, Quantization, checkpoint_shapes, stored_dtype_of)
+from ..quantize import (MIN_SUFFIX, OLD_INT4_SCALES, SCALE_SUFFIX, Quantization, checkpoint_shapes,
+                        stored_dtype_of)
 from ..tensors import LAYER_SUFFIXES, canonical_shapes
 from ..tokenizer import Tokenizer
 
@@ -153,6 +154,8 @@ def check_specs(config: LlamaConfig, specs: dict[str, Spec], where: Path | str,
             raise BridgeError(f"{where}: tensor '{name}' has shape {tuple(got)}, but {source} "
                               f"implies {shape}")
         held = None if quantization is None else stored_dtype_of(name, config, quantization)
+        if held == np.float16 and np.dtype(dtype) == OLD_INT4_SCALES:
+            held = OLD_INT4_SCALES  # a 4-bit checkpoint saved before float16 scales
         if held is not None:
             if np.dtype(dtype) != held and held == np.float32:
                 raise BridgeError(f"{where}: tensor '{name}' has dtype {np.dtype(dtype)}, "

@@ -4,7 +4,8 @@ A block holds 32 consecutive weights of a row (ggml-common.h, block_q4_0 / block
     Q4_0: float16 d, 16 bytes qs                 w = d * (q - 8)
     Q4_1: float16 d, float16 m, 16 bytes qs      w = d * q + m
 where q[j] = qs[j] & 0xF and q[j + 16] = qs[j] >> 4 for j < 16. bridge.int4 keeps q in input order,
-two a byte, with a float32 d and m per block: Q4_1's as they are, Q4_0's m = -8 d.
+two a byte, with a float16 d and m per block: Q4_1's as they are, Q4_0's m = -8 d (exact in
+float16, a power of two times d, for any |d| up to 8188; a tensor with a larger d is refused).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The raw blocks of a Q4_0 or Q4_1 tensor of canonical `shape` (out, in) - uint8, one row of
     blocks per output row, as gguf reads them - -> (packed (out, in / 2) uint8, d (out, in / 32)
-    float32, m (out, in / 32) float32) that bridge.int4.dequantize_int4 turns into llama.cpp's
+    float16, m (out, in / 32) float16) that bridge.int4.dequantize_int4 turns into llama.cpp's
     numbers, bit for bit."""
     if kind not in BLOCK_BYTES:
         raise BridgeError(f"tensor '{name}': {kind} is not a 4-bit type held exactly "
@@ -36,9 +37,15 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
         raise BridgeError(f"tensor '{name}': {raw.size} bytes of {kind} blocks, its shape "
                           f"{shape} needs {O * (I // GROUP) * size}")
     blocks = raw.reshape(O, I // GROUP, size)
-    fields = blocks[..., :size - GROUP // 2].copy().view(np.float16).astype(np.float32)
+    fields = blocks[..., :size - GROUP // 2].copy().view(np.float16)
     d = np.ascontiguousarray(fields[..., 0])
-    m = np.ascontiguousarray(fields[..., 1]) if kind == "Q4_1" else -8 * d
+    if kind == "Q4_1":
+        m = np.ascontiguousarray(fields[..., 1])
+    else:
+        if np.any(np.abs(d) > 8188):
+            raise BridgeError(f"tensor '{name}': a Q4_0 scale beyond 8188, whose minimum -8 d "
+                              f"float16 cannot hold")
+        m = np.float16(-8) * d
     # Byte j of a block holds its inputs j and j + 16; bridge.int4's byte k holds 2k and 2k + 1.
     # So the first 8 bytes pair the low nibbles of bytes 2k and 2k + 1, the last 8 their high
     # nibbles: byte for byte, without the weights spread out one a byte in between.

@@ -180,7 +180,8 @@ def unavailable_reason() -> str | None:
 def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
     """Whether matvec serves this matmul: float32 x of at most MAX_ROWS rows, a 2-D float32 or
     int8 weight (I, O) (int8 with one scale per output column), or a 4-bit one stored a row per
-    output (packed (O, I / 2) uint8 with float32 scales and minima (O, I / 32): matvec_int4),
+    output (packed (O, I / 2) uint8 with scales and minima (O, I / 32), both float16 or both
+    float32: matvec_int4),
     and the kernels loadable here. 4-bit weights are served up to MAX_ROWS_INT4 rows."""
     rows = MAX_ROWS if min_GO is None else MAX_ROWS_INT4
     if x_MI.ndim != 2 or x_MI.shape[0] > rows or x_MI.dtype != jnp.float32:
@@ -190,8 +191,8 @@ def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
     if min_GO is not None:
         I, O = x_MI.shape[1], w_IO.shape[0]
         ok = (w_IO.dtype == jnp.uint8 and I % 32 == 0 and w_IO.shape[1] * 2 == I
-              and all(a.dtype == jnp.float32 and a.shape == (O, I // 32)
-                      for a in (scale_GO, min_GO)))
+              and scale_GO.dtype == min_GO.dtype in (jnp.float16, jnp.float32)
+              and all(a.shape == (O, I // 32) for a in (scale_GO, min_GO)))
     elif scale_GO is None:
         ok = w_IO.dtype == jnp.float32
     else:
@@ -378,8 +379,8 @@ def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):
     O, J = packed_OJ.shape
     G = scale_OG.shape[1]
     q_OI = jnp.stack([packed_OJ & 0xF, packed_OJ >> 4], axis=-1).reshape(O, 2 * J)
-    w_OGi = (q_OI.reshape(O, G, 2 * J // G).astype(jnp.float32) * scale_OG[..., None]
-             + min_OG[..., None])
+    w_OGi = (q_OI.reshape(O, G, 2 * J // G).astype(jnp.float32)
+             * scale_OG[..., None].astype(jnp.float32) + min_OG[..., None].astype(jnp.float32))
     return w_OGi.reshape(O, 2 * J).astype(dtype)
 
 

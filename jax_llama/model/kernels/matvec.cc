@@ -646,10 +646,58 @@ int64_t UnitRows4(int64_t O, int64_t I, int64_t threads) {
 
 struct Rows4Part {
   const uint8_t* q;
-  const float *d, *m;
+  const float *d, *m;  // float32 scales and minima, row row0 first (Float32Scales)
   float* y;
   int64_t O, first_unit, unit_rows;  // unit_rows: UnitRows4
+  const uint16_t *dh = nullptr, *mh = nullptr;  // float16 ones instead, when not nullptr
+  int64_t row0 = 0;
 };
+
+// float16 bits -> float32 (exact: every float16 is a float32)
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: m 2^-24, normal in float32
+    float v = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -v : v;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+void HalvesToFloats(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = HalfToFloat(h[i]);
+}
+
+// A part whose scales and minima are float16: its rows [o, o1) with them as float32 in this
+// thread's scratch (read from memory as float16, 2 bytes a group each instead of 4; converted
+// once a unit, exactly); else the part itself.
+inline Rows4Part Float32Scales(const Rows4Part& p, int64_t I, int64_t o, int64_t o1) {
+  if (p.dh == nullptr) return p;
+  thread_local std::vector<float> d, m;
+  const int64_t G = I / kGroup4, n = (o1 - o) * G;
+  if (d.size() < size_t(n)) d.resize(n), m.resize(n);
+  HalvesToFloats(p.dh + o * G, n, d.data());
+  HalvesToFloats(p.mh + o * G, n, m.data());
+  Rows4Part local = p;
+  local.d = d.data(), local.m = m.data(), local.row0 = o;
+  return local;
+}
 
 struct Rows4Job {
   const float* x;
@@ -706,7 +754,7 @@ inline Vec Nibbles4(const uint8_t* p) {
 
 // y[m0 + m, o + r] for m < M, r < R (Dots' order: lanes over inputs l, l + kLanes, ..., added by
 // a fixed tree), the weights expanded as they are read.
-template <int M, int R>
+template <int M, int R, typename S = float>
 void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0);
 
 template <int M, int R>
@@ -721,7 +769,7 @@ inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) 
   const int64_t ahead = o * J + kPrefetchBytes, last = p.O * J - 1;
   for (int64_t g = 0; g < G; ++g) {
     Vec d[R], mn[R];
-    for (int r = 0; r < R; ++r) d[r] = Splat(p.d[(o + r) * G + g]), mn[r] = Splat(p.m[(o + r) * G + g]);
+    for (int r = 0; r < R; ++r) d[r] = Splat(p.d[(o + r - p.row0) * G + g]), mn[r] = Splat(p.m[(o + r - p.row0) * G + g]);
     for (int64_t b = 0; b < R * kGroup4 / 2; b += kCacheLine)
       __builtin_prefetch(base + std::min(ahead + R * g * kGroup4 / 2 + b, last));
 #if defined(__AVX512F__)
@@ -838,8 +886,80 @@ inline int32_t GroupSumQ8(const uint8_t* q, const int8_t* xq_row, int64_t g) {
 #endif
 constexpr int kQ8Rows = JAX_LLAMA_Q8_ROWS;
 
-template <int M, int R>
+// A scale or minimum of either dtype, as float32: one, kLanes in a row (Load's), or the first n
+// <= 4 of 4 in a row (the rest 0).
+inline float ScalarOf(const float* p) { return *p; }
+inline float ScalarOf(const uint16_t* p) { return HalfToFloat(*p); }
+inline Vec LoadScales(const float* p) { return Load(p); }
+inline Vec LoadScales(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  alignas(32) float f[8];
+  for (int k = 0; k < 8; ++k) f[k] = HalfToFloat(p[k]);
+  return _mm256_load_ps(f);
+#else
+  return HalfToFloat(*p);
+#endif
+}
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
+inline __m128 Load4Scales(const float* p, int n) {
+  if (n == 4) return _mm_loadu_ps(p);
+#if defined(__AVX512VL__)
+  return _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), p);
+#endif
+  alignas(16) float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int k = 0; k < n; ++k) f[k] = p[k];
+  return _mm_load_ps(f);
+}
+inline __m128 Load4Scales(const uint16_t* p, int n) {
+  __m128i h;
+  if (n == 4) {
+    h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+#if defined(__AVX512VL__) && defined(__AVX512BW__)
+  } else if (true) {
+    h = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << n) - 1), p);
+#endif
+  } else {
+    alignas(16) uint16_t b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int k = 0; k < n; ++k) b[k] = p[k];
+    h = _mm_load_si128(reinterpret_cast<const __m128i*>(b));
+  }
+#if defined(__F16C__) || defined(__AVX512F__)
+  return _mm_cvtph_ps(h);
+#else
+  alignas(16) uint16_t b[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(b), h);
+  return _mm_setr_ps(HalfToFloat(b[0]), HalfToFloat(b[1]), HalfToFloat(b[2]), HalfToFloat(b[3]));
+#endif
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+inline __m128 Load2Scales(const float* p) {
+  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+}
+inline __m128 Load2Scales(const uint16_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+#if defined(__F16C__)
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(word));
+#else
+  return _mm_setr_ps(HalfToFloat(p[0]), HalfToFloat(p[1]), 0.0f, 0.0f);
+#endif
+}
+#endif
+
+// S: the scales' and minima's dtype as they lie in memory (float, or uint16_t for float16: read
+// at 2 bytes each and converted in registers, exactly).
+template <int M, int R, typename S>
 void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
+  const S* D;
+  const S* Mn;
+  if constexpr (std::is_same_v<S, float>) D = p.d, Mn = p.m;
+  else D = p.dh, Mn = p.mh;
   const int64_t I = j.I, J = I / 2, G = I / kGroup4, bytes = Q8Bytes(I);
   const int64_t lanes = Q8Lanes(I), mins = Q8Mins(I);
   Vec acc[R][M], low[R][M];
@@ -859,13 +979,12 @@ void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
   for (; g < G; g += 4) {
     const int n = static_cast<int>(std::min<int64_t>(4, G - g));
     const __mmask64 bytes_in = n == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * n)) - 1;
-    const __mmask8 groups_in = static_cast<__mmask8>((1u << n) - 1);
     for (int r = 0; r < R; ++r)
       __builtin_prefetch(base + std::min(ahead + R * g * kGroup4 / 2 + r * 64, last));
     for (int r = 0; r < R; ++r) {  // a row at a time: its bytes, then every row of x
       const __m512i b = _mm512_maskz_loadu_epi8(bytes_in, p.q + (o + r) * J + g * 16);
       const __m512i lo = _mm512_and_si512(b, f), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), f);
-      const __m128 d4 = _mm_maskz_loadu_ps(groups_in, p.d + (o + r) * G + g);
+      const __m128 d4 = Load4Scales(D + (o + r - p.row0) * G + g, n);
       const Vec dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
       for (int m = 0; m < M; ++m) {
         const int8_t* xb = j.xq + (m0 + m) * bytes + (g / 4) * 128;
@@ -891,8 +1010,8 @@ void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
     for (int r = 0; r < R; ++r) {
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + (o + r) * J + g * 16));
       const __m256i lo = _mm256_and_si256(b, f), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), f);
-      const __m128d two = _mm_load_sd(reinterpret_cast<const double*>(p.d + (o + r) * G + g));
-      const Vec dw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(two)), spread);
+      const __m128 two = Load2Scales(D + (o + r - p.row0) * G + g);
+      const Vec dw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread);
       for (int m = 0; m < M; ++m) {
         const int8_t* xb = j.xq + (m0 + m) * bytes + (g / 4) * 128 + (g % 4) * 16;
         const __m256i xe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
@@ -909,35 +1028,43 @@ void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < M; ++m) {
         const int32_t s = GroupSumQ8(p.q + (o + r) * J, j.xq + (m0 + m) * bytes, g);
-        const float scale = p.d[(o + r) * G + g] * j.dxe[(m0 + m) * lanes + g * 4];
+        const float scale = ScalarOf(D + (o + r - p.row0) * G + g) * j.dxe[(m0 + m) * lanes + g * 4];
         tail[r][m] = std::fma(static_cast<float>(s), scale, tail[r][m]);
       }
   // the minima: sum_g mw[o, g] * c_g, lanes over groups
   int64_t h = 0;
   for (; h + kLanes <= G; h += kLanes)
     for (int r = 0; r < R; ++r) {
-      const Vec mw = Load(p.m + (o + r) * G + h);
+      const Vec mw = LoadScales(Mn + (o + r - p.row0) * G + h);
       for (int m = 0; m < M; ++m) low[r][m] = Fma(mw, Load(j.c + (m0 + m) * mins + h), low[r][m]);
     }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       float rest = 0.0f;
       for (int64_t k = h; k < G; ++k)
-        rest = std::fma(p.m[(o + r) * G + k], j.c[(m0 + m) * mins + k], rest);
+        rest = std::fma(ScalarOf(Mn + (o + r - p.row0) * G + k), j.c[(m0 + m) * mins + k], rest);
       p.y[(m0 + m) * p.O + o + r] =
           (HorizontalSum(acc[r][m]) + tail[r][m]) + (HorizontalSum(low[r][m]) + rest);
     }
 }
 
 template <int M>
-void Rows4Unit(const Rows4Job& j, const Rows4Part& p, int64_t u) {
+void Rows4Unit(const Rows4Job& j, const Rows4Part& part, int64_t u) {
   constexpr int R = RowsAtOnce(M);
-  int64_t o = u * p.unit_rows, o1 = std::min(p.O, o + p.unit_rows);
-  if (j.q8) {
-    for (; o + kQ8Rows <= o1; o += kQ8Rows) Dots4Q8<M, kQ8Rows>(j, p, o, 0);
-    for (; o < o1; ++o) Dots4Q8<M, 1>(j, p, o, 0);
+  int64_t o = u * part.unit_rows, o1 = std::min(part.O, o + part.unit_rows);
+  if (j.q8 && part.dh != nullptr) {  // float16 scales read in place, converted in registers
+    for (; o + kQ8Rows <= o1; o += kQ8Rows) Dots4Q8<M, kQ8Rows, uint16_t>(j, part, o, 0);
+    for (; o < o1; ++o) Dots4Q8<M, 1, uint16_t>(j, part, o, 0);
     return;
   }
+  if (j.q8) {
+    for (; o + kQ8Rows <= o1; o += kQ8Rows) Dots4Q8<M, kQ8Rows>(j, part, o, 0);
+    for (; o < o1; ++o) Dots4Q8<M, 1>(j, part, o, 0);
+    return;
+  }
+  // float32 x: a unit's float16 scales converted first (the expansion reads each group's scale
+  // and minimum as a scalar, faster from this thread's scratch than from memory)
+  const Rows4Part p = Float32Scales(part, j.I, o, o1);
   for (; o + R <= o1; o += R) Dots4<M, R>(j, p, o, 0);
   for (; o < o1; ++o) Dots4<M, 1>(j, p, o, 0);
 }
@@ -961,9 +1088,10 @@ void Dots4Chunks(const Rows4Job& j, const Rows4Part& p, int64_t o) {
   }
 }
 
-void Rows4UnitChunks(const Rows4Job& j, const Rows4Part& p, int64_t u) {
+void Rows4UnitChunks(const Rows4Job& j, const Rows4Part& part, int64_t u) {
   constexpr int R = RowsAtOnce(8);
-  int64_t o = u * p.unit_rows, o1 = std::min(p.O, o + p.unit_rows);
+  int64_t o = u * part.unit_rows, o1 = std::min(part.O, o + part.unit_rows);
+  const Rows4Part p = Float32Scales(part, j.I, o, o1);
   for (; o + R <= o1; o += R) Dots4Chunks<R>(j, p, o);
   for (; o < o1; ++o) Dots4Chunks<1>(j, p, o);
 }
@@ -991,8 +1119,8 @@ void RunUnit(const Rows4Job& j, int64_t u) {
 ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets,
                     bool q8) {
   constexpr const char* kWhat =
-      "matvec_int4: expected x (M, I), then (q (O, I / 2) uint8, scale (O, I / 32) float32, min "
-      "(O, I / 32) float32) per output y (M, O); I a multiple of 32";
+      "matvec_int4: expected x (M, I), then (q (O, I / 2) uint8, scale (O, I / 32) and min "
+      "(O, I / 32), both float32 or both float16) per output y (M, O); I a multiple of 32";
   auto xd = x.dimensions();
   if (xd.size() != 2 || xd[1] % kGroup4 || rets.size() == 0 ||
       args.size() != 3 * rets.size())
@@ -1020,10 +1148,13 @@ ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::Remai
   size_t bytes = 0;
   for (size_t k = 0; k < rets.size(); ++k) {
     auto q = args.get<ffi::Buffer<ffi::U8>>(3 * k);
-    auto d = args.get<ffi::Buffer<ffi::F32>>(3 * k + 1);
-    auto m = args.get<ffi::Buffer<ffi::F32>>(3 * k + 2);
+    auto d = args.get<ffi::AnyBuffer>(3 * k + 1);
+    auto m = args.get<ffi::AnyBuffer>(3 * k + 2);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
     if (!q.has_value() || !d.has_value() || !m.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument(kWhat);
+    const ffi::DataType kind = d->element_type();
+    if ((kind != ffi::DataType::F32 && kind != ffi::DataType::F16) || m->element_type() != kind)
       return ffi::Error::InvalidArgument(kWhat);
     auto qd = q->dimensions(), yd = (*y)->dimensions();
     const int64_t O = qd.size() == 2 ? qd[0] : -1;
@@ -1031,11 +1162,18 @@ ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::Remai
         m->element_count() != O * (job->I / kGroup4) || yd.size() != 2 || yd[0] != job->M ||
         yd[1] != O)
       return ffi::Error::InvalidArgument(kWhat);
-    Rows4Part part{q->typed_data(), d->typed_data(), m->typed_data(), (*y)->typed_data(), O,
-                   job->units, UnitRows4(O, job->I, threads)};
+    Rows4Part part{q->typed_data(), nullptr, nullptr, (*y)->typed_data(), O, job->units,
+                   UnitRows4(O, job->I, threads)};
+    if (kind == ffi::DataType::F32) {
+      part.d = static_cast<const float*>(d->untyped_data());
+      part.m = static_cast<const float*>(m->untyped_data());
+    } else {
+      part.dh = static_cast<const uint16_t*>(d->untyped_data());
+      part.mh = static_cast<const uint16_t*>(m->untyped_data());
+    }
     if (job->M > 0) job->units += (O + part.unit_rows - 1) / part.unit_rows;
     job->parts.push_back(part);
-    bytes += size_t(O) * size_t(job->I) * 3 / 4;
+    bytes += size_t(O) * size_t(job->I) * (kind == ffi::DataType::F32 ? 6 : 5) / 8;
   }
   if (job->I == 0)
     for (auto& part : job->parts) std::fill(part.y, part.y + job->M * part.O, 0.0f);
