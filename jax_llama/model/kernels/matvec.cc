@@ -909,23 +909,24 @@ inline __m128 Load4Scales(const float* p, int n) {
   if (n == 4) return _mm_loadu_ps(p);
 #if defined(__AVX512VL__)
   return _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1), p);
-#endif
+#else
   alignas(16) float f[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int k = 0; k < n; ++k) f[k] = p[k];
   return _mm_load_ps(f);
+#endif
 }
 inline __m128 Load4Scales(const uint16_t* p, int n) {
   __m128i h;
   if (n == 4) {
     h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-#if defined(__AVX512VL__) && defined(__AVX512BW__)
-  } else if (true) {
-    h = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << n) - 1), p);
-#endif
   } else {
+#if defined(__AVX512VL__) && defined(__AVX512BW__)
+    h = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << n) - 1), p);
+#else
     alignas(16) uint16_t b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int k = 0; k < n; ++k) b[k] = p[k];
     h = _mm_load_si128(reinterpret_cast<const __m128i*>(b));
+#endif
   }
 #if defined(__F16C__) || defined(__AVX512F__)
   return _mm_cvtph_ps(h);
@@ -1048,20 +1049,19 @@ void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
     }
 }
 
+// Rows [o, o1) with 8-bit x, the scales read in place as they lie (S: float or float16's bits).
+template <int M, typename S>
+void Q8Rows(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t o1) {
+  for (; o + kQ8Rows <= o1; o += kQ8Rows) Dots4Q8<M, kQ8Rows, S>(j, p, o, 0);
+  for (; o < o1; ++o) Dots4Q8<M, 1, S>(j, p, o, 0);
+}
+
 template <int M>
 void Rows4Unit(const Rows4Job& j, const Rows4Part& part, int64_t u) {
   constexpr int R = RowsAtOnce(M);
   int64_t o = u * part.unit_rows, o1 = std::min(part.O, o + part.unit_rows);
-  if (j.q8 && part.dh != nullptr) {  // float16 scales read in place, converted in registers
-    for (; o + kQ8Rows <= o1; o += kQ8Rows) Dots4Q8<M, kQ8Rows, uint16_t>(j, part, o, 0);
-    for (; o < o1; ++o) Dots4Q8<M, 1, uint16_t>(j, part, o, 0);
-    return;
-  }
-  if (j.q8) {
-    for (; o + kQ8Rows <= o1; o += kQ8Rows) Dots4Q8<M, kQ8Rows>(j, part, o, 0);
-    for (; o < o1; ++o) Dots4Q8<M, 1>(j, part, o, 0);
-    return;
-  }
+  if (j.q8)
+    return part.dh != nullptr ? Q8Rows<M, uint16_t>(j, part, o, o1) : Q8Rows<M, float>(j, part, o, o1);
   // float32 x: a unit's float16 scales converted first (the expansion reads each group's scale
   // and minimum as a scalar, faster from this thread's scratch than from memory)
   const Rows4Part p = Float32Scales(part, j.I, o, o1);
