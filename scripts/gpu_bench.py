@@ -23,6 +23,7 @@ past --job-timeout. Writes OUT/gpu.json (every figure, the command, the commit) 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -103,7 +104,12 @@ def job_decode(args: dict) -> dict:
     killed at its limit leaves where it was."""
     from llama_twins.bench.decode import jax_runner, transformers_runner, twin_runner
     start = time.perf_counter()
-    if args.get("init") == "host":  # random params made on the CPU, then put on the GPU
+    if args.get("init") == "device":  # random params leaf by leaf on the GPU: seconds
+        import jax_llama
+        jax_llama.init = random_init(jax_llama.init)
+        if args.get("quantize") == "int4":  # random 4-bit params of quantize's layout
+            jax_llama.quantize = random_int4
+    elif args.get("init") == "host":  # random params made on the CPU, then put on the GPU
         import jax
 
         import jax_llama
@@ -114,6 +120,8 @@ def job_decode(args: dict) -> dict:
                 model, params = made_on_device(*a, **k)
             return model, jax.device_put(params, jax.devices()[0])
         jax_llama.init = init_on_host
+    if args.get("fuse"):  # an experiment: q|k|v and gate|up each one matmul
+        fuse_projections()
     s = spec(quantize=args.get("quantize"))
     run, sync = {"jax-llama": jax_runner, "torch_llama": twin_runner,
                  "transformers": transformers_runner}[args["impl"]](s)
@@ -135,12 +143,150 @@ def job_decode(args: dict) -> dict:
         short.append(seconds(DECODE_SHORT))
         long.append(seconds(DECODE_LONG))
         say(f"  {DECODE_SHORT} new tokens {short[-1]:.3f} s, {DECODE_LONG}: {long[-1]:.3f} s")
-    peak = None
+    peak = profile = None
     if args["impl"] == "jax-llama":
         import jax
         peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+        if args.get("profile"):  # one more long call under JAX's profiler
+            folder = Path(args["profile"])
+            with jax.profiler.trace(str(folder)):
+                seconds(DECODE_LONG)
+            profile = summarise_trace(folder, DECODE_LONG)
+            say(f"  profiled: {json.dumps(profile['per_step'])}")
     return {"build_s": build, "first_call_s": first, "short_s": short, "long_s": long,
-            "peak_bytes": peak}
+            "peak_bytes": peak, "profile": profile}
+
+
+def random_init(init):
+    """jax_llama.init's model with random params made leaf by leaf on the default device: N(0,
+    0.02) weights, norms at one. (jax_llama.init of llama3.2-1b compiles its whole random
+    initialisation as one program on a GPU: more than 76 s, results/gpu/gpu_probe.md.)"""
+    import jax
+    import jax.numpy as jnp
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def normal(key, shape, dtype):
+        return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+
+    def made(config, seed=0, **kw):
+        box = {}
+
+        def shapes():
+            box["model"], params = init(config, seed, **kw)
+            return params
+        tree = jax.eval_shape(shapes)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        key = jax.random.key(seed)
+        arrays = [jnp.ones(s.shape, s.dtype) if "norm" in jax.tree_util.keystr(path)
+                  else normal(jax.random.fold_in(key, i), s.shape, s.dtype)
+                  for i, (path, s) in enumerate(leaves)]
+        return box["model"], jax.tree_util.tree_unflatten(treedef, arrays)
+    return made
+
+
+def fuse_projections():
+    """Make the model run the projections that read the same input (q, k, v; gate, up) as one
+    matmul of their kernels side by side, as params saying so hold them ("wq+wk+wv", "w1+w3"),
+    and make jax_llama.init's params so: fewer, larger kernels per layer."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_llama
+    from jax_llama.model import llama
+    separate, init = llama.project, jax_llama.init
+
+    def project(module, x_MD, kernel_init, **features):
+        params = module.variables.get("params", {})
+        name = "+".join(features)
+        if name not in params:
+            return separate(module, x_MD, kernel_init, **features)
+        y = jnp.dot(x_MD.astype(module.dtype), params[name]["kernel"].astype(module.dtype))
+        return jnp.split(y, np.cumsum(list(features.values()))[:-1].tolist(), axis=-1)
+
+    def fused(node):
+        if not isinstance(node, dict):
+            return node
+        node = {k: fused(v) for k, v in node.items()}
+        for group in (("wq", "wk", "wv"), ("w1", "w3")):
+            if all(g in node and set(node[g]) == {"kernel"} for g in group):
+                kernel = jnp.concatenate([node.pop(g)["kernel"] for g in group], axis=-1)
+                node["+".join(group)] = {"kernel": kernel}
+        return node
+
+    def made(*a, **k):
+        model, params = init(*a, **k)
+        return model, fused(params)
+    llama.project, jax_llama.init = project, made
+
+
+def random_int4(params, group_size=None, method="int4", progress=False):
+    """Random 4-bit params in jax_llama.quantize(params, method="int4")'s layout, made on the
+    device (quantising 1.2 B weights on the host takes about a minute): each projection's kernel
+    (in, out) becomes random uint8 (out, in / 2) with float16 scale and min (out, in / 32); a tied
+    embedding (vocab, dim) int8 with a float32 scale (vocab, 1). The decode's speed does not
+    depend on the values."""
+    import jax
+    import jax.numpy as jnp
+
+    from bridge.int4 import GROUP
+    key = jax.random.key(1)
+
+    def four(node, depth=0):
+        if not isinstance(node, dict):
+            return node
+        if set(node) == {"kernel"} and node["kernel"].ndim == 2:
+            inputs, out = node["kernel"].shape
+            k = jax.random.fold_in(key, inputs * 131071 + out + depth)
+            scale = jnp.full((out, inputs // GROUP), 0.02 / 8, jnp.float16)
+            return {"kernel": jax.random.bits(k, (out, inputs // 2), jnp.uint8),
+                    "scale": scale, "min": -8 * scale}
+        if set(node) == {"embedding"}:
+            vocab, dim = node["embedding"].shape
+            q = jax.random.randint(key, (vocab, dim), -127, 128, jnp.int8)
+            return {"embedding": q, "scale": jnp.full((vocab, 1), 0.02 / 127, jnp.float32)}
+        return {name: four(child, depth + 1) for name, child in node.items()}
+    return four(params)
+
+
+def summarise_trace(folder: Path, steps: int) -> dict:
+    """The GPU's side of a profile (jax.profiler.trace): for each line of each device plane
+    (streams of kernels, XLA's ops and modules), its events, their busy time and the 30 names
+    that took most, and per decode step the kernels launched, their busy time and the span of
+    the decode program. Written beside the trace as summary.json."""
+    from jax.profiler import ProfileData
+    found = sorted(folder.rglob("*.xplane.pb"))
+    if not found:
+        return {"error": f"no trace under {folder}"}
+    data = ProfileData.from_file(str(found[-1]))
+    lines, per_step = {}, {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            events = list(line.events)
+            if not events:
+                continue
+            by_name = {}
+            for e in events:
+                n, t = by_name.get(e.name, (0, 0.0))
+                by_name[e.name] = (n + 1, t + e.duration_ns)
+            busy = sum(e.duration_ns for e in events)
+            span = max(e.start_ns + e.duration_ns for e in events) - min(e.start_ns for e in events)
+            top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]
+            lines[f"{plane.name} | {line.name}"] = {
+                "events": len(events), "busy_us": busy / 1e3, "span_us": span / 1e3,
+                "top": [[name, n, t / 1e3] for name, (n, t) in top],
+                "stats_of_first": {str(k): str(v)[:80] for k, v in list(events[0].stats)[:8]}}
+            if line.name.startswith("Stream"):
+                per_step[line.name] = {"kernels": len(events) / steps,
+                                       "busy_us": busy / 1e3 / steps}
+            if "Modules" in line.name:
+                for e in events:
+                    if "decode" in e.name:
+                        per_step[f"module {e.name}"] = {"span_us": e.duration_ns / 1e3 / steps}
+    summary = {"per_step": per_step, "lines": lines, "trace": str(found[-1])}
+    (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 def job_init(args: dict) -> dict:
@@ -217,10 +363,11 @@ def step_bytes(quantize: str | None, batch: int) -> float:
     """Bytes one decode step must read: the weights (jax_llama.perf) and each row's KV cache at
     the mean context of the timed steps (bfloat16)."""
     from bridge.quantize import Quantization
-    from jax_llama.perf import decode_bytes_per_token
+    from jax_llama.perf import decode_bytes_per_token, int4_bytes_per_token
     s = spec()
     c = s.config
-    weights = decode_bytes_per_token(c, 2, Quantization(quantize) if quantize else None)
+    weights = (int4_bytes_per_token(c) if quantize == "int4" else
+               decode_bytes_per_token(c, 2, Quantization(quantize) if quantize else None))
     context = s.prompt_len + (DECODE_SHORT + DECODE_LONG) / 2
     return weights + batch * 2 * c.n_layers * c.n_kv_heads * c.head_dim * 2 * context
 
@@ -283,6 +430,26 @@ def markdown(report: dict) -> str:
                 shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
                          if k not in ("runs_s", "job")}
                 lines.append(f"- {label}{f', batch {batch}' if batch else ''}: {shown}")
+    if report.get("profile"):
+        lines += ["", "## Batch-1 bfloat16 decode under XLA's options, profiled", "",
+                  "Per decode step, from JAX's profiler over one call of 240 new tokens: the "
+                  "kernels the GPU ran and their busy time, against the step's time.", "",
+                  "| XLA options | tokens/s | of the HBM bound | step (us) | kernels / step | "
+                  "kernel time / step (us) |", "|---|---|---|---|---|---|"]
+        for label, r in report["profile"].items():
+            if "error" in r:
+                lines.append(f"| {label} | failed: {r['error'][:160]} | | | | |")
+                continue
+            per_step = r.get("per_step") or {}
+            streams = [v for k, v in per_step.items() if not k.startswith("module")]
+            kernels = sum(v["kernels"] for v in streams)
+            busy = sum(v["busy_us"] for v in streams)
+            flags = f" (`{r['xla_flags']}`)" if r.get("xla_flags") else ""
+            fraction = "?" if r["hbm_fraction"] is None else f"{r['hbm_fraction']:.1%}"
+            lines.append(f"| {label}{flags} | "
+                         f"{r['tokens_per_s']:,.1f} | {fraction} | "
+                         f"{r['step_s'] * 1e6:.0f} | "
+                         f"{kernels:.0f} | {busy:.0f} |")
     if report.get("tests"):
         lines += ["", f"## Tests on the GPU: {report['tests']['command']}", ""]
         lines += [f"- {name}: {outcome}" for name, outcome in report["tests"]["results"].items()]
@@ -407,9 +574,66 @@ def main(argv=None) -> int:
                 r = decode_row(r, job["quantize"], job["batch"], machine)
             report["probe"].setdefault(label, {})[str(job.get("batch", ""))] = {**r, "job": job}
             save()
+    if "profile" in only:  # batch-1 bfloat16 decode under XLA's options, each profiled
+        report["profile"] = {}
+        dump = ("--xla_dump_to=/tmp/gpu-profile/hlo --xla_dump_hlo_as_text "
+                "--xla_dump_hlo_module_re=.*decode.*")
+        for i, (label, flags, changes) in enumerate(PROFILE_VARIANTS):
+            job = {"impl": "jax-llama", "quantize": None, "batch": 1, "init": "device",
+                   "profile": f"/tmp/gpu-profile/{i}",
+                   "xla_flags": f"{flags} {dump}" if i == 0 else flags, **changes}
+            r = run_job("decode", job, args.job_timeout)
+            row = decode_row(r, None, 1, machine)
+            if r.get("profile"):
+                row["per_step"] = r["profile"].get("per_step")
+                ops = [v for k, v in r["profile"].get("lines", {}).items() if "XLA Ops" in k]
+                row["top_ops_us"] = ops[0]["top"][:20] if ops else None
+            report["profile"][label] = {**row, "xla_flags": flags, **changes}
+            save()
+        pack_profiles(out / "gpu_profile_traces.tgz")
+    if "rows" in only:  # the decode rows the first run did not reach, and 4-bit weights
+        report.setdefault("decode", {})
+        for impl, quantize, batch, init in (("jax-llama", "int4", 1, "device"),
+                                            ("jax-llama", "int4", 32, "device"),
+                                            ("torch_llama", "int8", 1, None),
+                                            ("transformers", None, 1, None)):
+            r = run_job("decode", {"impl": impl, "quantize": quantize, "batch": batch,
+                                   "init": init}, args.job_timeout)
+            report["decode"].setdefault(f"{impl} {quantize or 'bfloat16'}", {})[str(batch)] = \
+                decode_row(r, quantize, batch, machine)
+            save()
     save()
     print(markdown(report))
     return 0
+
+
+# batch-1 decode under these XLA options and job changes (--only profile): the defaults first
+PROFILE_VARIANTS = (("XLA's defaults", "", {}),
+                    ("no Triton GEMMs (cuBLAS)", "--xla_gpu_enable_triton_gemm=false", {}),
+                    ("no command buffers (CUDA graphs)", "--xla_gpu_enable_command_buffer=", {}),
+                    ("q, k, v and gate, up as one matmul each", "", {"fuse": True}),
+                    ("those, and cuBLAS", "--xla_gpu_enable_triton_gemm=false", {"fuse": True}))
+
+
+def pack_profiles(path: Path, limit: int = 15 * 2**20) -> None:
+    """The profiles' summaries, the first one's trace and the decode program's HLO dump in one
+    .tgz (the trace left out where it would take it past `limit` bytes)."""
+    import tarfile
+    root = Path("/tmp/gpu-profile")
+    if not root.is_dir():
+        return
+    for keep_traces in (True, False):
+        with tarfile.open(path, "w:gz") as tar:
+            for f in sorted(root.rglob("*")):
+                top = f.parts[len(root.parts)]
+                trace = f.name.endswith(".xplane.pb")
+                wanted = (f.is_file() and not f.name.endswith(".trace.json.gz")  # the same again
+                          and (top != "hlo" or "decode" in str(f))
+                          and (not trace or keep_traces and top == "0"))
+                if wanted:
+                    tar.add(f, arcname=str(f.relative_to(root)))
+        if path.stat().st_size <= limit:
+            return
 
 
 if __name__ == "__main__":
