@@ -29,6 +29,9 @@ saved before float16 may it round twice, and the twins' sums differ in their las
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import numpy as np
 
 from .errors import BridgeError
@@ -101,23 +104,55 @@ EXACT_INT4 = ("Q4_0", "Q4_1")  # the types this layout holds exactly (bridge.ggu
 
 
 ACTIVATIONS_ENV = "JAX_LLAMA_INT4_ACTIVATIONS"
+ACTIVATIONS = ("float32", "int8")
+# the choice of an enclosing using_activations (None: none made), below the environment's
+_CHOSEN: ContextVar[str | None] = ContextVar("int4_activations", default=None)
 
 
 def activations() -> str:
-    """How both twins' 4-bit projections take their input: "float32" (the default: x as it is),
-    or "int8" ($JAX_LLAMA_INT4_ACTIVATIONS=int8; experimental, what llama.cpp's Q4 types do):
-    each group of GROUP inputs rounded to dx * round(x * (1 / dx)), dx = max |x| times
-    float32(1 / 127) (ties to even, within +-127; 0 for a group of zeros), the gradient passing
-    straight through.
-    The decode kernel then sums each group's products as integers (matvec.cc). Read when a
-    program is traced: set it before the process starts (a program jitted before the change keeps
-    the setting it was traced with)."""
+    """How both twins' 4-bit projections take their input: "float32" (x as it is) or "int8"
+    (each group of GROUP inputs rounded to dx * round(x * (1 / dx)), dx = max |x| times
+    float32(1 / 127), ties to even, within +-127, 0 for a group of zeros; the gradient passing
+    straight through; the decode kernel then sums each group's products as integers,
+    matvec.cc). What llama.cpp's Q4 dot products do to x (its Q8 activations).
+
+    $JAX_LLAMA_INT4_ACTIVATIONS, where set, decides; else an enclosing using_activations; else
+    float32. Generation (both twins' generate and chat sessions) takes int8 where neither the
+    environment nor a caller chose (generation_activations): decoding reads every weight once a
+    token, and 8-bit x is what lets the kernel keep up with the memory. Read when a program is
+    traced: the generation programs take the choice as a static argument, so each is compiled
+    for the one it runs."""
     import os
 
-    value = os.environ.get(ACTIVATIONS_ENV, "float32").strip().lower()
-    if value not in ("float32", "int8"):
+    value = os.environ.get(ACTIVATIONS_ENV, "").strip().lower()
+    if not value:
+        return _CHOSEN.get() or "float32"
+    if value not in ACTIVATIONS:
         raise BridgeError(f"expected float32 or int8, got {value!r}", field=ACTIVATIONS_ENV)
     return value
+
+
+def generation_activations() -> str:
+    """The 4-bit activations generation runs with: the environment's or an enclosing
+    using_activations' choice, else int8."""
+    import os
+
+    if os.environ.get(ACTIVATIONS_ENV, "").strip() or _CHOSEN.get() is not None:
+        return activations()
+    return "int8"
+
+
+@contextmanager
+def using_activations(kind: str):
+    """Within this block, 4-bit projections take their input as `kind` ("float32" or "int8")
+    unless $JAX_LLAMA_INT4_ACTIVATIONS says otherwise (activations)."""
+    if kind not in ACTIVATIONS:
+        raise BridgeError(f"expected float32 or int8, got {kind!r}", field="activations")
+    token = _CHOSEN.set(kind)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
 
 
 def nearest_layout(type_name: str | None) -> str | None:

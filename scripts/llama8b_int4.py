@@ -7,7 +7,8 @@ of the model is ever made), then, each in a process of its own so that its peak 
              cache of 8,192 slots (the context the 8k figure is about), time to first token and
              tokens/s;
   - int4-q8: the same with JAX_LLAMA_INT4_ACTIVATIONS=int8 (x rounded to 8 bits per group of 32
-             before each 4-bit product, each group summed as integers: llama.cpp's arithmetic);
+             before each 4-bit product, each group summed as integers: llama.cpp's arithmetic,
+             and what generation runs by default since 2026-12-05; the int4 row sets float32);
   - int8:    jax_llama.load(FILE, int8=True) - each projection quantised to int8 as it is read -
              and the same decoding;
   - llama.cpp on the same file (llama-cpp-python), the same prompt and greedy decoding;
@@ -242,9 +243,9 @@ def worker(name: str, path: str, args) -> None:
     if name == "synth":
         result = synthesise(Path(path))
     elif name in ("int4", "int4-q8", "int8"):
-        if name == "int4-q8":  # x rounded to 8 bits per group of 32, integer sums
-            from bridge.int4 import ACTIVATIONS_ENV
-            os.environ[ACTIVATIONS_ENV] = "int8"
+        from bridge.int4 import ACTIVATIONS_ENV  # int4-q8: x rounded to 8 bits per group of
+        # 32, integer sums (what generation runs by default); int4: x as it is, float32
+        os.environ[ACTIVATIONS_ENV] = "int8" if name == "int4-q8" else "float32"
         result = decode_jax("int8" if name == "int8" else "nearest", path, args.new)
     elif name == "llama.cpp":
         result = decode_llama_cpp(path, args.new)

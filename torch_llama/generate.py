@@ -3,7 +3,9 @@ then one decode step per new token. The same semantics as jax_llama.generate, so
 decoding agrees token for token between the twins.
 
 Sampling is a few free functions over logits (B, V); the model knows only how to run a step with
-a cache. Axis letters as in torch_llama.model.
+a cache. Axis letters as in torch_llama.model. 4-bit projections take 8-bit activations here
+unless the environment or the caller chose otherwise (bridge.int4.generation_activations), as in
+jax_llama.generate.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from bridge.inputs import check_ids, pad_rows, shared_prefix
+from bridge.int4 import generation_activations, using_activations
 from bridge.sampling import Generation, Sampler, check_generation
 
 from .model import KVCache, Llama
@@ -80,7 +83,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
     weight = model.norm.weight  # the model's dtype (the embedding may be int8)
     device = weight.device
     stop, done = set(stop_ids), [False] * B
-    with torch.inference_mode():
+    with torch.inference_mode(), using_activations(generation_activations()):
         cache = KVCache.create(c, B, tokens_BS.shape[1] + max_new_tokens, weight.dtype, device)
         generator = torch.Generator(device=device).manual_seed(seed)
         out = model.run(torch.from_numpy(tokens_BS).long().to(device),
@@ -139,7 +142,7 @@ class ChatSession:
         weight = self.model.norm.weight  # the model's dtype (the embedding may be int8)
         need = len(ids) + limit
         cache, self.cache, self.cached = self.cache, None, []  # rebuilt below once the reply ends
-        with torch.inference_mode():
+        with torch.inference_mode(), using_activations(generation_activations()):
             if cache is None or cache.length < need:
                 grown = KVCache.create(c, 1, max(need, 2 * (cache.length if cache else 0)),
                                        weight.dtype, weight.device)

@@ -10,6 +10,10 @@ one token per call.
 
 Sampling is a few pure functions of (logits, PRNG key) under a bridge.sampling.Sampler:
 temperature (0 = greedy), top-k, top-p; the torch twin implements the same rules.
+
+4-bit projections take 8-bit activations here unless the environment or the caller chose
+otherwise (bridge.int4.generation_activations): each program takes the choice as a static
+argument, so it is compiled for the one it runs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from flax import struct
 
 from bridge.errors import BridgeError
 from bridge.inputs import pad_rows, shared_prefix
+from bridge.int4 import generation_activations, using_activations
 from bridge.sampling import Generation, Sampler, check_generation
 
 from ..model.inputs import bucket, check_inputs
@@ -118,16 +123,19 @@ def _emit(d: Decoding, token_B, logprob_B, stop_ids) -> Decoding:
 
 
 # --8<-- [start:decode]
-@functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len", "tempered"))
+@functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len", "tempered",
+                                             "activations"))
 def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache_len,
-             tempered=False) -> Decoding:
+             tempered=False, activations="int8") -> Decoding:
     """Write the left-padded prompts into a fresh cache and choose each row's first new token.
-    The cache is made here, on the device: it never exists on the host."""
+    The cache is made here, on the device: it never exists on the host. `activations`: how
+    4-bit projections take their input (bridge.int4.generation_activations)."""
     B, P = tokens_BP.shape
     n_max = cache_len - P
     cache = KVCache.create(model.config, B, cache_len, model.dtype)
-    out = model.apply({"params": params}, tokens_BP, attention_mask=mask_BP, cache=cache,
-                      method="run")
+    with using_activations(activations):
+        out = model.apply({"params": params}, tokens_BP, attention_mask=mask_BP, cache=cache,
+                          method="run")
     key, sub = jax.random.split(key)
     # left padding: the last column is real
     token_B, logprob_B = _pick(out.logits[:, -1], sub, sampler, tempered)
@@ -137,16 +145,19 @@ def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache
     return _emit(start, token_B, logprob_B, stop_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "sampler", "tempered"),
+@functools.partial(jax.jit, static_argnames=("model", "sampler", "tempered", "activations"),
                    donate_argnames=("d",))
-def _decode(params, d: Decoding, until, stop_ids, *, model, sampler, tempered=False):
+def _decode(params, d: Decoding, until, stop_ids, *, model, sampler, tempered=False,
+            activations="int8"):
     """One cached forward per new token while d.step < until and some row is not done -> (the
     state, its last tokens (B,), its done flags (B,)). The state is donated: XLA updates the
     cache in place. The last tokens and flags come back apart from it, so that a streaming caller
     can read them while the next call, to which the state is donated, already runs."""
 
     def body(d: Decoding) -> Decoding:
-        out = model.apply({"params": params}, d.token_B[:, None], cache=d.cache, method="run")
+        with using_activations(activations):
+            out = model.apply({"params": params}, d.token_B[:, None], cache=d.cache,
+                              method="run")
         key, sub = jax.random.split(d.key)
         token_B, logprob_B = _pick(out.logits[:, 0], sub, sampler, tempered)
         return _emit(d.replace(cache=out.cache, key=key), token_B, logprob_B, stop_ids)
@@ -191,7 +202,8 @@ def generate(model, params, prompts: Sequence[Sequence[int]], max_new_tokens: in
     check_inputs(tokens, config.vocab_size)  # on the host, once, before the compiled calls
     stops = np.full((_MAX_STOP_IDS,), -1, np.int32)
     stops[:len(stop_ids)] = stop_ids
-    static = dict(model=model, sampler=sampler, tempered=tempered_logprobs)
+    static = dict(model=model, sampler=sampler, tempered=tempered_logprobs,
+                  activations=generation_activations())
     key = jax.random.key(seed) if key is None else key
     args = (params, tokens, mask, stops, key)
     d = program(_prefill, "prefill", args, dict(cache_len=cache_len, **static))(*args)
@@ -244,9 +256,9 @@ def _stream(params, d: Decoding, max_new_tokens: int, stops, decode: Callable[[]
 
 # -- a cache kept between replies (chat) -----------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("model", "sampler", "n_max"))
+@functools.partial(jax.jit, static_argnames=("model", "sampler", "n_max", "activations"))
 def _extend(params, cache: KVCache, start, tokens_1S, n, stop_ids, key, *, model, sampler,
-            n_max: int) -> Decoding:
+            n_max: int, activations="int8") -> Decoding:
     """Keep the cache's first `start` slots, write the first n of tokens_1S (right-padded to a
     bucket) after them, and choose the first new token from the logits of token n - 1. The cache
     holds one row whose slots are its tokens in order, so cutting it back is setting its index."""
@@ -254,8 +266,9 @@ def _extend(params, cache: KVCache, start, tokens_1S, n, stop_ids, key, *, model
     cache = cache.replace(index=start, valid=(jnp.arange(T) < start)[None],
                           positions=jnp.full((1,), start, jnp.int32))
     valid_1S = (jnp.arange(S) < n)[None]
-    out = model.apply({"params": params}, tokens_1S, attention_mask=valid_1S, cache=cache,
-                      head_at=jnp.full((1, 1), n - 1, jnp.int32), method="run")
+    with using_activations(activations):
+        out = model.apply({"params": params}, tokens_1S, attention_mask=valid_1S, cache=cache,
+                          head_at=jnp.full((1, 1), n - 1, jnp.int32), method="run")
     key, sub = jax.random.split(key)
     token_B, logprob_B = _pick(out.logits[:, 0], sub, sampler)
     # the padding's slots are free again: the next token is written right after the n
@@ -333,7 +346,8 @@ class ChatSession:
                           else _grown(self.cache, length))
         tokens = np.zeros((1, S), np.int32)
         tokens[0, :n] = ids[start:]
-        static = dict(model=self.model, sampler=self.sampler)
+        static = dict(model=self.model, sampler=self.sampler,
+                      activations=generation_activations())
         self.key, key = jax.random.split(self.key)
         cache, self.cache, self.cached = self.cache, None, []  # handed on: donated below
         args = (self.params, cache, jnp.int32(start), tokens, jnp.int32(n), self.stops, key)

@@ -30,6 +30,7 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.inputs import pad_rows
+from bridge.int4 import generation_activations, using_activations
 
 from ..model.inputs import bucket
 from ..model.llama import KVCache
@@ -101,13 +102,14 @@ def _pick_rows(logits_BV, seeds_B, steps_B, temperature_B, top_k_B, top_p_B, *, 
     return token_B, logprob_B, top_ids, top_vals
 
 
-@functools.partial(jax.jit, static_argnames=("model", "cache_len"))
-def _prefill_alone(params, tokens_1P, mask_1P, *, model, cache_len: int):
+@functools.partial(jax.jit, static_argnames=("model", "cache_len", "activations"))
+def _prefill_alone(params, tokens_1P, mask_1P, *, model, cache_len: int, activations: str):
     """A left-padded prompt into a fresh one-row cache of cache_len slots, as generate's prefill
-    does it -> (the cache, the last position's logits (1, V))."""
+    does it -> (the cache, the last position's logits (1, V)). activations: as generate's."""
     cache = KVCache.create(model.config, 1, cache_len, model.dtype)
-    out = model.apply({"params": params}, tokens_1P, attention_mask=mask_1P, cache=cache,
-                      method="run")
+    with using_activations(activations):
+        out = model.apply({"params": params}, tokens_1P, attention_mask=mask_1P, cache=cache,
+                          method="run")
     return out.cache, out.logits[:, -1]
 
 
@@ -142,12 +144,14 @@ def _grow(cache: KVCache, *, length: int) -> KVCache:
                          valid=jnp.pad(cache.valid, [(0, 0), (0, more)]))
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
-def _step(params, cache: KVCache, token_B, active_B, *, model):
+@functools.partial(jax.jit, static_argnames=("model", "activations"),
+                   donate_argnames=("cache",))
+def _step(params, cache: KVCache, token_B, active_B, *, model, activations: str):
     """One token for every row: active rows write it into the cache and advance; the others
     write an invalid slot -> (the cache, the logits (B, V))."""
-    out = model.apply({"params": params}, token_B[:, None], attention_mask=active_B[:, None],
-                      cache=cache, method="run")
+    with using_activations(activations):
+        out = model.apply({"params": params}, token_B[:, None], attention_mask=active_B[:, None],
+                          cache=cache, method="run")
     return out.cache, out.logits[:, 0]
 
 
@@ -161,6 +165,8 @@ class Engine:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise BridgeError(f"must be a positive integer (got {max_batch!r})", field="max_batch")
         self.model, self.params, self.max_batch = model, params, max_batch
+        # chosen here, in the caller's context: the engine's thread starts without it
+        self.activations = generation_activations()
         self.max_len = min(max_len or model.config.max_seq_len, model.config.max_seq_len)
         self._waiting: queue.Queue[Request] = queue.Queue()
         self._rows: list[Request | None] = [None] * max_batch
@@ -249,7 +255,7 @@ class Engine:
         cache_len = max(cache_len, P + request.max_tokens)
         tokens, mask = pad_rows([request.prompt], P, side="left")
         row_cache, logits = _prefill_alone(self.params, tokens, mask, model=self.model,
-                                           cache_len=cache_len)
+                                           cache_len=cache_len, activations=self.activations)
         index = self._room(P, 1)
         start = max(index - P, 0)
         self._cache = _splice(self._cache, row_cache, jnp.int32(row), jnp.int32(start), P=P)
@@ -307,7 +313,8 @@ class Engine:
         self._room(0, 1)
         active = np.array([r is not None for r in self._rows])
         self._cache, logits_BV = _step(self.params, self._cache, jnp.asarray(self._token_B),
-                                       jnp.asarray(active), model=self.model)
+                                       jnp.asarray(active), model=self.model,
+                                       activations=self.activations)
         self.steps += 1
         self.batch_sizes.append(int(active.sum()))
         self._emit_picked(logits_BV, [i if active[i] else None for i in range(self.max_batch)])

@@ -343,6 +343,7 @@ class GrpoInputs:
 
     def _roll(self, params, index: int, step: int, total: int) -> _Round:
         """Sample round `index` from `params`, score it, and make its rows."""
+        from bridge.int4 import activations, using_activations
         from bridge.sampling import Sampler
 
         from ..inference.generate import generate
@@ -351,11 +352,14 @@ class GrpoInputs:
         G = g.num_generations
         prompts = [p for p in self._round_prompts(index) for _ in range(G)]
         started = time.perf_counter()
-        out = generate(self.model, params, [p.ids for p in prompts], N,
-                       Sampler(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p),
-                       self.stop_ids, key=jax.random.fold_in(
-                           jax.random.key(self.spec.train.seed), index),
-                       tempered_logprobs=True)
+        # the trainer's 4-bit activations (float32 unless the environment says int8), not
+        # generation's: the sampler's log-probabilities are then the trainer's numbers
+        with using_activations(activations()):
+            out = generate(self.model, params, [p.ids for p in prompts], N,
+                           Sampler(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p),
+                           self.stop_ids, key=jax.random.fold_in(
+                               jax.random.key(self.spec.train.seed), index),
+                           tempered_logprobs=True)
         generated = time.perf_counter()
         stops = set(self.stop_ids)
         texts = [self.tokenizer.decode([t for t in ids if t not in stops]) for ids in out.tokens]
