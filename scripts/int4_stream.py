@@ -2,7 +2,8 @@
 
     python scripts/int4_stream.py [--shapes smollm2,llama3.2-1b,llama3-8b] [--rounds 3]
         [--activations int8,float32] [--scales float16] [--incumbent DIR]
-        [--incumbent-scales float32] [--out results/kernels]
+        [--incumbent-scales float32] [--minima held|none] [--incumbent-minima held|none]
+        [--out results/kernels]
 
 Each (shape, activations) row runs in its own process: random 4-bit weights for L layers of the
 model's shape (fused q/k/v, o, fused gate/up, down, as jax_llama.model.projections calls them),
@@ -35,12 +36,14 @@ import json, sys, time, numpy as np, jax, jax.numpy as jnp
 from jax_llama.model import kernels as K
 D, F, KV, L, chain, repeats = (int(a) for a in sys.argv[1:7])
 scales = np.dtype(sys.argv[7])
+minima = sys.argv[8] == "held"  # else none: Q4_0's form, m = -8 d
 calls = [(D, [D + 2 * KV]), (D, [D]), (D, [F, F]), (F, [D])]
 rng = np.random.default_rng(0)
 def weight(I, O):
     return (jnp.asarray(rng.integers(0, 256, (O, I // 2), dtype=np.uint8)),
             jnp.asarray(rng.random((O, I // 32), dtype=np.float32).astype(scales)),
-            jnp.asarray((rng.random((O, I // 32), dtype=np.float32) - 0.5).astype(scales)))
+            jnp.asarray((rng.random((O, I // 32), dtype=np.float32) - 0.5).astype(scales))
+            if minima else None)
 ws = [[[weight(I, O) for O in outs] for I, outs in calls] for _ in range(L)]
 x = jnp.asarray(rng.standard_normal((1, D), dtype=np.float32))
 xf = jnp.asarray(rng.standard_normal((1, F), dtype=np.float32))
@@ -67,26 +70,27 @@ print(json.dumps({"pass_s": float(np.median(times)), "weights": weights}))
 PATH_SWITCHES = ("XLA_FLAGS", "JAX_LLAMA_KERNEL_MARCH", "JAX_LLAMA_KERNEL_THREADS")
 
 
-def bytes_per_weight(scales: str) -> float:
-    """Half a byte, plus a scale and a minimum per 32 weights."""
-    return 0.5 + 2 * (2 if scales == "float16" else 4) / 32
+def bytes_per_weight(scales: str, minima: str = "held") -> float:
+    """Half a byte, plus a scale and a minimum (none: Q4_0's form) per 32 weights."""
+    return 0.5 + (2 if minima == "held" else 1) * (2 if scales == "float16" else 4) / 32
 
 
 def measure(tree: str | None, shape: str, activations: str, args) -> dict:
     D, F, KV, L = SHAPES[shape]
     scales = args.incumbent_scales if tree is not None else args.scales
+    minima = args.incumbent_minima if tree is not None else args.minima
     env = {**os.environ, "JAX_LLAMA_INT4_ACTIVATIONS": activations}
     if tree is not None:  # the incumbent's packages first
         env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     done = subprocess.run([sys.executable, "-c", WORKER, str(D), str(F), str(KV), str(L),
-                           str(args.chain), str(args.repeats), scales],
+                           str(args.chain), str(args.repeats), scales, minima],
                           capture_output=True, text=True, env=env, cwd=tree or None)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         raise SystemExit(f"error: {shape} {activations} ({tree or 'this checkout'}): {last}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    return {**out, "scales": scales,
-            "gb_s": bytes_per_weight(scales) * out["weights"] / out["pass_s"] / 1e9}
+    return {**out, "scales": scales, "minima": minima,
+            "gb_s": bytes_per_weight(scales, minima) * out["weights"] / out["pass_s"] / 1e9}
 
 
 def render(r: dict) -> list[str]:
@@ -101,9 +105,10 @@ def render(r: dict) -> list[str]:
                 if r["incumbent"] else "")
              + ". GB/s: the weights' bytes (half a byte a weight, a scale and a minimum per 32: "
              f"float16 scales 0.625 bytes a weight, float32 ones 0.75); scales here "
-             f"{r.get('scales', 'float32')}"
-             + (f", the incumbent's {r.get('incumbent_scales', 'float32')}" if r["incumbent"]
-                else "") + "."
+             f"{r.get('scales', 'float32')}, minima {r.get('minima', 'held')}"
+             + (f", the incumbent's {r.get('incumbent_scales', 'float32')}, minima "
+                f"{r.get('incumbent_minima') or 'held'}" if r["incumbent"] else "")
+             + " (none: Q4_0's form, m = -8 d, 0.5625 bytes a weight with float16 scales)."
              + ("" if not r.get("paths") else " Code paths: " + " ".join(
                  f"{k}={v}" for k, v in r["paths"].items()) + "."), ""]
     head = "| shape | layers | activations | pass (ms) | GB/s |"
@@ -141,6 +146,9 @@ def main(argv=None) -> int:
                         help="the dtype of this checkout's scales and minima")
     parser.add_argument("--incumbent-scales", default="float32", choices=("float16", "float32"),
                         help="the incumbent's (float32 before 2026-12-05)")
+    parser.add_argument("--minima", default="held", choices=("held", "none"),
+                        help="none: no minima held or read (Q4_0's form, m = -8 d)")
+    parser.add_argument("--incumbent-minima", default="held", choices=("held", "none"))
     parser.add_argument("--out", default="results/kernels")
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
@@ -174,8 +182,8 @@ def main(argv=None) -> int:
 
     def summary(done: list[dict]) -> dict:
         t = statistics.median(x["pass_s"] for x in done)
-        return {"pass_s": t, "gb_s": bytes_per_weight(done[0]["scales"]) * done[0]["weights"]
-                / t / 1e9,
+        return {"pass_s": t, "gb_s": bytes_per_weight(done[0]["scales"], done[0]["minima"])
+                * done[0]["weights"] / t / 1e9,
                 "rounds_s": [x["pass_s"] for x in done]}
     rows = []
     for shape in shapes:
@@ -188,6 +196,8 @@ def main(argv=None) -> int:
     data = {"rows": rows, "rounds": args.rounds, "repeats": args.repeats, "chain": args.chain,
             "incumbent": args.incumbent, "scales": args.scales,
             "incumbent_scales": args.incumbent_scales if incumbent else None,
+            "minima": args.minima,
+            "incumbent_minima": args.incumbent_minima if incumbent else None,
             "incumbent_commit": commit(incumbent) if incumbent else None,
             "paths": {k: os.environ[k] for k in PATH_SWITCHES if os.environ.get(k)},
             "command": "python scripts/int4_stream.py " + " ".join(argv or sys.argv[1:])}

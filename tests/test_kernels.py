@@ -126,6 +126,51 @@ def test_int4_matvec_is_within_float32_rounding_of_the_dequantised_product(M, I,
     assert not np.all(np.abs(wrong - want) <= bound(x, w.T))
 
 
+@pytest.mark.parametrize("M,I,O", [(1, 576, 576), (3, 1536, 72), (19, 256, 40), (1, 4096, 96)])
+@pytest.mark.parametrize("acts", ["float32", "int8"])
+def test_4_bit_weights_without_minima_are_q4_0s_and_give_the_same_bits(M, I, O, acts,
+                                                                        monkeypatch):
+    """A 4-bit weight given no minima (None) is Q4_0's d (q - 8), its minima neither held nor
+    read: the kernel (float32 and 8-bit activations, float16 and float32 scales, a prefill's
+    chunks, beside a weight with minima in one call), XLA's path (int4_matmul and its gradient)
+    and a model's Linear give the bits of the same weight with its minima -8 d held (exact in
+    float32). Negative: minima of -7 d differ; a min of another shape is not served."""
+    from jax_llama.model.kernels import dequantize_int4
+    from jax_llama.model.projections import Linear, int4_matmul
+
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", acts)
+    rng = np.random.default_rng(M * 100 + O)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    packed = rng.integers(0, 256, (O, I // 2)).astype(np.uint8)
+    d = (rng.random((O, I // 32)) * 0.02 + 1e-3).astype(np.float16)
+    m = np.float16(-8) * d
+    for scales in (np.float16, np.float32):
+        held = (packed, d.astype(scales), m.astype(scales))
+        assert kernels.usable(jnp.asarray(x), packed, held[1], None)
+        got = np.asarray(kernels.matvec_int4(x, [held])[0])
+        alone = kernels.matvec_int4(x, [(packed, held[1], None)])[0]
+        np.testing.assert_array_equal(got, np.asarray(alone))
+    both = kernels.matvec_int4(x, [(packed, d, m), (packed, d, None)])
+    np.testing.assert_array_equal(np.asarray(both[0]), np.asarray(both[1]))
+    np.testing.assert_array_equal(np.asarray(dequantize_int4(packed, d, None, jnp.float32)),
+                                  np.asarray(dequantize_int4(packed, d, m, jnp.float32)))
+    xla = lambda low: int4_matmul(jnp.asarray(x), packed, d, low, jnp.float32)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(xla(None)), np.asarray(xla(m)))
+    def grad(low):
+        return jax.grad(lambda v: int4_matmul(v, packed, d, low, jnp.float32).sum())(
+            jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(grad(None)), np.asarray(grad(m)))
+    for kind in ("kernels", "xla"):
+        layer = Linear(O, kernels=kind)
+        np.testing.assert_array_equal(
+            np.asarray(layer.apply({"params": {"kernel": packed, "scale": d}}, x)),
+            np.asarray(layer.apply({"params": {"kernel": packed, "scale": d, "min": m}}, x)))
+    other = np.asarray(kernels.matvec_int4(x, [(packed, d, np.float16(-7) * d)])[0])
+    assert np.abs(other - np.asarray(both[0])).max() > 1e-3
+    assert not kernels.usable(jnp.asarray(x), packed, d, m[:, :-1])
+    assert not kernels.usable(jnp.asarray(x), packed, d, m.astype(np.float32))
+
+
 @pytest.mark.parametrize("M", [9, 35, 64])
 def test_int4_prefill_rows_are_served_eight_at_a_time_with_the_bits_of_a_row_alone(M):
     """Up to MAX_ROWS_INT4 rows (a short prefill) go through the 4-bit kernel, 8 rows at a time
@@ -715,6 +760,13 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "        x19 = rng.standard_normal((19, I)).astype(np.float32)  # a prefill: in chunks\n"
         "        y19 = np.asarray(kernels.matvec_int4(x19, [four])[0])\n"
         "        assert np.array_equal(y19, np.asarray(kernels.matvec_int4(x19, [half])[0]))\n"
+        "        q40 = (half[0], half[1], np.float16(-8) * half[1])  # Q4_0: no minima held\n"
+        "        for xs in (x, x19):\n"
+        "            for a in ('float32', 'int8'):\n"
+        "                os.environ['JAX_LLAMA_INT4_ACTIVATIONS'] = a\n"
+        "                assert np.array_equal(np.asarray(kernels.matvec_int4(xs, [q40])[0]),\n"
+        "                    np.asarray(kernels.matvec_int4(xs, [q40[:2] + (None,)])[0])), a\n"
+        "            del os.environ['JAX_LLAMA_INT4_ACTIVATIONS']\n"
         "        assert all(np.array_equal(y19[i:i + 8], np.asarray(kernels.matvec_rows(\n"
         "            x19[i:i + 8], w4))) for i in (0, 8, 16)), (M, I, O)\n"
         "    for f, args, want, mag in (\n"

@@ -92,7 +92,9 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x_MD):
         x_MD = x_MD.astype(self.dtype)
-        if self.has_variable("params", "min"):  # 4-bit weights, (out, in / 2): int4_matmul
+        four = self.has_variable("params", "kernel") and \
+            self.get_variable("params", "kernel").dtype == jnp.uint8
+        if four:  # 4-bit weights, (out, in / 2); no `min`: Q4_0's -8 scale
             kernel, scale, low = (self.get_variable("params", n) for n in ("kernel", "scale", "min"))
             if _kernels_on(self.kernels) and decode_kernels.usable(x_MD, kernel, scale, low):
                 out = decode_kernels.matvec_int4(x_MD, [(kernel, scale, low)])[0]
@@ -141,10 +143,10 @@ def project(module: nn.Module, x_MD, kernel_init, **features: int) -> list[jax.A
             and all(w[0] is not None and decode_kernels.usable(x, *w) for w in weights)):
         if all(s is None for _, s, _ in weights):
             return decode_kernels.matvec_f32(x, [w for w, _, _ in weights])
-        if all(s is not None and m is None for _, s, m in weights):
+        if all(w.dtype == jnp.int8 for w, _, _ in weights):
             return [y.astype(module.dtype)
                     for y in decode_kernels.matvec_int8(x, [(w, s) for w, s, _ in weights])]
-        if all(m is not None for _, _, m in weights):
+        if all(w.dtype == jnp.uint8 for w, _, _ in weights):  # 4-bit, with minima or not
             return decode_kernels.matvec_int4(x, weights)
     return [Linear(f, dtype=module.dtype, param_dtype=module.param_dtype, kernel_init=kernel_init,
                    lora=lora if lora is not None and name in lora.targets else None,
@@ -230,8 +232,8 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def int4_matmul(x_MI, packed_OJ, scale_OG, min_OG, dtype):
     """x @ W^T for 4-bit W (bridge.int4), stored as its canonical rows (not transposed as float
-    kernels are): packed (out, in / 2) uint8, two weights a byte along the inputs, and float32
-    scales and minima (out, in / 32). W = q * scale + min is dequantised in
+    kernels are): packed (out, in / 2) uint8, two weights a byte along the inputs, and scales and
+    minima (out, in / 32) (min None: -8 scale, Q4_0's form). W = q * scale + min is dequantised in
     float32, right before its matmul (made to depend on x, as int8_matmul's is, so that no float
     copy of every weight is hoisted out of the decode loop), and rounded once to `dtype`.
 

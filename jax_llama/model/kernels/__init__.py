@@ -180,19 +180,23 @@ def unavailable_reason() -> str | None:
 def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
     """Whether matvec serves this matmul: float32 x of at most MAX_ROWS rows, a 2-D float32 or
     int8 weight (I, O) (int8 with one scale per output column), or a 4-bit one stored a row per
-    output (packed (O, I / 2) uint8 with scales and minima (O, I / 32), both float16 or both
-    float32: matvec_int4),
-    and the kernels loadable here. 4-bit weights are served up to MAX_ROWS_INT4 rows."""
-    rows = MAX_ROWS if min_GO is None else MAX_ROWS_INT4
+    output (packed (O, I / 2) uint8 with scales (O, I / 32) and minima of the same shape and
+    dtype, float16 or float32, or none: Q4_0's m = -8 scale; matvec_int4), and the kernels
+    loadable here. 4-bit weights are served up to MAX_ROWS_INT4 rows."""
+    four = w_IO.dtype == jnp.uint8
+    rows = MAX_ROWS_INT4 if four else MAX_ROWS
     if x_MI.ndim != 2 or x_MI.shape[0] > rows or x_MI.dtype != jnp.float32:
         return False
     if w_IO.ndim != 2:
         return False
-    if min_GO is not None:
+    if four:
         I, O = x_MI.shape[1], w_IO.shape[0]
-        ok = (w_IO.dtype == jnp.uint8 and I % 32 == 0 and w_IO.shape[1] * 2 == I
-              and scale_GO.dtype == min_GO.dtype in (jnp.float16, jnp.float32)
-              and all(a.shape == (O, I // 32) for a in (scale_GO, min_GO)))
+        ok = (scale_GO is not None and I % 32 == 0 and w_IO.shape[1] * 2 == I
+              and scale_GO.dtype in (jnp.float16, jnp.float32) and scale_GO.shape == (O, I // 32)
+              and (min_GO is None or (min_GO.dtype == scale_GO.dtype
+                                      and min_GO.shape == scale_GO.shape)))
+    elif min_GO is not None:
+        ok = False
     elif scale_GO is None:
         ok = w_IO.dtype == jnp.float32
     else:
@@ -243,7 +247,9 @@ def quantise_activations(x_MI):
 def _int4_call(x_MI, weights, target="jax_llama_matvec_int4"):
     outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[0]), jnp.float32)
                  for q, _, _ in weights)
-    args = [a for triple in weights for a in triple]
+    # no minima (m = -8 scale): an empty array of the scales' dtype says so
+    args = [a for q, d, m in weights
+            for a in (q, d, jnp.zeros((0,), d.dtype) if m is None else m)]
     return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(x_MI, *args)
 
 
@@ -375,19 +381,21 @@ def matvec_int8(x_MI, weights):
 
 def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):
     """The 4-bit weight (out, in) in `dtype`: q * scale + min in float32, rounded once
-    (bridge.int4.dequantize_int4's numbers)."""
+    (bridge.int4.dequantize_int4's numbers); min None: -8 scale (Q4_0's d (q - 8), exactly)."""
     O, J = packed_OJ.shape
     G = scale_OG.shape[1]
     q_OI = jnp.stack([packed_OJ & 0xF, packed_OJ >> 4], axis=-1).reshape(O, 2 * J)
+    scale_OG = scale_OG.astype(jnp.float32)
+    min_OG = -8 * scale_OG if min_OG is None else min_OG.astype(jnp.float32)
     w_OGi = (q_OI.reshape(O, G, 2 * J // G).astype(jnp.float32)
-             * scale_OG[..., None].astype(jnp.float32) + min_OG[..., None].astype(jnp.float32))
+             * scale_OG[..., None] + min_OG[..., None])
     return w_OGi.reshape(O, 2 * J).astype(dtype)
 
 
 def matvec_int4(x_MI, weights):
     """[x @ (q * scale + min)^T for each 4-bit (packed (O, I / 2) uint8, scale (O, I / 32), min
-    (O, I / 32)) of `weights`]: each output a dot product over a row read whole, the weights
-    expanded in registers (AVX-512: looked up in a table of the group's 16 values; AVX2 and
+    (O, I / 32), or None: -8 scale, Q4_0's form, its bytes not read) of `weights`]: each output
+    a dot product over a row read whole, the weights expanded in registers (AVX-512: looked up in a table of the group's 16 values; AVX2 and
     plain C++: matvec_rows' numbers on the dequantised float32 weights, bit for bit), within
     float32 rounding of the product on the dequantised weights. Weights that read the same x are
     one call. With JAX_LLAMA_INT4_ACTIVATIONS=int8 (bridge.int4.activations), x is first quantised

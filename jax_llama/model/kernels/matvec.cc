@@ -651,6 +651,9 @@ struct Rows4Part {
   int64_t O, first_unit, unit_rows;  // unit_rows: UnitRows4
   const uint16_t *dh = nullptr, *mh = nullptr;  // float16 ones instead, when not nullptr
   int64_t row0 = 0;
+  // no minima in memory: m = -8 d, Q4_0's w = d (q - 8) (-8 d is exact in float32, so the
+  // numbers are those of the same weight with its minima held)
+  bool symmetric = false;
 };
 
 // float16 bits -> float32 (exact: every float16 is a float32)
@@ -688,12 +691,16 @@ void HalvesToFloats(const uint16_t* h, int64_t n, float* out) {
 // thread's scratch (read from memory as float16, 2 bytes a group each instead of 4; converted
 // once a unit, exactly); else the part itself.
 inline Rows4Part Float32Scales(const Rows4Part& p, int64_t I, int64_t o, int64_t o1) {
-  if (p.dh == nullptr) return p;
+  if (p.dh == nullptr && !p.symmetric) return p;
   thread_local std::vector<float> d, m;
   const int64_t G = I / kGroup4, n = (o1 - o) * G;
   if (d.size() < size_t(n)) d.resize(n), m.resize(n);
-  HalvesToFloats(p.dh + o * G, n, d.data());
-  HalvesToFloats(p.mh + o * G, n, m.data());
+  if (p.dh != nullptr) HalvesToFloats(p.dh + o * G, n, d.data());
+  else std::copy(p.d + o * G, p.d + o * G + n, d.data());
+  if (p.symmetric)
+    for (int64_t i = 0; i < n; ++i) m[i] = -8.0f * d[i];
+  else
+    HalvesToFloats(p.mh + o * G, n, m.data());
   Rows4Part local = p;
   local.d = d.data(), local.m = m.data(), local.row0 = o;
   return local;
@@ -961,6 +968,9 @@ void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
   const S* Mn;
   if constexpr (std::is_same_v<S, float>) D = p.d, Mn = p.m;
   else D = p.dh, Mn = p.mh;
+  // symmetric: the minima are -8 times the scales (exact), read from the scales again
+  const float mf = p.symmetric ? -8.0f : 1.0f;
+  if (p.symmetric) Mn = D;
   const int64_t I = j.I, J = I / 2, G = I / kGroup4, bytes = Q8Bytes(I);
   const int64_t lanes = Q8Lanes(I), mins = Q8Mins(I);
   Vec acc[R][M], low[R][M];
@@ -1036,14 +1046,15 @@ void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
   int64_t h = 0;
   for (; h + kLanes <= G; h += kLanes)
     for (int r = 0; r < R; ++r) {
-      const Vec mw = LoadScales(Mn + (o + r - p.row0) * G + h);
+      const Vec mw = Mul(LoadScales(Mn + (o + r - p.row0) * G + h), Splat(mf));
       for (int m = 0; m < M; ++m) low[r][m] = Fma(mw, Load(j.c + (m0 + m) * mins + h), low[r][m]);
     }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       float rest = 0.0f;
       for (int64_t k = h; k < G; ++k)
-        rest = std::fma(ScalarOf(Mn + (o + r - p.row0) * G + k), j.c[(m0 + m) * mins + k], rest);
+        rest = std::fma(ScalarOf(Mn + (o + r - p.row0) * G + k) * mf, j.c[(m0 + m) * mins + k],
+                        rest);
       p.y[(m0 + m) * p.O + o + r] =
           (HorizontalSum(acc[r][m]) + tail[r][m]) + (HorizontalSum(low[r][m]) + rest);
     }
@@ -1120,7 +1131,8 @@ ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::Remai
                     bool q8) {
   constexpr const char* kWhat =
       "matvec_int4: expected x (M, I), then (q (O, I / 2) uint8, scale (O, I / 32) and min "
-      "(O, I / 32), both float32 or both float16) per output y (M, O); I a multiple of 32";
+      "(O, I / 32) or (0,): none, m = -8 scale; both float32 or both float16) per output y "
+      "(M, O); I a multiple of 32";
   auto xd = x.dimensions();
   if (xd.size() != 2 || xd[1] % kGroup4 || rets.size() == 0 ||
       args.size() != 3 * rets.size())
@@ -1158,22 +1170,26 @@ ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::Remai
       return ffi::Error::InvalidArgument(kWhat);
     auto qd = q->dimensions(), yd = (*y)->dimensions();
     const int64_t O = qd.size() == 2 ? qd[0] : -1;
-    if (O < 0 || qd[1] * 2 != job->I || d->element_count() != O * (job->I / kGroup4) ||
-        m->element_count() != O * (job->I / kGroup4) || yd.size() != 2 || yd[0] != job->M ||
+    const int64_t G = job->I / kGroup4;
+    const bool symmetric = m->element_count() == 0;
+    if (O < 0 || qd[1] * 2 != job->I || d->element_count() != O * G ||
+        (!symmetric && m->element_count() != O * G) || yd.size() != 2 || yd[0] != job->M ||
         yd[1] != O)
       return ffi::Error::InvalidArgument(kWhat);
     Rows4Part part{q->typed_data(), nullptr, nullptr, (*y)->typed_data(), O, job->units,
                    UnitRows4(O, job->I, threads)};
+    part.symmetric = symmetric;
     if (kind == ffi::DataType::F32) {
       part.d = static_cast<const float*>(d->untyped_data());
-      part.m = static_cast<const float*>(m->untyped_data());
+      if (!symmetric) part.m = static_cast<const float*>(m->untyped_data());
     } else {
       part.dh = static_cast<const uint16_t*>(d->untyped_data());
-      part.mh = static_cast<const uint16_t*>(m->untyped_data());
+      if (!symmetric) part.mh = static_cast<const uint16_t*>(m->untyped_data());
     }
     if (job->M > 0) job->units += (O + part.unit_rows - 1) / part.unit_rows;
     job->parts.push_back(part);
-    bytes += size_t(O) * size_t(job->I) * (kind == ffi::DataType::F32 ? 6 : 5) / 8;
+    const size_t field = kind == ffi::DataType::F32 ? 4 : 2;  // a scale's or a minimum's bytes
+    bytes += size_t(O) * size_t(job->I) / 2 + size_t(O * G) * field * (symmetric ? 1 : 2);
   }
   if (job->I == 0)
     for (auto& part : job->parts) std::fill(part.y, part.y + job->M * part.O, 0.0f);
