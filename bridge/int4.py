@@ -85,14 +85,27 @@ def quantize_int4(w_OI: np.ndarray, name: str = "weight"
     return pack(q), d, m
 
 
-def dequantize_int4(packed_OJ: np.ndarray, d_OG: np.ndarray, m_OG: np.ndarray,
+def minima_implied(d_OG: np.ndarray, m_OG: np.ndarray) -> bool:
+    """Whether a 4-bit weight's minima are -8 times its scales throughout (llama.cpp's Q4_0:
+    d (q - 8)): then they need not be held, nor read (the decode kernels and XLA's path take
+    min None as -8 scale, exactly: -8 d is a power of two times d)."""
+    d_OG, m_OG = np.asarray(d_OG), np.asarray(m_OG)
+    if m_OG.dtype != d_OG.dtype or m_OG.shape != d_OG.shape:
+        return False
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(m_OG, d_OG * d_OG.dtype.type(-8)))
+
+
+def dequantize_int4(packed_OJ: np.ndarray, d_OG: np.ndarray, m_OG: np.ndarray | None,
                     dtype=np.float32) -> np.ndarray:
     """The weight (out, in) in `dtype`: q * d + m in float32 (d and m float16, or float32 as
-    checkpoints saved before 2026-12-05 hold them), rounded once to `dtype`."""
+    checkpoints saved before 2026-12-05 hold them; m None: -8 d, Q4_0's form), rounded once to
+    `dtype`."""
     q = unpack(packed_OJ)
     O, I = q.shape
-    w = (q.reshape(O, I // GROUP, GROUP).astype(np.float32) * d_OG[..., None].astype(np.float32)
-         + m_OG[..., None].astype(np.float32))
+    d = np.asarray(d_OG).astype(np.float32)
+    m = -8 * d if m_OG is None else np.asarray(m_OG).astype(np.float32)
+    w = q.reshape(O, I // GROUP, GROUP).astype(np.float32) * d[..., None] + m[..., None]
     return w.reshape(O, I).astype(dtype)
 
 

@@ -18,7 +18,7 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
-from bridge.int4 import mixture_refused, requested_reader
+from bridge.int4 import minima_implied, mixture_refused, requested_reader
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.resources import gc_paused
@@ -69,12 +69,13 @@ def has_adapters(params) -> bool:
 
 def quantization_of(params) -> Quantization | None:
     """The Quantization a params pytree holds (jax_llama.quantize), read from its first `scale`:
-    int8, the group size in / G (G = 1: per channel); int4 where a `min` is beside the scale
-    (every projection then 4-bit: a mixture, as a nearest load of a file with 6- and 8-bit
-    tensors holds it, is refused). None for float params."""
-    if any("min" in node for _, node in modules(params)):
+    int8, the group size in / G (G = 1: per channel); int4 where a kernel is 4-bit (uint8
+    rows, with a `min` or without: Q4_0's -8 scale; every projection then 4-bit: a mixture, as
+    a nearest load of a file with 6- and 8-bit tensors holds it, is refused). None for float
+    params."""
+    if any(_four_bit(node) for _, node in modules(params)):
         mixed = [path for path, node in modules(params)
-                 if "kernel" in node and "min" not in node and path[-1] in PROJECTIONS]
+                 if "kernel" in node and not _four_bit(node) and path[-1] in PROJECTIONS]
         if mixed:
             raise mixture_refused("/".join(mixed[0]), field="params")
         return Quantization("int4")
@@ -87,6 +88,12 @@ def quantization_of(params) -> Quantization | None:
             continue
         return Quantization(group_size=None if groups == 1 else inputs // groups)
     return None
+
+
+def _four_bit(node: dict) -> bool:
+    """Whether a module's params are a 4-bit weight (its kernel uint8 rows)."""
+    kernel = node.get("kernel")
+    return getattr(kernel, "dtype", None) == np.uint8
 
 
 def modules(params, path=()):
@@ -147,6 +154,8 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
                 path, _, transposed = _flax_path(name, scan_layers)  # they are; (q, scale) of
                 node = module(path)  # int8 rows: transposed as a kernel is, where it is one
                 flip = transposed and len(quantised) == 2
+                if len(quantised) == 3 and minima_implied(*quantised[1:]):
+                    quantised = quantised[:2]  # Q4_0's form: m = -8 d, not held (nor read)
                 for leaf, value in zip((path[-1], "scale", "min"), quantised):
                     node[leaf] = _on_device(value.T if flip else value)
                 continue
@@ -174,18 +183,24 @@ def tensor_specs(params, config: LlamaConfig, shapes=None):
     whole_model = shapes is None
     if whole_model:
         shapes = checkpoint_shapes(config, quantization_of(params))
+    implied = set()  # the minima of 4-bit weights held without them: written as -8 scale
     for name in shapes:
         path, layer, transposed = _flax_path(name, scanned)
         node = parent = params
         for key in path:
+            if (name.endswith(MIN_SUFFIX) and key == "min" and isinstance(node, dict)
+                    and key not in node and _four_bit(node)):
+                implied.add(name)
+                node = node["scale"]
+                break
             if not isinstance(node, dict) or key not in node:
                 raise BridgeError(f"params: no entry {'/'.join(path)} for tensor '{name}'")
             parent, node = node, node[key]
-        if "min" in parent:
+        if _four_bit(parent) or name in implied:
             transposed = False  # 4-bit weights, their scales and minima: canonical rows
         leaves[name] = (node, layer, transposed)
     n_leaves = len(jax.tree_util.tree_leaves(params))
-    n_expected = len({id(leaf) for leaf, _, _ in leaves.values()})
+    n_expected = len({id(leaf) for n, (leaf, _, _) in leaves.items() if n not in implied})
     if whole_model and has_adapters(params):
         raise BridgeError("params hold LoRA adapters, which a checkpoint cannot: merge them "
                           "(jax_llama.merge_lora) or save the adapter alone "
@@ -203,6 +218,8 @@ def tensor_specs(params, config: LlamaConfig, shapes=None):
     def fetch(name: str) -> np.ndarray:
         leaf, layer, transposed = leaves[name]
         value = host_array(leaf[layer] if layer is not None else leaf)
+        if name in implied:
+            value = value * value.dtype.type(-8)  # exact (bridge.int4.minima_implied)
         return value.T if transposed else value
 
     return specs, fetch

@@ -88,8 +88,9 @@ def dequantized(params):
     layout: each kernel (in, out) = dequantize_int4 of its canonical rows, transposed."""
     out = jax.tree_util.tree_map(lambda x: x, params)
     for _, node in modules(out):
-        if "min" in node:
-            packed, d, m = (np.asarray(node.pop(k)) for k in ("kernel", "scale", "min"))
+        if getattr(node.get("kernel"), "dtype", None) == np.uint8:  # "min" absent: -8 scale
+            packed, d, m = (np.asarray(node.pop(k)) if k in node else None
+                            for k in ("kernel", "scale", "min"))
             node["kernel"] = jax.numpy.asarray(dequantize_int4(packed, d, m).T)
     return out
 
@@ -514,12 +515,22 @@ def test_a_quantised_gguf_loads_in_its_nearest_layout_in_both_twins(gguf_files):
     _, f = jax_llama.load(ckpt)
     wq = q["layers_1"]["attention"]["wq"]
     assert wq["kernel"].dtype == np.uint8
+    # Q4_0's minima are -8 d: not held (0.5625 bytes a weight), the same numbers as held
+    assert set(wq) == {"kernel", "scale"}
     np.testing.assert_array_equal(np.asarray(dequantized({"m": dict(wq)})["m"]["kernel"]),
                                   np.asarray(f["layers_1"]["attention"]["wq"]["kernel"]))
     assert q["output"]["kernel"].dtype == np.int8 and q["output"]["scale"].shape == (1, 259)
     assert q["tok_embeddings"]["embedding"].dtype == np.int8
     tokens = random_tokens(model.config)
     logits = np.asarray(model.apply({"params": q}, tokens))
+    held = jax.tree_util.tree_map(lambda x: x, q)
+    for _, node in modules(held):
+        if set(node) == {"kernel", "scale"} and node["kernel"].dtype == np.uint8:
+            node["min"] = node["scale"] * np.float16(-8)
+    np.testing.assert_array_equal(np.asarray(model.apply({"params": held}, tokens)), logits)
+    assert 0 < sum(x.nbytes for x in jax.tree.leaves(held)) - sum(
+        x.nbytes for x in jax.tree.leaves(q)) == sum(node["min"].nbytes for _, node in modules(held)
+                                                     if "min" in node)
     assert 1e-4 < np.abs(logits - np.asarray(model.apply({"params": f}, tokens))).max() < 0.1
     tmodel = torch_llama.load(ckpt, device="cpu", nearest=True)
     assert tmodel.output.weight.dtype == torch.int8 and tmodel.tok_embeddings.weight.dtype == torch.int8
