@@ -322,18 +322,17 @@ def test_both_twins_round_8_bit_activations_the_same_way(monkeypatch):
     assert not np.all(np.abs(plain.numpy() - ours["xla"]) <= 1e-5 * scale)
 
 
-def test_generation_takes_8_bit_activations_unless_told_otherwise(tmp_path, monkeypatch):
-    """Both twins' generation runs 4-bit projections on 8-bit activations (llama.cpp's Q8 x) by
-    default: its log-probabilities are those of the forward under using_activations("int8"),
-    not of the plain forward (float32 x, what training, scoring and parity run). A caller's
-    using_activations, or $JAX_LLAMA_INT4_ACTIVATIONS above it, decides instead, and each choice
-    is its own compiled program (the same call in one process gives each its numbers). The
-    server's engine takes the choice of the context it is made in."""
+def test_generation_takes_the_4_bit_activations_its_caller_chose(tmp_path, monkeypatch):
+    """Both twins' generation runs 4-bit projections on the activations chosen for it: by
+    default GENERATION_DEFAULT (float32: its log-probabilities are the plain forward's); within
+    using_activations("int8") the forward's under int8 (not the float32 one's); the environment
+    decides over the caller; each choice is its own compiled program (the same call in one
+    process gives each its numbers). The server's engine takes the choice of the context it is
+    made in; bad choices are refused, naming the field."""
     import torch_llama
-    from bridge.int4 import activations, generation_activations, using_activations
-    from jax_llama.inference.serving import Engine
-
+    from bridge.int4 import GENERATION_DEFAULT, generation_activations, using_activations
     from conftest import save_random_checkpoint
+    from jax_llama.inference.serving import Engine
 
     monkeypatch.delenv("JAX_LLAMA_INT4_ACTIVATIONS", raising=False)
     config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=259)
@@ -346,19 +345,19 @@ def test_generation_takes_8_bit_activations_unless_told_otherwise(tmp_path, monk
         out = jax_llama.generate(model, q, prompt, 5)
         return out.tokens[0], np.array(out.logprobs[0])
 
-    def first_logprob(kind):  # the first new token's log-probability under a plain forward
+    def first_logprob(kind, token):  # a first new token's log-probability under a forward
         with using_activations(kind):
             logits = np.asarray(model.apply({"params": q}, np.array(prompt, np.int32)))[0, -1]
         logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
-        return logp[tokens[0]]
+        return logp[token]
 
-    assert activations() == "float32" and generation_activations() == "int8"
-    tokens, logps = run()
-    assert abs(logps[0] - first_logprob("int8")) < 1e-5
-    assert abs(logps[0] - first_logprob("float32")) > 1e-4  # the rounding shows
-    with using_activations("float32"):
-        plain_tokens, plain = run()
-    assert abs(plain[0] - first_logprob("float32")) < 1e-5
+    assert generation_activations() == GENERATION_DEFAULT == "float32"
+    plain_tokens, plain = run()
+    assert abs(plain[0] - first_logprob("float32", plain_tokens[0])) < 1e-5
+    with using_activations("int8"):
+        tokens, logps = run()
+    assert abs(logps[0] - first_logprob("int8", tokens[0])) < 1e-5
+    assert abs(logps[0] - first_logprob("float32", tokens[0])) > 1e-4  # the rounding shows
     monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "int8")
     with using_activations("float32"):  # the environment decides over the caller
         same_tokens, same = run()
@@ -367,17 +366,17 @@ def test_generation_takes_8_bit_activations_unless_told_otherwise(tmp_path, monk
     assert run()[0] == plain_tokens and np.array_equal(run()[1], plain)
     monkeypatch.delenv("JAX_LLAMA_INT4_ACTIVATIONS")
 
-    # the torch twin's generation: the same default, the same greedy tokens and log-probs
+    # the torch twin's generation: the same choice, the same greedy tokens and log-probs
     tq = torch_llama.quantize(torch_llama.load(ckpt, device="cpu"), method="int4")
-    theirs = torch_llama.generate(tq, prompt, 5)
+    with using_activations("int8"):
+        theirs = torch_llama.generate(tq, prompt, 5)
     assert theirs.tokens[0] == tokens
     np.testing.assert_allclose(theirs.logprobs[0], logps, rtol=0, atol=1e-4)
-    with using_activations("float32"):
-        assert abs(torch_llama.generate(tq, prompt, 5).logprobs[0][0] - plain[0]) < 1e-4
+    assert abs(torch_llama.generate(tq, prompt, 5).logprobs[0][0] - plain[0]) < 1e-4
 
-    engine = Engine(model, q)
-    with using_activations("float32"):
-        assert (engine.activations, Engine(model, q).activations) == ("int8", "float32")
+    with using_activations("int8"):
+        assert (Engine(model, q).activations, generation_activations()) == ("int8", "int8")
+    assert Engine(model, q).activations == "float32"
     with pytest.raises(BridgeError, match="activations: expected float32 or int8, got 'int4'"):
         with using_activations("int4"):
             pass

@@ -11,9 +11,9 @@ one token per call.
 Sampling is a few pure functions of (logits, PRNG key) under a bridge.sampling.Sampler:
 temperature (0 = greedy), top-k, top-p; the torch twin implements the same rules.
 
-4-bit projections take 8-bit activations here unless the environment or the caller chose
-otherwise (bridge.int4.generation_activations): each program takes the choice as a static
-argument, so it is compiled for the one it runs.
+4-bit projections take the activations chosen for generation (bridge.int4.generation_activations:
+the environment's, a caller's using_activations, else float32): each program takes the choice as
+a static argument, so it is compiled for the one it runs.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _emit(d: Decoding, token_B, logprob_B, stop_ids) -> Decoding:
 @functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len", "tempered",
                                              "activations"))
 def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache_len,
-             tempered=False, activations="int8") -> Decoding:
+             tempered=False, activations="float32") -> Decoding:
     """Write the left-padded prompts into a fresh cache and choose each row's first new token.
     The cache is made here, on the device: it never exists on the host. `activations`: how
     4-bit projections take their input (bridge.int4.generation_activations)."""
@@ -148,7 +148,7 @@ def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache
 @functools.partial(jax.jit, static_argnames=("model", "sampler", "tempered", "activations"),
                    donate_argnames=("d",))
 def _decode(params, d: Decoding, until, stop_ids, *, model, sampler, tempered=False,
-            activations="int8"):
+            activations="float32"):
     """One cached forward per new token while d.step < until and some row is not done -> (the
     state, its last tokens (B,), its done flags (B,)). The state is donated: XLA updates the
     cache in place. The last tokens and flags come back apart from it, so that a streaming caller
@@ -258,7 +258,7 @@ def _stream(params, d: Decoding, max_new_tokens: int, stops, decode: Callable[[]
 
 @functools.partial(jax.jit, static_argnames=("model", "sampler", "n_max", "activations"))
 def _extend(params, cache: KVCache, start, tokens_1S, n, stop_ids, key, *, model, sampler,
-            n_max: int, activations="int8") -> Decoding:
+            n_max: int, activations="float32") -> Decoding:
     """Keep the cache's first `start` slots, write the first n of tokens_1S (right-padded to a
     bucket) after them, and choose the first new token from the logits of token n - 1. The cache
     holds one row whose slots are its tokens in order, so cutting it back is setting its index."""
