@@ -144,8 +144,10 @@ def activations() -> str:
 
 
 # What generation takes where neither the environment nor a caller chose. float32: with int8,
-# `jax-llama chat` on SmolLM2's Q4_1 file answers nonsense (2026-12-05; the same params through
-# jax_llama.generate and ChatSession answer as with float32), a fault not yet found.
+# SmolLM2's Q4_1 file asked "What is the capital of France?" in its chat template answers
+# "L'Etoile, la Marseillaise, ..." greedily - and so does llama.cpp on the same file and ids
+# (llama-cpp-python, 2026-12-05: "L'Etoile, la Cite, la Nation"); with float32 x, "The capital
+# of France is Paris." Rounding x to 8 bits per 32 inputs costs this model's answers.
 GENERATION_DEFAULT = "float32"
 
 
