@@ -83,11 +83,11 @@ def decode_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 4,
     return int8 + 4 * scales + (matmul_params(config) - int8 + config.dim) * dtype_bytes
 
 
-def int4_bytes_per_token(config: LlamaConfig) -> int:
+def int4_bytes_per_token(config: LlamaConfig, minima: bool = True) -> int:
     """Weight bytes one decode step of a 4-bit model (bridge.int4, as jax_llama.load(...,
     int4=True) holds it) must read: half a byte per projection weight plus a float16 scale and
-    minimum per 32; a tied head's int8 rows with a float32 scale each (an untied head is 4-bit);
-    one embedding row."""
+    minimum per 32 (minima=False: a scale alone, as a Q4_0 file's weights are held); a tied
+    head's int8 rows with a float32 scale each (an untied head is 4-bit); one embedding row."""
     from bridge.int4 import EMBEDDING, GROUP
 
     shapes = canonical_shapes(config)
@@ -97,7 +97,7 @@ def int4_bytes_per_token(config: LlamaConfig) -> int:
         if name == EMBEDDING:
             total += out * inputs + 4 * out
         else:
-            total += out * inputs // 2 + 4 * out * inputs // GROUP
+            total += out * inputs // 2 + (4 if minima else 2) * out * inputs // GROUP
     return total + config.dim * (1 if config.tie_embeddings else 4)
 
 

@@ -109,8 +109,8 @@ def synthesise(path: Path, seed: int = 0) -> dict:
 
 def estimates() -> dict:
     """Bytes each process should need: its params as held (4-bit: half a byte a weight with a
-    float16 scale and minimum per 32; int8 rows: a byte a weight and a float32 scale a row), and
-    the float32 KV cache of 8,192 slots at batch 1."""
+    float16 scale per 32, Q4_0's blocks held without their minima, -8 d; int8 rows: a byte a
+    weight and a float32 scale a row), and the float32 KV cache of 8,192 slots at batch 1."""
     from bridge.tensors import canonical_shapes
 
     c = config()
@@ -124,7 +124,7 @@ def estimates() -> dict:
             int4 += n + 4 * rows
             int8 += n + 4 * rows if name == "output.weight" else 4 * n  # int8: a float table
         else:
-            int4 += n // 2 + 4 * (n // 32)
+            int4 += n // 2 + 2 * (n // 32)
             int8 += n + 4 * shape[0]
     kv = 2 * c.n_layers * c.n_kv_heads * CACHE * c.head_dim * 4
     return {"int4_params": int4, "int8_params": int8, "kv_cache_8k": kv,

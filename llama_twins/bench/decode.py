@@ -316,7 +316,7 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work,
         variants[label] = (label.split(" ")[0], dataclasses.replace(
             spec, quantize="int4", weights=str(files["Q4_0"]),
             activations="int8" if label.endswith("q8") else "float32"))
-        row_bytes[label] = int4_bytes_per_token(config)
+        row_bytes[label] = int4_bytes_per_token(config, minima=False)  # Q4_0: none held
     if found.get("llama_cpp"):
         say(f"warning: no llama.cpp rows: {found['llama_cpp']}")
     else:
