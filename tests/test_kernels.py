@@ -494,6 +494,37 @@ def test_attention_rows_do_not_depend_on_the_batch():
         np.testing.assert_array_equal(got, together[b])
 
 
+def test_attention_in_a_long_cache_reads_its_filled_slots_with_the_bits_of_all():
+    """A decode step in a cache of 8,192 slots of which the first 21 are filled: the kernel
+    stops at the query's own slot (rounded up to whole vectors), and gives the bits of the same
+    step in a cache of 32 slots (the slots between add exact zeros), within float32 of the
+    float64 softmax. A query with no slot to see (none valid up to its own) gets the uniform
+    average of every slot, as xla's attention gives it."""
+    from jax_llama.model.attention import AttentionMask
+    rng = np.random.default_rng(8)
+    B, K, G, S, H, T, filled = 2, 2, 3, 1, 64, 8192, 21
+    q = rng.standard_normal((B, K, G, S, H)).astype(np.float32)
+    k, v = (rng.standard_normal((2, B, K, T, H)).astype(np.float32) for _ in "kv")
+    valid = np.zeros((B, T), bool)
+    valid[:, :filled] = True
+    valid[1, :3] = False  # row 1: left padding
+    slots = np.array([filled - 1], np.int32)
+    f = jax.jit(kernels.attend_cache)
+    got = np.asarray(f(q, k, v, 1, AttentionMask(slots, valid)))
+    short = np.asarray(f(q, k[..., :32, :], v[..., :32, :], 1, AttentionMask(slots, valid[:, :32])))
+    np.testing.assert_array_equal(got, short)
+    sc = np.einsum("bkgsh,bkth->bkgst", q.astype(float), k[1, :, :, :filled]) / np.sqrt(H)
+    sc = np.where(valid[:, None, None, None, :filled], sc, -np.inf)
+    pr = np.exp(sc - sc.max(-1, keepdims=True))
+    want = np.einsum("bkgst,bkth->bkgsh", pr / pr.sum(-1, keepdims=True), v[1, :, :, :filled])
+    assert np.abs(got - want).max() <= 2e-6
+    nothing = np.zeros((B, T), bool)
+    nothing[:, filled + 5] = True  # valid, but after the query's slot: not seen
+    uniform = np.asarray(f(q, k, v, 1, AttentionMask(slots, nothing)))
+    np.testing.assert_allclose(uniform, np.broadcast_to(v[1].mean(2)[:, :, None, None], got.shape),
+                               rtol=0, atol=1e-5)
+
+
 def test_attention_gradient_is_xlas_and_what_it_serves():
     from jax_llama.model.attention import AttentionMask, attend
     q, k, v, mask = attention_case((2, 2, 2, 2, 1, 40, 16), seed=6)

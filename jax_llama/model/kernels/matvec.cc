@@ -1309,28 +1309,37 @@ void RunUnit(const AttentionJob& j, int64_t u) {
   for (int64_t r = 0; r < R; ++r) {
     const int64_t slot = j.q_slots[r % j.S];
     const float* qr = q + r * H;
+    // Slots past the query's own are masked (causal), and a masked slot's probability is an
+    // exact 0 once a slot is not masked: then only the first n slots are needed, n the slot's
+    // own rounded up to whole vectors (so each slot keeps its lane in the sum, and the bits are
+    // those of all T). A decode step in a long cache (8,192 slots for LLaMA 3 8B's 8k context)
+    // reads its few filled slots, not all T. With no slot to see, all T: their uniform average.
+    int64_t n = std::min(T, (std::max<int64_t>(slot, 0) / kLanes + 1) * kLanes);
+    bool seen = false;
+    for (int64_t t = 0; t < n && t <= slot && !seen; ++t) seen = valid[t];
+    if (!seen) n = T;
     float top = kMasked;
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       p[t] = (t <= slot && valid[t]) ? Dot(qr, k + t * H, H) / sqrt_h : kMasked;
       top = std::max(top, p[t]);
     }
     int64_t t = 0;
     float sum = 0.0f;
-    if (T >= kLanes) {
+    if (n >= kLanes) {
       Vec acc = Splat(0.0f);
-      for (; t + kLanes <= T; t += kLanes) {
+      for (; t + kLanes <= n; t += kLanes) {
         Vec e = Exp(Add(Load(p + t), Splat(-top)));
         Store(p + t, e);
         acc = Add(acc, e);
       }
       sum = HorizontalSum(acc);
     }
-    for (; t < T; ++t) sum += (p[t] = ExpS(p[t] - top));
+    for (; t < n; ++t) sum += (p[t] = ExpS(p[t] - top));
     // Probabilities times values: out = the sum over slots of p[t] v[t], in slot order, slots
     // whose probability is 0 (the masked ones, when any slot is not) skipped.
     float* o = out + r * H;
     std::fill(o, o + H, 0.0f);
-    for (t = 0; t < T; ++t) {
+    for (t = 0; t < n; ++t) {
       const float pt = p[t] / sum;
       if (pt == 0.0f) continue;
       const float* vt = v + t * H;
