@@ -14,10 +14,7 @@ beside it. Writes OUT/decode_attention.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,16 +47,8 @@ print(json.dumps({"step_s": float(np.median(times))}))
 
 
 def measure(tree: str | None, shape: str) -> float:
-    env = dict(os.environ)
-    if tree is not None:  # the incumbent's packages first, its kernels built apart
-        env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env["JAX_LLAMA_KERNEL_CACHE"] = str(Path(tree) / ".kernel-cache")
-    done = subprocess.run([sys.executable, "-c", WORKER, *map(str, SHAPES[shape])],
-                          capture_output=True, text=True, env=env, cwd=tree or None)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        raise SystemExit(f"error: {shape} ({tree or 'this checkout'}): {last}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["step_s"]
+    from llama_twins.bench.common import run_in_tree
+    return run_in_tree(WORKER, [str(n) for n in SHAPES[shape]], tree, what=shape)["step_s"]
 
 
 def render(r: dict) -> list[str]:
@@ -101,12 +90,12 @@ def main(argv=None) -> int:
             print(f"error: --shapes: unknown shape {s!r} (one of {', '.join(SHAPES)})",
                   file=sys.stderr)
             return 2
-    if args.incumbent and not (Path(args.incumbent) / "jax_llama").is_dir():
-        print(f"error: {args.incumbent}: not a checkout of this project (no jax_llama/)",
-              file=sys.stderr)
+    from llama_twins.bench.common import not_a_checkout
+    from llama_twins.results import commit, write
+    if refused := not_a_checkout(args.incumbent):
+        print(refused, file=sys.stderr)
         return 2
     incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None
-    from llama_twins.results import commit, write
 
     rows = {s: {"shape": s, "rounds_s": [], "incumbent_s": []} for s in shapes}
     for k in range(args.rounds):

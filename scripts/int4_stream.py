@@ -19,10 +19,8 @@ beside it. Writes OUT/int4_stream.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -76,19 +74,13 @@ def bytes_per_weight(scales: str, minima: str = "held") -> float:
 
 
 def measure(tree: str | None, shape: str, activations: str, args) -> dict:
+    from llama_twins.bench.common import run_in_tree
     D, F, KV, L = SHAPES[shape]
     scales = args.incumbent_scales if tree is not None else args.scales
     minima = args.incumbent_minima if tree is not None else args.minima
-    env = {**os.environ, "JAX_LLAMA_INT4_ACTIVATIONS": activations}
-    if tree is not None:  # the incumbent's packages first
-        env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run([sys.executable, "-c", WORKER, str(D), str(F), str(KV), str(L),
-                           str(args.chain), str(args.repeats), scales, minima],
-                          capture_output=True, text=True, env=env, cwd=tree or None)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        raise SystemExit(f"error: {shape} {activations} ({tree or 'this checkout'}): {last}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_in_tree(WORKER, [str(D), str(F), str(KV), str(L), str(args.chain),
+                               str(args.repeats), scales, minima], tree,
+                      {"JAX_LLAMA_INT4_ACTIVATIONS": activations}, f"{shape} {activations}")
     return {**out, "scales": scales, "minima": minima,
             "gb_s": bytes_per_weight(scales, minima) * out["weights"] / out["pass_s"] / 1e9}
 
@@ -162,12 +154,12 @@ def main(argv=None) -> int:
         if a not in ("int8", "float32"):
             print(f"error: --activations: expected int8 or float32, got {a!r}", file=sys.stderr)
             return 2
-    if args.incumbent and not (Path(args.incumbent) / "jax_llama").is_dir():
-        print(f"error: {args.incumbent}: not a checkout of this project (no jax_llama/)",
-              file=sys.stderr)
+    from llama_twins.bench.common import not_a_checkout
+    from llama_twins.results import commit, write
+    if refused := not_a_checkout(args.incumbent):
+        print(refused, file=sys.stderr)
         return 2
     incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None
-    from llama_twins.results import commit, write
 
     runs: dict = {}
     for k in range(args.rounds):

@@ -106,9 +106,9 @@ def main(argv=None) -> int:
         print(f"error: unknown variant {unknown[0]}; known: {', '.join(VARIANTS)}",
               file=sys.stderr)
         return 2
-    if args.incumbent and not (Path(args.incumbent) / "llama_twins").is_dir():
-        print(f"error: {args.incumbent}: not a checkout of this project (no llama_twins/)",
-              file=sys.stderr)
+    from llama_twins.bench.common import not_a_checkout
+    if refused := not_a_checkout(args.incumbent, "llama_twins"):
+        print(refused, file=sys.stderr)
         return 2
     trees = {"this": None, **({"incumbent": str(Path(args.incumbent).resolve())}
                               if args.incumbent else {})}

@@ -122,6 +122,14 @@ def _emit(d: Decoding, token_B, logprob_B, stop_ids) -> Decoding:
                          jnp.where(d.done_B, 0.0, logprob_B)))
 
 
+def run_model(model, params, activations: str, tokens, **kwargs):
+    """model.run on `tokens` (a LlamaOutput), its 4-bit projections taking `activations`: a
+    static argument of the generation program tracing it, so that each choice is compiled apart
+    (bridge.int4.generation_activations)."""
+    with using_activations(activations):
+        return model.apply({"params": params}, tokens, method="run", **kwargs)
+
+
 # --8<-- [start:decode]
 @functools.partial(jax.jit, static_argnames=("model", "sampler", "cache_len", "tempered",
                                              "activations"))
@@ -133,9 +141,7 @@ def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache
     B, P = tokens_BP.shape
     n_max = cache_len - P
     cache = KVCache.create(model.config, B, cache_len, model.dtype)
-    with using_activations(activations):
-        out = model.apply({"params": params}, tokens_BP, attention_mask=mask_BP, cache=cache,
-                          method="run")
+    out = run_model(model, params, activations, tokens_BP, attention_mask=mask_BP, cache=cache)
     key, sub = jax.random.split(key)
     # left padding: the last column is real
     token_B, logprob_B = _pick(out.logits[:, -1], sub, sampler, tempered)
@@ -155,9 +161,7 @@ def _decode(params, d: Decoding, until, stop_ids, *, model, sampler, tempered=Fa
     can read them while the next call, to which the state is donated, already runs."""
 
     def body(d: Decoding) -> Decoding:
-        with using_activations(activations):
-            out = model.apply({"params": params}, d.token_B[:, None], cache=d.cache,
-                              method="run")
+        out = run_model(model, params, activations, d.token_B[:, None], cache=d.cache)
         key, sub = jax.random.split(d.key)
         token_B, logprob_B = _pick(out.logits[:, 0], sub, sampler, tempered)
         return _emit(d.replace(cache=out.cache, key=key), token_B, logprob_B, stop_ids)
@@ -266,9 +270,8 @@ def _extend(params, cache: KVCache, start, tokens_1S, n, stop_ids, key, *, model
     cache = cache.replace(index=start, valid=(jnp.arange(T) < start)[None],
                           positions=jnp.full((1,), start, jnp.int32))
     valid_1S = (jnp.arange(S) < n)[None]
-    with using_activations(activations):
-        out = model.apply({"params": params}, tokens_1S, attention_mask=valid_1S, cache=cache,
-                          head_at=jnp.full((1, 1), n - 1, jnp.int32), method="run")
+    out = run_model(model, params, activations, tokens_1S, attention_mask=valid_1S, cache=cache,
+                    head_at=jnp.full((1, 1), n - 1, jnp.int32))
     key, sub = jax.random.split(key)
     token_B, logprob_B = _pick(out.logits[:, 0], sub, sampler)
     # the padding's slots are free again: the next token is written right after the n

@@ -30,11 +30,11 @@ import numpy as np
 
 from bridge.errors import BridgeError
 from bridge.inputs import pad_rows
-from bridge.int4 import generation_activations, using_activations
+from bridge.int4 import generation_activations
 
 from ..model.inputs import bucket
 from ..model.llama import KVCache
-from .generate import first_max, top_p_mask
+from .generate import first_max, run_model, top_p_mask
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
@@ -107,9 +107,7 @@ def _prefill_alone(params, tokens_1P, mask_1P, *, model, cache_len: int, activat
     """A left-padded prompt into a fresh one-row cache of cache_len slots, as generate's prefill
     does it -> (the cache, the last position's logits (1, V)). activations: as generate's."""
     cache = KVCache.create(model.config, 1, cache_len, model.dtype)
-    with using_activations(activations):
-        out = model.apply({"params": params}, tokens_1P, attention_mask=mask_1P, cache=cache,
-                          method="run")
+    out = run_model(model, params, activations, tokens_1P, attention_mask=mask_1P, cache=cache)
     return out.cache, out.logits[:, -1]
 
 
@@ -149,9 +147,8 @@ def _grow(cache: KVCache, *, length: int) -> KVCache:
 def _step(params, cache: KVCache, token_B, active_B, *, model, activations: str):
     """One token for every row: active rows write it into the cache and advance; the others
     write an invalid slot -> (the cache, the logits (B, V))."""
-    with using_activations(activations):
-        out = model.apply({"params": params}, token_B[:, None], attention_mask=active_B[:, None],
-                          cache=cache, method="run")
+    out = run_model(model, params, activations, token_B[:, None],
+                    attention_mask=active_B[:, None], cache=cache)
     return out.cache, out.logits[:, 0]
 
 

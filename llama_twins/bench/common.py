@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from bridge.config import LlamaConfig
@@ -162,6 +164,31 @@ def run_json(command: list[str]) -> tuple[dict, float]:
     if done.returncode:
         raise SystemExit(f"{command[0]} exited with {done.returncode}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout[done.stdout.index("{"):]), seconds
+
+
+def not_a_checkout(path: str | None, package: str = "jax_llama") -> str | None:
+    """The error line for an --incumbent `path` that is not a checkout of this project (no
+    `package` in it), else None."""
+    if path and not (Path(path) / package).is_dir():
+        return f"error: {path}: not a checkout of this project (no {package}/)"
+    return None
+
+
+def run_in_tree(code: str, args: list[str], tree: str | None = None, env: dict | None = None,
+                what: str = "worker") -> dict:
+    """The JSON on the last line `python -c code *args` prints: run in `tree` with its packages
+    first on PYTHONPATH (a checkout to compare with), or with the installed ones (None), `env`
+    added to this process's environment. A failure ends the caller with `what` and the worker's
+    last line on stderr."""
+    full = {**os.environ, **(env or {})}
+    if tree is not None:
+        full["PYTHONPATH"] = os.pathsep.join([tree, full.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=full, cwd=tree or None)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise SystemExit(f"error: {what} ({tree or 'this checkout'}): {last}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def torch_device():

@@ -395,8 +395,9 @@ def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):
 def matvec_int4(x_MI, weights):
     """[x @ (q * scale + min)^T for each 4-bit (packed (O, I / 2) uint8, scale (O, I / 32), min
     (O, I / 32), or None: -8 scale, Q4_0's form, its bytes not read) of `weights`]: each output
-    a dot product over a row read whole, the weights expanded in registers (AVX-512: looked up in a table of the group's 16 values; AVX2 and
-    plain C++: matvec_rows' numbers on the dequantised float32 weights, bit for bit), within
+    a dot product over a row read whole, the weights expanded in registers (AVX-512: looked up
+    in a table of the group's 16 values; AVX2 and plain C++: matvec_rows' numbers on the
+    dequantised float32 weights, bit for bit), within
     float32 rounding of the product on the dequantised weights. Weights that read the same x are
     one call. With JAX_LLAMA_INT4_ACTIVATIONS=int8 (bridge.int4.activations), x is first quantised
     per group of 32 inputs to 8 bits and each group summed as integers (matvec.cc,
