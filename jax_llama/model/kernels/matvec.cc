@@ -20,10 +20,11 @@
 //                                                                 "jax_llama_decode_attention"
 //
 // Why: at decode time M is 1 to 8 and the matmul reads its weights once, so its speed is how
-// fast W streams in. XLA:CPU converts an int8 weight to float in a pass of its own. Here a block
-// of W's rows is read in strips of columns (Strip: 256 float32 or int8 weights of each row for
-// one row of x, fewer for more), each weight converted in a register and multiplied into M rows
-// of float32 sums that stay in registers for the whole block.
+// fast W streams in. XLA:CPU converts an int8 weight to float in a pass of its own. Here each
+// weight is converted in a register and multiplied into M rows of float32 sums. For one or two
+// rows of x a block of W is read R whole rows at a time, side by side, its sums kept in L1
+// (RowsPass); for more, in strips of columns whose sums stay in registers for the whole block
+// (Strip: 256 float32 or int8 weights of each row for one row of x, fewer for more).
 //
 // Work: the rows of W are cut into blocks of 64 (more for an LM head: BlockRows), and very wide
 // W into column panels of kPanel; each (block, panel) is a unit that writes its own partial
@@ -194,8 +195,8 @@ constexpr int StripVectors(int M) {
 // read whole (NV * kLanes weights in a row) and the same row's next strip is asked for meanwhile.
 // Against reading each row whole into accumulators in memory (stored and loaded again for every
 // weight vector), a chain of SmolLM2's 210 float32 projections streamed 34-35 against 30-31 GB/s
-// (standalone, 2 threads, 2-core AMD EPYC; a plain sum of the same bytes 35). The same sums in the
-// same order: the bits do not change.
+// (standalone, 2 threads, 2-core AMD EPYC Zen 5; a plain sum of the same bytes 35). The same sums
+// in the same order: the bits do not change. For one or two rows of x RowsPass is faster still.
 template <int M, int NV, typename W>
 inline void Strip(const float* x, int64_t I, const W* w, int64_t O, int64_t i0, int64_t i1,
                   int64_t o, float* acc) {
@@ -221,18 +222,72 @@ inline void Strip(const float* x, int64_t I, const W* w, int64_t O, int64_t i0, 
     for (int k = 0; k < NV; ++k) Store(acc + m * O + o + k * kLanes, a[m][k]);
 }
 
+// Rows [i, i + R) of W, columns [o0, o1) (whole vectors), into M rows of sums in memory (acc,
+// the block's partial sums, which stay in L1): acc[m, o] = x[m, i0] * w[i0, o] when i is the
+// block's first row, then fma(x[m, i], w[i, o], acc[m, o]) for each row in order: the strips'
+// sums in the strips' order, so the same bits. The R rows are read whole, side by side (R
+// streams through one contiguous stretch of W) while the next R rows are asked for.
+template <int M, int R, typename W>
+inline void RowsPass(const float* x, int64_t I, const W* w, int64_t O, int64_t i0, int64_t i,
+                     int64_t o0, int64_t o1, float* acc) {
+  Vec xv[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) xv[r][m] = Splat(x[m * I + i + r]);
+  const W* rows = w + i * O;
+  const char* next = reinterpret_cast<const char*>(rows + R * O);
+  const bool first = i == i0;
+  for (int64_t o = o0; o + kLanes <= o1; o += kLanes) {
+    // the next R rows, at R times the pace these are read: all of them by the pass's end
+    const int64_t ahead = (o - o0) * R * int64_t{sizeof(W)};
+    if ((ahead & (kCacheLine - 1)) < R * kLanes * int64_t{sizeof(W)})
+      for (int64_t b = 0; b < R * kLanes * int64_t{sizeof(W)}; b += kCacheLine)
+        __builtin_prefetch(next + ahead + b);
+    Vec a[M];
+    int r = 0;
+    if (first) {
+      const Vec wv = Load(rows + o);
+      for (int m = 0; m < M; ++m) a[m] = Mul(xv[0][m], wv);
+      r = 1;
+    } else {
+      for (int m = 0; m < M; ++m) a[m] = Load(acc + m * O + o);
+    }
+    for (; r < R; ++r) {
+      const Vec wv = Load(rows + r * O + o);
+      for (int m = 0; m < M; ++m) a[m] = Fma(xv[r][m], wv, a[m]);
+    }
+    for (int m = 0; m < M; ++m) Store(acc + m * O + o, a[m]);
+  }
+}
+
+// Rows of W read together by RowsPass: R x M broadcasts of x held beside M sums. RowsPass stores
+// and reloads M sums every R weight vectors, so it serves up to kPassMaxRows rows of x; with
+// more, Strip's sums in registers are faster. SmolLM2's float32 decode (2-core AMD EPYC Zen 4,
+// alternating processes): batch 1 41-44 tokens/s against 33-34 in strips, batch 2 76-83 against
+// 66-72; with RowsPass at batch 8 it fell from 187 to 142-159 (int8 from 341-360 to 183-192).
+constexpr int PassRows(int M) { return M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1; }
+constexpr int kPassMaxRows = 2;
+
 template <int M, typename W>
 void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
   int64_t b = u / p.panels, c = u % p.panels;
   int64_t i0 = b * p.block_rows, i1 = std::min(j.I, i0 + p.block_rows);
   int64_t o0 = c * kPanel, o1 = std::min(p.O, o0 + kPanel);
   float* acc = p.partial + b * j.M * p.O;
-  constexpr int NV = StripVectors(M);
-  int64_t o = o0;
-  for (; o + NV * kLanes <= o1; o += NV * kLanes) Strip<M, NV>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
-  for (; o + kLanes <= o1; o += kLanes) Strip<M, 1>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
+  const int64_t vectors_end = o0 + (o1 - o0) / kLanes * kLanes;
+  if constexpr (M <= kPassMaxRows) {
+    constexpr int R = PassRows(M);
+    int64_t i = i0;
+    for (; i + R <= i1; i += R) RowsPass<M, R>(j.x, j.I, p.w, p.O, i0, i, o0, vectors_end, acc);
+    for (; i < i1; ++i) RowsPass<M, 1>(j.x, j.I, p.w, p.O, i0, i, o0, vectors_end, acc);
+  } else {
+    constexpr int NV = StripVectors(M);
+    int64_t o = o0;
+    for (; o + NV * kLanes <= vectors_end; o += NV * kLanes)
+      Strip<M, NV>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
+    for (; o < vectors_end; o += kLanes) Strip<M, 1>(j.x, j.I, p.w, p.O, i0, i1, o, acc);
+  }
   // The columns past the last full vector, one at a time in the same order.
-  for (; o < o1; ++o)
+  for (int64_t o = vectors_end; o < o1; ++o)
     for (int64_t i = i0; i < i1; ++i) {
       float wo = LoadS(p.w + i * p.O + o);
       for (int m = 0; m < M; ++m) {
