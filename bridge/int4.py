@@ -117,17 +117,19 @@ EXACT_INT4 = ("Q4_0", "Q4_1")  # the types this layout holds exactly (bridge.ggu
 
 
 ACTIVATIONS_ENV = "JAX_LLAMA_INT4_ACTIVATIONS"
-ACTIVATIONS = ("float32", "int8")
+ACTIVATIONS = ("float32", "int8", "bfloat16")
 # the choice of an enclosing using_activations (None: none made), below the environment's
 _CHOSEN: ContextVar[str | None] = ContextVar("int4_activations", default=None)
 
 
 def activations() -> str:
-    """How both twins' 4-bit projections take their input: "float32" (x as it is) or "int8"
+    """How both twins' 4-bit projections take their input: "float32" (x as it is), "int8"
     (each group of GROUP inputs rounded to dx * round(x * (1 / dx)), dx = max |x| times
     float32(1 / 127), ties to even, within +-127, 0 for a group of zeros; the gradient passing
     straight through; the decode kernel then sums each group's products as integers,
-    matvec.cc). What llama.cpp's Q4 dot products do to x (its Q8 activations).
+    matvec.cc; what llama.cpp's Q4 dot products do to x, its Q8 activations) or "bfloat16"
+    (each input rounded to the nearest bfloat16, ties to even, the gradient passing straight
+    through; the decode kernel multiplies bfloat16 pairs where the CPU has AVX512_BF16).
 
     $JAX_LLAMA_INT4_ACTIVATIONS, where set, decides; else an enclosing using_activations; else
     float32 (generation_activations: GENERATION_DEFAULT). Read when a program is traced: the
@@ -139,7 +141,7 @@ def activations() -> str:
     if not value:
         return _CHOSEN.get() or "float32"
     if value not in ACTIVATIONS:
-        raise BridgeError(f"expected float32 or int8, got {value!r}", field=ACTIVATIONS_ENV)
+        raise BridgeError(f"expected float32, int8 or bfloat16, got {value!r}", field=ACTIVATIONS_ENV)
     return value
 
 
@@ -163,10 +165,10 @@ def generation_activations() -> str:
 
 @contextmanager
 def using_activations(kind: str):
-    """Within this block, 4-bit projections take their input as `kind` ("float32" or "int8")
+    """Within this block, 4-bit projections take their input as `kind` (one of ACTIVATIONS)
     unless $JAX_LLAMA_INT4_ACTIVATIONS says otherwise (activations)."""
     if kind not in ACTIVATIONS:
-        raise BridgeError(f"expected float32 or int8, got {kind!r}", field="activations")
+        raise BridgeError(f"expected float32, int8 or bfloat16, got {kind!r}", field="activations")
     token = _CHOSEN.set(kind)
     try:
         yield

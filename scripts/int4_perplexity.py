@@ -9,7 +9,7 @@ scored alone from its first token (the NLL of tokens 2..window given those befor
 
 Rows: llama.cpp (llama-cpp-python) on the F32 and the Q4_0 file; jax-llama float32 (the F32 file),
 int4 reading the Q4_0 file's blocks exactly (jax_llama.load(..., int4=True): llama.cpp's weights,
-bit for bit), the same with JAX_LLAMA_INT4_ACTIVATIONS=int8, and int4 by our own quantiser
+bit for bit), the same with JAX_LLAMA_INT4_ACTIVATIONS=int8 and =bfloat16, and int4 by our own quantiser
 (bridge.int4.quantize_int4: a scale and a minimum per 32) from the float32 weights. Writes OUT/int4_perplexity.{md,json}.
 
     python scripts/int4_perplexity.py [--windows 16] [--window 512] [--out results/quality]
@@ -29,14 +29,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def with_int8_activations(run):
-    """run() with JAX_LLAMA_INT4_ACTIVATIONS=int8 (x rounded to 8 bits per group of 32 before
-    each 4-bit product, as llama.cpp's Q4 types do), the setting restored after."""
+def with_activations(kind: str, run):
+    """run() with JAX_LLAMA_INT4_ACTIVATIONS=kind (int8: x rounded to 8 bits per group of 32
+    before each 4-bit product, as llama.cpp's Q4 types do; bfloat16: each input to bfloat16),
+    the setting restored after."""
     import os
 
     from bridge.int4 import ACTIVATIONS_ENV
     before = os.environ.get(ACTIVATIONS_ENV)
-    os.environ[ACTIVATIONS_ENV] = "int8"
+    os.environ[ACTIVATIONS_ENV] = kind
     try:
         return run()
     finally:
@@ -116,8 +117,11 @@ def main(argv=None) -> int:
                 ("jax-llama int4 (the Q4_0 file's blocks)",
                  lambda: nll_jax(*jax_llama.load(files["q4_0"], int4=True), chunks)),
                 ("jax-llama int4, 8-bit activations (the Q4_0 file's blocks)",
-                 lambda: with_int8_activations(
-                     lambda: nll_jax(*jax_llama.load(files["q4_0"], int4=True), chunks))),
+                 lambda: with_activations("int8", lambda: nll_jax(
+                     *jax_llama.load(files["q4_0"], int4=True), chunks))),
+                ("jax-llama int4, bfloat16 activations (the Q4_0 file's blocks)",
+                 lambda: with_activations("bfloat16", lambda: nll_jax(
+                     *jax_llama.load(files["q4_0"], int4=True), chunks))),
                 ("jax-llama int4 (our quantiser, from float32)",
                  lambda: (lambda m, p: nll_jax(m, quantize(p, method="int4"), chunks))(
                      *jax_llama.load(files["f32"])))):
@@ -133,6 +137,8 @@ def main(argv=None) -> int:
     ours, theirs = (rows["jax-llama int4 (the Q4_0 file's blocks)"]["rise_over_float32"],
                     rows["llama.cpp Q4_0"]["rise_over_float32"])
     q8 = rows["jax-llama int4, 8-bit activations (the Q4_0 file's blocks)"]["rise_over_float32"]
+    bf16 = rows["jax-llama int4, bfloat16 activations (the Q4_0 file's blocks)"][
+        "rise_over_float32"]
     n = args.windows * (args.window - 1)
     lines = ["# 4-bit perplexity against llama.cpp's, SmolLM2-135M-Instruct", "",
              f"{cpu_model()}; `python scripts/int4_perplexity.py --windows {args.windows} "
@@ -147,7 +153,8 @@ def main(argv=None) -> int:
               f"{theirs:+.2%} (target: no larger: {'met' if ours <= theirs + 1e-4 else 'not met'}"
               f"; llama.cpp also rounds the activations to 8 bits, Q8_0, for its dot products, "
               f"which this project does only with JAX_LLAMA_INT4_ACTIVATIONS=int8: "
-              f"{q8:+.2%}, {'met' if q8 <= theirs + 1e-4 else 'not met'} that way)."]
+              f"{q8:+.2%}, {'met' if q8 <= theirs + 1e-4 else 'not met'} that way; with "
+              f"bfloat16 activations {bf16:+.2%}, {'met' if bf16 <= theirs + 1e-4 else 'not met'})."]
     print(results.write("int4_perplexity", {"windows": args.windows, "window": args.window,
                                             "rows": rows}, lines, args.out))
     return 0

@@ -24,6 +24,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from bridge.int4 import ACTIVATIONS
+
 # name -> (dim, ffn hidden, kv heads x head dim, layers timed): the layers keep the weights
 # (0.75 bytes a weight) well beyond the last-level cache
 SHAPES = {"smollm2": (576, 1536, 192, 30), "llama3.2-1b": (2048, 8192, 512, 16),
@@ -151,8 +153,9 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     for a in acts:
-        if a not in ("int8", "float32"):
-            print(f"error: --activations: expected int8 or float32, got {a!r}", file=sys.stderr)
+        if a not in ACTIVATIONS:
+            print(f"error: --activations: expected one of {', '.join(ACTIVATIONS)}, got {a!r}",
+                  file=sys.stderr)
             return 2
     from llama_twins.bench.common import not_a_checkout
     from llama_twins.results import commit, write

@@ -7,8 +7,10 @@ of the model is ever made), then, each in a process of its own so that its peak 
              cache of 8,192 slots (the context the 8k figure is about), time to first token and
              tokens/s;
   - int4-q8: the same with JAX_LLAMA_INT4_ACTIVATIONS=int8 (x rounded to 8 bits per group of 32
-             before each 4-bit product, each group summed as integers: llama.cpp's arithmetic,
-             and what generation runs by default since 2026-12-05; the int4 row sets float32);
+             before each 4-bit product, each group summed as integers: llama.cpp's arithmetic;
+             the int4 row sets float32);
+  - int4-bf16: the same with JAX_LLAMA_INT4_ACTIVATIONS=bfloat16 (x rounded to bfloat16, pairs
+             multiplied by vdpbf16ps where the CPU has AVX512_BF16);
   - int8:    jax_llama.load(FILE, int8=True) - each projection quantised to int8 as it is read -
              and the same decoding;
   - llama.cpp on the same file (llama-cpp-python), the same prompt and greedy decoding;
@@ -19,7 +21,7 @@ of the model is ever made), then, each in a process of its own so that its peak 
 The memory each needs is estimated and printed before it loads. Results: OUT/llama8b.{md,json}.
 
     python scripts/llama8b_int4.py [--file PATH] [--new 16] [--seq 512] [--rounds 1]
-        [--only int4,int4-q8,int8,llama.cpp,qlora] [--out results/llama8b]
+        [--only int4,int4-q8,int4-bf16,int8,llama.cpp,qlora] [--out results/llama8b]
 
 The file (4.7 GB) is written to a temporary directory and removed at the end, unless --file names
 one to keep (an existing file is used as it is).
@@ -242,10 +244,11 @@ def qlora_step(path: str, seq: int) -> dict:
 def worker(name: str, path: str, args) -> None:
     if name == "synth":
         result = synthesise(Path(path))
-    elif name in ("int4", "int4-q8", "int8"):
+    elif name in ("int4", "int4-q8", "int4-bf16", "int8"):
         from bridge.int4 import ACTIVATIONS_ENV  # int4-q8: x rounded to 8 bits per group of
-        # 32, integer sums (what generation runs by default); int4: x as it is, float32
-        os.environ[ACTIVATIONS_ENV] = "int8" if name == "int4-q8" else "float32"
+        # 32, integer sums; int4-bf16: x rounded to bfloat16; int4: x as it is, float32
+        os.environ[ACTIVATIONS_ENV] = {"int4-q8": "int8", "int4-bf16": "bfloat16"}.get(name,
+                                                                                     "float32")
         result = decode_jax("int8" if name == "int8" else "nearest", path, args.new)
     elif name == "llama.cpp":
         result = decode_llama_cpp(path, args.new)
@@ -282,6 +285,7 @@ def markdown(r: dict, cpu: str, memory: int) -> list[str]:
              "| decode tokens/s |", "|---|---|---|---|---|---|---|"]
     for name, estimate in (("int4", e["int4_params"] + e["kv_cache_8k"]),
                            ("int4-q8", e["int4_params"] + e["kv_cache_8k"]),
+                           ("int4-bf16", e["int4_params"] + e["kv_cache_8k"]),
                            ("int8", e["int8_params"] + e["kv_cache_8k"]), ("llama.cpp", None)):
         x = r.get(name, "not run")
         if isinstance(x, str):
@@ -297,13 +301,13 @@ def markdown(r: dict, cpu: str, memory: int) -> list[str]:
               "the JAX rows decode with a cache of that size."]
     lines += ["", "int4-q8: the int4 process with JAX_LLAMA_INT4_ACTIVATIONS=int8 (x rounded to 8 "
               "bits per group of 32 before each 4-bit product, each group summed as integers, as "
-              "llama.cpp's Q4_0 does)."]
+              "llama.cpp's Q4_0 does); int4-bf16: with =bfloat16 (x rounded to bfloat16)."]
     if r.get("rounds", 1) > 1:
         lines += ["", f"{r['rounds']} rounds, each process in its own round in turn; a row shows "
                   "its median round, and decode tokens/s by round: "
                   + "; ".join(f"{n} {', '.join(f'{t:.2f}' for t in r['by_round'][n])}"
                               for n in r["by_round"])]
-    for name in ("int4", "int4-q8"):
+    for name in ("int4", "int4-q8", "int4-bf16"):
         x, lcpp = r.get(name), r["llama.cpp"]
         if not (isinstance(x, dict) and isinstance(lcpp, dict)):
             continue
@@ -335,7 +339,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new", type=int, default=16, help="tokens decoded (default 16)")
     parser.add_argument("--seq", type=int, default=512, help="tokens of the QLoRA step (512)")
     parser.add_argument("--out", default=str(ROOT / "results" / "llama8b"))
-    parser.add_argument("--only", default="int4,int4-q8,int8,llama.cpp,qlora")
+    parser.add_argument("--only", default="int4,int4-q8,int4-bf16,int8,llama.cpp,qlora")
     parser.add_argument("--rounds", type=int, default=1,
                         help="times each process runs, in turn (default 1)")
     parser.add_argument("--preset", default=PRESET, help=argparse.SUPPRESS)  # a smaller trial
@@ -362,7 +366,7 @@ def main(argv=None) -> int:
             if isinstance(r["synth"], str):
                 print(f"synth: {r['synth']}", file=sys.stderr)
                 return 1
-        names = ("int4", "int4-q8", "int8", "llama.cpp", "qlora")
+        names = ("int4", "int4-q8", "int4-bf16", "int8", "llama.cpp", "qlora")
         runs = {name: [] for name in names}
         for round_ in range(args.rounds):  # each process once a round, in turn
             for name in names:

@@ -287,31 +287,35 @@ def test_both_twins_compute_the_same_4_bit_model():
         torch_llama.quantize(tmodel)
 
 
-def test_both_twins_round_8_bit_activations_the_same_way(monkeypatch):
-    """JAX_LLAMA_INT4_ACTIVATIONS=int8: the torch twin's 4-bit Linear rounds x as JAX's does (bit
-    for bit) and so computes the same products to float32 rounding (1e-5 of the sum of |terms|),
-    on XLA's path and on the decode kernel; float32 activations are outside that; the gradient in
-    x passes straight through the rounding in both. (Compared a projection at a time: through a
-    model's layers a last-bit difference can move an 8-bit input by a step.)"""
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+def test_both_twins_round_the_4_bit_activations_the_same_way(kind, monkeypatch):
+    """JAX_LLAMA_INT4_ACTIVATIONS=int8 or bfloat16: the torch twin's 4-bit Linear rounds x as
+    JAX's does (bit for bit) and so computes the same products to float32 rounding (1e-5 of the
+    sum of |terms|), on XLA's path and on the decode kernel; float32 activations are outside
+    that; the gradient in x passes straight through the rounding in both. (Compared a projection
+    at a time: through a model's layers a last-bit difference can move an 8-bit input by a
+    step.)"""
     import torch
 
     from jax_llama.model import kernels
     from jax_llama.model.projections import int4_matmul
-    from torch_llama.projections import int4_linear, quantise_activations
+    from torch_llama.projections import int4_linear, quantise_activations, round_to_bfloat16
 
     rng = np.random.default_rng(5)
     x = rng.standard_normal((6, 128)).astype(np.float32)
     packed, d, m = quantize_int4(rng.standard_normal((48, 128)).astype(np.float32) * 0.05)
-    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "int8")
-    np.testing.assert_array_equal(quantise_activations(torch.from_numpy(x)).numpy(),
-                                  np.asarray(kernels.quantise_activations(jnp.asarray(x))))
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", kind)
+    rounding = {"int8": (quantise_activations, kernels.quantise_activations),
+                "bfloat16": (round_to_bfloat16, kernels.round_to_bfloat16)}[kind]
+    np.testing.assert_array_equal(rounding[0](torch.from_numpy(x)).numpy(),
+                                  np.asarray(rounding[1](jnp.asarray(x))))
     xt = torch.from_numpy(x).requires_grad_()
     theirs = int4_linear(xt, *(torch.from_numpy(a) for a in (packed, d, m)))
     ours = {"xla": np.asarray(int4_matmul(jnp.asarray(x), packed, d, m, jnp.float32))}
     if kernels.unavailable_reason() is None:
         ours["kernel"] = np.asarray(kernels.matvec_int4(jnp.asarray(x), [(packed, d, m)])[0])
     w = dequantize_int4(packed, d, m).astype(np.float64)
-    xd = np.asarray(kernels.quantise_activations(jnp.asarray(x)), np.float64)
+    xd = np.asarray(rounding[1](jnp.asarray(x)), np.float64)
     scale = np.abs(xd) @ np.abs(w).T
     for path, y in ours.items():
         assert np.all(np.abs(theirs.detach().numpy() - y) <= 1e-5 * scale), path
@@ -377,11 +381,13 @@ def test_generation_takes_the_4_bit_activations_its_caller_chose(tmp_path, monke
     with using_activations("int8"):
         assert (Engine(model, q).activations, generation_activations()) == ("int8", "int8")
     assert Engine(model, q).activations == "float32"
-    with pytest.raises(BridgeError, match="activations: expected float32 or int8, got 'int4'"):
+    with pytest.raises(BridgeError,
+                       match="activations: expected float32, int8 or bfloat16, got 'int4'"):
         with using_activations("int4"):
             pass
     monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "int16")
-    with pytest.raises(BridgeError, match="JAX_LLAMA_INT4_ACTIVATIONS: expected float32 or int8"):
+    with pytest.raises(BridgeError,
+                       match="JAX_LLAMA_INT4_ACTIVATIONS: expected float32, int8 or bfloat16"):
         generation_activations()
 
 

@@ -253,8 +253,89 @@ def test_int4_with_8_bit_activations_is_the_quantised_x_times_the_weight(M, I, O
     assert not np.all(np.abs(plain - want) <= bound(xd, w.T))
     monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "int4")
     from bridge.errors import BridgeError
-    with pytest.raises(BridgeError, match="JAX_LLAMA_INT4_ACTIVATIONS.*expected float32 or int8"):
+    with pytest.raises(BridgeError,
+                       match="JAX_LLAMA_INT4_ACTIVATIONS.*expected float32, int8 or bfloat16"):
         kernels.matvec_int4(x, [(packed, d, m)])
+
+
+def round_bf16(x):
+    """x (float32) rounded to the nearest bfloat16, ties to even, in float64: its top 16 bits
+    after adding half of the last one kept (less one where that bit is even)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def bound_bf16(xb, packed, d, m):
+    """The float32 rounding bound of the bfloat16-activation kernel's sums: eps times the
+    longest chain of additions an output goes through (I / lanes in a lane, the groups' scaled
+    sums, a horizontal sum) times the sum of |terms|. Its terms: with AVX512_BF16 it adds
+    (16 x')(1 + q / 16) = 16 x' + q x' (so 16 |x'| d beside |q x' d|) and then (m - 16 d) sum x';
+    elsewhere x' (q d + m). The bound takes the larger of both."""
+    from bridge.int4 import unpack
+    q = unpack(packed).astype(np.float64)
+    dd, mm = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (d, m))
+    terms = np.abs(xb) @ (q * dd + 32 * dd + np.abs(mm)).T
+    depth = xb.shape[1] / kernels.lanes() + 64
+    return depth * EPS32 * terms + 1e-30
+
+
+@pytest.mark.parametrize("M,I,O", [(1, 576, 576), (1, 576, 192), (2, 2048, 600), (5, 32, 13),
+                                   (6, 96, 37), (8, 256, 64), (20, 576, 64)])
+def test_int4_with_bfloat16_activations_is_the_rounded_x_times_the_weight(M, I, O, monkeypatch):
+    """JAX_LLAMA_INT4_ACTIVATIONS=bfloat16: x rounded to the nearest bfloat16 (round_bf16, bit for
+    bit what kernels.round_to_bfloat16 and XLA give), then multiplied by the 4-bit weight: within
+    the float32 bound of its sums (bound_bf16) of the float64 product of the rounded x and the
+    dequantised weight, with float16 or float32 scales, and a row alone gets the same bits as
+    beside others. Negative cases: float32 activations and swapped nibbles are outside it."""
+    rng = np.random.default_rng(M * 1000 + O + 23)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    x[0, :5] = [3e4, -1e-3, 0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8]  # big, small, ties
+    (packed, d, m), w = int4_weight(rng, I, O)
+    xb = round_bf16(x)
+    np.testing.assert_array_equal(np.asarray(kernels.round_to_bfloat16(jnp.asarray(x))), xb)
+    assert xb[0, 3] == 1.0 and xb[0, 4] == 1.0 + 2.0 ** -6  # ties go to even
+    want = xb @ w.T.astype(np.float64)
+    limit = bound_bf16(xb, packed, d, m)
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "bfloat16")
+    got = np.asarray(kernels.matvec_int4(x, [(packed, d, m)])[0])  # read when traced: no jit
+    assert np.all(np.abs(got - want) <= limit)
+    np.testing.assert_array_equal(
+        got[-1], np.asarray(kernels.matvec_int4(x[-1:], [(packed, d, m)])[0])[0])
+    as32 = [(packed, d.astype(np.float32), m.astype(np.float32))]
+    np.testing.assert_array_equal(got, np.asarray(kernels.matvec_int4(x, as32)[0]))
+    swapped = (packed >> 4) | (packed << 4)
+    wrong = np.asarray(kernels.matvec_int4(x, [(swapped, d, m)])[0], np.float64)
+    assert not np.all(np.abs(wrong - want) <= limit)
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
+    plain = np.asarray(kernels.matvec_int4(x, [(packed, d, m)])[0], np.float64)
+    assert not np.all(np.abs(plain - want) <= limit)
+
+
+def test_bfloat16_activations_are_the_same_products_on_xla_and_their_gradient_passes_through(
+        monkeypatch):
+    """With JAX_LLAMA_INT4_ACTIVATIONS=bfloat16 the XLA path of a 4-bit projection rounds x as the
+    kernel does: on the same x, int4_matmul and the kernel are within the bound of the product
+    of the rounded x, float32 activations are not; the gradient in x is the dequantised
+    weight's (straight through)."""
+    from jax_llama.model.projections import int4_matmul
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((70, 96)).astype(np.float32)
+    (packed, d, m), w = int4_weight(rng, 96, 40)
+    xb = round_bf16(x)
+    want = xb @ w.T.astype(np.float64)
+    limit = bound_bf16(xb, packed, d, m)
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "bfloat16")
+    on_xla = np.asarray(int4_matmul(jnp.asarray(x), packed, d, m, jnp.float32), np.float64)
+    on_kernel = np.asarray(kernels.matvec_int4(x[:8], [(packed, d, m)])[0], np.float64)
+    assert np.all(np.abs(on_xla - want) <= limit)
+    assert np.all(np.abs(on_kernel - want[:8]) <= limit[:8])
+    g = rng.standard_normal((70, 40)).astype(np.float32)
+    grad = jax.grad(lambda x: jnp.sum(int4_matmul(x, packed, d, m, jnp.float32) * g))(x)
+    np.testing.assert_allclose(np.asarray(grad), g @ w, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
+    plain = np.asarray(int4_matmul(jnp.asarray(x), packed, d, m, jnp.float32), np.float64)
+    assert not np.all(np.abs(plain - want) <= limit)
 
 
 def test_8_bit_activations_are_the_same_products_on_xla_and_their_gradient_passes_through(
@@ -386,6 +467,8 @@ def test_outputs_do_not_depend_on_the_helper_threads():
         "        kernels.matvec_int4(rng.standard_normal((21, 576)).astype(np.float32), [four])[0]]\n"
         "import os; os.environ['JAX_LLAMA_INT4_ACTIVATIONS'] = 'int8'\n"
         "outs += [kernels.matvec_int4(x, [four])[0]]\n"
+        "os.environ['JAX_LLAMA_INT4_ACTIVATIONS'] = 'bfloat16'\n"
+        "outs += [kernels.matvec_int4(x, [four])[0], kernels.matvec_int4(x[:1], [four])[0]]\n"
         "np.save(sys.argv[1], np.concatenate([np.asarray(o).ravel() for o in outs]))\n")
     got = {}
     for threads in ("1", "", "4"):

@@ -152,6 +152,8 @@ def int4_linear(x: torch.Tensor, packed_OJ: torch.Tensor, scale_OG: torch.Tensor
     G = scale_OG.shape[1]
     if activations() == "int8":  # x rounded to 8 bits per group, as JAX's twin does
         x = quantise_activations(x)
+    elif activations() == "bfloat16":  # x rounded to bfloat16 (to nearest, ties to even)
+        x = round_to_bfloat16(x)
     q_OI = torch.stack([packed_OJ & 0xF, packed_OJ >> 4], dim=-1).view(O, 2 * J)
     w_OGi = (q_OI.view(O, G, 2 * J // G).to(torch.float32) * scale_OG[..., None].float()
              + min_OG[..., None].float())
@@ -168,6 +170,12 @@ def quantise_activations(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(dx > 0, 1 / safe, torch.zeros_like(dx))
     xq = (torch.clamp(torch.round(xg * inv), -127, 127) * dx).flatten(-2).to(x.dtype)
     return xq.detach() + (x - x.detach())  # exactly xq
+
+
+def round_to_bfloat16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to the nearest bfloat16 (ties to even), in x's dtype; the gradient passes straight
+    through. jax_llama.model.kernels.round_to_bfloat16's twin."""
+    return x.to(torch.bfloat16).to(x.dtype).detach() + (x - x.detach())
 
 
 class Embedding(Int8Weight, nn.Embedding):

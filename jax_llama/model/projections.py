@@ -243,14 +243,17 @@ def int4_matmul(x_MI, packed_OJ, scale_OG, min_OG, dtype):
     gradient flows to them.
 
     With JAX_LLAMA_INT4_ACTIVATIONS=int8, x is first rounded to 8 bits per group of 32 inputs
-    as the decode kernel rounds it (decode_kernels.quantise_activations): on the same x, the
-    same products to float32 rounding."""
+    as the decode kernel rounds it (decode_kernels.quantise_activations); with bfloat16, to
+    bfloat16 (decode_kernels.round_to_bfloat16): on the same x, the same products to float32
+    rounding."""
     return _int4_dot(x_MI, packed_OJ, scale_OG, min_OG, dtype)
 
 
 def _int4_dot(x_MI, packed_OJ, scale_OG, min_OG, dtype):
     if activations() == "int8":  # its gradient: straight through (_int4_bwd)
         x_MI = decode_kernels.quantise_activations(x_MI)
+    elif activations() == "bfloat16":
+        x_MI = decode_kernels.round_to_bfloat16(x_MI)
     packed_OJ = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), packed_OJ.dtype), packed_OJ)
     return jnp.dot(x_MI, dequantize_int4(packed_OJ, scale_OG, min_OG, dtype).T)
 

@@ -80,6 +80,7 @@ TARGETS = {"jax_llama_matvec_f32": "JaxLlamaMatvecF32",
            "jax_llama_matvec_int8": "JaxLlamaMatvecInt8",
            "jax_llama_matvec_int4": "JaxLlamaMatvecInt4",
            "jax_llama_matvec_int4_q8": "JaxLlamaMatvecInt4Q8",
+           "jax_llama_matvec_int4_bf16": "JaxLlamaMatvecInt4Bf16",
            "jax_llama_matvec_int8_rows": "JaxLlamaMatvecInt8Rows",
            "jax_llama_matvec_f32_rows": "JaxLlamaMatvecF32Rows",
            "jax_llama_decode_attention": "JaxLlamaDecodeAttention"}
@@ -244,6 +245,13 @@ def quantise_activations(x_MI):
     return jax.lax.stop_gradient(xq) + (x_MI - jax.lax.stop_gradient(x_MI))  # exactly xq
 
 
+def round_to_bfloat16(x_MI):
+    """x rounded to the nearest bfloat16 (ties to even), in x's dtype: how the 4-bit kernel with
+    bfloat16 activations takes it (matvec.cc's RoundBf16). Its gradient passes straight through."""
+    xb = x_MI.astype(jnp.bfloat16).astype(x_MI.dtype)
+    return jax.lax.stop_gradient(xb) + (x_MI - jax.lax.stop_gradient(x_MI))  # exactly xb
+
+
 def _int4_call(x_MI, weights, target="jax_llama_matvec_int4"):
     outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[0]), jnp.float32)
                  for q, _, _ in weights)
@@ -401,11 +409,13 @@ def matvec_int4(x_MI, weights):
     float32 rounding of the product on the dequantised weights. Weights that read the same x are
     one call. With JAX_LLAMA_INT4_ACTIVATIONS=int8 (bridge.int4.activations), x is first quantised
     per group of 32 inputs to 8 bits and each group summed as integers (matvec.cc,
-    "jax_llama_matvec_int4_q8"): x' @ W^T within float32 rounding, x' the dequantised x. Call only
-    where `usable` said True of each."""
+    "jax_llama_matvec_int4_q8"): x' @ W^T within float32 rounding, x' the dequantised x. With
+    bfloat16, x' is x rounded to bfloat16 (round_to_bfloat16), multiplied in bfloat16 pairs where
+    the CPU has AVX512_BF16 ("jax_llama_matvec_int4_bf16"). Call only where `usable` said True of
+    each."""
     _check()
-    target = {"float32": "jax_llama_matvec_int4",
-              "int8": "jax_llama_matvec_int4_q8"}[activations()]
+    target = {"float32": "jax_llama_matvec_int4", "int8": "jax_llama_matvec_int4_q8",
+              "bfloat16": "jax_llama_matvec_int4_bf16"}[activations()]
     return list(_matvec_int4(x_MI, tuple(tuple(w) for w in weights), target))
 
 

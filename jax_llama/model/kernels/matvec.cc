@@ -16,6 +16,8 @@
 //                                                                      "jax_llama_matvec_int4"
 //   the same with x rounded to 8 bits per group of 32 and each group summed as integers
 //   (JAX_LLAMA_INT4_ACTIVATIONS=int8)                              "jax_llama_matvec_int4_q8"
+//   the same with x rounded to bfloat16 (JAX_LLAMA_INT4_ACTIVATIONS=bfloat16)
+//                                                                  "jax_llama_matvec_int4_bf16"
 //   out = softmax(q k^T / sqrt(H) + mask) v        k, v: layer l of the cache, read in place
 //                                                                 "jax_llama_decode_attention"
 //
@@ -769,6 +771,11 @@ struct Rows4Job {
   const int8_t* xq = nullptr;   // (M, Q8Bytes(I)): per 4 groups, their even inputs, then odd ones
   const float* dxe = nullptr;   // (M, Q8Lanes(I)): each group's scale, once per lane of it
   const float* c = nullptr;     // (M, Q8Mins(I)): scale x the sum of the group's 8-bit values
+  // "_bf16" (Int4Bf16): x rounded to bfloat16 (RoundBf16; j.x then holds the rounded values).
+  // Where the CPU multiplies bfloat16 pairs (AVX512_BF16), also:
+  bool bf16 = false;
+  const uint16_t* xb = nullptr;  // (M, Bf16Words(I)): per 2 groups, their even inputs, then odd
+  const float* sx = nullptr;     // (M, I / 32): each group's sum of its rounded inputs
   std::vector<Rows4Part> parts;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -881,6 +888,32 @@ inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) 
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) p.y[(m0 + m) * p.O + o + r] = HorizontalSum(acc[r][m]);
 }
+
+// -- 4-bit rows with bfloat16 activations: "jax_llama_matvec_int4_bf16" ------------------------
+//
+// x is rounded to bfloat16 (to nearest, ties to even; RoundBf16: the same bits on every CPU), then
+// multiplied as float32 x is: y = x' @ W^T within float32 rounding, x' the rounded x. bfloat16
+// keeps 8 significant bits of each input, where 8-bit activations keep 8 bits of a group's
+// largest: SmolLM2's Q4_1 file answers "What is the capital of France?" with Paris this way, and
+// with nonsense with 8-bit activations (and in llama.cpp). Where the CPU has AVX512_BF16,
+// Dots4Bf16 multiplies bfloat16 pairs (vdpbf16ps); elsewhere the float32 kernel runs on x'.
+
+// float32 -> the nearest bfloat16, as float32 (ties to even; a NaN stays a NaN)
+inline float RoundBf16(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) u |= 0x00400000u;
+  else u += 0x7FFFu + ((u >> 16) & 1u);
+  u &= 0xFFFF0000u;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// x' as the AVX512_BF16 kernel reads it: per block of 4 groups (128 inputs), 4 vectors of 32
+// bfloat16 words, word k of vector t being 16 x'[4 k + t] (the padding zero); and each group's
+// sum of x', padded with zeros to a whole vector of groups
+constexpr int64_t Bf16Words(int64_t I) { return (I / kGroup4 + 3) / 4 * 128; }
+constexpr int64_t Bf16Sums(int64_t I) { return (I / kGroup4 + 15) / 16 * 16; }
 
 // -- 4-bit rows with 8-bit activations: "jax_llama_matvec_int4_q8" -----------------------------
 //
@@ -1122,12 +1155,116 @@ void Q8Rows(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t o1) {
   for (; o < o1; ++o) Dots4Q8<M, 1, S>(j, p, o, 0);
 }
 
+#if defined(__AVX512BF16__)
+// n <= 16 scales (float32, or float16's bits) as float32 lanes, the rest zero
+inline Vec LoadScalesN(const float* p, int n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+}
+inline Vec LoadScalesN(const uint16_t* p, int n) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
+}
+
+// x' (M, I) -> xb and sx (Bf16Words, Bf16Sums)
+void SplitBf16(const float* x, int64_t M, int64_t I, uint16_t* xb, float* sx) {
+  const int64_t G = I / kGroup4, words = Bf16Words(I), sums = Bf16Sums(I);
+  std::fill(xb, xb + M * words, uint16_t{0});
+  std::fill(sx, sx + M * sums, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) {
+      const float v = 16.0f * x[m * I + i];  // exact: x' is a bfloat16, 16 a power of 2
+      uint32_t u;
+      std::memcpy(&u, &v, sizeof(u));
+      const int64_t block = i / 128, k = i % 128 / 4, t = i % 4;
+      xb[m * words + block * 128 + t * 32 + k] = uint16_t(u >> 16);
+      sx[m * sums + i / kGroup4] += x[m * I + i];  // in input order
+    }
+}
+
+// Dots4's outputs with x' in bfloat16. A row's 64 bytes (4 groups) are 128 weights; a 16-bit
+// word of them holds 4 nibbles, weights 4k .. 4k + 3, and each is put in place as the bfloat16
+// 1 + q / 16 (bits 0x3F80 | q << 3: exact), so no widening is needed: vector t holds weight
+// 4k + t in word k, as x's vector t holds 16 x'[4k + t]. vdpbf16ps sums each lane's two products
+// (exact in float32); lane l belongs to group l / 4, so one vector of 4 scales spread over the
+// lanes scales the sum: sum_i (16 x'_i)(1 + q_i / 16) = 16 sum x' + sum q x', and
+//   y = sum_g d_g (that) + sum_g (m_g - 16 d_g) (sum_g x').
+// 16 weights' products a vdpbf16ps against 8 a multiply-add with float32 x, and the nibbles
+// need shifts and masks only, where float32 x needs them widened to 32 bits and looked up.
+template <int M, int R, typename S>
+void Dots4Bf16(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
+  const S* D;
+  const S* Mn;
+  if constexpr (std::is_same_v<S, float>) D = p.d, Mn = p.m;
+  else D = p.dh, Mn = p.mh;
+  const float mf = p.symmetric ? -8.0f : 1.0f;  // symmetric: m = -8 d, from the scales again
+  if (p.symmetric) Mn = D;
+  const int64_t I = j.I, J = I / 2, G = I / kGroup4, words = Bf16Words(I), sums = Bf16Sums(I);
+  Vec acc[R][M], low[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = Splat(0.0f), low[r][m] = Splat(0.0f);
+  const char* base = reinterpret_cast<const char*>(p.q);
+  const int64_t ahead = o * J + kPrefetchBytes, last = p.O * J - 1;
+  const __m512i nibble = _mm512_set1_epi16(0x0078), one = _mm512_set1_epi16(0x3F80);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  for (int64_t g = 0; g < G; g += 4) {  // the last 1-3 groups by masked loads (padding: zero)
+    const int n = static_cast<int>(std::min<int64_t>(4, G - g));
+    const __mmask64 bytes_in = n == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * n)) - 1;
+    for (int r = 0; r < R; ++r)
+      __builtin_prefetch(base + std::min(ahead + R * g * kGroup4 / 2 + r * 64, last));
+    for (int r = 0; r < R; ++r) {
+      const __m512i b = _mm512_maskz_loadu_epi8(bytes_in, p.q + (o + r) * J + g * 16);
+      // (shifted & 0x78) | 0x3F80: the nibble at bits 3-6 of a bfloat16 1.0
+      const __m512i w0 = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), nibble, one, 0xEA);
+      const __m512i w1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), nibble, one, 0xEA);
+      const __m512i w2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 5), nibble, one, 0xEA);
+      const __m512i w3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 9), nibble, one, 0xEA);
+      const Vec dw = _mm512_permutexvar_ps(
+          spread, _mm512_castps128_ps512(Load4Scales(D + (o + r - p.row0) * G + g, n)));
+      for (int m = 0; m < M; ++m) {
+        const uint16_t* xw = j.xb + (m0 + m) * words + g / 4 * 128;
+        Vec t = _mm512_dpbf16_ps(Splat(0.0f), (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xw));
+        t = _mm512_dpbf16_ps(t, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xw + 32));
+        t = _mm512_dpbf16_ps(t, (__m512bh)w2, (__m512bh)_mm512_loadu_si512(xw + 64));
+        t = _mm512_dpbf16_ps(t, (__m512bh)w3, (__m512bh)_mm512_loadu_si512(xw + 96));
+        acc[r][m] = Fma(t, dw, acc[r][m]);
+      }
+    }
+  }
+  // sum_g (m_g - 16 d_g) sum(x'_g), lanes over groups (the padding's sums are zero)
+  for (int64_t h = 0; h < G; h += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, G - h));
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (o + r - p.row0) * G + h;
+      const Vec d = LoadScalesN(D + at, n), mn = Mul(LoadScalesN(Mn + at, n), Splat(mf));
+      const Vec coefficient = Fma(d, Splat(-16.0f), mn);
+      for (int m = 0; m < M; ++m)
+        low[r][m] = Fma(coefficient, Load(j.sx + (m0 + m) * sums + h), low[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
+      p.y[(m0 + m) * p.O + o + r] = HorizontalSum(acc[r][m]) + HorizontalSum(low[r][m]);
+}
+
+// Rows [o, o1) with bfloat16 x', the scales read in place as they lie (S: float or float16's bits).
+template <int M, typename S>
+void Bf16Rows(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t o1) {
+  constexpr int R = M == 1 ? 2 : M == 2 ? 2 : 1;
+  for (; o + R <= o1; o += R) Dots4Bf16<M, R, S>(j, p, o, 0);
+  for (; o < o1; ++o) Dots4Bf16<M, 1, S>(j, p, o, 0);
+}
+#endif
+
 template <int M>
 void Rows4Unit(const Rows4Job& j, const Rows4Part& part, int64_t u) {
   constexpr int R = RowsAtOnce(M);
   int64_t o = u * part.unit_rows, o1 = std::min(part.O, o + part.unit_rows);
   if (j.q8)
     return part.dh != nullptr ? Q8Rows<M, uint16_t>(j, part, o, o1) : Q8Rows<M, float>(j, part, o, o1);
+#if defined(__AVX512BF16__)
+  if (j.bf16)
+    return part.dh != nullptr ? Bf16Rows<M, uint16_t>(j, part, o, o1)
+                              : Bf16Rows<M, float>(j, part, o, o1);
+#endif
   // float32 x: a unit's float16 scales converted first (the expansion reads each group's scale
   // and minimum as a scalar, faster from this thread's scratch than from memory)
   const Rows4Part p = Float32Scales(part, j.I, o, o1);
@@ -1154,9 +1291,33 @@ void Dots4Chunks(const Rows4Job& j, const Rows4Part& p, int64_t o) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// Dots4Chunks with bfloat16 x', a row of W at a time
+template <typename S>
+void Bf16Chunks(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t o1) {
+  for (; o < o1; ++o)
+    for (int64_t m0 = 0; m0 < j.M; m0 += 8) {
+      switch (std::min<int64_t>(8, j.M - m0)) {
+        case 1: Dots4Bf16<1, 1, S>(j, p, o, m0); break;
+        case 2: Dots4Bf16<2, 1, S>(j, p, o, m0); break;
+        case 3: Dots4Bf16<3, 1, S>(j, p, o, m0); break;
+        case 4: Dots4Bf16<4, 1, S>(j, p, o, m0); break;
+        case 5: Dots4Bf16<5, 1, S>(j, p, o, m0); break;
+        case 6: Dots4Bf16<6, 1, S>(j, p, o, m0); break;
+        case 7: Dots4Bf16<7, 1, S>(j, p, o, m0); break;
+        default: Dots4Bf16<8, 1, S>(j, p, o, m0); break;
+      }
+    }
+}
+#endif
+
 void Rows4UnitChunks(const Rows4Job& j, const Rows4Part& part, int64_t u) {
   constexpr int R = RowsAtOnce(8);
   int64_t o = u * part.unit_rows, o1 = std::min(part.O, o + part.unit_rows);
+#if defined(__AVX512BF16__)
+  if (j.bf16)
+    return part.dh != nullptr ? Bf16Chunks<uint16_t>(j, part, o, o1) : Bf16Chunks<float>(j, part, o, o1);
+#endif
   const Rows4Part p = Float32Scales(part, j.I, o, o1);
   for (; o + R <= o1; o += R) Dots4Chunks<R>(j, p, o);
   for (; o < o1; ++o) Dots4Chunks<1>(j, p, o);
@@ -1182,8 +1343,11 @@ void RunUnit(const Rows4Job& j, int64_t u) {
 
 // x, then (q_k, d_k, m_k) for each weight k; one output y_k (M, O_k) each. q8: x quantised to
 // 8 bits per group ("jax_llama_matvec_int4_q8").
+enum class Activations { kFloat32, kInt8, kBfloat16 };
+
 ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                    bool q8) {
+                    Activations activations) {
+  const bool q8 = activations == Activations::kInt8;
   constexpr const char* kWhat =
       "matvec_int4: expected x (M, I), then (q (O, I / 2) uint8, scale (O, I / 32) and min "
       "(O, I / 32) or (0,): none, m = -8 scale; both float32 or both float16) per output y "
@@ -1203,9 +1367,23 @@ ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::Remai
     QuantiseQ8(job->x, job->M, job->I, xq.data(), dxe.data(), c.data());
     job->xq = xq.data(), job->dxe = dxe.data(), job->c = c.data();
   }
+  thread_local std::vector<float> rounded;
+  if (activations == Activations::kBfloat16) {
+    const int64_t n = job->M * job->I;
+    if (rounded.size() < size_t(n)) rounded.resize(n);
+    for (int64_t i = 0; i < n; ++i) rounded[i] = RoundBf16(job->x[i]);
+    job->x = rounded.data();
+#if defined(__AVX512BF16__)
+    thread_local std::vector<uint16_t> xb;
+    thread_local std::vector<float> sx;
+    xb.resize(job->M * Bf16Words(job->I)), sx.resize(job->M * Bf16Sums(job->I));
+    SplitBf16(job->x, job->M, job->I, xb.data(), sx.data());
+    job->bf16 = true, job->xb = xb.data(), job->sx = sx.data();
+#endif
+  }
 #if defined(__AVX512F__)
   thread_local std::vector<float> split;
-  if (!q8) {
+  if (!q8 && !job->bf16) {
     if (split.size() < size_t(job->M * job->I)) split.resize(job->M * job->I);
     SplitEvenOdd(job->x, job->M, job->I, split.data());
     job->x = split.data();
@@ -1255,12 +1433,17 @@ ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::Remai
 
 ffi::Error MatvecInt4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                           ffi::RemainingRets rets) {
-  return Int4Rows(x, args, rets, false);
+  return Int4Rows(x, args, rets, Activations::kFloat32);
 }
 
 ffi::Error MatvecInt4Q8Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                             ffi::RemainingRets rets) {
-  return Int4Rows(x, args, rets, true);
+  return Int4Rows(x, args, rets, Activations::kInt8);
+}
+
+ffi::Error MatvecInt4Bf16Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets) {
+  return Int4Rows(x, args, rets, Activations::kBfloat16);
 }
 
 // -- attention of a few queries over a KV cache ------------------------------------------------
@@ -1458,6 +1641,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt4, MatvecInt4Rows,
                                   .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt4Q8, MatvecInt4Q8Rows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt4Bf16, MatvecInt4Bf16Rows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
