@@ -328,11 +328,11 @@ def test_both_twins_round_the_4_bit_activations_the_same_way(kind, monkeypatch):
 
 def test_generation_takes_the_4_bit_activations_its_caller_chose(tmp_path, monkeypatch):
     """Both twins' generation runs 4-bit projections on the activations chosen for it: by
-    default GENERATION_DEFAULT (float32: its log-probabilities are the plain forward's); within
-    using_activations("int8") the forward's under int8 (not the float32 one's); the environment
-    decides over the caller; each choice is its own compiled program (the same call in one
-    process gives each its numbers). The server's engine takes the choice of the context it is
-    made in; bad choices are refused, naming the field."""
+    default GENERATION_DEFAULT (bfloat16: its log-probabilities are the forward's under
+    bfloat16, not the plain float32 forward's); within using_activations("int8") the forward's
+    under int8; the environment decides over the caller; each choice is its own compiled program
+    (the same call in one process gives each its numbers). The server's engine takes the choice
+    of the context it is made in; bad choices are refused, naming the field."""
     import torch_llama
     from bridge.int4 import GENERATION_DEFAULT, generation_activations, using_activations
     from conftest import save_random_checkpoint
@@ -355,9 +355,13 @@ def test_generation_takes_the_4_bit_activations_its_caller_chose(tmp_path, monke
         logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
         return logp[token]
 
-    assert generation_activations() == GENERATION_DEFAULT == "float32"
+    assert generation_activations() == GENERATION_DEFAULT == "bfloat16"
     plain_tokens, plain = run()
-    assert abs(plain[0] - first_logprob("float32", plain_tokens[0])) < 1e-5
+    assert abs(plain[0] - first_logprob("bfloat16", plain_tokens[0])) < 1e-5
+    assert abs(plain[0] - first_logprob("float32", plain_tokens[0])) > 1e-5
+    with using_activations("float32"):  # x as it is, the plain forward's numbers
+        f32_tokens, f32 = run()
+    assert abs(f32[0] - first_logprob("float32", f32_tokens[0])) < 1e-5
     with using_activations("int8"):
         tokens, logps = run()
     assert abs(logps[0] - first_logprob("int8", tokens[0])) < 1e-5
@@ -366,7 +370,7 @@ def test_generation_takes_the_4_bit_activations_its_caller_chose(tmp_path, monke
     with using_activations("float32"):  # the environment decides over the caller
         same_tokens, same = run()
     assert same_tokens == tokens and np.array_equal(same, logps)
-    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "bfloat16")
     assert run()[0] == plain_tokens and np.array_equal(run()[1], plain)
     monkeypatch.delenv("JAX_LLAMA_INT4_ACTIVATIONS")
 
@@ -380,7 +384,7 @@ def test_generation_takes_the_4_bit_activations_its_caller_chose(tmp_path, monke
 
     with using_activations("int8"):
         assert (Engine(model, q).activations, generation_activations()) == ("int8", "int8")
-    assert Engine(model, q).activations == "float32"
+    assert Engine(model, q).activations == "bfloat16"
     with pytest.raises(BridgeError,
                        match="activations: expected float32, int8 or bfloat16, got 'int4'"):
         with using_activations("int4"):

@@ -12,7 +12,7 @@ Sampling is a few pure functions of (logits, PRNG key) under a bridge.sampling.S
 temperature (0 = greedy), top-k, top-p; the torch twin implements the same rules.
 
 4-bit projections take the activations chosen for generation (bridge.int4.generation_activations:
-the environment's, a caller's using_activations, else float32): each program takes the choice as
+the environment's, a caller's using_activations, else bfloat16): each program takes the choice as
 a static argument, so it is compiled for the one it runs.
 """
 

@@ -277,7 +277,8 @@ LLAMA_CPP_TYPES = ("f32", "q8_0", "q4_0")
 # The 4-bit row reads the Q4_0 file's blocks (load(int4=True)), batch 1 and 8. (The torch twin's
 # 4-bit Linear dequantises every weight per call: 2.9 tokens/s on SmolLM2, 4 minutes a round, so
 # it has no row here.)
-INT4_ROWS = (f"{JAX} int4", f"{JAX} int4 q8")  # q8: 8-bit activations (bridge.int4.activations)
+# q8: 8-bit activations, bf16: bfloat16 ones (bridge.int4.activations)
+INT4_ROWS = {f"{JAX} int4": "float32", f"{JAX} int4 q8": "int8", f"{JAX} int4 bf16": "bfloat16"}
 
 
 def real_weights(spec: Spec, source: str, rounds: int, found: dict, work,
@@ -312,10 +313,9 @@ def real_weights(spec: Spec, source: str, rounds: int, found: dict, work,
     row_bytes = {}
     files = {t.upper(): convert(native, work / f"model-{t}.gguf", to="gguf", dtype=t,
                                 progress=False) for t in LLAMA_CPP_TYPES}
-    for label in INT4_ROWS:  # the 4-bit rows read the Q4_0 file's blocks as they are
+    for label, kind in INT4_ROWS.items():  # the Q4_0 file's blocks as they are
         variants[label] = (label.split(" ")[0], dataclasses.replace(
-            spec, quantize="int4", weights=str(files["Q4_0"]),
-            activations="int8" if label.endswith("q8") else "float32"))
+            spec, quantize="int4", weights=str(files["Q4_0"]), activations=kind))
         row_bytes[label] = int4_bytes_per_token(config, minima=False)  # Q4_0: none held
     if found.get("llama_cpp"):
         say(f"warning: no llama.cpp rows: {found['llama_cpp']}")
@@ -352,7 +352,8 @@ AGAINST_LLAMA_CPP = ((JAX, f"{LLAMA_CPP} F32", 1.0), (JAX_XLA, f"{LLAMA_CPP} F32
                      (f"{JAX} int8", f"{LLAMA_CPP} Q8_0", 1.2),
                      (JAX_INT8_XLA, f"{LLAMA_CPP} Q8_0", 1.2),
                      (f"{JAX} int4", f"{LLAMA_CPP} Q4_0", 1.0),
-                     (f"{JAX} int4 q8", f"{LLAMA_CPP} Q4_0", 1.0), (STREAMED, JAX, 0.9))
+                     (f"{JAX} int4 q8", f"{LLAMA_CPP} Q4_0", 1.0),
+                     (f"{JAX} int4 bf16", f"{LLAMA_CPP} Q4_0", 1.0), (STREAMED, JAX, 0.9))
 
 
 def round_rates(row: dict, rounds: int, new_tokens: int) -> list[float]:
