@@ -85,14 +85,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results/kernels/attention")
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
-    for s in shapes:
-        if s not in SHAPES:
-            print(f"error: --shapes: unknown shape {s!r} (one of {', '.join(SHAPES)})",
-                  file=sys.stderr)
-            return 2
-    from llama_twins.bench.common import not_a_checkout
+    from llama_twins.bench.common import not_a_checkout, unknown_choice
     from llama_twins.results import commit, write
-    if refused := not_a_checkout(args.incumbent):
+    if refused := unknown_choice("--shapes", shapes, SHAPES) or not_a_checkout(args.incumbent):
         print(refused, file=sys.stderr)
         return 2
     incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None

@@ -147,19 +147,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
     acts = args.activations.split(",")
-    for s in shapes:
-        if s not in SHAPES:
-            print(f"error: --shapes: unknown shape {s!r} (one of {', '.join(SHAPES)})",
-                  file=sys.stderr)
-            return 2
-    for a in acts:
-        if a not in ACTIVATIONS:
-            print(f"error: --activations: expected one of {', '.join(ACTIVATIONS)}, got {a!r}",
-                  file=sys.stderr)
-            return 2
-    from llama_twins.bench.common import not_a_checkout
+    from llama_twins.bench.common import not_a_checkout, unknown_choice
     from llama_twins.results import commit, write
-    if refused := not_a_checkout(args.incumbent):
+    if refused := (unknown_choice("--shapes", shapes, SHAPES)
+                   or unknown_choice("--activations", acts, ACTIVATIONS)
+                   or not_a_checkout(args.incumbent)):
         print(refused, file=sys.stderr)
         return 2
     incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None

@@ -166,6 +166,15 @@ def run_json(command: list[str]) -> tuple[dict, float]:
     return json.loads(done.stdout[done.stdout.index("{"):]), seconds
 
 
+def unknown_choice(flag: str, given: list[str], allowed) -> str | None:
+    """The error line for the first of `given` (a comma-separated flag's values) not among
+    `allowed`, else None."""
+    for value in given:
+        if value not in allowed:
+            return f"error: {flag}: {value!r}: expected one of {', '.join(allowed)}"
+    return None
+
+
 def not_a_checkout(path: str | None, package: str = "jax_llama") -> str | None:
     """The error line for an --incumbent `path` that is not a checkout of this project (no
     `package` in it), else None."""

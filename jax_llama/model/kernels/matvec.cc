@@ -825,10 +825,17 @@ inline Vec Nibbles4(const uint8_t* p) {
 // a fixed tree), the weights expanded as they are read.
 template <int M, int R, typename S = float>
 void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0);
+#if defined(__AVX512BF16__)
+template <int M, int R, typename S = float>
+void Dots4Bf16(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0);
+#endif
 
 template <int M, int R>
 inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
   if (j.q8) return Dots4Q8<M, R>(j, p, o, m0);
+#if defined(__AVX512BF16__)
+  if (j.bf16) return Dots4Bf16<M, R>(j, p, o, m0);
+#endif
   const int64_t I = j.I, J = I / 2, G = I / kGroup4;
   const float* x = j.x + m0 * I;
   Vec acc[R][M];
@@ -1050,15 +1057,27 @@ inline __m128 Load2Scales(const uint16_t* p) {
 
 // S: the scales' and minima's dtype as they lie in memory (float, or uint16_t for float16: read
 // at 2 bytes each and converted in registers, exactly).
+// A part's scales and minima as Dots4Q8 and Dots4Bf16 read them in place (S: float, or float16's
+// bits), and the minima's factor: -8 where a symmetric part holds none (m = -8 d, read from the
+// scales again), else 1.
+template <typename S>
+struct ScalesOf {
+  const S* d;
+  const S* m;
+  float factor;
+  explicit ScalesOf(const Rows4Part& p) {
+    if constexpr (std::is_same_v<S, float>) d = p.d, m = p.m;
+    else d = p.dh, m = p.mh;
+    factor = p.symmetric ? -8.0f : 1.0f;
+    if (p.symmetric) m = d;
+  }
+};
+
 template <int M, int R, typename S>
 void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
-  const S* D;
-  const S* Mn;
-  if constexpr (std::is_same_v<S, float>) D = p.d, Mn = p.m;
-  else D = p.dh, Mn = p.mh;
-  // symmetric: the minima are -8 times the scales (exact), read from the scales again
-  const float mf = p.symmetric ? -8.0f : 1.0f;
-  if (p.symmetric) Mn = D;
+  const ScalesOf<S> scales(p);
+  const S *D = scales.d, *Mn = scales.m;
+  const float mf = scales.factor;
   const int64_t I = j.I, J = I / 2, G = I / kGroup4, bytes = Q8Bytes(I);
   const int64_t lanes = Q8Lanes(I), mins = Q8Mins(I);
   Vec acc[R][M], low[R][M];
@@ -1194,12 +1213,9 @@ void SplitBf16(const float* x, int64_t M, int64_t I, uint16_t* xb, float* sx) {
 // SmolLM2's 0.91x, both within this machine's spread; left as one chain.
 template <int M, int R, typename S>
 void Dots4Bf16(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
-  const S* D;
-  const S* Mn;
-  if constexpr (std::is_same_v<S, float>) D = p.d, Mn = p.m;
-  else D = p.dh, Mn = p.mh;
-  const float mf = p.symmetric ? -8.0f : 1.0f;  // symmetric: m = -8 d, from the scales again
-  if (p.symmetric) Mn = D;
+  const ScalesOf<S> scales(p);
+  const S *D = scales.d, *Mn = scales.m;
+  const float mf = scales.factor;
   const int64_t I = j.I, J = I / 2, G = I / kGroup4, words = Bf16Words(I), sums = Bf16Sums(I);
   Vec acc[R][M], low[R][M];
   for (int r = 0; r < R; ++r)
@@ -1294,33 +1310,9 @@ void Dots4Chunks(const Rows4Job& j, const Rows4Part& p, int64_t o) {
   }
 }
 
-#if defined(__AVX512BF16__)
-// Dots4Chunks with bfloat16 x', a row of W at a time
-template <typename S>
-void Bf16Chunks(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t o1) {
-  for (; o < o1; ++o)
-    for (int64_t m0 = 0; m0 < j.M; m0 += 8) {
-      switch (std::min<int64_t>(8, j.M - m0)) {
-        case 1: Dots4Bf16<1, 1, S>(j, p, o, m0); break;
-        case 2: Dots4Bf16<2, 1, S>(j, p, o, m0); break;
-        case 3: Dots4Bf16<3, 1, S>(j, p, o, m0); break;
-        case 4: Dots4Bf16<4, 1, S>(j, p, o, m0); break;
-        case 5: Dots4Bf16<5, 1, S>(j, p, o, m0); break;
-        case 6: Dots4Bf16<6, 1, S>(j, p, o, m0); break;
-        case 7: Dots4Bf16<7, 1, S>(j, p, o, m0); break;
-        default: Dots4Bf16<8, 1, S>(j, p, o, m0); break;
-      }
-    }
-}
-#endif
-
 void Rows4UnitChunks(const Rows4Job& j, const Rows4Part& part, int64_t u) {
   constexpr int R = RowsAtOnce(8);
   int64_t o = u * part.unit_rows, o1 = std::min(part.O, o + part.unit_rows);
-#if defined(__AVX512BF16__)
-  if (j.bf16)
-    return part.dh != nullptr ? Bf16Chunks<uint16_t>(j, part, o, o1) : Bf16Chunks<float>(j, part, o, o1);
-#endif
   const Rows4Part p = Float32Scales(part, j.I, o, o1);
   for (; o + R <= o1; o += R) Dots4Chunks<R>(j, p, o);
   for (; o < o1; ++o) Dots4Chunks<1>(j, p, o);
