@@ -229,7 +229,7 @@ inline void Strip(const float* x, int64_t I, const W* w, int64_t O, int64_t i0, 
 // block's first row, then fma(x[m, i], w[i, o], acc[m, o]) for each row in order: the strips'
 // sums in the strips' order, so the same bits. The R rows are read whole, side by side (R
 // streams through one contiguous stretch of W) while the next R rows are asked for.
-template <int M, int R, typename W>
+template <int M, int R, bool Ahead, typename W>
 inline void RowsPass(const float* x, int64_t I, const W* w, int64_t O, int64_t i0, int64_t i,
                      int64_t o0, int64_t o1, float* acc) {
   Vec xv[R][M];
@@ -241,7 +241,7 @@ inline void RowsPass(const float* x, int64_t I, const W* w, int64_t O, int64_t i
   for (int64_t o = o0; o + kLanes <= o1; o += kLanes) {
     // the next R rows, at R times the pace these are read: all of them by the pass's end
     const int64_t ahead = (o - o0) * R * int64_t{sizeof(W)};
-    if ((ahead & (kCacheLine - 1)) < R * kLanes * int64_t{sizeof(W)})
+    if (Ahead && (ahead & (kCacheLine - 1)) < R * kLanes * int64_t{sizeof(W)})
       for (int64_t b = 0; b < R * kLanes * int64_t{sizeof(W)}; b += kCacheLine)
         __builtin_prefetch(next + ahead + b);
     Vec a[M];
@@ -266,7 +266,16 @@ inline void RowsPass(const float* x, int64_t I, const W* w, int64_t O, int64_t i
 // more, Strip's sums in registers are faster. SmolLM2's float32 decode (2-core AMD EPYC Zen 4,
 // alternating processes): batch 1 41-44 tokens/s against 33-34 in strips, batch 2 76-83 against
 // 66-72; with RowsPass at batch 8 it fell from 187 to 142-159 (int8 from 341-360 to 183-192).
-constexpr int PassRows(int M) { return M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1; }
+template <typename W>
+constexpr bool WideFloatPass(int M) {
+  return M == 1 && std::is_same_v<W, float> && kRegisters == 32;
+}
+template <typename W>
+constexpr int PassRows(int M) {
+  return WideFloatPass<W>(M) ? 16 : M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+}
+template <typename W>
+constexpr bool PassAhead(int M) { return !WideFloatPass<W>(M); }
 constexpr int kPassMaxRows = 2;
 
 template <int M, typename W>
@@ -277,10 +286,12 @@ void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
   float* acc = p.partial + b * j.M * p.O;
   const int64_t vectors_end = o0 + (o1 - o0) / kLanes * kLanes;
   if constexpr (M <= kPassMaxRows) {
-    constexpr int R = PassRows(M);
+    constexpr int R = PassRows<W>(M);
+    constexpr bool ahead = PassAhead<W>(M);
     int64_t i = i0;
-    for (; i + R <= i1; i += R) RowsPass<M, R>(j.x, j.I, p.w, p.O, i0, i, o0, vectors_end, acc);
-    for (; i < i1; ++i) RowsPass<M, 1>(j.x, j.I, p.w, p.O, i0, i, o0, vectors_end, acc);
+    for (; i + R <= i1; i += R)
+      RowsPass<M, R, ahead>(j.x, j.I, p.w, p.O, i0, i, o0, vectors_end, acc);
+    for (; i < i1; ++i) RowsPass<M, 1, ahead>(j.x, j.I, p.w, p.O, i0, i, o0, vectors_end, acc);
   } else {
     constexpr int NV = StripVectors(M);
     int64_t o = o0;
@@ -916,6 +927,26 @@ inline float RoundBf16(float v) {
   return v;
 }
 
+// RoundBf16 of n floats at x, into out (AVX-512: 16 at a time, the same integer steps)
+void RoundBf16s(const float* x, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), infinity = _mm512_set1_epi32(0x7F800000);
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i quiet = _mm512_set1_epi32(0x00400000), top = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (; i + 16 <= n; i += 16) {
+    const __m512i u = _mm512_loadu_si512(x + i);
+    const __mmask16 nan =
+        _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, magnitude), infinity);
+    __m512i r = _mm512_add_epi32(
+        u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    r = _mm512_mask_or_epi32(r, nan, u, quiet);
+    _mm512_storeu_si512(out + i, _mm512_and_si512(r, top));
+  }
+#endif
+  for (; i < n; ++i) out[i] = RoundBf16(x[i]);
+}
+
 // x' as the AVX512_BF16 kernel reads it: per block of 4 groups (128 inputs), 4 vectors of 32
 // bfloat16 words, word k of vector t being 16 x'[4 k + t] (the padding zero); and each group's
 // sum of x', padded with zeros to a whole vector of groups
@@ -1183,19 +1214,50 @@ inline Vec LoadScalesN(const uint16_t* p, int n) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
 }
 
-// x' (M, I) -> xb and sx (Bf16Words, Bf16Sums)
+// x' (M, I) -> xb and sx (Bf16Words, Bf16Sums), a block of 4 groups (128 inputs) at a time: its
+// 8 vectors of 16 x' times 16 (exact: x' is a bfloat16, 16 a power of 2), whose top halves are
+// the bfloat16 words; gathered in input order (32 a vector), then every fourth into vector t.
+// A group's sum of x' is its two vectors added, then a fixed tree (HorizontalSum).
 void SplitBf16(const float* x, int64_t M, int64_t I, uint16_t* xb, float* sx) {
   const int64_t G = I / kGroup4, words = Bf16Words(I), sums = Bf16Sums(I);
-  std::fill(xb, xb + M * words, uint16_t{0});
   std::fill(sx, sx + M * sums, 0.0f);
+  __m512i tops, fourth_low[4], fourth_high[4];  // word indices for _mm512_permutex2var_epi16
+  {
+    alignas(64) uint16_t a[32], lo[4][32], hi[4][32];
+    for (int k = 0; k < 32; ++k) {
+      a[k] = uint16_t(2 * k + 1);  // the top half of float k of the two vectors
+      for (int t = 0; t < 4; ++t) {
+        // word k of vector t is input 4 k + t: in the first pair's 64 words for k < 16, as
+        // word 4 k + t; in the second pair's for k >= 16, as word 4 (k - 16) + t
+        lo[t][k] = uint16_t(k < 16 ? 4 * k + t : 0);
+        hi[t][k] = uint16_t(k >= 16 ? 4 * (k - 16) + t : 0);
+      }
+    }
+    tops = _mm512_load_si512(a);
+    for (int t = 0; t < 4; ++t)
+      fourth_low[t] = _mm512_load_si512(lo[t]), fourth_high[t] = _mm512_load_si512(hi[t]);
+  }
+  const Vec sixteen = Splat(16.0f);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < I; ++i) {
-      const float v = 16.0f * x[m * I + i];  // exact: x' is a bfloat16, 16 a power of 2
-      uint32_t u;
-      std::memcpy(&u, &v, sizeof(u));
-      const int64_t block = i / 128, k = i % 128 / 4, t = i % 4;
-      xb[m * words + block * 128 + t * 32 + k] = uint16_t(u >> 16);
-      sx[m * sums + i / kGroup4] += x[m * I + i];  // in input order
+    for (int64_t g = 0; g < G; g += 4) {
+      const int n = static_cast<int>(std::min<int64_t>(4, G - g));  // the rest: zero
+      __m512i ordered[4];  // the block's words in input order, 32 a vector (a group's)
+      for (int k = 0; k < 4; ++k) {
+        Vec a = Splat(0.0f), b = Splat(0.0f);
+        if (k < n) {
+          const float* xg = x + m * I + (g + k) * kGroup4;
+          a = Load(xg), b = Load(xg + kLanes);
+          sx[m * sums + g + k] = HorizontalSum(Add(a, b));
+        }
+        ordered[k] = _mm512_permutex2var_epi16(_mm512_castps_si512(Mul(a, sixteen)), tops,
+                                               _mm512_castps_si512(Mul(b, sixteen)));
+      }
+      uint16_t* out = xb + m * words + g / 4 * 128;
+      for (int t = 0; t < 4; ++t) {
+        const __m512i low = _mm512_permutex2var_epi16(ordered[0], fourth_low[t], ordered[1]);
+        const __m512i high = _mm512_permutex2var_epi16(ordered[2], fourth_high[t], ordered[3]);
+        _mm512_storeu_si512(out + t * 32, _mm512_mask_blend_epi16(0xFFFF0000u, low, high));
+      }
     }
 }
 
@@ -1366,7 +1428,7 @@ ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::Remai
   if (activations == Activations::kBfloat16) {
     const int64_t n = job->M * job->I;
     if (rounded.size() < size_t(n)) rounded.resize(n);
-    for (int64_t i = 0; i < n; ++i) rounded[i] = RoundBf16(job->x[i]);
+    RoundBf16s(job->x, n, rounded.data());
     job->x = rounded.data();
 #if defined(__AVX512BF16__)
     thread_local std::vector<uint16_t> xb;
