@@ -80,11 +80,28 @@ def last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()
 
 
+def build_features() -> str:
+    """What the installed llama.cpp was built for, as it says itself (llama_print_system_info:
+    'CPU : SSE3 = 1 | ... | AVX512_BF16 = 1 | AMX_INT8 = 1 | ... | REPACK = 1 |')."""
+    import llama_cpp
+    return llama_cpp.llama_print_system_info().decode().strip()
+
+
+def repacks_safely() -> bool:
+    """Whether llama.cpp may repack its weights for this CPU (its extra buffer types): not where
+    it was built with AMX, whose repacked matmul (ggml_backend_amx_mul_mat) segfaults in
+    llama-cpp-python 0.3.36 on a Sapphire Rapids VM in the first decode of LLaMA 3 8B's Q4_0
+    layout. Built without AMX (CMAKE_ARGS with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 in its C
+    and C++ flags: docs/explanation/performance.md), it repacks Q4_0 for AVX-512 as on any other
+    CPU."""
+    return "AMX_INT8 = 1" not in build_features()
+
+
 @contextlib.contextmanager
 def plain_cpu_kernels():
     """Load without llama.cpp's extra buffer types (weight repacking): in llama-cpp-python 0.3.36
-    the AMX repack segfaults on Sapphire Rapids CPUs in the first decode; the plain CPU kernels
-    compute the same products."""
+    the AMX repack segfaults on Sapphire Rapids CPUs in the first decode (repacks_safely); the
+    plain CPU kernels compute the same products."""
     low = sys.modules["llama_cpp.llama_cpp"]
     defaults = low.llama_model_default_params
 

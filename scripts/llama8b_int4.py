@@ -172,13 +172,20 @@ def decode_jax(mode: str, path: str, new: int) -> dict:
 
 
 def decode_llama_cpp(path: str, new: int) -> dict:
+    """llama.cpp on the same file, its weights repacked for this CPU unless it was built with
+    AMX (whose repacked matmul crashes on this file: llama_cpp_reference.repacks_safely)."""
+    import contextlib
+
     import llama_cpp
 
-    from llama_twins.llama_cpp_reference import last_logits
+    from llama_twins.llama_cpp_reference import (build_features, last_logits, plain_cpu_kernels,
+                                                 repacks_safely)
 
+    repacks = repacks_safely()
     start = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=CACHE, n_batch=512, verbose=False,
-                          n_threads=len(os.sched_getaffinity(0)))
+    with contextlib.nullcontext() if repacks else plain_cpu_kernels():
+        llm = llama_cpp.Llama(model_path=path, n_ctx=CACHE, n_batch=512, verbose=False,
+                              n_threads=len(os.sched_getaffinity(0)))
     loaded = time.perf_counter() - start
 
     def run(n):
@@ -196,7 +203,7 @@ def decode_llama_cpp(path: str, new: int) -> dict:
     full, ids = run(new)
     return {"load_s": loaded, "first_token_s": first,
             "decode_tokens_per_s": (new - 1) / (full - first), "tokens": ids,
-            "peak_rss": peak_rss()}
+            "peak_rss": peak_rss(), "build": build_features(), "repacked": repacks}
 
 
 def qlora_step(path: str, seq: int) -> dict:
@@ -321,6 +328,12 @@ def markdown(r: dict, cpu: str, memory: int) -> list[str]:
                   f"(target 0.9x: {'met' if ratio >= 0.9 else 'not met'}); greedy tokens "
                   f"{'the same' if same else 'differ'} ({x['tokens'][:8]} ... against "
                   f"{lcpp['tokens'][:8]} ...)."]
+    lcpp = r.get("llama.cpp")
+    if isinstance(lcpp, dict) and "build" in lcpp:
+        lines += ["", f"llama.cpp as built: `{lcpp['build']}`; "
+                  + ("its weights repacked for this CPU." if lcpp["repacked"] else
+                     "without repacking its weights (built with AMX, whose repacked matmul "
+                     "crashes on this file).")]
     if isinstance(q, dict):
         lines += ["", f"QLoRA: rank 16 on all seven projections ({q['adapter_params']:,} "
                   f"parameters), AdamW, batch 1 x {r['seq']}, layers rematerialised: a step in "

@@ -281,6 +281,24 @@ def test_decode_rows_of_batch_1_only_and_the_ratios_against_llama_cpp():
                                f"0.9x: not met")
 
 
+def test_llama_cpp_repacks_its_weights_unless_built_with_amx(monkeypatch):
+    """The llama.cpp rows repack their weights (llama.cpp's full speed) unless the build says
+    AMX_INT8 = 1, whose repacked matmul crashes; the decode table says which ran, with the
+    build's own features line."""
+    from llama_twins import llama_cpp_reference as ref
+    from llama_twins.bench.decode import llama_cpp_line
+
+    plain = "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_BF16 = 1 | OPENMP = 1 | REPACK = 1 |"
+    amx = "CPU : SSE3 = 1 | AVX512 = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | REPACK = 1 |"
+    for features, repacks in ((plain, True), (amx, False)):
+        monkeypatch.setattr(ref, "build_features", lambda f=features: f)
+        assert ref.repacks_safely() is repacks
+        line = llama_cpp_line({"llama_cpp_build": features, "llama_cpp_repacks": repacks})
+        assert f"`{features}`" in line
+        assert ("its weights repacked" in line) is repacks
+        assert ("without repacking" in line) is not repacks
+
+
 def test_gguf_file_type_as_llama_cpp_names_it(smollm2):
     from llama_twins.bench.decode import gguf_file_type
     assert gguf_file_type(smollm2) == "Q4_1"

@@ -91,16 +91,17 @@ def twin_runner(spec: Spec):
 def llama_cpp_runner(spec: Spec):
     """llama-cpp-python on spec.gguf, batch 1: the prompt evaluated, then one token at a time
     through its KV cache, each the argmax of its logits (as the greedy loop of every other row).
-    All cores; where the CPU has AMX, without llama.cpp's weight repacking (it crashes there:
-    llama_twins.llama_cpp_reference.plain_cpu_kernels)."""
+    All cores; where llama.cpp was built with AMX, without its weight repacking (it crashes
+    there: llama_twins.llama_cpp_reference.repacks_safely)."""
     import contextlib
 
     import numpy as np
 
     import llama_cpp
-    from llama_twins.llama_cpp_reference import _quiet, last_logits, plain_cpu_kernels
+    from llama_twins.llama_cpp_reference import (_quiet, last_logits, plain_cpu_kernels,
+                                                 repacks_safely)
 
-    kernels = plain_cpu_kernels() if has_amx() else contextlib.nullcontext()
+    kernels = contextlib.nullcontext() if repacks_safely() else plain_cpu_kernels()
     with kernels, _quiet():
         llm = llama_cpp.Llama(model_path=spec.gguf, n_ctx=spec.prompt_len + spec.new_tokens,
                               n_batch=spec.prompt_len + spec.new_tokens, verbose=False,
@@ -117,13 +118,6 @@ def llama_cpp_runner(spec: Spec):
                 llm.eval([out[-1]])
         return out
     return run, lambda: None
-
-
-def has_amx() -> bool:
-    try:
-        return "amx_tile" in open("/proc/cpuinfo", encoding="utf-8").read()
-    except OSError:
-        return False
 
 
 def transformers_runner(spec: Spec):
@@ -464,6 +458,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def llama_cpp_line(found: dict) -> str:
+    """What the llama.cpp rows ran: the build's own features line, and whether its weights were
+    repacked for this CPU (not where it was built with AMX: llama_cpp_reference.repacks_safely)."""
+    how = ("its weights repacked for this CPU (its extra buffer types)" if found["llama_cpp_repacks"]
+           else "without repacking its weights (built with AMX, whose repacked matmul crashes: "
+                "rebuild it without AMX for llama.cpp's full speed, see the performance page)")
+    return f"llama.cpp as built: `{found['llama_cpp_build']}`; {how}."
+
+
 def main_weights(args, spec: Spec, found: dict, bandwidth: float) -> int:
     import tempfile
 
@@ -480,6 +483,8 @@ def main_weights(args, spec: Spec, found: dict, bandwidth: float) -> int:
              f"Reproduce: `python -m llama_twins.bench.decode --weights {args.weights} --rounds "
              f"{args.rounds} --repeats {args.repeats}{' --cold-start' if cold else ''}{rows}`", "",
              *markdown(result, spec.dtype), "", *against_llama_cpp(result, args.rounds)]
+    if found.get("llama_cpp_build") and any(r.startswith(LLAMA_CPP) for r in result.get("rows", {})):
+        lines += ["", llama_cpp_line(found)]
     if cold:
         lines += ["", *cold_start_lines(cold)]
     write_results("generate_weights", lines, {"bandwidth": bandwidth, "cpu": cpu_model(),

@@ -58,8 +58,10 @@ def probe() -> dict:
         info.update(torchao=version("torchao"))
     except PackageNotFoundError:
         info.update(torchao=None)
-    from llama_twins.llama_cpp_reference import unavailable
+    from llama_twins.llama_cpp_reference import build_features, repacks_safely, unavailable
     info.update(llama_cpp=unavailable())  # None where llama-cpp-python runs: the decode rows
+    if info["llama_cpp"] is None:  # what its rows ran: the build's features, repacked or not
+        info.update(llama_cpp_build=build_features(), llama_cpp_repacks=repacks_safely())
     return info
 
 
