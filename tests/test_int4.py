@@ -148,6 +148,47 @@ def test_4_bit_params_are_saved_and_read_back_bit_for_bit_by_both_twins(tmp_path
     assert np.abs(ours - torch_logits(tmodel, tokens)).max() <= 1e-5 * max(1, np.abs(ours).max())
 
 
+def test_q4_0s_minima_are_held_by_neither_twin_and_saved_as_minus_8_scale(tmp_path):
+    """4-bit weights whose minima are all -8 times their scales (llama.cpp's Q4_0) load without
+    them in both twins (0.5625 bytes a weight), compute what they compute with them held (bit for
+    bit in torch), and are saved with them (-8 scale) by both: the same file, tensor by tensor.
+    Negative case: one minimum off -8 scale, and the weight's minima are held again."""
+    import torch
+
+    import torch_llama
+    from bridge.formats import open_checkpoint
+    from conftest import torch_logits
+
+    config = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96)
+    model, params = jax_llama.init(config, seed=3)
+    q = jax_llama.quantize(params, method="int4")
+    for _, node in modules(q):
+        if "min" in node:
+            node["min"] = node["scale"] * np.float16(-8)
+    q["layers_1"]["attention"]["wo"]["min"] = q["layers_1"]["attention"]["wo"]["min"].at[0, 0].add(1)
+    jax_llama.save(tmp_path / "jax", config, q)
+    _, jq = jax_llama.load(tmp_path / "jax")
+    tmodel = torch_llama.load(tmp_path / "jax", device="cpu")
+    assert set(jq["layers_0"]["attention"]["wq"]) == {"kernel", "scale"}
+    assert not hasattr(tmodel.layers[0].attention.wq, "weight_min")
+    assert "min" in jq["layers_1"]["attention"]["wo"]  # the negative case
+    assert tmodel.layers[1].attention.wo.weight_min.dtype == torch.float16
+    tokens = random_tokens(config, 2, 9)
+    logits = torch_logits(tmodel, tokens)
+    held = torch_llama.load(tmp_path / "jax", device="cpu")
+    for module in held.modules():
+        if isinstance(module, torch_llama.projections.Linear) and not hasattr(module, "weight_min"):
+            module.register_buffer("weight_min", module.weight_scale * -8)
+    np.testing.assert_array_equal(torch_logits(held, tokens), logits)
+    ours = np.asarray(model.apply({"params": jq}, jnp.asarray(tokens)))
+    assert np.abs(ours - logits).max() <= 1e-5 * max(1, np.abs(ours).max())
+    torch_llama.save(tmp_path / "torch", tmodel)
+    a, b = open_checkpoint(tmp_path / "jax"), open_checkpoint(tmp_path / "torch")
+    assert set(a.specs) == set(b.specs)
+    for name in a.specs:
+        np.testing.assert_array_equal(a.tensor(name), b.tensor(name))
+
+
 def test_4_bit_checkpoints_with_float32_scales_still_load_as_they_are(tmp_path):
     """4-bit checkpoints saved before 2026-12-05 hold float32 scales and minima: both twins read
     them as stored (float32, not rounded to float16) and compute what the float16 ones do (the
@@ -509,7 +550,8 @@ def test_a_quantised_gguf_loads_in_its_nearest_layout_in_both_twins(gguf_files):
     """Q4_0 projections as 4-bit weights (exactly: the dequantised file's numbers), the Q8_0 head
     and the quantised embedding as int8 rows; each re-quantised tensor's error is the RMS of its
     change over the RMS of the file's weight, said in the summary; the torch twin holds the same
-    bits and computes the same logits to float32 rounding."""
+    bits, without Q4_0's minima as the JAX twin, and computes the same logits to float32
+    rounding."""
     import torch
 
     import torch_llama
@@ -543,8 +585,10 @@ def test_a_quantised_gguf_loads_in_its_nearest_layout_in_both_twins(gguf_files):
     assert 1e-4 < np.abs(logits - np.asarray(model.apply({"params": f}, tokens))).max() < 0.1
     tmodel = torch_llama.load(ckpt, device="cpu", nearest=True)
     assert tmodel.output.weight.dtype == torch.int8 and tmodel.tok_embeddings.weight.dtype == torch.int8
-    np.testing.assert_array_equal(tmodel.layers[1].attention.wq.weight.numpy(),
-                                  np.asarray(wq["kernel"]))
+    twq = tmodel.layers[1].attention.wq
+    np.testing.assert_array_equal(twq.weight.numpy(), np.asarray(wq["kernel"]))
+    np.testing.assert_array_equal(twq.weight_scale.numpy(), np.asarray(wq["scale"]))
+    assert not hasattr(twq, "weight_min")  # Q4_0's minima are -8 d: not held here either
     np.testing.assert_allclose(torch_logits(tmodel, tokens), logits, rtol=0, atol=2e-5)
     # the error said of the head: RMS(change) / RMS(weight), against the file's float weight
     reader = nearest_reader(ckpt, ckpt.tensor, ckpt.config)

@@ -13,7 +13,7 @@ from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
-from bridge.int4 import MIN_SUFFIX, requested_reader
+from bridge.int4 import MIN_SUFFIX, minima_implied, requested_reader
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.quantize import SCALE_SUFFIX
@@ -64,17 +64,21 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
                 module.make_int8(ckpt.specs[name + ".weight" + SCALE_SUFFIX][0][1])
     read, shown = reading(ckpt.tensor, len(ckpt.specs), enabled=progress)
     four = None if make is None else make(read)
-    state = {}
+    state, implied = {}, set()
     with shown:
         for name in ckpt.specs:
-            if name in state:  # a 4-bit weight's scale and minimum, read with it
-                continue
+            if name in state or name in implied:  # a 4-bit weight's scale and minimum, read
+                continue                           # with it (its minima, where -8 d: not held)
             quantised = None if four is None else four(name)
             if quantised is None:
                 state[name] = tensor(name, read(name))
                 continue
             module = model.get_submodule(name.removesuffix(".weight"))
-            if len(quantised) == 3:
+            if len(quantised) == 3 and minima_implied(*quantised[1:]):
+                quantised = quantised[:2]  # Q4_0's form, m = -8 d: as the JAX twin holds it
+                implied.add(name + MIN_SUFFIX)
+                module.make_int4(minima=False)
+            elif len(quantised) == 3:
                 module.make_int4()
             else:
                 module.make_int8(1)
@@ -96,7 +100,12 @@ def save(path: str | os.PathLike, model: Llama, *, overwrite: bool = False,
                           "(torch_llama.merge_lora) or save the adapter alone "
                           "(torch_llama.save_adapter, i.e. bridge.lora.write_peft(path, "
                           "model.config, adapter_of(model)))", field="model")
-    state = model.state_dict()
+    own, state = model.state_dict(), {}
+    for name, t in own.items():  # 4-bit weights held without minima (Q4_0's form): written
+        state[name] = t          # with them, -8 scale (exact), as the JAX twin writes them
+        weight = name.removesuffix(SCALE_SUFFIX)
+        if name != weight and own[weight].dtype == torch.uint8 and weight + MIN_SUFFIX not in own:
+            state[weight + MIN_SUFFIX] = t * -8
     held = {torch.int8: np.dtype(np.int8), torch.uint8: np.dtype(np.uint8)}  # int8, 4-bit
     specs = {name: (tuple(t.shape), held.get(t.dtype) or
                     numpy_dtype(t.dtype, field=f"tensor '{name}'"))

@@ -99,20 +99,21 @@ class Linear(Int8Weight, nn.Linear):
             for tensor, value in zip((self.weight, self.weight_scale, self.weight_min), quantised):
                 tensor.copy_(torch.from_numpy(value))
 
-    def make_int4(self) -> None:
+    def make_int4(self, minima: bool = True) -> None:
         """Turn W into (uninitialised) 4-bit weights on W's device (meta included): what
-        quantize_int4 and a 4-bit load fill."""
+        quantize_int4 and a 4-bit load fill. minima=False: no `weight_min`, each taken as -8
+        times its scale (llama.cpp's Q4_0, as a load of one holds it: bridge.int4.minima_implied)."""
         O, I = self.weight.shape
         device = self.weight.device
         self.weight = nn.Parameter(torch.empty(O, I // 2, dtype=torch.uint8, device=device),
                                    requires_grad=False)
-        for buffer in ("weight_scale", "weight_min"):
+        for buffer in ("weight_scale", "weight_min") if minima else ("weight_scale",):
             self.register_buffer(buffer, torch.empty(O, I // GROUP, dtype=torch.float16,
                                                      device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.uint8:
-            y = int4_linear(x, self.weight, self.weight_scale, self.weight_min)
+            y = int4_linear(x, self.weight, self.weight_scale, getattr(self, "weight_min", None))
         elif self.weight.dtype == torch.int8:
             y = int8_linear(x, self.weight, self.weight_scale, self._scale_in(x.dtype))
         else:
@@ -144,10 +145,11 @@ def int8_linear(x: torch.Tensor, q_OI: torch.Tensor, scale_OG: torch.Tensor,
 
 
 def int4_linear(x: torch.Tensor, packed_OJ: torch.Tensor, scale_OG: torch.Tensor,
-                min_OG: torch.Tensor) -> torch.Tensor:
+                min_OG: torch.Tensor | None) -> torch.Tensor:
     """x W^T for 4-bit W (bridge.int4): packed (out, in / 2) uint8 and float16 scales and minima
-    (out, in / 32; float32 from checkpoints saved before them); W = q * scale + min in float32, rounded once to x's dtype, dequantised per
-    call. jax_llama.model.projections.int4_matmul's twin."""
+    (out, in / 32; float32 from checkpoints saved before them; min None: -8 scale, Q4_0's form);
+    W = q * scale + min in float32, rounded once to x's dtype, dequantised per call.
+    jax_llama.model.projections.int4_matmul's twin."""
     O, J = packed_OJ.shape
     G = scale_OG.shape[1]
     if activations() == "int8":  # x rounded to 8 bits per group, as JAX's twin does
@@ -155,8 +157,9 @@ def int4_linear(x: torch.Tensor, packed_OJ: torch.Tensor, scale_OG: torch.Tensor
     elif activations() == "bfloat16":  # x rounded to bfloat16 (to nearest, ties to even)
         x = round_to_bfloat16(x)
     q_OI = torch.stack([packed_OJ & 0xF, packed_OJ >> 4], dim=-1).view(O, 2 * J)
+    min_OG = scale_OG.float() * -8 if min_OG is None else min_OG.float()  # -8 d: exact
     w_OGi = (q_OI.view(O, G, 2 * J // G).to(torch.float32) * scale_OG[..., None].float()
-             + min_OG[..., None].float())
+             + min_OG[..., None])
     return F.linear(x, w_OGi.view(O, 2 * J).to(x.dtype))
 
 

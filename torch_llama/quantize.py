@@ -11,12 +11,15 @@ becomes a frozen int8 tensor beside a float32 `weight_scale` buffer (state_dict 
 `<name>_scale`, the native format's); the norms, an untied embedding and LoRA adapters are left
 as they are. method="int4" (bridge.int4): each Linear's weight becomes uint8 (out, in / 2)
 beside `weight_scale` and `weight_min` (out, in / 32); a tied LM head (the embedding) becomes int8
-with one scale per row, as method="int8" makes it; an untied embedding stays float.
-torch_llama.save writes it as it is (bridge.quantize's "int4" method), the same bits as JAX's.
+with one scale per row, as method="int8" makes it; an untied embedding stays float. (A load of
+4-bit weights whose minima are all -8 times their scales, llama.cpp's Q4_0, holds no `weight_min`,
+as the JAX twin holds none.) torch_llama.save writes it as it is (bridge.quantize's "int4"
+method; minima not held written as -8 scale), the same bits as JAX's.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from bridge.errors import BridgeError
@@ -65,9 +68,9 @@ def quantization_of(model: nn.Module) -> Quantization | None:
     (every Linear then 4-bit: the mixture a nearest load of a file with 6- and 8-bit tensors
     makes is refused); None for a float model."""
     weights = int8_weights(model)
-    if any(hasattr(m, "weight_min") for _, m in weights):
+    if any(m.weight.dtype == torch.uint8 for _, m in weights):
         mixed = [name for name, m in weights if isinstance(m, Linear) and
-                 not hasattr(m, "weight_min")]
+                 m.weight.dtype != torch.uint8]
         if mixed:
             raise mixture_refused(mixed[0], field="model")
         return Quantization("int4")
