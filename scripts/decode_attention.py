@@ -52,6 +52,7 @@ def measure(tree: str | None, shape: str) -> float:
 
 
 def render(r: dict) -> list[str]:
+    from llama_twins.bench.common import speed_up
     cpu = (r.get("cpu") or {}).get("model_name") or "CPU unrecorded"
     lines = ["# A decode step's attention over a long KV cache, in the decode kernel", "",
              f"{cpu}; batch 1; one call a layer, each query depending on the last output; median "
@@ -70,9 +71,8 @@ def render(r: dict) -> list[str]:
         line = (f"| {row['shape']} | {L} | {K} x {G} | {H} | {T} | {filled} | "
                 f"{statistics.median(row['rounds_s']) * 1e3:.3f} |")
         if r["incumbent"]:
-            ratios = sorted(a / b for a, b in zip(row["incumbent_s"], row["rounds_s"]))
             line += (f" {statistics.median(row['incumbent_s']) * 1e3:.3f} | "
-                     f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}x) |")
+                     f"{speed_up(row['incumbent_s'], row['rounds_s'])} |")
         lines.append(line)
     return lines
 

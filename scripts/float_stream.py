@@ -73,6 +73,7 @@ def measure(tree: str | None, weights: str, batch: int, args) -> dict:
 
 
 def render(r: dict) -> list[str]:
+    from llama_twins.bench.common import speed_up
     cpu = (r.get("cpu") or {}).get("model_name") or "CPU unrecorded"
     lines = ["# The float32 and int8 decode kernels streaming SmolLM2's projections and head", "",
              f"{cpu}; a pass is one decode step's projection calls over {LAYERS} layers and the "
@@ -92,9 +93,8 @@ def render(r: dict) -> list[str]:
         line = (f"| {row['weights']} | {row['batch']} | {row['pass_s'] * 1e3:.2f} | "
                 f"{row['bytes'] / row['pass_s'] / 1e9:.1f} |")
         if r["incumbent"]:
-            ratios = sorted(a / b for a, b in zip(row["incumbent_s"], row["rounds_s"]))
             line += (f" {statistics.median(row['incumbent_s']) * 1e3:.2f} | "
-                     f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}x) |")
+                     f"{speed_up(row['incumbent_s'], row['rounds_s'])} |")
         lines.append(line)
     lines += ["", "Passes by round (ms): " + "; ".join(
         f"{row['weights']} batch {row['batch']} "
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results/kernels")
     args = parser.parse_args(argv)
     kinds = args.weights.split(",")
-    from llama_twins.bench.common import not_a_checkout, unknown_choice
+    from llama_twins.bench.common import against_incumbent, not_a_checkout, unknown_choice
     from llama_twins.results import commit, write
     batches = args.batch.split(",")
     if refused := (unknown_choice("--weights", kinds, WEIGHTS)
@@ -124,26 +124,20 @@ def main(argv=None) -> int:
         print(refused, file=sys.stderr)
         return 2
     incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None
-    runs: dict = {}
-    for k in range(args.rounds):
-        for kind in kinds:
-            for batch in map(int, batches):
-                for tree in ([None, incumbent] if incumbent else [None]):
-                    got = measure(tree, kind, batch, args)
-                    runs.setdefault((kind, batch, tree), []).append(got)
-                    print(f"round {k + 1}: {kind} batch {batch} "
-                          f"{'incumbent' if tree else 'this'}: {got['pass_s'] * 1e3:.2f} ms",
-                          file=sys.stderr, flush=True)
+    keys = [(kind, batch) for kind in kinds for batch in map(int, batches)]
+    runs = against_incumbent(
+        keys, incumbent, args.rounds, lambda tree, key: measure(tree, *key, args),
+        lambda key, tree, got: f"{key[0]} batch {key[1]} {'incumbent' if tree else 'this'}: "
+                               f"{got['pass_s'] * 1e3:.2f} ms")
     rows = []
-    for kind in kinds:
-        for batch in map(int, batches):
-            done = runs[(kind, batch, None)]
-            row = {"weights": kind, "batch": batch, "bytes": done[0]["bytes"],
-                   "pass_s": statistics.median(x["pass_s"] for x in done),
-                   "rounds_s": [x["pass_s"] for x in done]}
-            if incumbent:
-                row["incumbent_s"] = [x["pass_s"] for x in runs[(kind, batch, incumbent)]]
-            rows.append(row)
+    for kind, batch in keys:
+        done = runs[((kind, batch), None)]
+        row = {"weights": kind, "batch": batch, "bytes": done[0]["bytes"],
+               "pass_s": statistics.median(x["pass_s"] for x in done),
+               "rounds_s": [x["pass_s"] for x in done]}
+        if incumbent:
+            row["incumbent_s"] = [x["pass_s"] for x in runs[((kind, batch), incumbent)]]
+        rows.append(row)
     data = {"rows": rows, "rounds": args.rounds, "repeats": args.repeats, "chain": args.chain,
             "incumbent": args.incumbent,
             "incumbent_commit": commit(incumbent) if incumbent else None,

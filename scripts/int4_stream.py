@@ -88,6 +88,7 @@ def measure(tree: str | None, shape: str, activations: str, args) -> dict:
 
 
 def render(r: dict) -> list[str]:
+    from llama_twins.bench.common import speed_up
     cpu = (r.get("cpu") or {}).get("model_name") or "CPU unrecorded"
     lines = ["# The 4-bit decode kernel streaming a model's projections", "",
              f"{cpu}; batch 1; a pass is one decode step's 4-bit calls over the layers timed,"
@@ -116,9 +117,8 @@ def render(r: dict) -> list[str]:
                 f"{row['pass_s'] * 1e3:.2f} | {row['gb_s']:.1f} |")
         if r["incumbent"]:
             inc = row["incumbent"]
-            ratios = sorted(a / b for a, b in zip(inc["rounds_s"], row["rounds_s"]))
             line += (f" {inc['pass_s'] * 1e3:.2f} | {inc['gb_s']:.1f} | "
-                     f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}x) |")
+                     f"{speed_up(inc['rounds_s'], row['rounds_s'])} |")
         lines.append(line)
     lines += ["", "Each row's passes by round (ms): " + "; ".join(
         f"{row['shape']} {row['activations']} "
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     shapes = args.shapes.split(",")
     acts = args.activations.split(",")
-    from llama_twins.bench.common import not_a_checkout, unknown_choice
+    from llama_twins.bench.common import against_incumbent, not_a_checkout, unknown_choice
     from llama_twins.results import commit, write
     if refused := (unknown_choice("--shapes", shapes, SHAPES)
                    or unknown_choice("--activations", acts, ACTIVATIONS)
@@ -156,16 +156,11 @@ def main(argv=None) -> int:
         return 2
     incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None
 
-    runs: dict = {}
-    for k in range(args.rounds):
-        for shape in shapes:
-            for a in acts:
-                for tree in ([None, incumbent] if incumbent else [None]):
-                    got = measure(tree, shape, a, args)
-                    runs.setdefault((shape, a, tree), []).append(got)
-                    print(f"round {k + 1}: {shape} {a} {'incumbent' if tree else 'this'}: "
-                          f"{got['pass_s'] * 1e3:.2f} ms, {got['gb_s']:.1f} GB/s",
-                          file=sys.stderr, flush=True)
+    runs = against_incumbent(
+        [(shape, a) for shape in shapes for a in acts], incumbent, args.rounds,
+        lambda tree, key: measure(tree, *key, args),
+        lambda key, tree, got: f"{key[0]} {key[1]} {'incumbent' if tree else 'this'}: "
+                               f"{got['pass_s'] * 1e3:.2f} ms, {got['gb_s']:.1f} GB/s")
 
     def summary(done: list[dict]) -> dict:
         t = statistics.median(x["pass_s"] for x in done)
@@ -176,9 +171,9 @@ def main(argv=None) -> int:
     for shape in shapes:
         for a in acts:
             row = {"shape": shape, "layers": SHAPES[shape][3], "activations": a,
-                   **summary(runs[(shape, a, None)])}
+                   **summary(runs[((shape, a), None)])}
             if incumbent:
-                row["incumbent"] = summary(runs[(shape, a, incumbent)])
+                row["incumbent"] = summary(runs[((shape, a), incumbent)])
             rows.append(row)
     data = {"rows": rows, "rounds": args.rounds, "repeats": args.repeats, "chain": args.chain,
             "incumbent": args.incumbent, "scales": args.scales,

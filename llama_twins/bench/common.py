@@ -200,6 +200,28 @@ def run_in_tree(code: str, args: list[str], tree: str | None = None, env: dict |
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def against_incumbent(keys: list, incumbent: str | None, rounds: int, measure, describe
+                      ) -> dict:
+    """{(key, tree): [measure(tree, key) of each round]}: every key in this checkout (tree None)
+    and then in `incumbent` where one is given, key after key, round after round (so the two
+    alternate); each result said on stderr as 'round k: describe(key, tree, result)'."""
+    runs: dict = {}
+    for k in range(rounds):
+        for key in keys:
+            for tree in ([None, incumbent] if incumbent else [None]):
+                got = measure(tree, key)
+                runs.setdefault((key, tree), []).append(got)
+                print(f"round {k + 1}: {describe(key, tree, got)}", file=sys.stderr, flush=True)
+    return runs
+
+
+def speed_up(incumbent_s: list[float], this_s: list[float]) -> str:
+    """The median of the rounds' ratios (the incumbent's time over this one's), their spread
+    beside it: '1.09x (1.08-1.12x)'."""
+    ratios = sorted(a / b for a, b in zip(incumbent_s, this_s))
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+
+
 def torch_device():
     """CUDA when there is one, else the CPU; and the function that waits for it."""
     import torch

@@ -1214,29 +1214,34 @@ inline Vec LoadScalesN(const uint16_t* p, int n) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
 }
 
-// x' (M, I) -> xb and sx (Bf16Words, Bf16Sums), a block of 4 groups (128 inputs) at a time: its
-// 8 vectors of 16 x' times 16 (exact: x' is a bfloat16, 16 a power of 2), whose top halves are
-// the bfloat16 words; gathered in input order (32 a vector), then every fourth into vector t.
-// A group's sum of x' is its two vectors added, then a fixed tree (HorizontalSum).
-void SplitBf16(const float* x, int64_t M, int64_t I, uint16_t* xb, float* sx) {
-  const int64_t G = I / kGroup4, words = Bf16Words(I), sums = Bf16Sums(I);
-  std::fill(sx, sx + M * sums, 0.0f);
-  __m512i tops, fourth_low[4], fourth_high[4];  // word indices for _mm512_permutex2var_epi16
-  {
+// The word indices SplitBf16 gathers by (_mm512_permutex2var_epi16), made once: `tops` takes
+// the top half of each float of two vectors, in order; low[t] and high[t] take word k of vector
+// t, input 4 k + t, from the first pair of gathered vectors (k < 16: word 4 k + t of their 64)
+// and from the second (k >= 16: word 4 (k - 16) + t).
+struct Bf16Gathers {
+  __m512i tops, low[4], high[4];
+  Bf16Gathers() {
     alignas(64) uint16_t a[32], lo[4][32], hi[4][32];
     for (int k = 0; k < 32; ++k) {
-      a[k] = uint16_t(2 * k + 1);  // the top half of float k of the two vectors
+      a[k] = uint16_t(2 * k + 1);
       for (int t = 0; t < 4; ++t) {
-        // word k of vector t is input 4 k + t: in the first pair's 64 words for k < 16, as
-        // word 4 k + t; in the second pair's for k >= 16, as word 4 (k - 16) + t
         lo[t][k] = uint16_t(k < 16 ? 4 * k + t : 0);
         hi[t][k] = uint16_t(k >= 16 ? 4 * (k - 16) + t : 0);
       }
     }
     tops = _mm512_load_si512(a);
-    for (int t = 0; t < 4; ++t)
-      fourth_low[t] = _mm512_load_si512(lo[t]), fourth_high[t] = _mm512_load_si512(hi[t]);
+    for (int t = 0; t < 4; ++t) low[t] = _mm512_load_si512(lo[t]), high[t] = _mm512_load_si512(hi[t]);
   }
+};
+
+// x' (M, I) -> xb and sx (Bf16Words, Bf16Sums), a block of 4 groups (128 inputs) at a time: its
+// 8 vectors of 16 x' times 16 (exact: x' is a bfloat16, 16 a power of 2), whose top halves are
+// the bfloat16 words; gathered in input order (32 a vector), then every fourth into vector t.
+// A group's sum of x' is its two vectors added, then a fixed tree (HorizontalSum).
+void SplitBf16(const float* x, int64_t M, int64_t I, uint16_t* xb, float* sx) {
+  static const Bf16Gathers gather;
+  const int64_t G = I / kGroup4, words = Bf16Words(I), sums = Bf16Sums(I);
+  std::fill(sx, sx + M * sums, 0.0f);
   const Vec sixteen = Splat(16.0f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; g += 4) {
@@ -1249,13 +1254,13 @@ void SplitBf16(const float* x, int64_t M, int64_t I, uint16_t* xb, float* sx) {
           a = Load(xg), b = Load(xg + kLanes);
           sx[m * sums + g + k] = HorizontalSum(Add(a, b));
         }
-        ordered[k] = _mm512_permutex2var_epi16(_mm512_castps_si512(Mul(a, sixteen)), tops,
+        ordered[k] = _mm512_permutex2var_epi16(_mm512_castps_si512(Mul(a, sixteen)), gather.tops,
                                                _mm512_castps_si512(Mul(b, sixteen)));
       }
       uint16_t* out = xb + m * words + g / 4 * 128;
       for (int t = 0; t < 4; ++t) {
-        const __m512i low = _mm512_permutex2var_epi16(ordered[0], fourth_low[t], ordered[1]);
-        const __m512i high = _mm512_permutex2var_epi16(ordered[2], fourth_high[t], ordered[3]);
+        const __m512i low = _mm512_permutex2var_epi16(ordered[0], gather.low[t], ordered[1]);
+        const __m512i high = _mm512_permutex2var_epi16(ordered[2], gather.high[t], ordered[3]);
         _mm512_storeu_si512(out + t * 32, _mm512_mask_blend_epi16(0xFFFF0000u, low, high));
       }
     }
