@@ -129,7 +129,8 @@ def activations() -> str:
     straight through; the decode kernel then sums each group's products as integers,
     matvec.cc; what llama.cpp's Q4 dot products do to x, its Q8 activations) or "bfloat16"
     (each input rounded to the nearest bfloat16, ties to even, the gradient passing straight
-    through; the decode kernel multiplies bfloat16 pairs where the CPU has AVX512_BF16).
+    through; the decode kernel multiplies bfloat16 pairs where the CPU has AVX512_BF16, and
+    factors each group's scale out of its exact products x' q with AVX2 alone).
 
     $JAX_LLAMA_INT4_ACTIVATIONS, where set, decides; else an enclosing using_activations; else
     float32 (generation: GENERATION_DEFAULT, generation_activations). Read when a program is

@@ -271,7 +271,8 @@ def bound_bf16(xb, packed, d, m):
     longest chain of additions an output goes through (I / lanes in a lane, the groups' scaled
     sums, a horizontal sum) times the sum of |terms|. Its terms: with AVX512_BF16 it adds
     (16 x')(1 + q / 16) = 16 x' + q x' (so 16 |x'| d beside |q x' d|) and then (m - 16 d) sum x';
-    elsewhere x' (q d + m). The bound takes the larger of both."""
+    with AVX2, d (x' . q) + m sum x'; in the plain build x' (q d + m). The bound takes the
+    largest."""
     from bridge.int4 import unpack
     q = unpack(packed).astype(np.float64)
     dd, mm = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (d, m))
@@ -310,6 +311,72 @@ def test_int4_with_bfloat16_activations_is_the_rounded_x_times_the_weight(M, I, 
     monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
     plain = np.asarray(kernels.matvec_int4(x, [(packed, d, m)])[0], np.float64)
     assert not np.all(np.abs(plain - want) <= limit)
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 -march names")
+@pytest.mark.parametrize("arch", ["skylake-avx512", "x86-64"])
+def test_the_kernels_compile_for_avx512_without_bfloat16_and_for_no_vector_extension(
+        arch, tmp_path, monkeypatch):
+    """A CPU with AVX-512 but no AVX512_BF16 (Skylake to Cascade Lake) and one with no AVX
+    compile their own paths (a build that fails leaves such a CPU without kernels, and the tests
+    here skipped): the compiler's verdict on each."""
+    if kernels.unavailable_reason() is not None:
+        pytest.skip(f"kernels unavailable here: {kernels.unavailable_reason()}")
+    monkeypatch.setenv("JAX_LLAMA_KERNEL_MARCH", arch)
+    kernels.build(tmp_path / "matvec.so")
+    assert (tmp_path / "matvec.so").stat().st_size > 0
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 -march names")
+def test_the_avx2_build_multiplies_bfloat16_activations_factored_within_the_bound(tmp_path):
+    """On AVX2 (no bfloat16 products) the kernel factors the weight out of each group, d (x' . q)
+    + m sum x', every product x' q exact: built for x86-64-v3 in a subprocess (whatever this CPU
+    is), within bound_bf16 of the float64 product of the rounded x and the weight, a row alone the
+    same bits as beside others (also in a 19-row prefill's chunks), float16 and float32 scales the
+    same bits, Q4_0's form (no minima held) the same bits as its minima held. Negative cases: the
+    nibbles swapped, and float32 activations, fall outside the bound."""
+    rng = np.random.default_rng(5)
+    cases = {}
+    for k, (M, I, O) in enumerate([(1, 576, 576), (2, 2048, 72), (19, 96, 37), (1, 1536, 40)]):
+        x = rng.standard_normal((M, I)).astype(np.float32)
+        x[0, :3] = [3e4, -1e-3, 1.0 + 2.0 ** -8]
+        (packed, d, m), w = int4_weight(rng, I, O)
+        cases.update({f"x{k}": x, f"q{k}": packed, f"d{k}": d, f"m{k}": m, f"w{k}": w})
+    np.savez(tmp_path / "in.npz", **cases)
+    script = (
+        "import os, numpy as np\n"
+        "from jax_llama.model import kernels\n"
+        "z = dict(np.load(os.environ['CASES'])); out = {}\n"
+        "for k in range(4):\n"
+        "    x, q, d, m = (z[f'{n}{k}'] for n in 'xqdm')\n"
+        "    four = lambda q, d, m: kernels.matvec_int4(x, [(q, d, m)])[0]\n"
+        "    os.environ['JAX_LLAMA_INT4_ACTIVATIONS'] = 'bfloat16'\n"
+        "    y = np.asarray(four(q, d, m))\n"
+        "    assert np.array_equal(y, np.asarray(four(q, d.astype(np.float32), m.astype(np.float32))))\n"
+        "    assert all(np.array_equal(y[i], np.asarray(kernels.matvec_int4(x[i:i + 1], [(q, d, m)])[0])[0])\n"
+        "               for i in range(len(x)))\n"
+        "    if np.array_equal(m, np.float16(-8) * d):\n"
+        "        assert np.array_equal(y, np.asarray(four(q, d, None)))\n"
+        "    out[f'y{k}'] = y\n"
+        "    out[f'swapped{k}'] = np.asarray(four((q >> 4) | (q << 4), d, m))\n"
+        "    os.environ['JAX_LLAMA_INT4_ACTIVATIONS'] = 'float32'\n"
+        "    out[f'plain{k}'] = np.asarray(four(q, d, m))\n"
+        "out['lanes'] = np.array(kernels.lanes())\n"
+        "np.savez(os.environ['OUT'], **out)\n")
+    env = dict(os.environ, JAX_LLAMA_KERNELS="1", JAX_LLAMA_KERNEL_MARCH="x86-64-v3",
+               JAX_LLAMA_KERNEL_CACHE=str(tmp_path / "cache"), CASES=str(tmp_path / "in.npz"),
+               OUT=str(tmp_path / "out.npz"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = np.load(tmp_path / "out.npz")
+    assert int(out["lanes"]) == 8
+    for k in range(4):
+        x, packed, d, m, w = (cases[f"{n}{k}"] for n in "xqdmw")
+        xb = round_bf16(x)
+        want, limit = xb @ w.T.astype(np.float64), bound_bf16(xb, packed, d, m)
+        assert np.all(np.abs(out[f"y{k}"] - want) <= limit), k
+        assert not np.all(np.abs(out[f"swapped{k}"] - want) <= limit), k
+        assert not np.all(np.abs(out[f"plain{k}"] - want) <= limit), k
 
 
 def test_bfloat16_activations_are_the_same_products_on_xla_and_their_gradient_passes_through(

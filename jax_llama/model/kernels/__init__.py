@@ -411,7 +411,8 @@ def matvec_int4(x_MI, weights):
     per group of 32 inputs to 8 bits and each group summed as integers (matvec.cc,
     "jax_llama_matvec_int4_q8"): x' @ W^T within float32 rounding, x' the dequantised x. With
     bfloat16, x' is x rounded to bfloat16 (round_to_bfloat16), multiplied in bfloat16 pairs where
-    the CPU has AVX512_BF16 ("jax_llama_matvec_int4_bf16"). Call only where `usable` said True of
+    the CPU has AVX512_BF16 ("jax_llama_matvec_int4_bf16"); with AVX2 alone, d (x' . q) + m sum x'
+    group by group, each product x' q exact in float32. Call only where `usable` said True of
     each."""
     _check()
     target = {"float32": "jax_llama_matvec_int4", "int8": "jax_llama_matvec_int4_q8",

@@ -783,10 +783,11 @@ struct Rows4Job {
   const float* dxe = nullptr;   // (M, Q8Lanes(I)): each group's scale, once per lane of it
   const float* c = nullptr;     // (M, Q8Mins(I)): scale x the sum of the group's 8-bit values
   // "_bf16" (Int4Bf16): x rounded to bfloat16 (RoundBf16; j.x then holds the rounded values).
-  // Where the CPU multiplies bfloat16 pairs (AVX512_BF16), also:
+  // Where the CPU multiplies bfloat16 pairs (AVX512_BF16), also xb and sx; with AVX2 alone
+  // (Dots4Bf16Factored), j.x in SplitBf16Halves' order and sx:
   bool bf16 = false;
   const uint16_t* xb = nullptr;  // (M, Bf16Words(I)): per 2 groups, their even inputs, then odd
-  const float* sx = nullptr;     // (M, I / 32): each group's sum of its rounded inputs
+  const float* sx = nullptr;     // (M, Bf16Sums(I)): each group's sum of its rounded inputs
   std::vector<Rows4Part> parts;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -839,6 +840,9 @@ void Dots4Q8(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0);
 #if defined(__AVX512BF16__)
 template <int M, int R, typename S = float>
 void Dots4Bf16(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0);
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+template <int M, int R>
+void Dots4Bf16Factored(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0);
 #endif
 
 template <int M, int R>
@@ -846,6 +850,8 @@ inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) 
   if (j.q8) return Dots4Q8<M, R>(j, p, o, m0);
 #if defined(__AVX512BF16__)
   if (j.bf16) return Dots4Bf16<M, R>(j, p, o, m0);
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if (j.bf16) return Dots4Bf16Factored<M, R>(j, p, o, m0);
 #endif
   const int64_t I = j.I, J = I / 2, G = I / kGroup4;
   const float* x = j.x + m0 * I;
@@ -914,7 +920,9 @@ inline void Dots4(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) 
 // keeps 8 significant bits of each input, where 8-bit activations keep 8 bits of a group's
 // largest: SmolLM2's Q4_1 file answers "What is the capital of France?" with Paris this way, and
 // with nonsense with 8-bit activations (and in llama.cpp). Where the CPU has AVX512_BF16,
-// Dots4Bf16 multiplies bfloat16 pairs (vdpbf16ps); elsewhere the float32 kernel runs on x'.
+// Dots4Bf16 multiplies bfloat16 pairs (vdpbf16ps); with AVX2 alone, Dots4Bf16Factored multiplies
+// x' by q (exact) and scales each group's sum once; elsewhere (AVX-512 without BF16, the plain
+// build) the float32 kernel runs on x'.
 
 // float32 -> the nearest bfloat16, as float32 (ties to even; a NaN stays a NaN)
 inline float RoundBf16(float v) {
@@ -1340,6 +1348,95 @@ void Bf16Rows(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t o1) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#ifndef JAX_LLAMA_BF16_ROWS
+#define JAX_LLAMA_BF16_ROWS 4
+#endif
+// Dots4's outputs with x' in bfloat16 on AVX2 (no bfloat16 products): the weight factored out of
+// each group, y = sum_g d_g (sum_i x'_i q_i) + sum_g m_g (sum x'_g). A product x' q is exact in
+// float32 (8 significant bits times 4), so a group's sum is the float32 sum of exact terms; the
+// weights are never formed as q d + m. A group's 16 bytes are two runs of 8, each widened to 8
+// lanes whose low nibble is an even input and high one the next odd input (x' split to match:
+// SplitBf16Halves); per 32 weights, 2 widening loads, 2 masks, 2 shifts, 4 conversions and 4
+// multiply-adds, and one more to scale the group, where forming the weights took 8 operations
+// per 8 (the same kernel on float32 x). Lanes over a group's inputs, each lane's group sum scaled
+// into its accumulator group by group, then a fixed tree; the minima's sum as Dots4Bf16's. Nothing
+// depends on M, the rows beside a row or the threads.
+template <int M, int R>
+void Dots4Bf16Factored(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t m0) {
+  const int64_t I = j.I, J = I / 2, G = I / kGroup4, sums = Bf16Sums(I);
+  const float* x = j.x + m0 * I;
+  Vec acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = Splat(0.0f);
+  const char* base = reinterpret_cast<const char*>(p.q);
+  const int64_t ahead = o * J + kPrefetchBytes, last = p.O * J - 1;
+  const __m256i f = _mm256_set1_epi32(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t b = 0; b < R * kGroup4 / 2; b += kCacheLine)
+      __builtin_prefetch(base + std::min(ahead + R * g * kGroup4 / 2 + b, last));
+    Vec t[R][M];
+    for (int h = 0; h < 2; ++h) {  // the group's bytes 8 h .. 8 h + 7: inputs 16 h .. 16 h + 15
+      Vec even[R], odd[R];
+      for (int r = 0; r < R; ++r) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(p.q + (o + r) * J + g * kGroup4 / 2 + 8 * h)));
+        even[r] = _mm256_cvtepi32_ps(_mm256_and_si256(b, f));
+        odd[r] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+      }
+      for (int m = 0; m < M; ++m) {
+        const float* xg = x + m * I + g * kGroup4 + 16 * h;
+        const Vec xe = Load(xg), xo = Load(xg + kLanes);
+        for (int r = 0; r < R; ++r)
+          t[r][m] = Fma(xo, odd[r], h == 0 ? Mul(xe, even[r]) : Fma(xe, even[r], t[r][m]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec d = Splat(p.d[(o + r - p.row0) * G + g]);
+      for (int m = 0; m < M; ++m) acc[r][m] = Fma(t[r][m], d, acc[r][m]);
+    }
+  }
+  // sum_g m_g sum(x'_g): lanes over groups, then the rest in order
+  Vec low[R][M];
+  float rest[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) low[r][m] = Splat(0.0f), rest[r][m] = 0.0f;
+  int64_t h = 0;
+  for (; h + kLanes <= G; h += kLanes)
+    for (int r = 0; r < R; ++r) {
+      const Vec mn = Load(p.m + (o + r - p.row0) * G + h);
+      for (int m = 0; m < M; ++m) low[r][m] = Fma(mn, Load(j.sx + (m0 + m) * sums + h), low[r][m]);
+    }
+  for (; h < G; ++h)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m)
+        rest[r][m] = std::fma(p.m[(o + r - p.row0) * G + h], j.sx[(m0 + m) * sums + h], rest[r][m]);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
+      p.y[(m0 + m) * p.O + o + r] = HorizontalSum(acc[r][m]) + (HorizontalSum(low[r][m]) + rest[r][m]);
+}
+
+// x' (M, I) as Dots4Bf16Factored reads it: each run of 16 inputs as its 8 even ones, then its 8
+// odd ones; and each group's sum of x' (a fixed tree over its 4 vectors), padded with zeros to
+// Bf16Sums.
+void SplitBf16Halves(const float* x, int64_t M, int64_t I, float* out, float* sx) {
+  const int64_t G = I / kGroup4, sums = Bf16Sums(I);
+  std::fill(sx, sx + M * sums, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t i = 0; i < I; i += 16)
+      for (int64_t t = 0; t < 8; ++t) {
+        out[m * I + i + t] = x[m * I + i + 2 * t];
+        out[m * I + i + 8 + t] = x[m * I + i + 2 * t + 1];
+      }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xg = x + m * I + g * kGroup4;
+      sx[m * sums + g] = HorizontalSum(Add(Add(Load(xg), Load(xg + 8)),
+                                           Add(Load(xg + 16), Load(xg + 24))));
+    }
+  }
+}
+#endif
+
 template <int M>
 void Rows4Unit(const Rows4Job& j, const Rows4Part& part, int64_t u) {
   constexpr int R = RowsAtOnce(M);
@@ -1354,6 +1451,14 @@ void Rows4Unit(const Rows4Job& j, const Rows4Part& part, int64_t u) {
   // float32 x: a unit's float16 scales converted first (the expansion reads each group's scale
   // and minimum as a scalar, faster from this thread's scratch than from memory)
   const Rows4Part p = Float32Scales(part, j.I, o, o1);
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if (j.bf16) {  // 2 R M accumulators of 16 registers
+    constexpr int RB = M == 1 ? JAX_LLAMA_BF16_ROWS : M == 2 ? 2 : 1;
+    for (; o + RB <= o1; o += RB) Dots4Bf16Factored<M, RB>(j, p, o, 0);
+    for (; o < o1; ++o) Dots4Bf16Factored<M, 1>(j, p, o, 0);
+    return;
+  }
+#endif
   for (; o + R <= o1; o += R) Dots4<M, R>(j, p, o, 0);
   for (; o < o1; ++o) Dots4<M, 1>(j, p, o, 0);
 }
@@ -1441,6 +1546,11 @@ ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::Remai
     xb.resize(job->M * Bf16Words(job->I)), sx.resize(job->M * Bf16Sums(job->I));
     SplitBf16(job->x, job->M, job->I, xb.data(), sx.data());
     job->bf16 = true, job->xb = xb.data(), job->sx = sx.data();
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    thread_local std::vector<float> halves, sx;
+    halves.resize(n), sx.resize(job->M * Bf16Sums(job->I));
+    SplitBf16Halves(job->x, job->M, job->I, halves.data(), sx.data());
+    job->bf16 = true, job->x = halves.data(), job->sx = sx.data();
 #endif
   }
 #if defined(__AVX512F__)
