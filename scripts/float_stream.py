@@ -21,6 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from llama_twins.bench.common import code_paths, code_paths_line
+
 WEIGHTS = ("float32", "int8")
 DIM, FFN, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152  # SmolLM2-135M
 
@@ -82,7 +84,8 @@ def render(r: dict) -> list[str]:
              + (f", alternating with the incumbent ({r['incumbent']}, commit "
                 f"{(r.get('incumbent_commit') or 'unrecorded')[:12]}; the speed-up is the median "
                 "of the rounds' ratios, their spread beside it)" if r["incumbent"] else "")
-             + ". GB/s: the weights' bytes (4 a float32 weight, 1 an int8 one) over a pass.", ""]
+             + ". GB/s: the weights' bytes (4 a float32 weight, 1 an int8 one) over a pass."
+             + code_paths_line(r.get("paths")), ""]
     head = "| weights | batch | pass (ms) | GB/s |"
     rule = "|---|---|---|---|"
     if r["incumbent"]:
@@ -139,6 +142,7 @@ def main(argv=None) -> int:
             row["incumbent_s"] = [x["pass_s"] for x in runs[((kind, batch), incumbent)]]
         rows.append(row)
     data = {"rows": rows, "rounds": args.rounds, "repeats": args.repeats, "chain": args.chain,
+            "paths": code_paths(),
             "incumbent": args.incumbent,
             "incumbent_commit": commit(incumbent) if incumbent else None,
             "command": "python scripts/float_stream.py " + " ".join(argv or sys.argv[1:])}

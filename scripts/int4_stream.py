@@ -19,12 +19,12 @@ beside it. Writes OUT/int4_stream.{json,md}.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
 
 from bridge.int4 import ACTIVATIONS
+from llama_twins.bench.common import code_paths, code_paths_line
 
 # name -> (dim, ffn hidden, kv heads x head dim, layers timed): the layers keep the weights
 # (0.75 bytes a weight) well beyond the last-level cache
@@ -66,10 +66,6 @@ print(json.dumps({"pass_s": float(np.median(times)), "weights": weights}))
 """
 
 
-# the environment that picks other code paths (e.g. the AVX2 ones on an AVX-512 machine)
-PATH_SWITCHES = ("XLA_FLAGS", "JAX_LLAMA_KERNEL_MARCH", "JAX_LLAMA_KERNEL_THREADS")
-
-
 def bytes_per_weight(scales: str, minima: str = "held") -> float:
     """Half a byte, plus a scale and a minimum (none: Q4_0's form) per 32 weights."""
     return 0.5 + (2 if minima == "held" else 1) * (2 if scales == "float16" else 4) / 32
@@ -104,8 +100,7 @@ def render(r: dict) -> list[str]:
              + (f", the incumbent's {r.get('incumbent_scales', 'float32')}, minima "
                 f"{r.get('incumbent_minima') or 'held'}" if r["incumbent"] else "")
              + " (none: Q4_0's form, m = -8 d, 0.5625 bytes a weight with float16 scales)."
-             + ("" if not r.get("paths") else " Code paths: " + " ".join(
-                 f"{k}={v}" for k, v in r["paths"].items()) + "."), ""]
+             + code_paths_line(r.get("paths")), ""]
     head = "| shape | layers | activations | pass (ms) | GB/s |"
     rule = "|---|---|---|---|---|"
     if r["incumbent"]:
@@ -181,7 +176,7 @@ def main(argv=None) -> int:
             "minima": args.minima,
             "incumbent_minima": args.incumbent_minima if incumbent else None,
             "incumbent_commit": commit(incumbent) if incumbent else None,
-            "paths": {k: os.environ[k] for k in PATH_SWITCHES if os.environ.get(k)},
+            "paths": code_paths(),
             "command": "python scripts/int4_stream.py " + " ".join(argv or sys.argv[1:])}
     print(write("int4_stream", data, render, args.out))
     return 0

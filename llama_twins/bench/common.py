@@ -115,6 +115,21 @@ def cpu_model() -> str:
 SHOW_PROGRESS = True
 
 
+# the environment that picks other code paths (e.g. the AVX2 ones on an AVX-512 machine)
+PATH_SWITCHES = ("XLA_FLAGS", "JAX_LLAMA_KERNEL_MARCH", "JAX_LLAMA_KERNEL_THREADS",
+                 "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def code_paths() -> dict:
+    """The PATH_SWITCHES set in this environment (which the workers inherit): {name: value}."""
+    return {k: os.environ[k] for k in PATH_SWITCHES if os.environ.get(k)}
+
+
+def code_paths_line(paths: dict) -> str:
+    """' Code paths: NAME=value ...' for a result's description, or '' when none was set."""
+    return "" if not paths else " Code paths: " + " ".join(f"{k}={v}" for k, v in paths.items()) + "."
+
+
 def say(message: str) -> None:
     """Progress goes to stderr (stdout carries the results), unless SHOW_PROGRESS is off."""
     if SHOW_PROGRESS:

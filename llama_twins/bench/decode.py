@@ -470,7 +470,7 @@ def llama_cpp_line(found: dict) -> str:
 def main_weights(args, spec: Spec, found: dict, bandwidth: float) -> int:
     import tempfile
 
-    from .common import cpu_model
+    from .common import code_paths, code_paths_line, cpu_model
     with tempfile.TemporaryDirectory(prefix="jax-llama-bench-") as work:
         per_row, spec, row_bytes = real_weights(spec, args.weights, args.rounds, found, work,
                                                 args.rows.split(",") if args.rows else None)
@@ -479,7 +479,7 @@ def main_weights(args, spec: Spec, found: dict, bandwidth: float) -> int:
     rows = f" --rows '{args.rows}'" if args.rows else ""
     lines = [f"{cpu_model()}; {describe(spec.config)}; the weights of {args.weights}; measured "
              f"read bandwidth {bandwidth / 1e9:.1f} GB/s; medians of {args.rounds} rounds x "
-             f"{args.repeats} runs, each row in its own process", "",
+             f"{args.repeats} runs, each row in its own process" + code_paths_line(code_paths()), "",
              f"Reproduce: `python -m llama_twins.bench.decode --weights {args.weights} --rounds "
              f"{args.rounds} --repeats {args.repeats}{' --cold-start' if cold else ''}{rows}`", "",
              *markdown(result, spec.dtype), "", *against_llama_cpp(result, args.rounds)]
@@ -488,7 +488,8 @@ def main_weights(args, spec: Spec, found: dict, bandwidth: float) -> int:
     if cold:
         lines += ["", *cold_start_lines(cold)]
     write_results("generate_weights", lines, {"bandwidth": bandwidth, "cpu": cpu_model(),
-                                              "decode": result, "cold_start": cold}, args.out)
+                                              "decode": result, "cold_start": cold,
+                                              "paths": code_paths()}, args.out)
     return 0
 
 
