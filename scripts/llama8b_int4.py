@@ -276,6 +276,8 @@ def spawn(name: str, path: Path, args) -> dict | str:
 
 
 def markdown(r: dict, cpu: str, memory: int) -> list[str]:
+    from llama_twins.bench.common import code_paths_line
+
     e = r["estimates"]
 
     def gb(x):
@@ -287,7 +289,7 @@ def markdown(r: dict, cpu: str, memory: int) -> list[str]:
              f"random weights at realistic scales written as Q4_0 blocks ({gb(r['synth']['bytes'])}"
              + (" on disk, the file an earlier run wrote, reused)." if r["synth"].get("reused") else
                 f" on disk, written in {r['synth']['seconds']:.0f} s, peak RSS "
-                f"{gb(r['synth']['peak_rss'])})."), "",
+                f"{gb(r['synth']['peak_rss'])}).") + code_paths_line(r.get("paths")), "",
              "| process | estimate before loading | params held | peak RSS | load | first token "
              "| decode tokens/s |", "|---|---|---|---|---|---|---|"]
     for name, estimate in (("int4", e["int4_params"] + e["kv_cache_8k"]),
@@ -363,7 +365,7 @@ def main(argv=None) -> int:
         worker(args.worker, args.file, args)
         return 0
     from llama_twins import results
-    from llama_twins.bench.common import cpu_model
+    from llama_twins.bench.common import code_paths, cpu_model
 
     with tempfile.TemporaryDirectory(prefix="llama8b-") as tmp:
         path = Path(args.file) if args.file else Path(tmp) / f"{args.preset}-q4_0.gguf"
@@ -400,6 +402,7 @@ def main(argv=None) -> int:
                 r[name] = done[0]
     r["memory"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     r["cpu_model"] = cpu_model()
+    r["paths"] = code_paths()
     print(results.write("llama8b", r, render, args.out))
     return 0
 
