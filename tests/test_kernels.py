@@ -24,10 +24,16 @@ from jax_llama.model import kernels
 
 @pytest.fixture(autouse=True)
 def kernels_on(monkeypatch):
-    """The kernels are on unless JAX_LLAMA_KERNELS=0; on for these tests whatever the caller set."""
+    """The kernels are on unless JAX_LLAMA_KERNELS=0; on for these tests whatever the caller set.
+    They are skipped where they cannot run (no C++ compiler, another backend), but a compiler that
+    refuses the source is a failure: a build broken for one -march (as AVX-512 without BF16 once
+    was) would otherwise pass as a row of skips."""
     monkeypatch.setenv("JAX_LLAMA_KERNELS", "1")
-    if kernels.unavailable_reason() is not None:
-        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+    reason = kernels.unavailable_reason()
+    if reason is not None and " failed: " in reason:  # build()'s "<compiler> failed: ..."
+        pytest.fail(f"the kernels did not compile: {reason}")
+    if reason is not None:
+        pytest.skip(f"kernels unavailable: {reason}")
 
 EPS32 = float(np.finfo(np.float32).eps)
 

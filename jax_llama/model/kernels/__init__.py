@@ -133,8 +133,10 @@ def build(out: Path) -> None:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
+            said = done.stderr.strip().splitlines()
+            errors = [line for line in said if "error" in line]  # the first says why
             raise RuntimeError(f"{Path(compiler).name} failed: "
-                               f"{done.stderr.strip().splitlines()[-1:] or done.returncode}")
+                               f"{(errors or said)[:1] or done.returncode}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
