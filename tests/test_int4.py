@@ -2,6 +2,8 @@
 held exactly, a JAX model on 4-bit params equal to the same model on the weights they stand for,
 both twins on the same bits, and 4-bit checkpoints written and read back."""
 
+from unittest import mock
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -61,6 +63,12 @@ def test_llama_cpps_4_bit_blocks_are_held_exactly(kind):
         from_q4_blocks(raw, "Q4_1" if kind == "Q4_0" else "Q4_0", w.shape)
     q = unpack(packed).reshape(8, 4, 2, 16)[:, :, ::-1].reshape(8, 128)
     assert not np.array_equal(dequantize_int4(pack(q), d, m), theirs)
+    # rows in chunks of a few blocks (a large tensor's way), and byte by byte (a big-endian
+    # CPU's): the same bytes
+    for chunk, order in ((50, "little"), (1 << 20, "big")):
+        with mock.patch("sys.byteorder", order):
+            again = from_q4_blocks(raw, kind, w.shape, chunk_bytes=chunk)
+        assert all(np.array_equal(a, b) for a, b in zip(again, (packed, d, m)))
 
 
 def test_refusals_name_the_weight():

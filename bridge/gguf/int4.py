@@ -10,6 +10,8 @@ float16, a power of two times d, for any |d| up to 8188; a tensor with a larger 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ..errors import BridgeError
@@ -17,27 +19,36 @@ from ..int4 import GROUP
 
 # bytes per block: the float16 fields, then the 16 bytes of nibbles
 BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2}
+CHUNK_BYTES = 1 << 20  # blocks repacked at a time by from_q4_blocks
 
 
-def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str = "weight"
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str = "weight",
+                   chunk_bytes: int = CHUNK_BYTES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The raw blocks of a Q4_0 or Q4_1 tensor of canonical `shape` (out, in) - uint8, one row of
     blocks per output row, as gguf reads them - -> (packed (out, in / 2) uint8, d (out, in / 32)
     float16, m (out, in / 32) float16) that bridge.int4.dequantize_int4 turns into llama.cpp's
-    numbers, bit for bit."""
+    numbers, bit for bit. Rows about chunk_bytes of blocks at a time, so that the temporaries
+    stay in cache."""
     if kind not in BLOCK_BYTES:
         raise BridgeError(f"tensor '{name}': {kind} is not a 4-bit type held exactly "
                           f"({', '.join(BLOCK_BYTES)})")
     O, I = shape
     if I % GROUP:
         raise BridgeError(f"tensor '{name}': {I} input columns are not a multiple of {GROUP}")
-    size = BLOCK_BYTES[kind]
+    size, G = BLOCK_BYTES[kind], I // GROUP
     raw = np.ascontiguousarray(raw, np.uint8)
-    if raw.size != O * (I // GROUP) * size:
+    if raw.size != O * G * size:
         raise BridgeError(f"tensor '{name}': {raw.size} bytes of {kind} blocks, its shape "
-                          f"{shape} needs {O * (I // GROUP) * size}")
-    blocks = raw.reshape(O, I // GROUP, size)
-    fields = blocks[..., :size - GROUP // 2].copy().view(np.float16)
+                          f"{shape} needs {O * G * size}")
+    blocks = raw.reshape(O, G, size)
+    head = size - GROUP // 2  # the float16 fields' bytes
+    packed = np.empty((O, G, GROUP // 2), np.uint8)
+    fields = np.empty((O, G, head // 2), np.float16)
+    step = max(1, chunk_bytes // max(1, G * size))
+    for r in range(0, O, step):
+        b = blocks[r:r + step]
+        fields[r:r + step] = b[..., :head].copy().view(np.float16)
+        packed[r:r + step] = _repacked(b[..., head:])
     d = np.ascontiguousarray(fields[..., 0])
     if kind == "Q4_1":
         m = np.ascontiguousarray(fields[..., 1])
@@ -46,10 +57,26 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
             raise BridgeError(f"tensor '{name}': a Q4_0 scale beyond 8188, whose minimum -8 d "
                               f"float16 cannot hold")
         m = np.float16(-8) * d
-    # Byte j of a block holds its inputs j and j + 16; bridge.int4's byte k holds 2k and 2k + 1.
-    # So the first 8 bytes pair the low nibbles of bytes 2k and 2k + 1, the last 8 their high
-    # nibbles: byte for byte, without the weights spread out one a byte in between.
-    qs = blocks[..., size - GROUP // 2:]
-    even, odd = qs[..., 0::2], qs[..., 1::2]
-    packed = np.concatenate([(even & 0xF) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
     return packed.reshape(O, I // 2), d, m
+
+
+# each 16-bit lane of a 64-bit word: its low byte's nibble, and its high byte's
+_LOW, _HIGH = np.uint64(0x000F000F000F000F), np.uint64(0x00F000F000F000F0)
+_4, _8 = np.uint64(4), np.uint64(8)
+
+
+def _repacked(qs: np.ndarray) -> np.ndarray:
+    """A block's 16 bytes of nibbles (..., 16) -> bridge.int4's 16 bytes. Byte j of a block holds
+    its inputs j and j + 16; bridge.int4's byte k holds 2k and 2k + 1. So byte k < 8 pairs the low
+    nibbles of bytes 2k and 2k + 1, and byte 8 + k their high nibbles: in 64-bit words, a 16-bit
+    lane (bytes 2k, 2k + 1) gives both at once (its low byte's nibble, then the high byte's, in
+    each), the lanes' two results interleaved and then split into the two halves. Little-endian
+    words (every CPU numpy runs on here); else byte by byte, the same numbers."""
+    if sys.byteorder != "little":
+        even, odd = qs[..., 0::2], qs[..., 1::2]
+        return np.concatenate([(even & 0xF) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+    words = np.ascontiguousarray(qs).view(np.uint64)  # (..., 2)
+    low = (words & _LOW) | ((words >> _4) & _HIGH)           # byte k's value in lane k
+    high = ((words >> _4) & _LOW) | ((words >> _8) & _HIGH)  # byte 8 + k's
+    both = (low | (high << _8)).view(np.uint8)  # per lane: byte k, then byte 8 + k
+    return both.reshape(*qs.shape[:-1], 8, 2).swapaxes(-1, -2).reshape(qs.shape)
