@@ -360,6 +360,8 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
         make = requested_reader(ckpt, int4=int4, int8=int8, nearest=nearest, unsupported=(
             "scan_layers" if scan_layers else "an adapter" if adapter is not None else None))
         four = None if make is None else make(get)
+        if four is not None:
+            four.progress = shown  # tensors it reads by rows, not through get
         with shown:
             params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
                                          shapes=checkpoint_shapes(ckpt.config, int8_only(

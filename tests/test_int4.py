@@ -629,6 +629,52 @@ def test_int8_as_it_is_read_is_quantize_after_loading(gguf_files):
         torch_llama.load(path, device="cpu", int8=True, nearest=True)
 
 
+def test_int8_rows_are_read_and_quantised_a_chunk_of_rows_at_a_time_with_the_same_numbers(
+        gguf_files, monkeypatch):
+    """A GGUF's tensor_slice of leading rows dequantises only those rows, the numbers of the
+    whole tensor's (any other index: the whole tensor, sliced); the nearest layout's int8 rows
+    (the Q4_0 embedding, the Q8_0 head) are quantised from such chunks, the same bytes and the
+    same summary as from the whole float tensor, with every tensor counted on the load's bar.
+    Negative case: a chunk's rows read in the wrong order change the bytes."""
+    import bridge.int4
+    from bridge.formats import open_checkpoint
+    from bridge.gguf.read import GGUFCheckpoint
+
+    ckpt = open_checkpoint(gguf_files["q4_0"])
+    for name in ("tok_embeddings.weight", "output.weight", "layers.0.attention.wq.weight",
+                 "norm.weight"):
+        whole = ckpt.tensor(name)
+        for index in ((slice(3, 40),), (slice(250, 400),), (slice(0, 7, 2),)) + (
+                ((slice(0, 1), slice(None)), (slice(None), slice(5, 9))) if whole.ndim == 2 else ()):
+            np.testing.assert_array_equal(ckpt.tensor_slice(name, index), whole[index])
+    monkeypatch.setattr(bridge.int4, "ROWS_CHUNK_ELEMENTS", 64 * 10)  # 10 rows a chunk
+    counted = []
+    monkeypatch.setattr("bridge.progress.bar", lambda **kw: type("Bar", (), {
+        "update": lambda self, n: counted.append(n), "__enter__": lambda self: self,
+        "__exit__": lambda self, *a: None, "close": lambda self: None})())
+    _, by_rows = jax_llama.load(gguf_files["q4_0"], nearest=True)
+    assert len(counted) == len(ckpt.specs)  # every tensor, those read by rows too
+    monkeypatch.setattr(GGUFCheckpoint, "reads_rows", False)
+    _, whole = jax_llama.load(gguf_files["q4_0"], nearest=True)
+    for module, key in (("tok_embeddings", "embedding"), ("tok_embeddings", "scale"),
+                        ("output", "kernel"), ("output", "scale")):
+        np.testing.assert_array_equal(np.asarray(by_rows[module][key]),
+                                      np.asarray(whole[module][key]))
+    reader = bridge.int4.nearest_reader(ckpt, ckpt.tensor, ckpt.config)
+    monkeypatch.setattr(GGUFCheckpoint, "reads_rows", True)
+    rows_reader = bridge.int4.nearest_reader(ckpt, ckpt.tensor, ckpt.config)
+    for name in ("tok_embeddings.weight", "output.weight"):
+        for a, b in zip(reader(name), rows_reader(name)):
+            np.testing.assert_array_equal(a, b)
+    assert reader.summary() == rows_reader.summary()
+    np.testing.assert_array_equal(rows_reader("output.weight")[0],
+                                  np.asarray(whole["output"]["kernel"]).T)  # the model's bytes
+    read = ckpt.tensor_slice  # negative: each chunk's rows read in reverse order
+    monkeypatch.setattr(ckpt, "tensor_slice", lambda name, index: read(name, index)[::-1])
+    wrong = bridge.int4.nearest_reader(ckpt, ckpt.tensor, ckpt.config)("output.weight")
+    assert not np.array_equal(wrong[0], np.asarray(whole["output"]["kernel"]).T)
+
+
 def test_generate_reads_a_quantised_gguf_in_its_nearest_layout_unless_told(gguf_files, capsys):
     """By default the generate commands read a Q4_0 file as 4-bit weights and say so (and how to
     dequantise); both twins write the same greedy text; --dtype float32 reads it as before."""

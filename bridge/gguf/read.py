@@ -95,6 +95,23 @@ class GGUFCheckpoint(Checkpoint):
             raise BridgeError(f"{self.path}: no tensor {name!r}")
         return _as_array(self._file, *self._tensors[name])
 
+    # tensor_slice of leading rows reads those rows' blocks alone (bridge.int4's QuantisedReader
+    # quantises a large tensor a chunk of rows at a time so)
+    reads_rows = True
+
+    def tensor_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """tensor(name)[index] as a fresh array; a slice of leading rows (index[0] a slice of
+        step 1, the rest whole) dequantises only those rows: the same numbers."""
+        if name not in self._tensors:
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
+        t, qtype = self._tensors[name]
+        first, rest = (index[0], index[1:]) if index else (slice(None), ())
+        if (len(t.shape) < 2 or not isinstance(first, slice) or first.step not in (None, 1)
+                or any(r != slice(None) for r in rest)):
+            return super().tensor_slice(name, index)
+        start, stop, _ = first.indices(t.shape[0])
+        return _as_array(self._file, t, qtype, rows=(start, max(start, stop)))
+
     def stored_type(self, name: str) -> str | None:
         """The tensor's GGML type name where it is quantised ("Q4_1", "Q8_0", ...), else None."""
         if name not in self._tensors:
@@ -193,24 +210,30 @@ def _readable(qtype) -> bool:
     return True
 
 
-def _as_array(file: GGUFFile, t: TensorInfo, qtype) -> np.ndarray:
+def _as_array(file: GGUFFile, t: TensorInfo, qtype, rows: tuple[int, int] | None = None
+              ) -> np.ndarray:
     """A fresh array in canonical (numpy) layout: float types as stored, every quantised type
-    dequantised by gguf.quants into float32, a few rows at a time."""
+    dequantised by gguf.quants into float32, a few rows at a time; `rows` (start, stop): those
+    leading rows of a 2-D tensor alone."""
     import gguf
 
     raw = file.raw(t)
     if qtype.name in STORED_FLOATS:
-        return np.array(raw.view(STORED_FLOATS[qtype.name]).reshape(t.shape))
+        whole = raw.view(STORED_FLOATS[qtype.name]).reshape(t.shape)
+        return np.array(whole if rows is None else whole[rows[0]:rows[1]])
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     row = t.shape[-1] if t.shape else 1
-    rows = raw.reshape(-1, row // block * size)  # (rows, bytes per row) of whole blocks
-    out = np.empty((rows.shape[0], row), np.float32)
+    blocks = raw.reshape(-1, row // block * size)  # (rows, bytes per row) of whole blocks
+    shape = t.shape
+    if rows is not None:
+        blocks, shape = blocks[rows[0]:rows[1]], (rows[1] - rows[0], *t.shape[1:])
+    out = np.empty((blocks.shape[0], row), np.float32)
     step = max(1, _DEQUANT_CHUNK // row)
-    for start in range(0, rows.shape[0], step):
-        chunk = rows[start:start + step]
+    for start in range(0, blocks.shape[0], step):
+        chunk = blocks[start:start + step]
         out[start:start + step] = (_dequantize_plain(chunk, qtype.name)
                                    if qtype.name in _PLAIN else gguf.quants.dequantize(chunk, qtype))
-    return out.reshape(t.shape)
+    return out.reshape(shape)
 
 
 # bytes per block of 32 weights: the float16 fields (d; d and m), then the quantised weights
