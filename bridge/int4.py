@@ -221,6 +221,9 @@ class QuantisedReader:
         self.checkpoint, self.get, self.layout_of = checkpoint, get, layout_of
         self.shapes = shapes = canonical_shapes(config)
         self.progress = None  # the load's bar, for the tensors read without `get` (_counted)
+        # (name, index) -> get(name)[index], reading only those rows, where the caller has one
+        # (a load that reads the checkpoint's tensors as they are: not a convert's transform)
+        self.rows = None
         self.layouts = {name: layout for name in shapes
                         if (layout := layout_of(name)) is not None}
         for name, layout in self.layouts.items():
@@ -244,7 +247,7 @@ class QuantisedReader:
                 self.exact[key] = self.exact.get(key, 0) + 1
                 self._counted()
                 return held
-        if layout == "int8" and getattr(self.checkpoint, "reads_rows", False):
+        if layout == "int8" and self.rows is not None:
             return self._int8_by_rows(name, key)
         w = self.get(name)
         quantised = (quantize_int4 if layout == "int4" else quantize_weight)(w, name=name)
@@ -259,8 +262,8 @@ class QuantisedReader:
         return quantised
 
     def _int8_by_rows(self, name: str, key: str):
-        """int8 rows (quantize_weight's, one scale a row) from the checkpoint's rows a chunk at a
-        time (its tensor_slice reads only those), so no float copy of the whole tensor is made:
+        """int8 rows (quantize_weight's, one scale a row) from `rows`, a chunk of rows at a time,
+        so no float copy of the whole tensor is made:
         LLaMA 3 8B's embedding and head are 2.1 GB each in float32, fresh memory that took longer
         to touch than to fill. Each row is quantised alone either way: the same numbers."""
         from .quantize import dequantize_weight, quantize_weight
@@ -270,8 +273,7 @@ class QuantisedReader:
         change = norm = 0.0
         step = max(1, ROWS_CHUNK_ELEMENTS // I)
         for r in range(0, O, step):
-            rows = np.asarray(self.checkpoint.tensor_slice(name, (slice(r, r + step),)),
-                              np.float32)
+            rows = np.asarray(self.rows(name, (slice(r, r + step),)), np.float32)
             q[r:r + step], scale[r:r + step] = quantize_weight(rows, name=name)
             diff = dequantize_weight(q[r:r + step], scale[r:r + step]).ravel() - rows.ravel()
             change += float(np.dot(diff, diff))

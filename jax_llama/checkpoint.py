@@ -361,7 +361,9 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
             "scan_layers" if scan_layers else "an adapter" if adapter is not None else None))
         four = None if make is None else make(get)
         if four is not None:
-            four.progress = shown  # tensors it reads by rows, not through get
+            four.progress = shown  # the tensors it reads without get
+            if getattr(ckpt, "reads_rows", False):  # get is ckpt.tensor (no adapter here)
+                four.rows = ckpt.tensor_slice
         with shown:
             params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
                                          shapes=checkpoint_shapes(ckpt.config, int8_only(

@@ -652,26 +652,32 @@ def test_int8_rows_are_read_and_quantised_a_chunk_of_rows_at_a_time_with_the_sam
     monkeypatch.setattr("bridge.progress.bar", lambda **kw: type("Bar", (), {
         "update": lambda self, n: counted.append(n), "__enter__": lambda self: self,
         "__exit__": lambda self, *a: None, "close": lambda self: None})())
+    sliced, read_slice = [], GGUFCheckpoint.tensor_slice
+    monkeypatch.setattr(GGUFCheckpoint, "tensor_slice", lambda self, name, index: (
+        sliced.append(name), read_slice(self, name, index))[1])
     _, by_rows = jax_llama.load(gguf_files["q4_0"], nearest=True)
     assert len(counted) == len(ckpt.specs)  # every tensor, those read by rows too
+    # 259 rows, 10 a chunk: 26 reads each of the embedding and the head
+    assert sliced == ["tok_embeddings.weight"] * 26 + ["output.weight"] * 26
     monkeypatch.setattr(GGUFCheckpoint, "reads_rows", False)
     _, whole = jax_llama.load(gguf_files["q4_0"], nearest=True)
+    assert len(sliced) == 52  # read whole: no slices
     for module, key in (("tok_embeddings", "embedding"), ("tok_embeddings", "scale"),
                         ("output", "kernel"), ("output", "scale")):
         np.testing.assert_array_equal(np.asarray(by_rows[module][key]),
                                       np.asarray(whole[module][key]))
     reader = bridge.int4.nearest_reader(ckpt, ckpt.tensor, ckpt.config)
-    monkeypatch.setattr(GGUFCheckpoint, "reads_rows", True)
     rows_reader = bridge.int4.nearest_reader(ckpt, ckpt.tensor, ckpt.config)
+    rows_reader.rows = ckpt.tensor_slice
     for name in ("tok_embeddings.weight", "output.weight"):
         for a, b in zip(reader(name), rows_reader(name)):
             np.testing.assert_array_equal(a, b)
     assert reader.summary() == rows_reader.summary()
     np.testing.assert_array_equal(rows_reader("output.weight")[0],
                                   np.asarray(whole["output"]["kernel"]).T)  # the model's bytes
-    read = ckpt.tensor_slice  # negative: each chunk's rows read in reverse order
-    monkeypatch.setattr(ckpt, "tensor_slice", lambda name, index: read(name, index)[::-1])
-    wrong = bridge.int4.nearest_reader(ckpt, ckpt.tensor, ckpt.config)("output.weight")
+    wrong_reader = bridge.int4.nearest_reader(ckpt, ckpt.tensor, ckpt.config)
+    wrong_reader.rows = lambda name, index: ckpt.tensor_slice(name, index)[::-1]  # negative
+    wrong = wrong_reader("output.weight")
     assert not np.array_equal(wrong[0], np.asarray(whole["output"]["kernel"]).T)
 
 

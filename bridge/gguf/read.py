@@ -95,8 +95,8 @@ class GGUFCheckpoint(Checkpoint):
             raise BridgeError(f"{self.path}: no tensor {name!r}")
         return _as_array(self._file, *self._tensors[name])
 
-    # tensor_slice of leading rows reads those rows' blocks alone (bridge.int4's QuantisedReader
-    # quantises a large tensor a chunk of rows at a time so)
+    # tensor_slice of leading rows reads those rows' blocks alone (so jax_llama.load has
+    # bridge.int4's QuantisedReader quantise int8 rows a chunk of rows at a time)
     reads_rows = True
 
     def tensor_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
