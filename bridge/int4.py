@@ -220,7 +220,6 @@ class QuantisedReader:
 
         self.checkpoint, self.get, self.layout_of = checkpoint, get, layout_of
         self.shapes = shapes = canonical_shapes(config)
-        self.progress = None  # the load's bar, for the tensors read without `get` (_counted)
         # (name, index) -> get(name)[index], reading only those rows, where the caller has one
         # (a load that reads the checkpoint's tensors as they are: not a convert's transform)
         self.rows = None
@@ -245,7 +244,6 @@ class QuantisedReader:
             held = self.checkpoint.int4_tensor(name)
             if held is not None:
                 self.exact[key] = self.exact.get(key, 0) + 1
-                self._counted()
                 return held
         if layout == "int8" and self.rows is not None:
             return self._int8_by_rows(name, key)
@@ -279,13 +277,7 @@ class QuantisedReader:
             change += float(np.dot(diff, diff))
             norm += float(np.dot(rows.ravel(), rows.ravel()))
         self.errors.setdefault(key, []).append(float(np.sqrt(change / norm)) if norm > 0 else 0.0)
-        self._counted()
         return q, scale
-
-    def _counted(self) -> None:
-        """One more tensor on the load's bar, for a tensor read without `get` (which counts)."""
-        if self.progress is not None:
-            self.progress.update(1)
 
     def summary(self) -> str | None:
         """One line: what was read exactly and what was quantised, with its error (RMS of the

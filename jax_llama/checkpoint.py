@@ -356,19 +356,22 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
     if mesh is not None:
         params = params_on_mesh(read, ckpt.config, mesh, scan_layers=scan_layers, dtype=dtype)
     else:
-        get, shown = reading(get, len(ckpt.specs), enabled=progress)
         make = requested_reader(ckpt, int4=int4, int8=int8, nearest=nearest, unsupported=(
             "scan_layers" if scan_layers else "an adapter" if adapter is not None else None))
-        four = None if make is None else make(get)
-        if four is not None:
-            four.progress = shown  # the tensors it reads without get
-            if getattr(ckpt, "reads_rows", False):  # get is ckpt.tensor (no adapter here)
-                four.rows = ckpt.tensor_slice
+        four = None if make is None else make(get)  # get is ckpt.tensor: no adapter with these
+        if hasattr(four, "rows") and getattr(ckpt, "reads_rows", False):
+            four.rows = ckpt.tensor_slice  # int8 rows quantised a chunk of rows at a time
+        shapes = checkpoint_shapes(ckpt.config, int8_only(ckpt.quantization))
+        get, shown = reading(get, len(shapes), enabled=progress)  # a tick a name read
+
+        def held(name: str):  # a weight the reader gives (its parts read as it likes): a tick
+            value = four(name)
+            if value is not None:
+                shown.update(1)
+            return value
         with shown:
             params = params_from_tensors(get, ckpt.config, scan_layers=scan_layers, dtype=dtype,
-                                         shapes=checkpoint_shapes(ckpt.config, int8_only(
-                                             ckpt.quantization)),
-                                         int4=four)
+                                         shapes=shapes, int4=None if four is None else held)
         if four is not None and progress and four.summary():
             note(f"{ckpt.path}: {four.summary()}")
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,

@@ -630,15 +630,17 @@ def test_int8_as_it_is_read_is_quantize_after_loading(gguf_files):
 
 
 def test_int8_rows_are_read_and_quantised_a_chunk_of_rows_at_a_time_with_the_same_numbers(
-        gguf_files, monkeypatch):
+        gguf_files, monkeypatch, tmp_path_factory):
     """A GGUF's tensor_slice of leading rows dequantises only those rows, the numbers of the
     whole tensor's (any other index: the whole tensor, sliced); the nearest layout's int8 rows
     (the Q4_0 embedding, the Q8_0 head) are quantised from such chunks, the same bytes and the
-    same summary as from the whole float tensor, with every tensor counted on the load's bar.
+    same summary as from the whole float tensor, with every tensor counted on the load's bar
+    (and every weight of a 4-bit native checkpoint, its parts read by the reader).
     Negative case: a chunk's rows read in the wrong order change the bytes."""
     import bridge.int4
     from bridge.formats import open_checkpoint
     from bridge.gguf.read import GGUFCheckpoint
+    from bridge.tensors import canonical_shapes
 
     ckpt = open_checkpoint(gguf_files["q4_0"])
     for name in ("tok_embeddings.weight", "output.weight", "layers.0.attention.wq.weight",
@@ -648,15 +650,21 @@ def test_int8_rows_are_read_and_quantised_a_chunk_of_rows_at_a_time_with_the_sam
                 ((slice(0, 1), slice(None)), (slice(None), slice(5, 9))) if whole.ndim == 2 else ()):
             np.testing.assert_array_equal(ckpt.tensor_slice(name, index), whole[index])
     monkeypatch.setattr(bridge.int4, "ROWS_CHUNK_ELEMENTS", 64 * 10)  # 10 rows a chunk
-    counted = []
-    monkeypatch.setattr("bridge.progress.bar", lambda **kw: type("Bar", (), {
-        "update": lambda self, n: counted.append(n), "__enter__": lambda self: self,
-        "__exit__": lambda self, *a: None, "close": lambda self: None})())
+    counted, totals = [], []
+    monkeypatch.setattr("bridge.progress.bar", lambda **kw: (totals.append(kw["total"]), type(
+        "Bar", (), {"update": lambda self, n: counted.append(n), "__enter__": lambda self: self,
+                    "__exit__": lambda self, *a: None, "close": lambda self: None})())[1])
     sliced, read_slice = [], GGUFCheckpoint.tensor_slice
     monkeypatch.setattr(GGUFCheckpoint, "tensor_slice", lambda self, name, index: (
         sliced.append(name), read_slice(self, name, index))[1])
     _, by_rows = jax_llama.load(gguf_files["q4_0"], nearest=True)
-    assert len(counted) == len(ckpt.specs)  # every tensor, those read by rows too
+    assert len(counted) == totals[-1] == len(ckpt.specs)  # every tensor, those read by rows too
+    quantised = tmp_path_factory.mktemp("stored") / "int4"  # a 4-bit native checkpoint's too
+    model, params = jax_llama.load(gguf_files["q4_0"])
+    jax_llama.save(quantised, model.config, jax_llama.quantize(params, method="int4"))
+    counted.clear()
+    jax_llama.load(quantised)
+    assert len(counted) == totals[-1] == len(canonical_shapes(model.config))  # not its parts
     # 259 rows, 10 a chunk: 26 reads each of the embedding and the head
     assert sliced == ["tok_embeddings.weight"] * 26 + ["output.weight"] * 26
     monkeypatch.setattr(GGUFCheckpoint, "reads_rows", False)

@@ -755,6 +755,18 @@ void HalvesToFloats(const uint16_t* h, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = HalfToFloat(h[i]);
 }
 
+// x (M, I) with each run of `run` inputs (I a multiple of it) as its even ones, then its odd
+// ones: the order a kernel widens a run's bytes in, low nibbles, then high ones (the AVX-512
+// Dots4: runs of 32, a group; Dots4Bf16Factored: runs of 16, 8 bytes).
+void SplitEvenOdd(const float* x, int64_t M, int64_t I, float* out, int64_t run = kGroup4) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < I; g += run)
+      for (int64_t t = 0; t < run / 2; ++t) {
+        out[m * I + g + t] = x[m * I + g + 2 * t];
+        out[m * I + g + run / 2 + t] = x[m * I + g + 2 * t + 1];
+      }
+}
+
 // A part whose scales and minima are float16: its rows [o, o1) with them as float32 in this
 // thread's scratch (read from memory as float16, 2 bytes a group each instead of 4; converted
 // once a unit, exactly); else the part itself.
@@ -806,16 +818,6 @@ inline Vec Iota() {  // 0, 1, ..., 15
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
 
-// x (M, I) with each group of 32 inputs as its 16 even ones, then its 16 odd ones: the order the
-// AVX-512 Dots4 expands a group's bytes in.
-void SplitEvenOdd(const float* x, int64_t M, int64_t I, float* out) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < I; g += kGroup4)
-      for (int64_t t = 0; t < kGroup4 / 2; ++t) {
-        out[m * I + g + t] = x[m * I + g + 2 * t];
-        out[m * I + g + kGroup4 / 2 + t] = x[m * I + g + 2 * t + 1];
-      }
-}
 #endif
 
 #if !defined(__AVX512F__)
@@ -1424,19 +1426,14 @@ void Dots4Bf16Factored(const Rows4Job& j, const Rows4Part& p, int64_t o, int64_t
 // Bf16Sums.
 void SplitBf16Halves(const float* x, int64_t M, int64_t I, float* out, float* sx) {
   const int64_t G = I / kGroup4, sums = Bf16Sums(I);
+  SplitEvenOdd(x, M, I, out, 16);
   std::fill(sx, sx + M * sums, 0.0f);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t i = 0; i < I; i += 16)
-      for (int64_t t = 0; t < 8; ++t) {
-        out[m * I + i + t] = x[m * I + i + 2 * t];
-        out[m * I + i + 8 + t] = x[m * I + i + 2 * t + 1];
-      }
+  for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const float* xg = x + m * I + g * kGroup4;
       sx[m * sums + g] = HorizontalSum(Add(Add(Load(xg), Load(xg + 8)),
                                            Add(Load(xg + 16), Load(xg + 24))));
     }
-  }
 }
 #endif
 
