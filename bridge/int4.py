@@ -35,6 +35,7 @@ from contextvars import ContextVar
 import numpy as np
 
 from .errors import BridgeError
+from .parallel import by_chunks
 from .quantize import INT4_GROUP as GROUP  # inputs per scale and minimum
 from .quantize import MIN_SUFFIX, SCALE_SUFFIX  # <name>_scale, <name>_min beside <name>
 
@@ -85,10 +86,13 @@ def quantize_int4(w_OI: np.ndarray, name: str = "weight"
     return pack(q), d, m
 
 
-def minima_implied(d_OG: np.ndarray, m_OG: np.ndarray) -> bool:
+def minima_implied(d_OG: np.ndarray, m_OG: np.ndarray | None) -> bool:
     """Whether a 4-bit weight's minima are -8 times its scales throughout (llama.cpp's Q4_0:
-    d (q - 8)): then they need not be held, nor read (the decode kernels and XLA's path take
-    min None as -8 scale, exactly: -8 d is a power of two times d)."""
+    d (q - 8)), or None (a reader that knows them so: bridge.gguf.int4's Q4_0 blocks): then they
+    need not be held, nor read (the decode kernels and XLA's path take min None as -8 scale,
+    exactly: -8 d is a power of two times d)."""
+    if m_OG is None:
+        return True
     d_OG, m_OG = np.asarray(d_OG), np.asarray(m_OG)
     if m_OG.dtype != d_OG.dtype or m_OG.shape != d_OG.shape:
         return False
@@ -263,19 +267,21 @@ class QuantisedReader:
         """int8 rows (quantize_weight's, one scale a row) from `rows`, a chunk of rows at a time,
         so no float copy of the whole tensor is made:
         LLaMA 3 8B's embedding and head are 2.1 GB each in float32, fresh memory that took longer
-        to touch than to fill. Each row is quantised alone either way: the same numbers."""
+        to touch than to fill. Each row is quantised alone either way: the same numbers. The
+        chunks run on the CPU's cores (bridge.parallel)."""
         from .quantize import dequantize_weight, quantize_weight
 
         O, I = self.shapes[name]
         q, scale = np.empty((O, I), np.int8), np.empty((O, 1), np.float32)
-        change = norm = 0.0
-        step = max(1, ROWS_CHUNK_ELEMENTS // I)
-        for r in range(0, O, step):
-            rows = np.asarray(self.rows(name, (slice(r, r + step),)), np.float32)
-            q[r:r + step], scale[r:r + step] = quantize_weight(rows, name=name)
-            diff = dequantize_weight(q[r:r + step], scale[r:r + step]).ravel() - rows.ravel()
-            change += float(np.dot(diff, diff))
-            norm += float(np.dot(rows.ravel(), rows.ravel()))
+
+        def quantise(start: int, stop: int) -> tuple[float, float]:
+            rows = np.asarray(self.rows(name, (slice(start, stop),)), np.float32)
+            q[start:stop], scale[start:stop] = quantize_weight(rows, name=name)
+            diff = dequantize_weight(q[start:stop], scale[start:stop]).ravel() - rows.ravel()
+            return float(np.dot(diff, diff)), float(np.dot(rows.ravel(), rows.ravel()))
+
+        sums = by_chunks(quantise, O, ROWS_CHUNK_ELEMENTS // I)
+        change, norm = sum(c for c, _ in sums), sum(n for _, n in sums)  # in chunk order
         self.errors.setdefault(key, []).append(float(np.sqrt(change / norm)) if norm > 0 else 0.0)
         return q, scale
 
@@ -324,6 +330,9 @@ def int4_specs(config, specs: dict, reader: QuantisedReader):
         if base not in held:
             held.clear()
             held[base] = reader(base)
+        if name.endswith(MIN_SUFFIX) and held[base][2] is None:  # Q4_0's: -8 d, exact
+            d = held[base][1]
+            return d * d.dtype.type(-8)
         return held[base][0 if name == base else 1 if name.endswith(SCALE_SUFFIX) else 2]
 
     return out, stored

@@ -76,9 +76,11 @@ class Checkpoint:
         `quantization`)."""
         return None
 
-    def int4_tensor(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The tensor in bridge.int4's layout (packed, scale, min), where the file holds it in a
-        4-bit type that layout holds exactly (a GGUF's Q4_0 and Q4_1); None otherwise."""
+    def int4_tensor(self, name: str
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+        """The tensor in bridge.int4's layout (packed, scale, min; min None where it is -8 scale,
+        a GGUF's Q4_0), where the file holds it in a 4-bit type that layout holds exactly (a
+        GGUF's Q4_0 and Q4_1); None otherwise."""
         return None
 
     def own_tokenizer(self) -> Tokenizer | None:

@@ -4,8 +4,10 @@ A block holds 32 consecutive weights of a row (ggml-common.h, block_q4_0 / block
     Q4_0: float16 d, 16 bytes qs                 w = d * (q - 8)
     Q4_1: float16 d, float16 m, 16 bytes qs      w = d * q + m
 where q[j] = qs[j] & 0xF and q[j + 16] = qs[j] >> 4 for j < 16. bridge.int4 keeps q in input order,
-two a byte, with a float16 d and m per block: Q4_1's as they are, Q4_0's m = -8 d (exact in
-float16, a power of two times d, for any |d| up to 8188; a tensor with a larger d is refused).
+two a byte, with a float16 d and m per block: Q4_1's as they are; Q4_0's m is -8 d, which is not
+made (None: the readers hold Q4_0's weights without minima, bridge.int4.minima_implied); it is
+exact in float16 wherever it must be written (a power of two times d, for any |d| up to 8188; a
+tensor with a larger d is refused).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from ..errors import BridgeError
 from ..int4 import GROUP
+from ..parallel import by_chunks
 
 # bytes per block: the float16 fields, then the 16 bytes of nibbles
 BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2}
@@ -23,12 +26,13 @@ CHUNK_BYTES = 1 << 20  # blocks repacked at a time by from_q4_blocks
 
 
 def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str = "weight",
-                   chunk_bytes: int = CHUNK_BYTES) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   chunk_bytes: int = CHUNK_BYTES
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The raw blocks of a Q4_0 or Q4_1 tensor of canonical `shape` (out, in) - uint8, one row of
     blocks per output row, as gguf reads them - -> (packed (out, in / 2) uint8, d (out, in / 32)
-    float16, m (out, in / 32) float16) that bridge.int4.dequantize_int4 turns into llama.cpp's
-    numbers, bit for bit. Rows about chunk_bytes of blocks at a time, so that the temporaries
-    stay in cache."""
+    float16, m (out, in / 32) float16, or None for Q4_0's -8 d) that
+    bridge.int4.dequantize_int4 turns into llama.cpp's numbers, bit for bit. Rows about chunk_bytes of blocks at a time, so that the temporaries
+    stay in cache, the chunks on the CPU's cores (bridge.parallel)."""
     if kind not in BLOCK_BYTES:
         raise BridgeError(f"tensor '{name}': {kind} is not a 4-bit type held exactly "
                           f"({', '.join(BLOCK_BYTES)})")
@@ -44,20 +48,26 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
     head = size - GROUP // 2  # the float16 fields' bytes
     packed = np.empty((O, G, GROUP // 2), np.uint8)
     fields = np.empty((O, G, head // 2), np.float16)
-    step = max(1, chunk_bytes // max(1, G * size))
-    for r in range(0, O, step):
-        b = blocks[r:r + step]
-        fields[r:r + step] = b[..., :head].copy().view(np.float16)
-        packed[r:r + step] = _repacked(b[..., head:])
+
+    def repack(start: int, stop: int) -> None:
+        b = blocks[start:stop]
+        fields[start:stop] = b[..., :head].copy().view(np.float16)
+        packed[start:stop] = _repacked(b[..., head:])
+
+    by_chunks(repack, O, chunk_bytes // max(1, G * size))
     d = np.ascontiguousarray(fields[..., 0])
     if kind == "Q4_1":
-        m = np.ascontiguousarray(fields[..., 1])
-    else:
-        if np.any(np.abs(d) > 8188):
-            raise BridgeError(f"tensor '{name}': a Q4_0 scale beyond 8188, whose minimum -8 d "
-                              f"float16 cannot hold")
-        m = np.float16(-8) * d
-    return packed.reshape(O, I // 2), d, m
+        return packed.reshape(O, I // 2), d, np.ascontiguousarray(fields[..., 1])
+    # |d| beyond 8188 (and not NaN), on the bits: numpy's float16 arithmetic is slow
+    magnitude = d.view(np.uint16) & np.uint16(0x7FFF)
+    if np.any((magnitude > _F16_8188) & (magnitude <= _F16_INF)):
+        raise BridgeError(f"tensor '{name}': a Q4_0 scale beyond 8188, whose minimum -8 d "
+                          f"float16 cannot hold")
+    return packed.reshape(O, I // 2), d, None
+
+
+# float16 bits: 8188 (the largest d whose -8 d float16 holds) and infinity
+_F16_8188, _F16_INF = np.float16(8188).view(np.uint16), np.float16(np.inf).view(np.uint16)
 
 
 # each 16-bit lane of a 64-bit word: its low byte's nibble, and its high byte's

