@@ -209,7 +209,7 @@ def bits_per_weight(type_name: str | None) -> float | None:
     return 8 * size / block
 
 
-ROWS_CHUNK_ELEMENTS = 1 << 20  # weights read and quantised at a time by _int8_by_rows
+ROWS_CHUNK_ELEMENTS = 1 << 20  # weights read and quantised at a time by QuantisedReader
 
 
 class QuantisedReader:
@@ -237,8 +237,6 @@ class QuantisedReader:
         self.errors: dict[str, list[float]] = {}         # "Q8_0 -> int8": relative RMS errors
 
     def __call__(self, name: str):
-        from .quantize import dequantize_weight, quantize_weight
-
         layout = self.layouts.get(name)
         if layout is None:
             return None
@@ -249,41 +247,51 @@ class QuantisedReader:
             if held is not None:
                 self.exact[key] = self.exact.get(key, 0) + 1
                 return held
-        if layout == "int8" and self.rows is not None:
-            return self._int8_by_rows(name, key)
-        w = self.get(name)
-        quantised = (quantize_int4 if layout == "int4" else quantize_weight)(w, name=name)
-        back = dequantize_int4 if layout == "int4" else dequantize_weight
-        change = norm = 0.0
-        step = max(1, (1 << 20) // w.shape[1])  # rows at a time: small temporaries
-        for r in range(0, w.shape[0], step):
-            rows = np.asarray(w[r:r + step], np.float32).ravel()
-            diff = back(*(a[r:r + step] for a in quantised)).ravel() - rows
-            change, norm = change + float(np.dot(diff, diff)), norm + float(np.dot(rows, rows))
-        self.errors.setdefault(key, []).append(float(np.sqrt(change / norm)) if norm > 0 else 0.0)
-        return quantised
+        return self._by_rows(name, key, layout)
 
-    def _int8_by_rows(self, name: str, key: str):
-        """int8 rows (quantize_weight's, one scale a row) from `rows`, a chunk of rows at a time,
-        so no float copy of the whole tensor is made:
-        LLaMA 3 8B's embedding and head are 2.1 GB each in float32, fresh memory that took longer
-        to touch than to fill. Each row is quantised alone either way: the same numbers. The
-        chunks run on the CPU's cores (bridge.parallel)."""
+    def _by_rows(self, name: str, key: str, layout: str):
+        """The weight in `layout` (quantize_int4's 4-bit weights, or quantize_weight's int8 rows
+        with one scale a row), quantised a chunk of rows at a time on the CPU's cores
+        (bridge.parallel), its error summed chunk by chunk in order: the numbers of the whole
+        tensor's, as each group of 32 (int4) or row (int8) is quantised alone. The rows come from
+        `rows` where the load gave it, so that no float copy of the whole tensor is made (LLaMA 3
+        8B's embedding and head are 2.1 GB each in float32, fresh memory that took longer to
+        touch than to fill), else from get(name)."""
         from .quantize import dequantize_weight, quantize_weight
 
         O, I = self.shapes[name]
-        q, scale = np.empty((O, I), np.int8), np.empty((O, 1), np.float32)
+        if layout == "int4":
+            quantise, back = quantize_int4, dequantize_int4
+            out = (np.empty((O, I // 2), np.uint8), np.empty((O, I // GROUP), np.float16),
+                   np.empty((O, I // GROUP), np.float16))
+        else:
+            quantise, back = quantize_weight, dequantize_weight
+            out = (np.empty((O, I), np.int8), np.empty((O, 1), np.float32))
+        if self.rows is not None:
+            def read(index):
+                return self.rows(name, index)
+        else:
+            w = self.get(name)
+            if tuple(w.shape) != (O, I):
+                raise BridgeError(f"tensor '{name}': shape {tuple(w.shape)}, config implies "
+                                  f"{(O, I)}")
 
-        def quantise(start: int, stop: int) -> tuple[float, float]:
-            rows = np.asarray(self.rows(name, (slice(start, stop),)), np.float32)
-            q[start:stop], scale[start:stop] = quantize_weight(rows, name=name)
-            diff = dequantize_weight(q[start:stop], scale[start:stop]).ravel() - rows.ravel()
-            return float(np.dot(diff, diff)), float(np.dot(rows.ravel(), rows.ravel()))
+            def read(index):
+                return w[index]
 
-        sums = by_chunks(quantise, O, ROWS_CHUNK_ELEMENTS // I)
+        def chunk(start: int, stop: int) -> tuple[float, float]:
+            rows = np.asarray(read((slice(start, stop),)))
+            got = quantise(rows, name=name)
+            for whole, part in zip(out, got):
+                whole[start:stop] = part
+            rows = np.asarray(rows, np.float32).ravel()
+            diff = back(*got).ravel() - rows
+            return float(np.dot(diff, diff)), float(np.dot(rows, rows))
+
+        sums = by_chunks(chunk, O, ROWS_CHUNK_ELEMENTS // I)
         change, norm = sum(c for c, _ in sums), sum(n for _, n in sums)  # in chunk order
         self.errors.setdefault(key, []).append(float(np.sqrt(change / norm)) if norm > 0 else 0.0)
-        return q, scale
+        return out
 
     def summary(self) -> str | None:
         """One line: what was read exactly and what was quantised, with its error (RMS of the

@@ -360,7 +360,7 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
             "scan_layers" if scan_layers else "an adapter" if adapter is not None else None))
         four = None if make is None else make(get)  # get is ckpt.tensor: no adapter with these
         if hasattr(four, "rows") and getattr(ckpt, "reads_rows", False):
-            four.rows = ckpt.tensor_slice  # int8 rows quantised a chunk of rows at a time
+            four.rows = ckpt.tensor_slice  # what it quantises, read a chunk of rows at a time
         shapes = checkpoint_shapes(ckpt.config, int8_only(ckpt.quantization))
         get, shown = reading(get, len(shapes), enabled=progress)  # a tick a name read
 

@@ -70,8 +70,9 @@ def test_a_forked_child_starts_its_own_threads():
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_readers_give_the_same_bytes_on_one_core_and_on_several(kind, monkeypatch):
     """llama.cpp blocks repacked into 4-bit weights (Q4_0, Q4_1), dequantised to float32 (every
-    type), and quantised to int8 rows (the nearest layout's embedding): the same bytes and the
-    same error on one thread as on three, with many chunks a tensor."""
+    type), and quantised to int8 rows (the nearest layout's embedding) and to 4-bit weights (a
+    Q4_K's): the same bytes and the same errors on one thread as on three, with many chunks a
+    tensor, and the numbers of quantising the whole tensor at once."""
     import bridge.gguf.read as read
     import bridge.int4
     from bridge.gguf.int4 import from_q4_blocks
@@ -89,9 +90,10 @@ def test_the_readers_give_the_same_bytes_on_one_core_and_on_several(kind, monkey
         reader = bridge.int4.QuantisedReader.__new__(bridge.int4.QuantisedReader)
         reader.shapes, reader.errors = {"w": w.shape}, {}
         reader.rows = lambda name, index: floats[index]
-        rows = reader._int8_by_rows("w", "rows")
+        rows = reader._by_rows("w", "rows", "int8")
+        four = reader._by_rows("w", "four", "int4")
         held = from_q4_blocks(raw, kind, w.shape, chunk_bytes=300) if kind != "Q8_0" else ()
-        return floats, rows, reader.errors["rows"], held
+        return floats, rows + four, reader.errors, held
 
     monkeypatch.setattr(parallel, "cores", lambda: 1)
     one = everything()
@@ -101,6 +103,10 @@ def test_the_readers_give_the_same_bytes_on_one_core_and_on_several(kind, monkey
     np.testing.assert_array_equal(three[0], one[0])
     for a, b in zip(three[1], one[1]):
         np.testing.assert_array_equal(a, b)
-    assert three[2] == one[2]
+    assert three[2] == one[2] and set(one[2]) == {"rows", "four"}
+    from bridge.int4 import quantize_int4
+    from bridge.quantize import quantize_weight
+    for a, b in zip(one[1], quantize_weight(one[0]) + quantize_int4(one[0])):
+        np.testing.assert_array_equal(a, b)
     for a, b in zip(three[3], one[3]):
         assert (a is None and b is None) or np.array_equal(a, b)
