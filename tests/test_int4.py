@@ -743,3 +743,52 @@ def test_lora_on_a_4_bit_base_trains_as_on_its_dequantised_weights():
     assert not [a for a in kept if a.dtype == jnp.float32 and tuple(a.shape) in shapes
                 and tuple(a.shape) != (config.vocab_size, config.dim)]
     assert any(a.dtype == jnp.uint8 for a in kept)  # the 4-bit weights themselves
+
+
+def test_the_torch_twin_reads_rows_as_the_jax_twin_does_and_counts_every_tensor(
+        gguf_files, monkeypatch, tmp_path_factory):
+    """torch_llama.load(nearest=True) quantises the int8 rows from a chunk of the file's rows at
+    a time, as jax_llama.load does: the same bytes as from the whole tensor, and the JAX twin's.
+    Its bar counts every tensor of a GGUF (those read exactly as 4-bit weights too) and every
+    stored part of a 4-bit native checkpoint, so that it ends. Negative case: without the ticks
+    of the reader's weights, the count of tensors read whole falls short."""
+    import bridge.int4
+    import torch_llama
+    from bridge.gguf.read import GGUFCheckpoint
+
+    monkeypatch.setattr(bridge.int4, "ROWS_CHUNK_ELEMENTS", 64 * 10)  # 10 rows a chunk
+    counted, totals = [], []
+    monkeypatch.setattr("bridge.progress.bar", lambda **kw: (totals.append(kw["total"]), type(
+        "Bar", (), {"update": lambda self, n: counted.append(n), "__enter__": lambda self: self,
+                    "__exit__": lambda self, *a: None, "close": lambda self: None})())[1])
+    sliced, read_slice = [], GGUFCheckpoint.tensor_slice
+    monkeypatch.setattr(GGUFCheckpoint, "tensor_slice", lambda self, name, index: (
+        sliced.append(name), read_slice(self, name, index))[1])
+    path = gguf_files["q4_0"]
+    by_rows = torch_llama.load(path, device="cpu", nearest=True).state_dict()
+    assert sum(counted) == totals[-1] == len(GGUFCheckpoint(path).specs)
+    assert sliced == ["tok_embeddings.weight"] * 26 + ["output.weight"] * 26
+    monkeypatch.setattr(GGUFCheckpoint, "reads_rows", False)
+    whole = torch_llama.load(path, device="cpu", nearest=True).state_dict()
+    assert len(sliced) == 52
+    assert by_rows.keys() == whole.keys()
+    for name in by_rows:
+        np.testing.assert_array_equal(by_rows[name].numpy(), whole[name].numpy())
+    _, jax_params = jax_llama.load(path, nearest=True)
+    np.testing.assert_array_equal(by_rows["output.weight"].numpy(),
+                                  np.asarray(jax_params["output"]["kernel"]).T)
+    stored = tmp_path_factory.mktemp("stored") / "int4"  # a 4-bit native checkpoint
+    model, params = jax_llama.load(path)
+    jax_llama.save(stored, model.config, jax_llama.quantize(params, method="int4"))
+    counted.clear()
+    torch_llama.load(stored, device="cpu")
+    from bridge.formats import open_checkpoint
+    assert sum(counted) == totals[-1] == len(open_checkpoint(stored).specs)
+    # negative: counting the tensors read whole (what the torch twin counted before) falls
+    # short of the total: the 4-bit weights read exactly and the rows read by chunks are not
+    reads, read_whole = [], GGUFCheckpoint.tensor
+    monkeypatch.setattr(GGUFCheckpoint, "tensor", lambda self, name: (
+        reads.append(name), read_whole(self, name))[1])
+    monkeypatch.setattr(GGUFCheckpoint, "reads_rows", True)
+    torch_llama.load(path, device="cpu", nearest=True)
+    assert 0 < len(reads) < len(GGUFCheckpoint(path).specs)

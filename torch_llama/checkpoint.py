@@ -63,7 +63,9 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
             for name, module in int8_weights(model):
                 module.make_int8(ckpt.specs[name + ".weight" + SCALE_SUFFIX][0][1])
     read, shown = reading(ckpt.tensor, len(ckpt.specs), enabled=progress)
-    four = None if make is None else make(read)
+    four = None if make is None else make(ckpt.tensor)  # no adapter with these
+    if four is not None and getattr(ckpt, "reads_rows", False):
+        four.rows = ckpt.tensor_slice  # what it quantises, read a chunk of rows at a time
     state, implied = {}, set()
     with shown:
         for name in ckpt.specs:
@@ -73,6 +75,10 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
             if quantised is None:
                 state[name] = tensor(name, read(name))
                 continue
+            # a weight the reader gave (its parts read as it likes): a tick for it and for each
+            # part the checkpoint stores beside it (a 4-bit native checkpoint's scale and min)
+            shown.update(1 + sum(name + suffix in ckpt.specs
+                                 for suffix in (SCALE_SUFFIX, MIN_SUFFIX)))
             module = model.get_submodule(name.removesuffix(".weight"))
             if len(quantised) == 3 and minima_implied(*quantised[1:]):
                 quantised = quantised[:2]  # Q4_0's form, m = -8 d: as the JAX twin holds it
