@@ -1,12 +1,13 @@
 """How long `jax_llama.load` takes to read a GGUF file, and its peak memory, beside other code.
 
-    python scripts/load_speed.py [--files PATH,...] [--modes nearest,float32] [--rounds 3]
+    python scripts/load_speed.py [--files PATH,...] [--modes nearest,float32,torch-nearest] [--rounds 3]
         [--incumbent DIR] [--out results/formats]
 
 Each (file, mode) load runs in a process of its own: `jax_llama.load(FILE, nearest=True)` (each
 tensor in its nearest quantised layout: Q4_0 / Q4_1 as 4-bit weights, Q8_0 as int8 rows; the
-default for a quantised GGUF) or `jax_llama.load(FILE, dtype="float32")` (every tensor
-dequantised), until the params are on the device. It reports the wall time of the load (the
+default for a quantised GGUF), `jax_llama.load(FILE, dtype="float32")` (every tensor
+dequantised), until the params are on the device, or `torch_llama.load(FILE, device="cpu",
+nearest=True)` (torch-nearest). It reports the wall time of the load (the
 process's start-up and imports not counted), the process's peak RSS, and a digest of the params'
 bytes. With --incumbent DIR (a checkout, e.g. `git worktree add /tmp/before HEAD~1`), each load
 also runs from DIR, alternating, and the digests must agree (the same params). The files are
@@ -25,24 +26,31 @@ from pathlib import Path
 
 from llama_twins.bench.common import code_paths, code_paths_line
 
-MODES = ("nearest", "float32")
+MODES = ("nearest", "float32", "torch-nearest")
 
 WORKER = r"""
 import hashlib, json, resource, sys, time
-import jax, numpy as np, jax_llama
+import numpy as np
 path, mode = sys.argv[1], sys.argv[2]
-t = time.perf_counter()
-if mode == "nearest":
-    model, params = jax_llama.load(path, nearest=True)
+if mode == "torch-nearest":
+    import torch_llama
+    t = time.perf_counter()
+    leaves = [v.numpy() for v in torch_llama.load(path, device="cpu", nearest=True).state_dict().values()]
 else:
-    model, params = jax_llama.load(path, dtype="float32")
-jax.block_until_ready(params)
+    import jax, jax_llama
+    t = time.perf_counter()
+    if mode == "nearest":
+        model, params = jax_llama.load(path, nearest=True)
+    else:
+        model, params = jax_llama.load(path, dtype="float32")
+    jax.block_until_ready(params)
+    leaves = jax.tree.leaves(params)
 seconds = time.perf_counter() - t
 digest = hashlib.sha256()
-for leaf in jax.tree.leaves(params):
+for leaf in leaves:
     digest.update(np.asarray(leaf).tobytes())
 print(json.dumps({"load_s": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "params_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(params)),
+                  "params_bytes": sum(leaf.nbytes for leaf in leaves),
                   "digest": digest.hexdigest()[:16]}))
 """
 
@@ -69,7 +77,8 @@ def render(r: dict) -> list[str]:
                 f"{(r.get('incumbent_commit') or 'unrecorded')[:12]}; the speed-up is the median "
                 "of the rounds' ratios, their spread beside it)" if r["incumbent"] else "")
              + ". nearest: `jax_llama.load(FILE, nearest=True)`; float32: `jax_llama.load(FILE, "
-               "dtype=\"float32\")`; load: until the params are on the device."
+               "dtype=\"float32\")`; torch-nearest: `torch_llama.load(FILE, device=\"cpu\", "
+               "nearest=True)`; load: until the params are on the device."
              + code_paths_line(r.get("paths")), ""]
     head = "| file | mode | load (s) | peak RSS (GiB) | params (GiB) |"
     rule = "|---|---|---|---|---|"
