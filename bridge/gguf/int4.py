@@ -90,3 +90,64 @@ def _repacked(qs: np.ndarray) -> np.ndarray:
     high = ((words >> _4) & _LOW) | ((words >> _8) & _HIGH)  # byte 8 + k's
     both = (low | (high << _8)).view(np.uint8)  # per lane: byte k, then byte 8 + k
     return both.reshape(*qs.shape[:-1], 8, 2).swapaxes(-1, -2).reshape(qs.shape)
+
+
+# -- Q4_K: its 4-bit q kept, its scales and minima rounded to float16 --------------------------------
+
+Q4_K_BYTES = 144  # a super-block of 256 weights: float16 d and dmin, 12 bytes of scales, 128 of q
+
+
+def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weight",
+                     chunk_bytes: int = CHUNK_BYTES, scale_dtype=np.float16
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """The raw blocks of a Q4_K tensor of canonical `shape` (out, in) -> (packed (out, in / 2)
+    uint8, scale, min (out, in / 32) in `scale_dtype`, the squared sums of the change and of the
+    weights).
+
+    A Q4_K super-block (ggml-common.h, block_q4_K) is eight groups of 32 weights, w = d sc_j q -
+    dmin m_j, with 6-bit sc_j and m_j (unpacked by gguf's own Q4_K.get_scale_min) and each 64
+    weights' 32 bytes holding the first group's q in their low nibbles and the second's in their
+    high ones: bridge.int4's layout with scale d sc_j and minimum -dmin m_j. Those are exact in
+    float32 (a float16 times six bits), where bridge.int4.dequantize_int4 gives llama.cpp's
+    numbers bit for bit; rounded to float16 (the layout's scales) they change each weight by at
+    most q |d sc_j| 2^-11 + |dmin m_j| 2^-11, and the sums say by how much in all. Rows about
+    chunk_bytes of blocks at a time, on the CPU's cores (bridge.parallel)."""
+    import gguf
+
+    O, I = shape
+    if I % 256:
+        raise BridgeError(f"tensor '{name}': {I} input columns are not whole Q4_K super-blocks "
+                          f"of 256")
+    n = I // 256
+    raw = np.ascontiguousarray(raw, np.uint8)
+    if raw.size != O * n * Q4_K_BYTES:
+        raise BridgeError(f"tensor '{name}': {raw.size} bytes of Q4_K blocks, its shape {shape} "
+                          f"needs {O * n * Q4_K_BYTES}")
+    blocks = raw.reshape(O, n, Q4_K_BYTES)
+    packed = np.empty((O, I // 2), np.uint8)
+    scale, low = (np.empty((O, n * 8), scale_dtype) for _ in range(2))
+
+    def convert(start: int, stop: int) -> tuple[float, float, bool]:
+        b = blocks[start:stop].reshape(-1, Q4_K_BYTES)
+        d, dmin = (b[:, k:k + 2].copy().view(np.float16).astype(np.float32) for k in (0, 2))
+        sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])
+        d_exact = d * sc.reshape(-1, 8).astype(np.float32)       # (blocks, 8): exact
+        m_exact = -(dmin * m.reshape(-1, 8).astype(np.float32))  # exact
+        qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 4 x 64 weights: low nibbles, then high ones
+        q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0xF).reshape(-1, 8, 32)
+        d_held, m_held = d_exact.astype(scale_dtype), m_exact.astype(scale_dtype)
+        rows = stop - start
+        packed[start:stop] = (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(rows, I // 2)
+        scale[start:stop], low[start:stop] = (a.reshape(rows, n * 8) for a in (d_held, m_held))
+        qf = q.astype(np.float32)
+        w = qf * d_exact[..., None] + m_exact[..., None]  # llama.cpp's weights
+        change = (qf * d_held.astype(np.float32)[..., None] + m_held.astype(np.float32)[..., None]
+                  - w)
+        finite = bool(np.all(np.isfinite(d_held)) and np.all(np.isfinite(m_held)))
+        return float(np.dot(change.ravel(), change.ravel())), float(np.dot(w.ravel(), w.ravel())), finite
+
+    sums = by_chunks(convert, O, chunk_bytes // max(1, n * Q4_K_BYTES))
+    if not all(finite for _, _, finite in sums):
+        raise BridgeError(f"tensor '{name}': a Q4_K scale or minimum beyond float16's range, or "
+                          f"not finite")
+    return packed, scale, low, sum(c for c, _, _ in sums), sum(w for _, w, _ in sums)

@@ -132,6 +132,19 @@ class GGUFCheckpoint(Checkpoint):
             return None
         return from_q4_blocks(self._file.raw(t), qtype.name, tuple(t.shape), name)
 
+    def int4_rounded(self, name: str):
+        """A Q4_K tensor in bridge.int4's layout, its q as the file holds them and its scales and
+        minima rounded to float16 (bridge.gguf.int4.from_q4_k_blocks): (packed, scale, min, the
+        squared sums of the change and of the weights); None for any other type."""
+        from .int4 import from_q4_k_blocks
+
+        if name not in self._tensors:
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
+        t, qtype = self._tensors[name]
+        if qtype.name != "Q4_K" or len(t.shape) != 2:
+            return None
+        return from_q4_k_blocks(self._file.raw(t), tuple(t.shape), name)
+
     def own_tokenizer(self) -> Tokenizer:
         """The file's vocabulary, rebuilt to tokenize as llama.cpp does, from the keys read on
         opening; BridgeError naming the file when there is none we rebuild."""
