@@ -76,20 +76,21 @@ _4, _8 = np.uint64(4), np.uint64(8)
 
 
 def _repacked(qs: np.ndarray) -> np.ndarray:
-    """A block's 16 bytes of nibbles (..., 16) -> bridge.int4's 16 bytes. Byte j of a block holds
-    its inputs j and j + 16; bridge.int4's byte k holds 2k and 2k + 1. So byte k < 8 pairs the low
-    nibbles of bytes 2k and 2k + 1, and byte 8 + k their high nibbles: in 64-bit words, a 16-bit
-    lane (bytes 2k, 2k + 1) gives both at once (its low byte's nibble, then the high byte's, in
-    each), the lanes' two results interleaved and then split into the two halves. Little-endian
-    words (every CPU numpy runs on here); else byte by byte, the same numbers."""
+    """Runs of 2n bytes of nibbles (..., 2n) -> bridge.int4's bytes: a Q4_0 / Q4_1 block's 16
+    (n = 16 weights a half), or 32 of a Q4_K super-block's (n = 32). Byte j of a run holds its
+    inputs j and j + n; bridge.int4's byte k holds 2k and 2k + 1. So byte k < n / 2 pairs the low
+    nibbles of bytes 2k and 2k + 1, and byte n / 2 + k their high nibbles: in 64-bit words, a
+    16-bit lane (bytes 2k, 2k + 1) gives both at once (its low byte's nibble, then the high
+    byte's, in each), the lanes' two results interleaved and then split into the two halves.
+    Little-endian words (every CPU numpy runs on here); else byte by byte, the same numbers."""
     if sys.byteorder != "little":
         even, odd = qs[..., 0::2], qs[..., 1::2]
         return np.concatenate([(even & 0xF) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
-    words = np.ascontiguousarray(qs).view(np.uint64)  # (..., 2)
+    words = np.ascontiguousarray(qs).view(np.uint64)  # (..., 2n / 8)
     low = (words & _LOW) | ((words >> _4) & _HIGH)           # byte k's value in lane k
-    high = ((words >> _4) & _LOW) | ((words >> _8) & _HIGH)  # byte 8 + k's
-    both = (low | (high << _8)).view(np.uint8)  # per lane: byte k, then byte 8 + k
-    return both.reshape(*qs.shape[:-1], 8, 2).swapaxes(-1, -2).reshape(qs.shape)
+    high = ((words >> _4) & _LOW) | ((words >> _8) & _HIGH)  # byte n / 2 + k's
+    both = (low | (high << _8)).view(np.uint8)  # per lane: byte k, then byte n / 2 + k
+    return both.reshape(*qs.shape[:-1], qs.shape[-1] // 2, 2).swapaxes(-1, -2).reshape(qs.shape)
 
 
 # -- Q4_K: its 4-bit q kept, its scales and minima rounded to float16 --------------------------------
@@ -129,22 +130,28 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
 
     def convert(start: int, stop: int) -> tuple[float, float, bool]:
         b = blocks[start:stop].reshape(-1, Q4_K_BYTES)
-        d, dmin = (b[:, k:k + 2].copy().view(np.float16).astype(np.float32) for k in (0, 2))
+        d, dmin = (b[:, k:k + 2].copy().view(np.float16).astype(np.float64) for k in (0, 2))
         sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])
-        d_exact = d * sc.reshape(-1, 8).astype(np.float32)       # (blocks, 8): exact
-        m_exact = -(dmin * m.reshape(-1, 8).astype(np.float32))  # exact
-        qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 4 x 64 weights: low nibbles, then high ones
-        q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0xF).reshape(-1, 8, 32)
-        d_held, m_held = d_exact.astype(scale_dtype), m_exact.astype(scale_dtype)
+        d_exact = d * sc.reshape(-1, 8)       # (blocks, 8): exact (as in float32)
+        m_exact = -(dmin * m.reshape(-1, 8))  # exact
+        qs = b[:, 16:].reshape(-1, 4, 32)  # 4 x 64 weights: the first 32's q in the low nibbles
         rows = stop - start
-        packed[start:stop] = (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(rows, I // 2)
+        packed[start:stop] = _repacked(qs).reshape(rows, I // 2)
+        d_held, m_held = d_exact.astype(scale_dtype), m_exact.astype(scale_dtype)
         scale[start:stop], low[start:stop] = (a.reshape(rows, n * 8) for a in (d_held, m_held))
-        qf = q.astype(np.float32)
-        w = qf * d_exact[..., None] + m_exact[..., None]  # llama.cpp's weights
-        change = (qf * d_held.astype(np.float32)[..., None] + m_held.astype(np.float32)[..., None]
-                  - w)
+        # each group's sums of q and q^2 give both squared sums: sum (q d + m)^2 over a group is
+        # d^2 S2 + 2 d m S1 + 32 m^2, and the change's likewise with d and m the rounding's
+        nibbles = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32)  # groups in order
+        s1 = nibbles.sum(axis=-1, dtype=np.uint32).astype(np.float64)
+        s2 = (nibbles.astype(np.uint16) ** 2).sum(axis=-1, dtype=np.uint32).astype(np.float64)
+
+        def squares(dg, mg):
+            return float(np.sum(dg * dg * s2 + 2 * dg * mg * s1 + 32 * mg * mg))
+
+        dd = d_held.astype(np.float64) - d_exact
+        dm = m_held.astype(np.float64) - m_exact
         finite = bool(np.all(np.isfinite(d_held)) and np.all(np.isfinite(m_held)))
-        return float(np.dot(change.ravel(), change.ravel())), float(np.dot(w.ravel(), w.ravel())), finite
+        return (squares(dd, dm) if finite else 0.0), squares(d_exact, m_exact), finite
 
     sums = by_chunks(convert, O, chunk_bytes // max(1, n * Q4_K_BYTES))
     if not all(finite for _, _, finite in sums):
