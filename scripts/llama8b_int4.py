@@ -283,10 +283,16 @@ def markdown(r: dict, cpu: str, memory: int) -> list[str]:
     def gb(x):
         return f"{x / GIB:.2f} GiB"
 
+    types = r["synth"].get("types") or {"Q4_0": 1}  # the file's types, most common first
+    quantised = [t for t in types if t not in ("F32", "F16", "BF16")]
+    kind = quantised[0] if quantised else "Q4_0"
+    blocks = ", ".join(f"{t} x{n}" for t, n in types.items()) if r["synth"].get("types") else kind
+
     lines = [f"# LLaMA 3 8B's layout at its size: 4-bit and int8 on a {memory / GIB:.0f} GiB machine",
              "", f"{cpu}; `python scripts/llama8b_int4.py --new {r['new']} --seq {r['seq']} "
              f"--rounds {r.get('rounds', 1)}`; "
-             f"random weights at realistic scales written as Q4_0 blocks ({gb(r['synth']['bytes'])}"
+             f"random weights at realistic scales written as {blocks} blocks "
+             f"({gb(r['synth']['bytes'])}"
              + (" on disk, the file an earlier run wrote, reused)." if r["synth"].get("reused") else
                 f" on disk, written in {r['synth']['seconds']:.0f} s, peak RSS "
                 f"{gb(r['synth']['peak_rss'])}).") + code_paths_line(r.get("paths")), "",
@@ -326,7 +332,7 @@ def markdown(r: dict, cpu: str, memory: int) -> list[str]:
         ratio = float(np.median(ratios))
         same = x["tokens"] == lcpp["tokens"]
         spread = f" (rounds {min(ratios):.2f}-{max(ratios):.2f}x)" if len(ratios) > 1 else ""
-        lines += ["", f"{name} against llama.cpp Q4_0 on the same file: {ratio:.2f}x{spread} "
+        lines += ["", f"{name} against llama.cpp {kind} on the same file: {ratio:.2f}x{spread} "
                   f"(target 0.9x: {'met' if ratio >= 0.9 else 'not met'}); greedy tokens "
                   f"{'the same' if same else 'differ'} ({x['tokens'][:8]} ... against "
                   f"{lcpp['tokens'][:8]} ...)."]
@@ -350,7 +356,8 @@ def markdown(r: dict, cpu: str, memory: int) -> list[str]:
 def main(argv=None) -> int:
     global PRESET
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--file", help="the Q4_0 GGUF to use (written there if absent, and kept)")
+    parser.add_argument("--file", help="the GGUF to use (a Q4_0 one written there if absent, and "
+                                       "kept; load_speed.py --write-q4-k makes a Q4_K one from it)")
     parser.add_argument("--new", type=int, default=16, help="tokens decoded (default 16)")
     parser.add_argument("--seq", type=int, default=512, help="tokens of the QLoRA step (512)")
     parser.add_argument("--out", default=str(ROOT / "results" / "llama8b"))
@@ -375,7 +382,9 @@ def main(argv=None) -> int:
               f"{e['int8_params'] / GIB:.2f} GiB, KV cache of {CACHE} slots "
               f"{e['kv_cache_8k'] / GIB:.2f} GiB (float32)", file=sys.stderr)
         if path.exists():
-            r["synth"] = {"reused": True, "bytes": path.stat().st_size}
+            from bridge.formats import open_checkpoint
+            r["synth"] = {"reused": True, "bytes": path.stat().st_size,
+                          "types": open_checkpoint(path).tensor_types}
         else:
             r["synth"] = spawn("synth", path, args)
             if isinstance(r["synth"], str):
