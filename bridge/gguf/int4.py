@@ -52,7 +52,7 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
     def repack(start: int, stop: int) -> None:
         b = blocks[start:stop]
         fields[start:stop] = b[..., :head].copy().view(np.float16)
-        packed[start:stop] = _repacked(b[..., head:])
+        _repacked(b[..., head:], out=packed[start:stop])
 
     by_chunks(repack, O, chunk_bytes // max(1, G * size))
     d = np.ascontiguousarray(fields[..., 0])
@@ -70,27 +70,34 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
 _F16_8188, _F16_INF = np.float16(8188).view(np.uint16), np.float16(np.inf).view(np.uint16)
 
 
-# each 16-bit lane of a 64-bit word: its low byte's nibble, and its high byte's
-_LOW, _HIGH = np.uint64(0x000F000F000F000F), np.uint64(0x00F000F000F000F0)
-_4, _8 = np.uint64(4), np.uint64(8)
+# bits 4-7 of each 16-bit lane of a 64-bit word: its low byte's high nibble
+_MIDDLE, _4 = np.uint64(0x00F000F000F000F0), np.uint64(4)
 
 
-def _repacked(qs: np.ndarray) -> np.ndarray:
-    """Runs of 2n bytes of nibbles (..., 2n) -> bridge.int4's bytes: a Q4_0 / Q4_1 block's 16
-    (n = 16 weights a half), or 32 of a Q4_K super-block's (n = 32). Byte j of a run holds its
-    inputs j and j + n; bridge.int4's byte k holds 2k and 2k + 1. So byte k < n / 2 pairs the low
-    nibbles of bytes 2k and 2k + 1, and byte n / 2 + k their high nibbles: in 64-bit words, a
-    16-bit lane (bytes 2k, 2k + 1) gives both at once (its low byte's nibble, then the high
-    byte's, in each), the lanes' two results interleaved and then split into the two halves.
-    Little-endian words (every CPU numpy runs on here); else byte by byte, the same numbers."""
+def _repacked(qs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Runs of 2n bytes of nibbles (..., 2n) -> bridge.int4's bytes, written into `out` (the
+    same shape) where given: a Q4_0 / Q4_1 block's 16 (n = 16 weights a half), or 32 of a Q4_K
+    super-block's (n = 32). Byte j of a run holds its inputs j and j + n; bridge.int4's byte k
+    holds 2k and 2k + 1. So byte k < n / 2 pairs the low nibbles of bytes 2k and 2k + 1, and byte
+    n / 2 + k their high nibbles: in 64-bit words, each 16-bit lane (bytes 2k, 2k + 1: nibbles
+    b_hi b_lo a_hi a_lo from the top) has its middle two nibbles swapped (b_hi a_hi b_lo a_lo: its
+    low byte is byte k's value, its high byte byte n / 2 + k's), and the lanes' bytes are then
+    split into the two halves. Little-endian words (every CPU numpy runs on here); else byte by
+    byte, the same numbers."""
+    out = np.empty(qs.shape, np.uint8) if out is None else out
+    assert out.flags.c_contiguous  # written through a reshaped view of it
     if sys.byteorder != "little":
         even, odd = qs[..., 0::2], qs[..., 1::2]
-        return np.concatenate([(even & 0xF) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1)
+        out[...] = np.concatenate([(even & 0xF) | (odd << 4), (even >> 4) | (odd & 0xF0)],
+                                  axis=-1)
+        return out
     words = np.ascontiguousarray(qs).view(np.uint64)  # (..., 2n / 8)
-    low = (words & _LOW) | ((words >> _4) & _HIGH)           # byte k's value in lane k
-    high = ((words >> _4) & _LOW) | ((words >> _8) & _HIGH)  # byte n / 2 + k's
-    both = (low | (high << _8)).view(np.uint8)  # per lane: byte k, then byte n / 2 + k
-    return both.reshape(*qs.shape[:-1], qs.shape[-1] // 2, 2).swapaxes(-1, -2).reshape(qs.shape)
+    swap = ((words >> _4) ^ words) & _MIDDLE  # b_lo ^ a_hi, where a_hi is
+    both = (words ^ swap ^ (swap << _4)).view(np.uint8)
+    half = qs.shape[-1] // 2
+    out.reshape(*qs.shape[:-1], 2, half)[...] = both.reshape(
+        *qs.shape[:-1], half, 2).swapaxes(-1, -2)
+    return out
 
 
 # -- Q4_K: its 4-bit q kept, its scales and minima rounded to float16 --------------------------------
@@ -136,7 +143,7 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
         m_exact = -(dmin * m.reshape(-1, 8))  # exact
         qs = b[:, 16:].reshape(-1, 4, 32)  # 4 x 64 weights: the first 32's q in the low nibbles
         rows = stop - start
-        packed[start:stop] = _repacked(qs).reshape(rows, I // 2)
+        _repacked(qs, out=packed[start:stop].reshape(-1, 4, 32))
         d_held, m_held = d_exact.astype(scale_dtype), m_exact.astype(scale_dtype)
         scale[start:stop], low[start:stop] = (a.reshape(rows, n * 8) for a in (d_held, m_held))
         # each group's sums of q and q^2 give both squared sums: sum (q d + m)^2 over a group is
