@@ -52,14 +52,12 @@ def measure(tree: str | None, shape: str) -> float:
 
 
 def render(r: dict) -> list[str]:
-    from llama_twins.bench.common import speed_up
+    from llama_twins.bench.common import incumbent_clause, speed_up
     cpu = (r.get("cpu") or {}).get("model_name") or "CPU unrecorded"
     lines = ["# A decode step's attention over a long KV cache, in the decode kernel", "",
              f"{cpu}; batch 1; one call a layer, each query depending on the last output; median "
              f"of 20 steps a process, then of {r['rounds']} rounds"
-             + (f", alternating with the incumbent ({r['incumbent']}, commit "
-                f"{(r.get('incumbent_commit') or 'unrecorded')[:12]}; the speed-up: the median "
-                f"of the rounds' ratios)" if r["incumbent"] else "") + ".", ""]
+             + incumbent_clause(r) + ".", ""]
     head = "| shape | layers | kv heads x queries | head dim | slots | filled | step (ms) |"
     rule = "|---|---|---|---|---|---|---|"
     if r["incumbent"]:

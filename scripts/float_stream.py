@@ -75,15 +75,13 @@ def measure(tree: str | None, weights: str, batch: int, args) -> dict:
 
 
 def render(r: dict) -> list[str]:
-    from llama_twins.bench.common import speed_up
+    from llama_twins.bench.common import incumbent_clause, speed_up
     cpu = (r.get("cpu") or {}).get("model_name") or "CPU unrecorded"
     lines = ["# The float32 and int8 decode kernels streaming SmolLM2's projections and head", "",
              f"{cpu}; a pass is one decode step's projection calls over {LAYERS} layers and the "
              f"tied head, {r['chain']} passes in one program, median of {r['repeats']} programs a "
              f"process, then the median of {r['rounds']} rounds"
-             + (f", alternating with the incumbent ({r['incumbent']}, commit "
-                f"{(r.get('incumbent_commit') or 'unrecorded')[:12]}; the speed-up is the median "
-                "of the rounds' ratios, their spread beside it)" if r["incumbent"] else "")
+             + incumbent_clause(r)
              + ". GB/s: the weights' bytes (4 a float32 weight, 1 an int8 one) over a pass."
              + code_paths_line(r.get("paths")), ""]
     head = "| weights | batch | pass (ms) | GB/s |"

@@ -84,16 +84,13 @@ def measure(tree: str | None, shape: str, activations: str, args) -> dict:
 
 
 def render(r: dict) -> list[str]:
-    from llama_twins.bench.common import speed_up
+    from llama_twins.bench.common import incumbent_clause, speed_up
     cpu = (r.get("cpu") or {}).get("model_name") or "CPU unrecorded"
     lines = ["# The 4-bit decode kernel streaming a model's projections", "",
              f"{cpu}; batch 1; a pass is one decode step's 4-bit calls over the layers timed,"
              f" {r['chain']} passes in one program, median of {r['repeats']} programs a "
              f"process, then the median of {r['rounds']} rounds"
-             + (f", alternating with the incumbent ({r['incumbent']}, commit "
-                f"{(r.get('incumbent_commit') or 'unrecorded')[:12]})" if r["incumbent"] else "")
-             + (" (the speed-up: the median of the rounds' ratios, their spread beside it)"
-                if r["incumbent"] else "")
+             + incumbent_clause(r)
              + ". GB/s: the weights' bytes (half a byte a weight, a scale and a minimum per 32: "
              f"float16 scales 0.625 bytes a weight, float32 ones 0.75); scales here "
              f"{r.get('scales', 'float32')}, minima {r.get('minima', 'held')}"

@@ -110,14 +110,12 @@ def read_through(path: str) -> None:
 
 
 def render(r: dict) -> list[str]:
-    from llama_twins.bench.common import speed_up
+    from llama_twins.bench.common import incumbent_clause, speed_up
     cpu = (r.get("cpu") or {}).get("model_name") or "CPU unrecorded"
     lines = ["# Loading a GGUF file", "",
              f"{cpu}, {r['cores']} cores; each load a process of its own, the file in the page "
              f"cache, the median of {r['rounds']} rounds"
-             + (f", alternating with the incumbent ({r['incumbent']}, commit "
-                f"{(r.get('incumbent_commit') or 'unrecorded')[:12]}; the speed-up is the median "
-                "of the rounds' ratios, their spread beside it)" if r["incumbent"] else "")
+             + incumbent_clause(r)
              + ". nearest: `jax_llama.load(FILE, nearest=True)`; float32: `jax_llama.load(FILE, "
                "dtype=\"float32\")`; torch-nearest: `torch_llama.load(FILE, device=\"cpu\", "
                "nearest=True)`; load: until the params are on the device."

@@ -244,8 +244,9 @@ def test_a_llama_cpp_file_without_our_keys(tmp_path):
 
 def rewrite(src: Path, dst: Path, drop: str = "\0", tensors=None, arch=None, add=None) -> Path:
     """A copy of a GGUF file through gguf's reader and writer, without the keys starting with
-    `drop`, with some tensors changed (name -> function of the array), `add(writer)` adding
-    more keys or tensors, under architecture `arch`."""
+    `drop`, with some tensors changed (name -> function of the array, giving an array, or an
+    array of blocks and its GGML type), `add(writer)` adding more keys or tensors, under
+    architecture `arch`."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, arch or "llama")
     for key, f in reader.fields.items():
@@ -256,9 +257,9 @@ def rewrite(src: Path, dst: Path, drop: str = "\0", tensors=None, arch=None, add
     if add is not None:
         add(writer)
     for t in reader.tensors:
-        data = np.array(t.data)
-        data = (tensors or {}).get(t.name, lambda a: a)(data)
-        writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        changed = (tensors or {}).get(t.name, lambda a: a)(np.array(t.data))
+        data, qtype = changed if isinstance(changed, tuple) else (changed, t.tensor_type)
+        writer.add_tensor(t.name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -425,22 +426,12 @@ def test_every_type_gguf_dequantises_is_read_as_gguf_reads_it(tmp_path, monkeypa
     for qtype in QUANTISED:
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         path = tmp_path / f"{qtype.name}.gguf"
-        reader = gguf.GGUFReader(gg)
-        writer = gguf.GGUFWriter(path, "llama")
-        for key, f in reader.fields.items():
-            if not key.startswith("GGUF.") and key != "general.architecture":
-                sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-                writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-        for t in reader.tensors:
-            data = np.array(t.data)
-            if data.ndim == 2:  # random blocks of qtype in place of the float32 rows
-                data = rng.integers(0, 256, (data.shape[0], data.shape[1] // block * size),
-                                    np.uint8)
-            writer.add_tensor(t.name, data, raw_dtype=qtype if data.ndim == 2 else t.tensor_type)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+
+        def blocks(a, qtype=qtype, block=block, size=size):  # in place of the float32 rows
+            return rng.integers(0, 256, (a.shape[0], a.shape[1] // block * size), np.uint8), qtype
+
+        rewrite(gg, path, tensors={t.name: blocks for t in gguf.GGUFReader(gg).tensors
+                                   if len(t.shape) == 2})
         ckpt = open_checkpoint(path)
         assert qtype.name in ckpt.tensor_types, qtype.name
         for t in gguf.GGUFReader(path).tensors:
@@ -608,24 +599,10 @@ def test_a_q4_k_file_loads_as_4_bit_values_as_stored(tmp_path, capsys):
     config = CFG.replace(dim=256, ffn_dim=512, n_layers=1, n_heads=2, n_kv_heads=1)
     gg = convert(save(tmp_path / "src", config), tmp_path / "f32.gguf", "gguf", progress=False)
     rng = np.random.default_rng(0)
-    reader = gguf.GGUFReader(gg)
-    path = tmp_path / "q4_k.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    for key, f in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    for t in reader.tensors:
-        data = np.array(t.data)
-        if data.ndim == 2 and t.name != "token_embd.weight":
-            writer.add_tensor(t.name, _q4_k_blocks(rng, *data.shape),
-                              raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-        else:
-            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = rewrite(gg, tmp_path / "q4_k.gguf", tensors={
+        t.name: lambda a: (_q4_k_blocks(rng, *a.shape), gguf.GGMLQuantizationType.Q4_K)
+        for t in gguf.GGUFReader(gg).tensors
+        if len(t.shape) == 2 and t.name != "token_embd.weight"})
     ckpt = open_checkpoint(path)
     near = nearest_reader(ckpt, ckpt.tensor, ckpt.config)
     name = "layers.0.feed_forward.w1.weight"

@@ -629,6 +629,25 @@ def test_int8_as_it_is_read_is_quantize_after_loading(gguf_files):
         torch_llama.load(path, device="cpu", int8=True, nearest=True)
 
 
+def counting_bar(monkeypatch) -> tuple[list, list]:
+    """(the ticks, the totals) of every progress bar a load opens (bridge.progress.bar)."""
+    counted, totals = [], []
+    monkeypatch.setattr("bridge.progress.bar", lambda **kw: (totals.append(kw["total"]), type(
+        "Bar", (), {"update": lambda self, n: counted.append(n), "__enter__": lambda self: self,
+                    "__exit__": lambda self, *a: None, "close": lambda self: None})())[1])
+    return counted, totals
+
+
+def recording_slices(monkeypatch) -> list:
+    """The names a GGUF's tensor_slice reads, in order, as it reads them."""
+    from bridge.gguf.read import GGUFCheckpoint
+
+    sliced, read_slice = [], GGUFCheckpoint.tensor_slice
+    monkeypatch.setattr(GGUFCheckpoint, "tensor_slice", lambda self, name, index: (
+        sliced.append(name), read_slice(self, name, index))[1])
+    return sliced
+
+
 def test_int8_rows_are_read_and_quantised_a_chunk_of_rows_at_a_time_with_the_same_numbers(
         gguf_files, monkeypatch, tmp_path_factory):
     """A GGUF's tensor_slice of leading rows dequantises only those rows, the numbers of the
@@ -650,13 +669,8 @@ def test_int8_rows_are_read_and_quantised_a_chunk_of_rows_at_a_time_with_the_sam
                 ((slice(0, 1), slice(None)), (slice(None), slice(5, 9))) if whole.ndim == 2 else ()):
             np.testing.assert_array_equal(ckpt.tensor_slice(name, index), whole[index])
     monkeypatch.setattr(bridge.int4, "ROWS_CHUNK_ELEMENTS", 64 * 10)  # 10 rows a chunk
-    counted, totals = [], []
-    monkeypatch.setattr("bridge.progress.bar", lambda **kw: (totals.append(kw["total"]), type(
-        "Bar", (), {"update": lambda self, n: counted.append(n), "__enter__": lambda self: self,
-                    "__exit__": lambda self, *a: None, "close": lambda self: None})())[1])
-    sliced, read_slice = [], GGUFCheckpoint.tensor_slice
-    monkeypatch.setattr(GGUFCheckpoint, "tensor_slice", lambda self, name, index: (
-        sliced.append(name), read_slice(self, name, index))[1])
+    counted, totals = counting_bar(monkeypatch)
+    sliced = recording_slices(monkeypatch)
     _, by_rows = jax_llama.load(gguf_files["q4_0"], nearest=True)
     assert len(counted) == totals[-1] == len(ckpt.specs)  # every tensor, those read by rows too
     quantised = tmp_path_factory.mktemp("stored") / "int4"  # a 4-bit native checkpoint's too
@@ -757,13 +771,8 @@ def test_the_torch_twin_reads_rows_as_the_jax_twin_does_and_counts_every_tensor(
     from bridge.gguf.read import GGUFCheckpoint
 
     monkeypatch.setattr(bridge.int4, "ROWS_CHUNK_ELEMENTS", 64 * 10)  # 10 rows a chunk
-    counted, totals = [], []
-    monkeypatch.setattr("bridge.progress.bar", lambda **kw: (totals.append(kw["total"]), type(
-        "Bar", (), {"update": lambda self, n: counted.append(n), "__enter__": lambda self: self,
-                    "__exit__": lambda self, *a: None, "close": lambda self: None})())[1])
-    sliced, read_slice = [], GGUFCheckpoint.tensor_slice
-    monkeypatch.setattr(GGUFCheckpoint, "tensor_slice", lambda self, name, index: (
-        sliced.append(name), read_slice(self, name, index))[1])
+    counted, totals = counting_bar(monkeypatch)
+    sliced = recording_slices(monkeypatch)
     path = gguf_files["q4_0"]
     by_rows = torch_llama.load(path, device="cpu", nearest=True).state_dict()
     assert sum(counted) == totals[-1] == len(GGUFCheckpoint(path).specs)

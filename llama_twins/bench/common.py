@@ -230,6 +230,16 @@ def against_incumbent(keys: list, incumbent: str | None, rounds: int, measure, d
     return runs
 
 
+def incumbent_clause(r: dict) -> str:
+    """', alternating with the incumbent (DIR, commit C; ...)' for a result's description where
+    it ran beside another checkout (r["incumbent"], r["incumbent_commit"]), else ''."""
+    if not r.get("incumbent"):
+        return ""
+    return (f", alternating with the incumbent ({r['incumbent']}, commit "
+            f"{(r.get('incumbent_commit') or 'unrecorded')[:12]}; the speed-up is the median of "
+            "the rounds' ratios, their spread beside it)")
+
+
 def speed_up(incumbent_s: list[float], this_s: list[float]) -> str:
     """The median of the rounds' ratios (the incumbent's time over this one's), their spread
     beside it: '1.09x (1.08-1.12x)'."""
