@@ -579,6 +579,7 @@ def test_q4_k_keeps_its_4_bit_values_and_rounds_only_its_scales():
     assert np.all(diff <= bound) and diff.max() > 0
     want = ((ours.astype(np.float64) - theirs) ** 2).sum() / (theirs.astype(np.float64) ** 2).sum()
     assert change / norm == pytest.approx(want, rel=1e-3)
+    assert norm == pytest.approx((theirs.astype(np.float64) ** 2).sum(), rel=1e-9)
     swapped = unpack(packed).reshape(37, 2, 4, 2, 32)[:, :, :, ::-1].reshape(37, 512)
     assert np.abs(dequantize_int4(pack(swapped), d, m) - theirs).max() > 100 * bound.max()
     with pytest.raises(BridgeError, match="'w1': 100 bytes of Q4_K blocks"):

@@ -156,6 +156,23 @@ def test_4_bit_params_are_saved_and_read_back_bit_for_bit_by_both_twins(tmp_path
     assert np.abs(ours - torch_logits(tmodel, tokens)).max() <= 1e-5 * max(1, np.abs(ours).max())
 
 
+def test_minima_are_implied_only_where_every_one_is_minus_8_scale():
+    """minima_implied looks at a weight's first minima before all of them (a Q4_K weight's
+    answer, no, comes at once); a weight whose only odd minimum is its last, past that first
+    look, is still seen to hold its own; None (a Q4_0 reader's) is implied."""
+    from bridge.int4 import minima_implied
+
+    d = np.random.default_rng(5).standard_normal((40, 96)).astype(np.float16)
+    m = d * np.float16(-8)
+    assert minima_implied(d, m) and minima_implied(d, None)
+    for index in ((0, 0), (39, 95), (20, 7)):
+        odd = m.copy()
+        odd[index] += np.float16(1)
+        assert not minima_implied(d, odd), index
+    assert not minima_implied(d, m.astype(np.float32))  # another dtype: held as it is
+    assert not minima_implied(d, m[:, :48])
+
+
 def test_q4_0s_minima_are_held_by_neither_twin_and_saved_as_minus_8_scale(tmp_path):
     """4-bit weights whose minima are all -8 times their scales (llama.cpp's Q4_0) load without
     them in both twins (0.5625 bytes a weight), compute what they compute with them held (bit for

@@ -137,7 +137,8 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
 
     def convert(start: int, stop: int) -> tuple[float, float, bool]:
         b = blocks[start:stop].reshape(-1, Q4_K_BYTES)
-        d, dmin = (b[:, k:k + 2].copy().view(np.float16).astype(np.float64) for k in (0, 2))
+        d_dmin = b[:, :4].copy().view(np.float16).astype(np.float64)  # (blocks, 2)
+        d, dmin = d_dmin[:, :1], d_dmin[:, 1:]
         sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])
         d_exact = d * sc.reshape(-1, 8)       # (blocks, 8): exact (as in float32)
         m_exact = -(dmin * m.reshape(-1, 8))  # exact
@@ -148,9 +149,7 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
         scale[start:stop], low[start:stop] = (a.reshape(rows, n * 8) for a in (d_held, m_held))
         # each group's sums of q and q^2 give both squared sums: sum (q d + m)^2 over a group is
         # d^2 S2 + 2 d m S1 + 32 m^2, and the change's likewise with d and m the rounding's
-        nibbles = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32)  # groups in order
-        s1 = nibbles.sum(axis=-1, dtype=np.uint32).astype(np.float64)
-        s2 = (nibbles.astype(np.uint16) ** 2).sum(axis=-1, dtype=np.uint32).astype(np.float64)
+        s1, s2 = _group_sums(qs)
 
         def squares(dg, mg):
             return float(np.sum(dg * dg * s2 + 2 * dg * mg * s1 + 32 * mg * mg))
@@ -165,3 +164,19 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
         raise BridgeError(f"tensor '{name}': a Q4_K scale or minimum beyond float16's range, or "
                           f"not finite")
     return packed, scale, low, sum(c for c, _, _ in sums), sum(w for _, w, _ in sums)
+
+
+def _group_sums(qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of 32 bytes of Q4_K nibbles (..., 32), each holding a group's q in its low nibbles and
+    the next group's in its high ones -> the groups' sums of q and of q^2 (-1, 8) in float64,
+    groups in order. Summed down the columns of the runs' transpose: numpy adds 32 long rows
+    where summing along each run of 32 would cost a loop a group (3x as long)."""
+    runs_T = np.ascontiguousarray(qs.reshape(-1, 32).T)  # (32, runs)
+    sums = []
+    for q in (runs_T & np.uint8(0xF), runs_T >> np.uint8(4)):  # q <= 15: q^2 fits a byte
+        first = q.sum(axis=0, dtype=np.uint16)
+        sums.append((first, np.multiply(q, q, out=q).sum(axis=0, dtype=np.uint16)))
+    (s1_low, s2_low), (s1_high, s2_high) = sums
+    s1 = np.stack([s1_low, s1_high], axis=-1).reshape(-1, 8).astype(np.float64)
+    s2 = np.stack([s2_low, s2_high], axis=-1).reshape(-1, 8).astype(np.float64)
+    return s1, s2
