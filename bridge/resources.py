@@ -32,3 +32,32 @@ def gc_paused():
     finally:
         if was:
             gc.enable()
+
+
+@contextlib.contextmanager
+def small_pages():
+    """numpy's new arrays in the kernel's ordinary 4 KB pages for the block (as it was after it).
+
+    numpy asks Linux for transparent huge pages for every array of 4 MB or more (madvise
+    MADV_HUGEPAGE). Where the kernel's THP defrag setting is "madvise" (the usual default), each
+    such page's first touch may wait while the kernel compacts memory to find 2 MB free, and a
+    machine that has just read a model's file holds that file in its page cache: the memory is
+    full and in pieces. A load fills gigabytes of fresh arrays: on the 2-core Intel Xeon VM
+    (23 GB, the 8B Q4_0 file cached) fresh arrays took 0.66-1.64 s a GiB with huge pages asked
+    for and 0.42-0.44 s without, and the torch twin's load of that file (whose arrays become its
+    tensors) 1.4x as fast (docs/explanation/performance.md). Through numpy's own switch
+    (numpy._core.multiarray._set_madvise_hugepage, as its release notes give it); a no-op where
+    numpy has none."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray
+    switch = getattr(multiarray, "_set_madvise_hugepage", None)
+    if switch is None:
+        yield
+        return
+    was = switch(False)
+    try:
+        yield
+    finally:
+        switch(was)

@@ -21,7 +21,7 @@ from bridge.formats.base import check_specs
 from bridge.int4 import minima_implied, mixture_refused, requested_reader
 from bridge.lora import read_peft
 from bridge.progress import note, reading
-from bridge.resources import gc_paused
+from bridge.resources import gc_paused, small_pages
 from bridge.quantize import MIN_SUFFIX, SCALE_SUFFIX, Quantization, checkpoint_shapes
 from bridge.tensors import canonical_shapes
 
@@ -329,7 +329,7 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
     """
     choose(attention, 1, 1)
     implementation(kernels)  # a bad name, or kernels that cannot run here, refused as early
-    with gc_paused():
+    with gc_paused(), small_pages():
         return _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, progress,
                      int4, int8, nearest)
 

@@ -17,6 +17,7 @@ from bridge.int4 import MIN_SUFFIX, minima_implied, requested_reader
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.quantize import SCALE_SUFFIX
+from bridge.resources import small_pages
 
 from .model import Llama, resolve_device, resolve_dtype
 from .quantize import int8_weights, quantization_of
@@ -40,6 +41,11 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
     each tensor a quantised file holds in its nearest layout (bridge.int4.nearest_reader), as
     jax_llama.load(..., nearest=True) reads them.
     """
+    with small_pages():  # its arrays become its tensors (bridge.resources)
+        return _load(path, device, dtype, adapter, progress, int4, int8, nearest)
+
+
+def _load(path, device, dtype, adapter, progress, int4, int8, nearest) -> Llama:
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     make = requested_reader(ckpt, int4=int4, int8=int8, nearest=nearest,
                             unsupported="an adapter" if adapter is not None else None)
