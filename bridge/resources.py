@@ -61,3 +61,32 @@ def small_pages():
         yield
     finally:
         switch(was)
+
+
+# glibc's malloc tunables (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> bool:
+    """glibc's malloc told to keep what the process frees for its next allocations: blocks up to
+    32 MiB from its heaps (never a mapping of their own) and up to 256 MiB free at a heap's top
+    before it is given back. For an application, at its start: the command-line tools call it
+    (llama_twins.cli.common.command_main); the library never does, since it would change its
+    host's allocator for good (glibc's adaptive threshold goes off once set).
+
+    A load's chunks of rows each make and free megabytes of numpy temporaries (bridge.int4's
+    int8 rows, bridge.gguf.read's dequantisation); with glibc's defaults those pages were given
+    back and faulted in again chunk after chunk. Making LLaMA 3 8B's embedding int8 rows from
+    its Q4_0 blocks took 3.07 M page faults and 2.5-3.9 s, and 0.14 M and 1.9-2.1 s with this
+    (2-core Intel Xeon VM; docs/explanation/performance.md). True where glibc took both
+    settings; False elsewhere (another C library: nothing is changed)."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) & bool(mallopt(_M_TRIM_THRESHOLD, 256 << 20))

@@ -1,7 +1,7 @@
 """How long `jax_llama.load` takes to read a GGUF file, and its peak memory, beside other code.
 
     python scripts/load_speed.py [--files PATH,...] [--modes nearest,float32,torch-nearest] [--rounds 3]
-        [--incumbent DIR] [--out results/formats]
+        [--incumbent DIR] [--as-cli] [--out results/formats]
 
 Each (file, mode) load runs in a process of its own: `jax_llama.load(FILE, nearest=True)` (each
 tensor in its nearest quantised layout: Q4_0 / Q4_1 as 4-bit weights, Q8_0 as int8 rows; the
@@ -33,6 +33,12 @@ WORKER = r"""
 import hashlib, json, resource, sys, time
 import numpy as np
 path, mode = sys.argv[1], sys.argv[2]
+if sys.argv[3] == "cli":  # as the command-line tools start, where the tree has it
+    try:
+        from bridge.resources import keep_freed_memory
+        keep_freed_memory()
+    except ImportError:
+        pass
 if mode == "torch-nearest":
     import torch_llama
     t = time.perf_counter()
@@ -97,9 +103,10 @@ def write_q4_k(source: str, path: str, layers: int, seed: int = 0) -> None:
     out.close()
 
 
-def measure(tree: str | None, path: str, mode: str) -> dict:
+def measure(tree: str | None, path: str, mode: str, as_cli: bool = False) -> dict:
     from llama_twins.bench.common import run_in_tree
-    return run_in_tree(WORKER, [path, mode], tree, None, f"{mode} load of {path}")
+    return run_in_tree(WORKER, [path, mode, "cli" if as_cli else "library"], tree, None,
+                       f"{mode} load of {path}")
 
 
 def read_through(path: str) -> None:
@@ -119,6 +126,9 @@ def render(r: dict) -> list[str]:
              + ". nearest: `jax_llama.load(FILE, nearest=True)`; float32: `jax_llama.load(FILE, "
                "dtype=\"float32\")`; torch-nearest: `torch_llama.load(FILE, device=\"cpu\", "
                "nearest=True)`; load: until the params are on the device."
+             + (" Each process first set its malloc as the command-line tools set theirs "
+                "(`bridge.resources.keep_freed_memory`, where its tree has it)."
+                if r.get("as_cli") else "")
              + code_paths_line(r.get("paths")), ""]
     head = "| file | mode | load (s) | peak RSS (GiB) | params (GiB) |"
     rule = "|---|---|---|---|---|"
@@ -151,6 +161,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--incumbent", default=None, help="a checkout to compare with")
     parser.add_argument("--out", default="results/formats")
+    parser.add_argument("--as-cli", action="store_true",
+                        help="each process first sets its malloc as the command-line tools do "
+                             "(bridge.resources.keep_freed_memory), where its tree has it")
     parser.add_argument("--write-q4-k", nargs=3, metavar=("SOURCE", "LAYERS", "PATH"),
                         help="first write PATH: SOURCE's first LAYERS layers as random Q4_K "
                              "blocks (write_q4_k), then time it")
@@ -187,7 +200,7 @@ def main(argv=None) -> int:
     incumbent = str(Path(args.incumbent).resolve()) if args.incumbent else None
     keys = [(path, mode) for path in files for mode in modes]
     runs = against_incumbent(
-        keys, incumbent, args.rounds, lambda tree, key: measure(tree, *key),
+        keys, incumbent, args.rounds, lambda tree, key: measure(tree, *key, args.as_cli),
         lambda key, tree, got: f"{Path(key[0]).name} {key[1]} "
                                f"{'incumbent' if tree else 'this'}: {got['load_s']:.2f} s, "
                                f"peak RSS {got['peak_rss'] / 2 ** 30:.2f} GiB")
@@ -205,6 +218,7 @@ def main(argv=None) -> int:
             row["same_params"] = {x["digest"] for x in done + other} == {row["digest"]}
         rows.append(row)
     data = {"rows": rows, "rounds": args.rounds, "cores": cores(), "paths": code_paths(),
+            "as_cli": args.as_cli,
             "incumbent": args.incumbent,
             "incumbent_commit": commit(incumbent) if incumbent else None,
             "command": "python scripts/load_speed.py " + " ".join(argv or sys.argv[1:])}

@@ -37,3 +37,30 @@ def test_both_twins_load_in_small_pages(twin, monkeypatch):
     before = multiarray._get_madvise_hugepage()
     twin.load("any path")
     assert seen == [False] and multiarray._get_madvise_hugepage() == before
+
+
+def test_the_command_line_tools_keep_freed_memory_and_a_caller_of_main_does_not(monkeypatch):
+    """command_main's entry point, run as a program (argv None), tells glibc's malloc to keep
+    freed memory (bridge.resources.keep_freed_memory); called with argv (a test, a caller's own
+    process) it leaves the allocator alone. On glibc both settings are taken."""
+    import argparse
+    import platform
+    import sys
+
+    import bridge.resources
+    from llama_twins.cli.common import command_main
+
+    calls = []
+    monkeypatch.setattr(bridge.resources, "keep_freed_memory", lambda: calls.append(1))
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(run=lambda args: 0)
+    main = command_main(lambda: parser)
+    assert main([]) == 0 and calls == []
+    monkeypatch.setattr(sys, "argv", ["jax-llama"])
+    assert main() == 0 and calls == [1]
+    if platform.libc_ver()[0] == "glibc":  # in a process of its own: this one is left alone
+        import subprocess
+        out = subprocess.run([sys.executable, "-c", "from bridge.resources import "
+                              "keep_freed_memory as k; print(k())"], capture_output=True,
+                             text=True, check=True).stdout
+        assert out.strip() == "True"

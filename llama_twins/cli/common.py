@@ -53,9 +53,14 @@ def error_line(error: BridgeError, parser: argparse.ArgumentParser | None) -> st
 def command_main(build_parser: Callable[[], argparse.ArgumentParser]
                  ) -> Callable[[list[str] | None], int]:
     """The console-script entry point of a parser whose subcommands were made by add_command:
-    bad input (BridgeError) is one line on stderr and exit code 2, never a traceback."""
+    bad input (BridgeError) is one line on stderr and exit code 2, never a traceback. Run as a
+    program (argv None), the process's malloc keeps what it frees for reuse
+    (bridge.resources.keep_freed_memory): a caller's own process is left as it is."""
 
     def main(argv: list[str] | None = None) -> int:
+        if argv is None:
+            from bridge.resources import keep_freed_memory
+            keep_freed_memory()
         args = build_parser().parse_args(argv)
         try:
             with training_voice():
