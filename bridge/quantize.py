@@ -191,7 +191,7 @@ def quantize_weight(w_OI: np.ndarray, group_size: int | None = None,
         blocks = w[r:r + step].astype(wide).reshape(-1, groups, I // groups)  # a copy
         amax = np.abs(blocks).max(axis=-1)
         s = np.where(amax > 0, amax / QMAX, 1).astype(np.float32)
-        np.divide(blocks, s[..., None].astype(wide), out=blocks)  # in place: 1.7x as fast
+        np.divide(blocks, s[..., None].astype(wide), out=blocks)  # in place: no temporaries
         np.clip(np.rint(blocks, out=blocks), -QMAX, QMAX, out=blocks)
         q[r:r + step] = blocks.reshape(-1, I)  # whole numbers within +-127
         scale[r:r + step] = s

@@ -45,7 +45,7 @@ def small_pages():
     full and in pieces. A load fills gigabytes of fresh arrays: on the 2-core Intel Xeon VM
     (23 GB, the 8B Q4_0 file cached) fresh arrays took 0.66-1.64 s a GiB with huge pages asked
     for and 0.42-0.44 s without, and the torch twin's load of that file (whose arrays become its
-    tensors) 1.4x as fast (docs/explanation/performance.md). Through numpy's own switch
+    tensors) 1.11-1.35x as fast (docs/explanation/performance.md). Through numpy's own switch
     (numpy._core.multiarray._set_madvise_hugepage, as its release notes give it); a no-op where
     numpy has none."""
     try:
@@ -77,7 +77,7 @@ def keep_freed_memory() -> bool:
     A load's chunks of rows each make and free megabytes of numpy temporaries (bridge.int4's
     int8 rows, bridge.gguf.read's dequantisation); with glibc's defaults those pages were given
     back and faulted in again chunk after chunk. Making LLaMA 3 8B's embedding int8 rows from
-    its Q4_0 blocks took 3.07 M page faults and 2.5-3.9 s, and 0.14 M and 1.9-2.1 s with this
+    its Q4_0 blocks took 3.07 M page faults and 2.5-4.1 s, and 0.14 M and 1.9-2.3 s with this
     (2-core Intel Xeon VM; docs/explanation/performance.md). True where glibc took both
     settings; False elsewhere (another C library: nothing is changed)."""
     import ctypes

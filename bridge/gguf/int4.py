@@ -120,8 +120,6 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
     numbers bit for bit; rounded to float16 (the layout's scales) they change each weight by at
     most q |d sc_j| 2^-11 + |dmin m_j| 2^-11, and the sums say by how much in all. Rows about
     chunk_bytes of blocks at a time, on the CPU's cores (bridge.parallel)."""
-    import gguf
-
     O, I = shape
     if I % 256:
         raise BridgeError(f"tensor '{name}': {I} input columns are not whole Q4_K super-blocks "
@@ -137,11 +135,8 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
 
     def convert(start: int, stop: int) -> tuple[float, float, bool]:
         b = blocks[start:stop].reshape(-1, Q4_K_BYTES)
-        d_dmin = b[:, :4].copy().view(np.float16).astype(np.float64)  # (blocks, 2)
-        d, dmin = d_dmin[:, :1], d_dmin[:, 1:]
-        sc, m = gguf.quants.Q4_K.get_scale_min(b[:, 4:16])
-        d_exact = d * sc.reshape(-1, 8)       # (blocks, 8): exact (as in float32)
-        m_exact = -(dmin * m.reshape(-1, 8))  # exact
+        d_exact, m_exact = (a.astype(np.float64) for a in q4_k_groups(b))  # (blocks, 8)
+        m_exact = -m_exact
         qs = b[:, 16:].reshape(-1, 4, 32)  # 4 x 64 weights: the first 32's q in the low nibbles
         rows = stop - start
         _repacked(qs, out=packed[start:stop].reshape(-1, 4, 32))
@@ -164,6 +159,17 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
         raise BridgeError(f"tensor '{name}': a Q4_K scale or minimum beyond float16's range, or "
                           f"not finite")
     return packed, scale, low, sum(c for c, _, _ in sums), sum(w for _, w, _ in sums)
+
+
+def q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K super-blocks (n, 144) uint8 -> each group's scale d sc_j and the minimum dmin m_j it
+    subtracts, (n, 8) float32, exact (a float16 times six bits): w = d sc_j q - dmin m_j. The 6-bit
+    sc_j and m_j are unpacked by gguf's own Q4_K.get_scale_min."""
+    import gguf
+
+    d_dmin = blocks[:, :4].copy().view(np.float16).astype(np.float32)  # (n, 2)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    return d_dmin[:, :1] * sc.astype(np.float32), d_dmin[:, 1:] * m.astype(np.float32)
 
 
 def _group_sums(qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
