@@ -14,19 +14,27 @@ costs one block whatever the depth, and the forward figures (`forward_blocks`) h
 weights in float64 at a time, with the embedding rows of the batch and the head taken in slices
 of the vocabulary: a model of any size, block by block. The training figures' AdamW steps need the
 whole model: the weights, two moments, the gradients and the first step's gradients in float64,
-40 bytes per parameter (`TRAINING_BYTES_PER_PARAMETER`).
+40 bytes per parameter, and 48 while a perturbed run holds its own 32 beside the plain run's first
+gradients and last weights (`TRAINING_BYTES_PER_PARAMETER`).
+
+Beside the plain run, `Perturbation` asks for perturbed ones: the same AdamW steps with each
+step's gradients moved by noise of a rounding's size and the weights rounded to the twins' dtype
+after each step. How far they end from the plain run (`Truth.spreads`) is how much noise of
+that size grows on this model over the steps: what the report judges the training trajectory
+against, where the model's own dynamics, not the arithmetic, decide how far rounding carries.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from bridge.config import LlamaConfig
+from bridge.dtypes import numpy_dtype
 from bridge.rope import rope_inv_freq
 
 
@@ -47,12 +55,29 @@ class AdamW:
     grad_clip: float
 
 
+@dataclass(frozen=True)
+class Perturbation:
+    """The perturbed runs beside the plain one: `runs` of them, each step's gradient entries
+    moved by noise uniform in +-size x the largest |entry| of their tensor (a rounding of that
+    relative size, where the sums behind an entry are of the tensor's scale, not the entry's:
+    a cancelling sum carries its terms' rounding), and the weights rounded to `stored` (a numpy
+    dtype name: float32, bfloat16) after each step, as the twins keep them. The noise of run r
+    comes from numpy's generator seeded by (seed, r, step, tensor)."""
+
+    runs: int
+    size: float
+    stored: str | None
+    seed: int = 0
+
+
 @dataclass
 class Truth:
     """The float64 answers for one batch. hidden: the residual stream after each block (B, S, D);
     sublayers: each block's {attention_norm, attention, ffn_norm, feed_forward} outputs (B, S, D);
     logits (B, S, V); loss, grads {canonical name: array} of one step of next-token cross-entropy
-    on the whole batch; trained {canonical name: array}: the weights after the AdamW steps."""
+    on the whole batch; trained {canonical name: array}: the weights after the AdamW steps;
+    spreads: for each perturbed run, {"max": max |its weights - trained| over the model,
+    "tensor": the tensor where it is} after the same steps."""
 
     hidden: list[np.ndarray]
     sublayers: list[dict[str, np.ndarray]]
@@ -60,25 +85,28 @@ class Truth:
     loss: float
     grads: dict[str, np.ndarray]
     trained: dict[str, np.ndarray]
+    spreads: list[dict] = field(default_factory=list)
 
 
-TRAINING_BYTES_PER_PARAMETER = 40
+TRAINING_BYTES_PER_PARAMETER = 48
 # The head's rows (vocabulary entries) taken at a time by the forward figures: 8,192 x dim in
 # float64 is 128 MiB at dim 2,048.
 HEAD_ROWS = 8192
 
 
 def truth(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarray,
-          mask: np.ndarray, adamw: AdamW | None, progress: Callable[[str], object] | None = None
-          ) -> Truth:
+          mask: np.ndarray, adamw: AdamW | None, progress: Callable[[str], object] | None = None,
+          perturbation: Perturbation | None = None) -> Truth:
     """The float64 run of `tensors` (canonical names and layout, any float dtype) on `tokens`
     (B, S) with `mask` (B, S; 0 marks left padding) for the forward figures, then one loss and
     gradient on the unmasked batch and `adamw.steps` optimizer steps on it, as the report's
-    training figures do (adamw None: the forward figures only; loss, grads and trained empty).
+    training figures do (adamw None: the forward figures only; loss, grads and trained empty),
+    and after them the perturbed runs of `perturbation` (their spreads; none without it).
     The forward holds one block's float64 weights at a time; the optimizer steps one tensor at a
     time (AdamW is elementwise once the gradients are clipped), so that memory holds the
     weights, the gradients and two moments (32 bytes a parameter) and the first gradients (8),
-    never a second copy of the model. progress(message) hears each stage."""
+    never a second copy of the model; a perturbed run holds its own 32 beside the plain run's
+    first gradients and last weights (16). progress(message) hears each stage."""
     import jax
     import jax.numpy as jnp
 
@@ -90,21 +118,68 @@ def truth(tensors: dict[str, np.ndarray], config: LlamaConfig, tokens: np.ndarra
         if adamw is None:
             return Truth(hidden=hidden, sublayers=sublayers, logits=logits, loss=float("nan"),
                          grads={}, trained={})
-        weights = {name: jnp.asarray(np.asarray(t, np.float64)) for name, t in tensors.items()}
         inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
-        optimizer = _tensor_adamw(adamw)
-        state = {name: optimizer.init(w) for name, w in weights.items()}
-        for i in range(adamw.steps):
-            heard(f"float64: training step {i + 1} of {adamw.steps}")
-            value, grads = run.value_and_grad(weights, inputs, targets)
-            if i == 0:
-                first_loss, first_grads = float(value), {k: np.array(g) for k, g in grads.items()}
-            scale = _clip_scale(_global_norm(grads.values()), adamw.grad_clip)
-            for name in list(grads):
-                weights[name], state[name] = optimizer.step(weights[name], state[name],
-                                                            grads.pop(name), scale)
-        return Truth(hidden=hidden, sublayers=sublayers, logits=logits, loss=first_loss,
-                     grads=first_grads, trained={k: np.asarray(t) for k, t in weights.items()})
+        first = {}
+        trained = _trained(run, tensors, inputs, targets, adamw, heard, first=first)
+        spreads = []
+        for r in range(perturbation.runs if perturbation is not None else 0):
+            perturbed = _trained(run, tensors, inputs, targets, adamw, heard,
+                                 noise=_Noise(perturbation, r))
+            apart = {name: float(np.abs(np.asarray(w) - trained[name]).max())
+                     for name, w in perturbed.items()}
+            del perturbed
+            where = max(apart, key=apart.__getitem__)
+            spreads.append({"max": apart[where], "tensor": where})
+        return Truth(hidden=hidden, sublayers=sublayers, logits=logits, loss=first["loss"],
+                     grads=first["grads"], trained=trained, spreads=spreads)
+
+
+def _trained(run: "_Blocks", tensors, inputs, targets, adamw: AdamW, heard,
+             first: dict | None = None, noise: "_Noise | None" = None) -> dict[str, np.ndarray]:
+    """The weights after adamw.steps float64 steps from `tensors` on (inputs, targets), numpy by
+    name; first: filled with the first step's "loss" and "grads"; noise: the perturbed run's
+    (its gradients moved and its weights rounded at each step)."""
+    import jax.numpy as jnp
+
+    weights = {name: jnp.asarray(np.asarray(t, np.float64)) for name, t in tensors.items()}
+    optimizer = _tensor_adamw(adamw)
+    state = {name: optimizer.init(w) for name, w in weights.items()}
+    which = "" if noise is None else f"perturbed run {noise.run + 1}, "
+    for i in range(adamw.steps):
+        heard(f"float64: {which}training step {i + 1} of {adamw.steps}")
+        value, grads = run.value_and_grad(weights, inputs, targets)
+        if first is not None and i == 0:
+            first.update(loss=float(value), grads={k: np.array(g) for k, g in grads.items()})
+        if noise is not None:
+            grads = {name: noise.moved(i, k, g) for k, (name, g) in enumerate(grads.items())}
+        scale = _clip_scale(_global_norm(grads.values()), adamw.grad_clip)
+        for name in list(grads):
+            weights[name], state[name] = optimizer.step(weights[name], state[name],
+                                                        grads.pop(name), scale)
+            if noise is not None:
+                weights[name] = noise.stored(weights[name])
+    return {name: np.asarray(w) for name, w in weights.items()}
+
+
+class _Noise:
+    """Perturbed run r of a Perturbation (see there)."""
+
+    def __init__(self, perturbation: Perturbation, run: int):
+        self.perturbation, self.run = perturbation, run
+
+    def moved(self, step: int, index: int, grad):
+        import jax.numpy as jnp
+
+        p = self.perturbation
+        g = np.asarray(grad)
+        rng = np.random.default_rng((p.seed, self.run, step, index))
+        return jnp.asarray(g + rng.uniform(-1.0, 1.0, g.shape) * (p.size * np.abs(g).max()))
+
+    def stored(self, weight):
+        import jax.numpy as jnp
+
+        stored = self.perturbation.stored
+        return weight if stored is None else weight.astype(numpy_dtype(stored)).astype(jnp.float64)
 
 
 def forward_blocks(tensor: Callable[[str], np.ndarray], config: LlamaConfig, tokens: np.ndarray,

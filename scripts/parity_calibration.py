@@ -50,11 +50,11 @@ OPTIMIZER_BUGS = ("decay_mask", "no_clipping")
 
 
 def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None,
-            correct: bool = True) -> list[tuple]:
+            correct: bool = True, both: bool = False) -> list[tuple]:
     """(checkpoint, dtype, reference, bug, twin, training): per checkpoint and dtype, the correct
     report with the training figures against transformers, and without them against llama.cpp
     (its figures are the logits and greedy tokens), then each bug (planted_bugs: those to
-    plant, default all) in one twin, alternating."""
+    plant, default all) in one twin, alternating (both: in both twins at once)."""
     from llama_twins.parity.planted import BUGS, FLOAT32_ONLY
 
     jobs = []
@@ -64,7 +64,7 @@ def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None,
                      for reference in references if correct]
             bugs = [b for b in BUGS if (dtype == "float32" or b not in FLOAT32_ONLY)
                     and (planted_bugs is None or b in planted_bugs)]
-            jobs += [(name, dtype, None, bug, ("torch", "JAX")[(i + k) % 2],
+            jobs += [(name, dtype, None, bug, "both" if both else ("torch", "JAX")[(i + k) % 2],
                       bug in OPTIMIZER_BUGS) for i, bug in enumerate(bugs)]
     # per checkpoint and dtype, the reports with the training figures first: the later ones
     # reuse their float64 run (reuse_float64_runs)
@@ -74,8 +74,8 @@ def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None,
 
 def rows_of(report: dict) -> list[dict]:
     return [{k: c.get(k) for k in ("figure", "compared", "kind", "dtype", "ops", "storage",
-                                   "value", "errors", "tolerance", "margin", "ok", "culprit",
-                                   "scale")}
+                                   "spread", "value", "errors", "tolerance", "margin", "ok",
+                                   "culprit", "scale")}
             for c in report["checks"]]
 
 
@@ -84,12 +84,15 @@ BUDGETED = ("hidden", "logits", "loss", "grad_norm", "grad", "adamw", "optimizer
 
 
 def ratio(row: dict, name: str | None = None) -> float:
-    """An implementation's error (the largest, or `name`'s) / its budget under today's BUDGET
-    (the rows keep the raw errors, so the table follows a change of the budgets)."""
+    """An implementation's error (the largest, or `name`'s; "both": the largest) / its budget
+    under today's BUDGET and SPREAD_MULTIPLE (the rows keep the raw errors and the perturbed
+    runs' spread, so the table follows a change of the budgets)."""
     from llama_twins.parity import budget
 
-    error = max(row["errors"].values()) if name is None else row["errors"].get(name, 0.0)
-    return error / budget(row["dtype"], row["kind"], row["ops"] or 1, row["storage"] or 0.0)
+    error = (max(row["errors"].values()) if name in (None, "both")
+             else row["errors"].get(name, 0.0))
+    return error / budget(row["dtype"], row["kind"], row["ops"] or 1, row["storage"] or 0.0,
+                          row.get("spread"))
 
 
 def passes(result: dict) -> bool:
@@ -123,7 +126,8 @@ def reuse_float64_runs() -> dict:
 
 
 def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: Path,
-             planted_bugs=None, correct: bool = True) -> Path:
+             planted_bugs=None, correct: bool = True, both: bool = False,
+             training_lr: float | None = None) -> Path:
     from tqdm import tqdm
 
     from llama_twins.bench.common import cpu_model
@@ -134,27 +138,30 @@ def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: 
     # it is a reference on the native path only
     references = [r for r in REFERENCES
                   if r != "llama.cpp" or (isa == "native" and _has_llama_cpp())]
-    jobs = jobs_of(checkpoints, references, planted_bugs, correct)
+    jobs = jobs_of(checkpoints, references, planted_bugs, correct, both)
     size = -(-len(jobs) // parts)
     jobs = jobs[(part - 1) * size:part * size]
     results, started, reuse = [], time.time(), reuse_float64_runs()
     from llama_twins.parity import BUDGET
 
     target = out / "parts" / (f"{isa}-{'+'.join(checkpoints)}-{part}-of-{parts}"
-                              + ("" if correct else "-bugs") + ".json")
+                              + ("" if correct else "-bugs") + ("-both" if both else "")
+                              + (f"-lr{training_lr:g}" if training_lr else "") + ".json")
     target.parent.mkdir(parents=True, exist_ok=True)
     for name, dtype, reference, bug, twin, training in tqdm(jobs, desc=f"part {part}/{parts}",
                                                             unit="report"):
         path, begun = checkpoints[name], time.time()
         reuse["key"] = (name, dtype)
         if bug is None:
-            report = parity_report(path, dtype=dtype, reference=reference, training=training)
+            report = parity_report(path, dtype=dtype, reference=reference, training=training,
+                                   training_lr=training_lr)
         else:
             with planted(bug, twin, path, dtype) as kwargs:
                 report = parity_report(path, dtype=dtype, new_tokens=0, training=training,
-                                       **kwargs)
+                                       training_lr=training_lr, **kwargs)
         results.append({"checkpoint": name, "path": path, "dtype": dtype, "isa": isa,
                         "reference": reference, "bug": bug, "twin": twin, "training": training,
+                        "training_lr": training_lr,
                         "passed": report["passed"], "first_divergence": report["first_divergence"],
                         "culprit": report["culprit"], "nearest_part": report["nearest_part"],
                         "seconds": round(time.time() - begun, 1), "rows": rows_of(report)})
@@ -188,8 +195,8 @@ def table(out: Path) -> str:
             # parts run with today's (and the placement by each part's own error, which parts
             # written report by report, "done", have) count for the placement column
             r["placed"] = "done" in data["meta"] and data["meta"].get("budget") == today
-            results[tuple(r[k] for k in ("checkpoint", "dtype", "isa", "reference", "bug",
-                                         "twin", "training"))] = r
+            results[tuple(r.get(k) for k in ("checkpoint", "dtype", "isa", "reference", "bug",
+                                             "twin", "training", "training_lr"))] = r
     results = list(results.values())
     text = markdown(metas, results)
     # the gathered file keeps what the tables are made of (the parts keep every row and field)
@@ -202,7 +209,8 @@ def table(out: Path) -> str:
 def _slim_rows(rows: list[dict]) -> list[dict]:
     """Of each kind of budgeted figure and comparison, the rows where an implementation comes
     closest to its budget (what the tables take); the other rows as they are."""
-    kept = ("figure", "compared", "kind", "dtype", "ops", "storage", "value", "errors", "ok")
+    kept = ("figure", "compared", "kind", "dtype", "ops", "storage", "spread", "value", "errors",
+            "ok")
     keep = []
     for i, row in enumerate(rows):
         if row["kind"] in BUDGETED and row["errors"]:
@@ -270,14 +278,14 @@ def markdown(metas: list[dict], results: list[dict]) -> str:
               "the bug's size / that ratio.", "",
               "| bug | dtype | caught, twin named | placed at | " + " | ".join(FAMILIES) + " |",
               "|---|---|---|---|" + "---|" * len(FAMILIES)]
-    for bug in DESCRIPTIONS:
-        for dtype in DTYPES:
-            if dtype == "bfloat16" and bug in FLOAT32_ONLY:
-                continue
-            runs = [r for r in results if r["bug"] == bug and r["dtype"] == dtype]
-            if not runs:
-                continue
-            named = sum(not passes(r) and r["culprit"].get("torch vs JAX") == r["twin"]
+    for bug, both, dtype in ((b, both, d) for b in DESCRIPTIONS for both in (False, True)
+                             for d in DTYPES):
+        if dtype == "bfloat16" and bug in FLOAT32_ONLY:
+            continue
+        runs = [r for r in results if r["bug"] == bug and r["dtype"] == dtype
+                and (r["twin"] == "both") == both]
+        if runs:
+            named = sum(not passes(r) and r["culprit"].get("torch vs JAX") == _named(r["twin"])
                         for r in runs)
             places = {}
             for r in runs:
@@ -289,14 +297,54 @@ def markdown(metas: list[dict], results: list[dict]) -> str:
                 seen = [_family(r, kinds) for r in runs]
                 seen = [x for x in seen if x is not None]
                 cells.append(f"{min(seen):.3g}x" if seen else "-")
-            lines.append(f"| {DESCRIPTIONS[bug]} | {dtype} | {named} of {len(runs)} | "
+            lines.append(f"| {DESCRIPTIONS[bug]}{', in both twins' if both else ''} | {dtype} | "
+                         f"{named} of {len(runs)} | "
                          + (", ".join(f"{p} ({n})" for p, n in sorted(places.items())) or "-")
                          + " | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + trajectory(correct)) + "\n"
+
+
+def trajectory(correct: list[dict]) -> list[str]:
+    """The table of the trajectory figure (the parameters after the AdamW steps) in each correct
+    report that measured the perturbed float64 runs: each twin's error, the runs' spread, the
+    larger error / the spread, the fixed budget and the bound the figure was held to."""
+    from llama_twins.parity import SPREAD_MULTIPLE, budget
+
+    rows = [(r, row) for r in correct for row in r["rows"]
+            if row["kind"] == "adamw" and row["errors"] and row.get("spread")]
+    if not rows:
+        return []
+    lines = ["", "## The training trajectory against the perturbed float64 runs", "",
+             "Per correct report: the parameters after the AdamW steps, each twin's error against "
+             "the plain float64 run and the spread of the perturbed float64 runs (the larger of "
+             "the two; rounding-sized noise in each step's gradients and the weights rounded to "
+             "the dtype, grown by the model over the same steps), in learning rates; the larger "
+             "error / the spread; the fixed budget (BUDGET x steps + storage); the bound, the "
+             f"larger of the fixed budget and {SPREAD_MULTIPLE:g} x the spread; and the larger "
+             "error / the bound (below 1 passes).", "",
+             "| report | JAX | torch | spread | error / spread | fixed budget | bound | "
+             "error / bound |", "|---|---|---|---|---|---|---|---|"]
+    for r, row in sorted(rows, key=lambda x: -max(x[1]["errors"].values()) / x[1]["spread"]):
+        worst = max(row["errors"].values())
+        fixed = budget(row["dtype"], row["kind"], row["ops"] or 1, row["storage"] or 0.0)
+        bound = budget(row["dtype"], row["kind"], row["ops"] or 1, row["storage"] or 0.0,
+                       row["spread"])
+        e = row["errors"]
+        lines.append(f"| {_where(r)} | {e.get('JAX', 0):.3g} | {e.get('torch', 0):.3g} | "
+                     f"{row['spread']:.3g} | {worst / row['spread']:.2f} | {fixed:.3g} | "
+                     f"{bound:.3g} | {worst / bound:.2f} |")
+    return lines
+
+
+def _named(twin: str) -> str:
+    """The culprit a report names for a bug planted in `twin`."""
+    return "JAX and torch" if twin == "both" else twin
 
 
 def _where(r: dict, row: dict | None = None) -> str:
     text = f"{r['checkpoint']} {r['dtype']} {r['isa']}"
+    if r.get("training_lr"):
+        text += f" at training lr {r['training_lr']:g}"
     if r.get("reference"):
         text += f" with {r['reference']}"
     return text + (f", {row['figure']}, {row['compared']}" if row is not None else "")
@@ -333,6 +381,13 @@ def main(argv=None) -> int:
                              "correct reports)")
     parser.add_argument("--no-correct", dest="correct", action="store_false",
                         help="only the reports with a planted bug")
+    parser.add_argument("--both", action="store_true",
+                        help="plant each bug in both twins at once (default: in one, "
+                             "alternating)")
+    parser.add_argument("--training-lr", type=float, default=None,
+                        help="the training figures' peak learning rate (default: the report's, "
+                             "3e-3); a larger one turns the trajectory chaotic, where the bound "
+                             "follows the perturbed float64 runs' spread")
     parser.add_argument("--table", action="store_true",
                         help="gather the parts written so far into parity.json and parity.md")
     parser.add_argument("--out", default="results/parity")
@@ -348,7 +403,8 @@ def main(argv=None) -> int:
     part, parts = (int(x) for x in args.part.split("/"))
     checkpoints = dict(item.split("=", 1) for item in args.checkpoints)
     bugs = None if args.bugs is None else [b for b in args.bugs.split(",") if b != "none"]
-    print(run_part(checkpoints, part, parts, args.isa, out, bugs, args.correct))
+    print(run_part(checkpoints, part, parts, args.isa, out, bugs, args.correct, args.both,
+                   args.training_lr))
     return 0
 
 

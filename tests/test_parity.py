@@ -170,6 +170,99 @@ def test_the_judgement_by_hand(monkeypatch):
     assert judge(0.0, {"JAX": 0.0, "torch": 1.5}, "float32", "weights")["bound"] == 1.0  # ulps
 
 
+def test_a_compounding_figure_is_held_to_the_perturbed_runs_spread_too(monkeypatch):
+    """The AdamW trajectory's bound is the larger of its fixed budget and SPREAD_MULTIPLE x the
+    spread of the perturbed float64 runs; a figure that does not compound ignores a spread."""
+    monkeypatch.setitem(parity.BUDGET, "float32", dict(parity.BUDGET["float32"], adamw=0.01))
+    assert parity.COMPOUNDING == ("adamw",) and parity.SPREAD_MULTIPLE == 10
+    fixed = parity.budget("float32", "adamw", 5, storage=0.01)
+    assert fixed == pytest.approx(0.06)
+    assert parity.budget("float32", "adamw", 5, 0.01, spread=1e-3) == fixed  # calm: fixed rules
+    assert parity.budget("float32", "adamw", 5, 0.01, spread=0.2) == pytest.approx(2.0)
+    assert parity.budget("float32", "grad", 5, spread=0.2) == parity.budget("float32", "grad", 5)
+    # both twins 0.31 from float64 on a model where rounding-sized noise grows to 0.1: rounding
+    verdict = parity.judge(0.1, {"JAX": 0.31, "torch": 0.31}, "float32", "adamw", 5, 0.01, 0.1)
+    assert verdict["ok"] and verdict["bound"] == pytest.approx(1.0)
+    # the same departure where the perturbed runs stay within 1e-3: both twins are named
+    verdict = parity.judge(0.1, {"JAX": 0.31, "torch": 0.31}, "float32", "adamw", 5, 0.01, 1e-3)
+    assert not verdict["ok"] and verdict["culprit"] == "JAX and torch"
+
+
+def test_a_failed_trajectory_says_how_far_beyond_rounding_and_what_to_try():
+    row = parity.judgement._row("parameters after 5 AdamW steps", "torch vs JAX", 0.0,
+                                {"JAX": 0.5, "torch": 0.5}, "float32", "adamw", ops=5,
+                                storage=0.0, spread=0.01)
+    assert not row["ok"] and row["spread"] == 0.01 and row["tolerance"] == pytest.approx(0.25)
+    fine = dict(row, ok=True, figure="gradients", kind="grad")
+    (line,) = parity.report.advice([fine, row], lr=3e-3)
+    assert line.startswith("both twins depart from float64 together on 'parameters after 5 "
+                           "AdamW steps' (JAX 0.5 lr, torch 0.5 lr): 50x the spread")
+    assert "each step's parts agree" in line and "--training-lr 0.0003" in line
+    assert "--no-training" in line
+    # an earlier figure failing is named as the place to look first
+    (line,) = parity.report.advice([dict(fine, ok=False), row], lr=3e-3)
+    assert "The first figure to fail is 'gradients'" in line
+    report = {"path": "m", "dtype": "float32", "batch": 2, "seq_len": 16, "seed": 0,
+              "checks": [fine, row], "first_divergence": {"torch vs JAX": None},
+              "culprit": {"torch vs JAX": "JAX and torch"}, "notes": [],
+              "advice": parity.report.advice([fine, row], lr=3e-3)}
+    text = parity.format_parity_report(report)
+    assert "culprit (torch vs JAX): JAX and torch (beyond their rounding budgets)" in text
+    assert "\nadvice: both twins depart" in text
+
+
+def test_the_perturbed_float64_runs_measure_how_noise_grows(checkpoint):
+    """float64.truth's perturbed runs: without noise and rounding, one is the plain run bit for
+    bit (spread 0); with them the spread is positive, the same for the same seed, and larger
+    for a larger step (3e-3 against 3.0 on the small model, where the steps turn chaotic)."""
+    from llama_twins import float64
+    from llama_twins.parity.forward import _random_batch
+    from llama_twins.parity.training import perturbation
+
+    ckpt = open_checkpoint(checkpoint)
+    tensors = {n: ckpt.tensor(n) for n in ckpt.specs}
+    tokens, mask = _random_batch(ckpt.config, 2, 16, 0)
+    recipe = float64.AdamW(steps=5, lr=3e-3, warmup_steps=0, end_lr_ratio=0.1, b1=0.9, b2=0.95,
+                           eps=1e-3, weight_decay=0.1, grad_clip=1.0)
+
+    def spreads(p, recipe=recipe):
+        return [s["max"] for s in float64.truth(tensors, ckpt.config, tokens, mask, recipe,
+                                                perturbation=p).spreads]
+    assert spreads(float64.Perturbation(runs=1, size=0.0, stored=None)) == [0.0]
+    p = perturbation(ckpt.config, "float32", seed=0)
+    assert p.runs == 2 and p.size == parity.U["float32"] * 3 and p.stored == "float32"
+    calm = spreads(p)
+    assert len(calm) == 2 and min(calm) > 0 and calm == spreads(p)
+    import dataclasses
+
+    chaotic = spreads(p, dataclasses.replace(recipe, lr=3.0))
+    assert min(chaotic) / 3.0 > 100 * max(calm) / 3e-3  # in learning rates
+
+
+def test_a_chaotic_trajectory_is_judged_against_the_perturbed_runs(checkpoint):
+    """No false FAIL where the model's own dynamics carry rounding far: at a step of 3.0 the
+    small model's trajectory is chaotic, the twins' errors reach the order of the fixed
+    budget (10^4 times theirs at the default step) and the perturbed float64 runs spread as far;
+    the figure is held to 10 x that spread and passes, stating it. The negative case: the same
+    report with the decay mask wrong in both twins, at the default step, fails this figure
+    naming both (and test_parity_bugs plants every bug in both twins)."""
+    from llama_twins.parity.planted import planted
+
+    report = parity.parity_report(checkpoint, new_tokens=0, training_lr=3.0)
+    row = by_figure(report)["parameters after 5 AdamW steps"]
+    fixed = parity.budget("float32", "adamw", row["ops"], row["storage"])
+    assert report["passed"] and row["ok"] and report["advice"] == []
+    assert max(row["errors"].values()) > fixed / 10 and row["spread"] > fixed / 10
+    assert row["tolerance"] == pytest.approx(10 * row["spread"]) and row["tolerance"] > fixed
+    assert "perturbed float64 runs" in row["detail"] and "lr 3," in row["detail"]
+    with planted("decay_mask", "both", checkpoint) as kwargs:
+        bad = parity.parity_report(checkpoint, new_tokens=0, **kwargs)
+    row = by_figure(bad)["parameters after 5 AdamW steps"]
+    assert not row["ok"] and row["culprit"] == "JAX and torch"
+    assert min(row["errors"].values()) > 10 * parity.SPREAD_MULTIPLE * row["spread"]
+    assert bad["advice"] and bad["advice"][0].startswith("both twins depart from float64")
+
+
 def test_nan_fails_the_check_it_lands_in():
     assert not parity.judge(float("nan"), {"JAX": 0.0, "torch": 0.0}, "float32", "loss")["ok"]
     verdict = parity.judge(0.0, {"JAX": 0.0, "torch": float("nan")}, "float32", "loss")
@@ -289,6 +382,9 @@ def test_the_report_says_when_torch_has_no_bfloat16_kernel(checkpoint, monkeypat
     (["--new-tokens", "-1"], "error: --new-tokens: must be at least 0 (got -1)"),
     (["--reference", "pytorch"],
      "error: --reference: expected one of transformers, llama.cpp, got 'pytorch'"),
+    (["--training-lr=-1e-3"], "error: --training-lr: must be a positive learning rate (got "
+                                 "-0.001)"),
+    (["--training-lr", "nan"], "error: --training-lr: must be a positive learning rate (got nan)"),
 ])
 def test_bad_arguments_exit_2_with_one_line(checkpoint, args, message, capsys):
     assert bridge_cli.main(["parity", str(checkpoint)] + args) == 2

@@ -50,22 +50,27 @@ def report_with(bug, twin, checkpoint, dtype, seq_len=16):
 
 
 def assert_named(report: dict, twin: str, figure: str, where, beyond: float) -> dict:
-    """The report fails, blames `twin` and `where` ((block, part), or None), and the culprit's
-    error on `figure` lands `beyond` times past its budget (far beyond it, not at its edge)
-    while the other twin's is within it; returns the checks by figure."""
+    """The report fails, blames `twin` ("both": "JAX and torch") and `where` ((block, part), or
+    None), and the culprit's error on `figure` lands `beyond` times past its budget (far beyond
+    it, not at its edge) while the other twin's is within it (with both: each twin's beyond it);
+    returns the checks by figure."""
     rows = {c["figure"]: c for c in report["checks"]}
+    named = "JAX and torch" if twin == "both" else twin
     assert not report["passed"]
-    assert report["culprit"] == {"torch vs JAX": twin}
+    assert report["culprit"] == {"torch vs JAX": named}
     first = report["first_divergence"]["torch vs JAX"]
     if where is None:
         assert first is None
     else:
-        assert (first["block"], first["sublayer"]) == where and first["implementation"] == twin
+        assert (first["block"], first["sublayer"]) == where and first["implementation"] == named
         assert first["beyond"] > 1
     key = rows[figure]
-    assert not key["ok"] and key["culprit"] == twin
-    other = "torch" if twin == "JAX" else "JAX"
-    assert key["errors"][twin] > beyond * key["tolerance"] >= beyond * key["errors"][other]
+    assert not key["ok"] and key["culprit"] == named
+    if twin == "both":
+        assert min(key["errors"].values()) > beyond * key["tolerance"]
+    else:
+        other = "torch" if twin == "JAX" else "JAX"
+        assert key["errors"][twin] > beyond * key["tolerance"] >= beyond * key["errors"][other]
     return rows
 
 
@@ -74,6 +79,30 @@ def test_a_planted_bug_fails_naming_its_twin_and_block(bug, twin, figure, where,
                                                        checkpoint):
     report = report_with(bug, twin, checkpoint, "float32", seq_len)
     assert_named(report, twin, figure, where, beyond)
+    if where is None:  # an optimizer bug: the model itself agrees
+        assert all(c["ok"] for c in report["checks"] if c["kind"] not in ("adamw", "optimizer"))
+
+
+# The same bugs planted in both twins at once: the twins agree with each other, and the float64
+# run is what catches them, naming both. Three by default (a weight, an optimizer and a config
+# bug), the rest under -m slow.
+BOTH_BY_DEFAULT = ("weight", "decay_mask", "norm_eps_small")
+
+
+def _values(case) -> tuple:
+    """A case's arguments, whether it is a plain tuple or a pytest.param."""
+    return case.values if hasattr(case, "marks") else case
+
+
+@pytest.mark.parametrize("bug, twin, figure, where, seq_len, beyond", [
+    pytest.param(*_values(case), marks=() if _values(case)[0] in BOTH_BY_DEFAULT else SLOW)
+    for case in CASES])
+def test_a_bug_in_both_twins_fails_naming_both(bug, twin, figure, where, seq_len, beyond,
+                                               checkpoint):
+    """Comparing the twins with each other cannot see a bug they share; each twin's distance
+    from the float64 run can, and the report names both, where it acts."""
+    report = report_with(bug, "both", checkpoint, "float32", seq_len)
+    assert_named(report, "both", figure, where, beyond)
     if where is None:  # an optimizer bug: the model itself agrees
         assert all(c["ok"] for c in report["checks"] if c["kind"] not in ("adamw", "optimizer"))
 

@@ -146,7 +146,7 @@ def cmd_parity(args) -> int:
     report = parity_report(args.path, dtype=args.dtype, batch=args.batch, seq_len=args.seq_len,
                            new_tokens=args.new_tokens, reference=args.reference, seed=args.seed,
                            reference_f64=args.reference_f64,
-                           training=args.training,
+                           training=args.training, training_lr=args.training_lr,
                            progress=(lambda message: print(message, file=sys.stderr))
                            if args.progress else None)
     print(json.dumps(report, indent=2) if args.json else format_parity_report(report))
@@ -247,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the training figures (64 bytes a parameter with the float64 run, "
                         "48 without) and load the twins one at a time: what a model too large "
                         "for them gets by default")
+    p.add_argument("--training-lr", type=float,
+                   help="peak learning rate of the training figures' AdamW steps (default "
+                        "3e-3, the training recipe's): a smaller step shows whether a departure "
+                        "of the trajectory shrinks with it, as rounding's growth does")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_progress_argument(p, lines="stage lines (what each stage does, as it starts)")
     models.add_commands(sub)

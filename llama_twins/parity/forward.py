@@ -201,12 +201,13 @@ def _first_local(outs: dict, local, real, dtype: str, last: int) -> dict | None:
                 if not r <= 1:
                     found[name] = (SUBLAYERS + ("output",)).index(part), part, r
                     break
-        if found:
+        if found:  # the earliest part; every implementation beyond its budget there is named
             name = min(found, key=lambda n: (found[n][0], -found[n][2]))
             _, part, r = found[name]
+            named = [n for n in found if found[n][1] == part]
             return {"block": i, "sublayer": part,
                     "tensors": [f"layers.{i}.{n}" for n in TENSORS.get(part, ())],
-                    "implementation": name, "beyond": r}
+                    "implementation": " and ".join(named), "beyond": r}
     if largest is None:
         return None
     i, part, name, r = largest

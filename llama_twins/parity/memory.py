@@ -15,7 +15,8 @@ from bridge.resources import available_memory as _available_memory
 # parameters; scripts/parity_memory.py, results/parity/parity_memory.md): with the float64 run, its
 # first gradients and weights after the AdamW steps (16 bytes) and the checkpoint as the twins hold
 # it (4) stay while each twin trains in turn (its weights, gradients, two moments and a copy of the
-# start, 20 in float32), next to both twins (8); the float64 run itself peaks lower (40). Without
+# start, 20 in float32), next to both twins (8); the float64 run itself peaks lower (48, during
+# its perturbed runs). Without
 # it, the twins' training alone. Plus what the runtimes (JAX, torch, XLA's compiled programs) take
 # whatever the model: RUNTIME_BYTES.
 FLOAT64_BYTES_PER_PARAMETER = 64

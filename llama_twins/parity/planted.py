@@ -1,8 +1,9 @@
-"""Bugs planted in one twin, for the parity report's negative cases (tests/test_parity_bugs.py,
+"""Bugs planted in one twin or both, for the parity report's negative cases (tests/test_parity_bugs.py,
 tests/test_gpu.py and scripts/parity_calibration.py). Each is a context manager that yields the
 keyword arguments of parity_report (torch_model= or jax_model=) for the broken twin, and patches
 module attributes for the optimizer bugs only while it is open. The float64 reference reads the
-checkpoint and builds its own optimizer, so no bug reaches it."""
+checkpoint and builds its own optimizer, so no bug reaches it: a bug in both twins is caught
+against it, naming both."""
 
 from __future__ import annotations
 
@@ -35,23 +36,30 @@ FACTORS = {"rope_theta": 1.01, "rope_theta_small": 1.001, "norm_eps": 10.0,
            "norm_eps_small": 2.0, "row_scaled": 1.001}
 
 
+# The twins a bug can be planted in: one of them, or both at once (a shared bug, which comparing
+# the twins with each other cannot see and the float64 run can).
+TWINS = ("torch", "JAX", "both")
+
+
 @contextlib.contextmanager
 def planted(bug: str, twin: str, path, dtype: str = "float32"):
-    """Open `bug` in `twin` ("torch" or "JAX") of the checkpoint at `path`; yields the keyword
-    arguments for parity_report."""
+    """Open `bug` in `twin` ("torch", "JAX" or "both") of the checkpoint at `path`; yields the
+    keyword arguments for parity_report."""
     import jax_llama
     import torch_llama
 
-    if twin == "torch":
-        tmodel = torch_llama.load(path, device="cpu", dtype=dtype)
-        with torch_bug(bug, tmodel):
-            yield {"torch_model": tmodel}
-    elif twin == "JAX":
-        model, params = jax_llama.load(path, dtype=dtype)
-        with jax_bug(bug, model, params, path, dtype) as broken:
-            yield {"jax_model": broken}
-    else:
+    if twin not in TWINS:
         raise ValueError(twin)
+    with contextlib.ExitStack() as stack:
+        kwargs = {}
+        if twin in ("torch", "both"):
+            tmodel = torch_llama.load(path, device="cpu", dtype=dtype)
+            stack.enter_context(torch_bug(bug, tmodel))
+            kwargs["torch_model"] = tmodel
+        if twin in ("JAX", "both"):
+            model, params = jax_llama.load(path, dtype=dtype)
+            kwargs["jax_model"] = stack.enter_context(jax_bug(bug, model, params, path, dtype))
+        yield kwargs
 
 
 @contextlib.contextmanager

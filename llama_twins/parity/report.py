@@ -18,19 +18,19 @@ from .components import (_jax_norm, _jax_rope, _norm_check, _norm_row, _rope_che
                          _torch_norm, _torch_rope, _weights_check, _weights_off, _weights_row)
 from .forward import _forward_checks, _jax_forward, _random_batch, _torch_forward
 from .greedy import _greedy_check
-from .judgement import BUDGET, _check
+from .judgement import BUDGET, COMPOUNDING, SPREAD_MULTIPLE, _check
 from .memory import _freed_memory_returned, _give_back, _plan_memory, training_skipped
 from .products import NOTE as PRODUCTS_NOTE
 from .products import float32_products, torch_lacks_bfloat16_kernel
 from .references import REFERENCES, _import_error, _llama_cpp_checks, _transformers_forward
-from .training import (ADAMW_EPS, ADAMW_STEPS, _float64_recipe, _optimizer_check,
-                       _training_checks)
+from .training import (ADAMW_EPS, ADAMW_STEPS, PERTURBED_RUNS, _float64_recipe,
+                       _optimizer_check, _training_checks, perturbation)
 
 
 def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 16,
                   new_tokens: int = 16, reference: str | None = None, seed: int = 0,
                   torch_model=None, jax_model=None, reference_f64: bool = True,
-                  training: bool | None = None,
+                  training: bool | None = None, training_lr: float | None = None,
                   progress: Callable[[str], object] | None = None) -> dict:
     """Run the checkpoint at `path` through both twins (and `reference`) on one random batch of
     `batch` x `seq_len` ids and measure how far apart they are, and how far each is from the
@@ -39,7 +39,9 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     deliberately broken ones); neither is modified. training: whether the training figures run
     (both twins in memory, each trained in turn); None: when they fit in the memory available,
     else the forward, component and greedy figures run with one twin in memory at a time, the
-    float64 reference block by block. progress(message) hears each stage.
+    float64 reference block by block. training_lr: the peak learning rate of the training
+    figures' AdamW steps (None: the training recipe's, 3e-3). progress(message) hears each
+    stage.
 
     Returns {"path", "dtype", "batch", "seq_len", "new_tokens", "seed", "judged_by": "float64"
     or "the twins' difference", "checks": [{"figure", "compared", "kind", "ops", "value" (the
@@ -50,15 +52,16 @@ def parity_report(path, dtype: str = "float32", batch: int = 2, seq_len: int = 1
     "culprit": {compared: the implementation beyond its budget where the first figure failed,
     or None}, "nearest_part": {compared: the largest error / budget of any part of any block},
     "reference": None or {"name", "status": "ok" or "skipped", "reason"}, "notes": [str],
-    "passed": bool}.
+    "advice": [str] (for a failed figure that compounds: how far beyond what rounding grows to
+    on this model, and what to try), "passed": bool}.
     Bad arguments or a checkpoint the twins do not support raise BridgeError naming the field."""
     with _freed_memory_returned():
         return _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_model,
-                       jax_model, reference_f64, training, progress)
+                       jax_model, reference_f64, training, training_lr, progress)
 
 
 def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_model, jax_model,
-            reference_f64, training, progress) -> dict:
+            reference_f64, training, training_lr, progress) -> dict:
     heard = progress or (lambda message: None)
 
     def say(message: str) -> None:  # each stage starts with what the last one freed given back
@@ -73,6 +76,9 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
                                ("new_tokens", new_tokens, 0)):
         if value < least:  # seq_len 2 at least: the loss needs a next token
             raise BridgeError(f"must be at least {least} (got {value})", field=name)
+    if training_lr is not None and not 0 < training_lr < float("inf"):
+        raise BridgeError(f"must be a positive learning rate (got {training_lr})",
+                          field="training_lr")
     ckpt = open_checkpoint(path)  # an unsupported config is refused here, by field
     config = ckpt.config
     if ckpt.quantization is not None:  # gradients and AdamW steps need float weights
@@ -88,7 +94,8 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
     notes = []
     tokens, mask = _random_batch(config, batch, seq_len, seed)
     real = mask.astype(bool)
-    tc = TrainConfig(steps=ADAMW_STEPS, batch_size=batch, seq_len=seq_len - 1, eps=ADAMW_EPS)
+    tc = TrainConfig(steps=ADAMW_STEPS, batch_size=batch, seq_len=seq_len - 1, eps=ADAMW_EPS,
+                     **({} if training_lr is None else {"lr": training_lr}))
     # The weights the twins hold, exactly: the checkpoint rounded to the dtype, read a tensor at
     # a time when a figure needs it (the float64 run, the weights figure, the optimizer's start).
     held = _Held(ckpt, dtype)
@@ -96,10 +103,12 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
     if reference_f64:
         from ..float64 import truth as float64_truth
 
-        say("the float64 reference: forward" + (f", gradients and {ADAMW_STEPS} AdamW steps"
-                                                 if training else ", block by block"))
+        say("the float64 reference: forward" + (
+            f", gradients and {ADAMW_STEPS} AdamW steps, then {PERTURBED_RUNS} perturbed runs of "
+            "them" if training else ", block by block"))
         truth = float64_truth(held, config, tokens, mask,
-                              _float64_recipe(tc) if training else None, progress=heard)
+                              _float64_recipe(tc) if training else None, progress=heard,
+                              perturbation=perturbation(config, dtype, seed))
     else:
         notes.append("no float64 reference: each figure judges the twins' difference against "
                      "the sum of their rounding budgets, and a FAIL cannot say which twin is off")
@@ -154,8 +163,8 @@ def _report(path, dtype, batch, seq_len, new_tokens, reference, seed, torch_mode
             "new_tokens": max(n_new, 0), "seed": seed, "training": training,
             "judged_by": "float64" if reference_f64 else "the twins' difference",
             "checks": checks, "first_divergence": first_divergence, "culprit": culprit,
-            "nearest_part": nearest, "reference": ref,
-            "notes": notes, "passed": all(c["ok"] for c in checks)}
+            "nearest_part": nearest, "reference": ref, "notes": notes,
+            "advice": advice(checks, tc.lr), "passed": all(c["ok"] for c in checks)}
 
 
 class _Held(Mapping):
@@ -381,6 +390,52 @@ def _component_divergence(weights: dict, rope: dict, norm: dict) -> dict | None:
     return None
 
 
+def advice(checks: list[dict], lr: float) -> list[str]:
+    """For each failed figure that compounds (judgement.COMPOUNDING: the AdamW trajectory), what
+    the report knows and what to try: which twins depart from float64, how many times the
+    perturbed float64 runs' spread that is, the first figure to fail, a smaller step and
+    --no-training."""
+    lines = []
+    first = next((c for c in checks if not c["ok"]), None)
+    for c in checks:
+        if c["ok"] or c.get("kind") not in COMPOUNDING:
+            continue
+        figure = f"'{c['figure']}'"
+        if c["errors"] is None:
+            lines.append(f"{figure} fails on the twins' difference alone: without the float64 run "
+                         "the report cannot tell how far rounding carries on this model; rerun "
+                         "without --no-reference-f64")
+            continue
+        beyond = [n for n, e in c["errors"].items() if not e <= c["tolerance"]]
+        each = ", ".join(f"{n} {e:.2g} lr" for n, e in c["errors"].items())
+        text = (f"both twins depart from float64 together on {figure} ({each}):"
+                if len(beyond) == len(c["errors"]) else
+                f"{' and '.join(beyond)} departs from float64 on {figure} ({each}):")
+        spread, worst = c.get("spread"), max(c["errors"].values())
+        if spread:
+            text += (f" {worst / spread:.3g}x the spread of the perturbed float64 runs ({spread:.2g}"
+                     f" lr: rounding-sized noise grown by this model over the same steps), "
+                     f"beyond the {SPREAD_MULTIPLE:g}x rounding may reach, so rounding does not "
+                     "explain it.")
+        optimizer = next((o for o in checks if o.get("kind") == "optimizer"), None)
+        if first is not c:
+            text += (f" The first figure to fail is '{first['figure']}': look there first, "
+                     "the steps carry on what it gets wrong.")
+        elif optimizer is not None and not optimizer["ok"]:
+            text += (f" '{optimizer['figure']}' fails too: the optimizer itself departs (its "
+                     "decay mask, clipping, schedule or moments); look there first.")
+        else:
+            text += (" The loss, the gradients and AdamW on shared gradients are within their "
+                     "bounds, so each step's parts agree with float64 and their chaining departs "
+                     "(what a step hands the next: the weights, the moments, the schedule, "
+                     "gradients not zeroed).")
+        text += (f" To try: a smaller step (--training-lr {lr / 10:g}), where rounding's growth "
+                 "shrinks with the step and the spread shows it while a bug's departure, in "
+                 "learning rates, stays; --no-training checks the model alone.")
+        lines.append(text)
+    return lines
+
+
 def format_parity_report(report: dict) -> str:
     """The report as a compact table (figure, compared, difference, each side's error against
     float64, bound, margin, result, detail), then the first diverging block and the culprit of
@@ -411,7 +466,10 @@ def format_parity_report(report: dict) -> str:
         if where is not None:
             lines.append(f"first divergence ({compared}): {_where(where)}")
         elif culprit:
-            lines.append(f"culprit ({compared}): {culprit} (beyond its rounding budget)")
+            lines.append(f"culprit ({compared}): {culprit} (beyond "
+                         + ("their rounding budgets)" if " and " in culprit else
+                            "its rounding budget)"))
+    lines += [f"advice: {line}" for line in report.get("advice", [])]
     lines += report["notes"]
     failed = sum(not c["ok"] for c in report["checks"])
     lines.append("parity: " + (f"FAIL, {failed} figures out of bounds" if failed else

@@ -23,6 +23,23 @@ ADAMW_STEPS = 5
 # ~lr * g / eps, smooth in g: rounding then moves parameters by 4e-5 lr (tests/test_train.py
 # uses eps = 1 for the same reason).
 ADAMW_EPS = 1e-3
+# The perturbed float64 runs beside the plain one (llama_twins.float64.Perturbation), whose
+# spread the trajectory is judged against: two, so that one run's luck in where its noise fell
+# does not set the bound (on SmolLM2 two runs' spreads differ by 1-40%).
+PERTURBED_RUNS = 2
+
+
+def perturbation(config, dtype: str, seed: int):
+    """The perturbed runs of a report in `dtype`: each step's gradient entries moved by up to
+    U x (blocks + 1) of their tensor's largest entry (one rounding of the dtype for each block
+    a gradient passes through, forward and back, and the head: a fraction of the budget of the
+    gradients figure, BUDGET[dtype]["grad"] per op; the twins' own first gradients measure 1-4
+    U per op on SmolLM2 in float32), the weights rounded to `dtype` after each step."""
+    from ..float64 import Perturbation
+    from .judgement import U
+
+    return Perturbation(runs=PERTURBED_RUNS, size=U[dtype] * (config.n_layers + 1),
+                        stored=dtype, seed=seed)
 
 
 def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
@@ -90,6 +107,11 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
                                                              "torch": torch_grads.get},
                              truth.grads.get if exact else None, dtype, "grad", ops=depth)
     grads["detail"] = f"relative to the largest; max abs {grads['max_abs']:.2e}"
+    spreads = [s["max"] / tc.lr for s in truth.spreads] if exact and truth.spreads else None
+    detail = f"max abs / lr; lr {tc.lr:g}, eps {tc.eps:g}"
+    if spreads:
+        detail += (f"; perturbed float64 runs {', '.join(f'{x:.2e}' for x in spreads)} lr from "
+                   f"the plain one (in {truth.spreads[int(np.argmax(spreads))]['tensor']})")
     return [
         _compare("loss, one step", compared, {"JAX": jax_loss, "torch": torch_loss}, t_loss, dtype,
                  "loss", detail=f"relative; loss {jax_loss:.6f}", ops=depth),
@@ -99,8 +121,9 @@ def _training_checks(model, params, tmodel, tokens, tc, truth, dtype: str
         _compare_tensors(f"parameters after {tc.steps} AdamW steps", compared, names,
                          {"JAX": jax_trained, "torch": torch_trained.get},
                          truth.trained.get if exact else None, dtype, "adamw", scale=tc.lr,
-                         detail=f"max abs / lr; lr {tc.lr:g}, eps {tc.eps:g}", ops=tc.steps,
-                         storage=_storage(dtype, tc, _largest(jax_trained, names))),
+                         detail=detail, ops=tc.steps,
+                         storage=_storage(dtype, tc, _largest(jax_trained, names)),
+                         spread=max(spreads) if spreads else None),
     ], {name: np.asarray(jax_grads(name)) for name in names}
 
 
