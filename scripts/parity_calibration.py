@@ -50,16 +50,17 @@ OPTIMIZER_BUGS = ("decay_mask", "no_clipping")
 
 
 def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None,
-            correct: bool = True, both: bool = False) -> list[tuple]:
+            correct: bool = True, both: bool = False, dtypes=DTYPES) -> list[tuple]:
     """(checkpoint, dtype, reference, bug, twin, training): per checkpoint and dtype, the correct
     report with the training figures against transformers, and without them against llama.cpp
     (its figures are the logits and greedy tokens), then each bug (planted_bugs: those to
-    plant, default all) in one twin, alternating (both: in both twins at once)."""
+    plant, default all) in one twin, alternating (both: in both twins at once); in each of
+    `dtypes`."""
     from llama_twins.parity.planted import BUGS, FLOAT32_ONLY
 
     jobs = []
     for k, name in enumerate(checkpoints):
-        for dtype in DTYPES:
+        for dtype in dtypes:
             jobs += [(name, dtype, reference, None, None, reference != "llama.cpp")
                      for reference in references if correct]
             bugs = [b for b in BUGS if (dtype == "float32" or b not in FLOAT32_ONLY)
@@ -127,7 +128,7 @@ def reuse_float64_runs() -> dict:
 
 def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: Path,
              planted_bugs=None, correct: bool = True, both: bool = False,
-             training_lr: float | None = None) -> Path:
+             training_lr: float | None = None, dtypes=DTYPES) -> Path:
     from tqdm import tqdm
 
     from llama_twins.bench.common import cpu_model
@@ -138,7 +139,7 @@ def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: 
     # it is a reference on the native path only
     references = [r for r in REFERENCES
                   if r != "llama.cpp" or (isa == "native" and _has_llama_cpp())]
-    jobs = jobs_of(checkpoints, references, planted_bugs, correct, both)
+    jobs = jobs_of(checkpoints, references, planted_bugs, correct, both, dtypes)
     size = -(-len(jobs) // parts)
     jobs = jobs[(part - 1) * size:part * size]
     results, started, reuse = [], time.time(), reuse_float64_runs()
@@ -146,7 +147,9 @@ def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: 
 
     target = out / "parts" / (f"{isa}-{'+'.join(checkpoints)}-{part}-of-{parts}"
                               + ("" if correct else "-bugs") + ("-both" if both else "")
-                              + (f"-lr{training_lr:g}" if training_lr else "") + ".json")
+                              + (f"-lr{training_lr:g}" if training_lr else "")
+                              + ("" if tuple(dtypes) == DTYPES else "-" + "+".join(dtypes))
+                              + ".json")
     target.parent.mkdir(parents=True, exist_ok=True)
     for name, dtype, reference, bug, twin, training in tqdm(jobs, desc=f"part {part}/{parts}",
                                                             unit="report"):
@@ -388,6 +391,8 @@ def main(argv=None) -> int:
                         help="the training figures' peak learning rate (default: the report's, "
                              "3e-3); a larger one turns the trajectory chaotic, where the bound "
                              "follows the perturbed float64 runs' spread")
+    parser.add_argument("--dtypes", default=",".join(DTYPES),
+                        help="comma-separated dtypes of the reports (default: both)")
     parser.add_argument("--table", action="store_true",
                         help="gather the parts written so far into parity.json and parity.md")
     parser.add_argument("--out", default="results/parity")
@@ -403,8 +408,11 @@ def main(argv=None) -> int:
     part, parts = (int(x) for x in args.part.split("/"))
     checkpoints = dict(item.split("=", 1) for item in args.checkpoints)
     bugs = None if args.bugs is None else [b for b in args.bugs.split(",") if b != "none"]
+    dtypes = tuple(args.dtypes.split(","))
+    if not set(dtypes) <= set(DTYPES):
+        parser.error(f"--dtypes: expected some of {', '.join(DTYPES)}, got {args.dtypes!r}")
     print(run_part(checkpoints, part, parts, args.isa, out, bugs, args.correct, args.both,
-                   args.training_lr))
+                   args.training_lr, dtypes))
     return 0
 
 

@@ -196,7 +196,9 @@ def test_a_failed_trajectory_says_how_far_beyond_rounding_and_what_to_try():
     fine = dict(row, ok=True, figure="gradients", kind="grad")
     (line,) = parity.report.advice([fine, row], lr=3e-3)
     assert line.startswith("both twins depart from float64 together on 'parameters after 5 "
-                           "AdamW steps' (JAX 0.5 lr, torch 0.5 lr): 50x the spread")
+                           "AdamW steps' (JAX 0.5 lr, torch 0.5 lr), beyond its bound of 0.25 "
+                           "lr (the larger of its fixed budget and 10x the spread of the "
+                           "perturbed float64 runs): 50x that spread (0.01 lr")
     assert "each step's parts agree" in line and "--training-lr 0.0003" in line
     assert "--no-training" in line
     # an earlier figure failing is named as the place to look first

@@ -408,15 +408,18 @@ def advice(checks: list[dict], lr: float) -> list[str]:
             continue
         beyond = [n for n, e in c["errors"].items() if not e <= c["tolerance"]]
         each = ", ".join(f"{n} {e:.2g} lr" for n, e in c["errors"].items())
-        text = (f"both twins depart from float64 together on {figure} ({each}):"
+        text = (f"both twins depart from float64 together on {figure} ({each})"
                 if len(beyond) == len(c["errors"]) else
-                f"{' and '.join(beyond)} departs from float64 on {figure} ({each}):")
+                f"{' and '.join(beyond)} departs from float64 on {figure} ({each})")
+        text += f", beyond its bound of {c['tolerance']:.2g} lr"
         spread, worst = c.get("spread"), max(c["errors"].values())
         if spread:
-            text += (f" {worst / spread:.3g}x the spread of the perturbed float64 runs ({spread:.2g}"
-                     f" lr: rounding-sized noise grown by this model over the same steps), "
-                     f"beyond the {SPREAD_MULTIPLE:g}x rounding may reach, so rounding does not "
-                     "explain it.")
+            text += (f" (the larger of its fixed budget and {SPREAD_MULTIPLE:g}x the spread of the "
+                     f"perturbed float64 runs): {worst / spread:.3g}x that spread ({spread:.2g} "
+                     "lr, rounding-sized noise grown by this model over the same steps), so "
+                     "rounding does not explain it.")
+        else:
+            text += "."
         optimizer = next((o for o in checks if o.get("kind") == "optimizer"), None)
         if first is not c:
             text += (f" The first figure to fail is '{first['figure']}': look there first, "
