@@ -46,7 +46,7 @@ def cpu_flags() -> list[str]:
 
 # The bugs of the optimizer, which only the training figures see; the others are in the model,
 # and their reports run without the training figures (--no-training: a third of the time).
-OPTIMIZER_BUGS = ("decay_mask", "no_clipping")
+OPTIMIZER_BUGS = ("decay_mask", "no_clipping", "no_zero_grad")
 
 
 def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None,
@@ -56,7 +56,7 @@ def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None,
     (its figures are the logits and greedy tokens), then each bug (planted_bugs: those to
     plant, default all) in one twin, alternating (both: in both twins at once); in each of
     `dtypes`."""
-    from llama_twins.parity.planted import BUGS, FLOAT32_ONLY
+    from llama_twins.parity.planted import BUGS, FLOAT32_ONLY, TORCH_ONLY
 
     jobs = []
     for k, name in enumerate(checkpoints):
@@ -65,7 +65,10 @@ def jobs_of(checkpoints: dict[str, str], references, planted_bugs=None,
                      for reference in references if correct]
             bugs = [b for b in BUGS if (dtype == "float32" or b not in FLOAT32_ONLY)
                     and (planted_bugs is None or b in planted_bugs)]
-            jobs += [(name, dtype, None, bug, "both" if both else ("torch", "JAX")[(i + k) % 2],
+            if both:  # a bug only one twin can have is not planted in both
+                bugs = [b for b in bugs if b not in TORCH_ONLY]
+            jobs += [(name, dtype, None, bug, "both" if both else "torch" if bug in TORCH_ONLY
+                      else ("torch", "JAX")[(i + k) % 2],
                       bug in OPTIMIZER_BUGS) for i, bug in enumerate(bugs)]
     # per checkpoint and dtype, the reports with the training figures first: the later ones
     # reuse their float64 run (reuse_float64_runs)
