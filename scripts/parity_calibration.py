@@ -149,7 +149,9 @@ def run_part(checkpoints: dict[str, str], part: int, parts: int, isa: str, out: 
     from llama_twins.parity import BUDGET
 
     target = out / "parts" / (f"{isa}-{'+'.join(checkpoints)}-{part}-of-{parts}"
-                              + ("" if correct else "-bugs") + ("-both" if both else "")
+                              + ("" if correct else "-bugs")
+                              + ("-" + "+".join(planted_bugs) if planted_bugs else "")
+                              + ("-both" if both else "")
                               + (f"-lr{training_lr:g}" if training_lr else "")
                               + ("" if tuple(dtypes) == DTYPES else "-" + "+".join(dtypes))
                               + ".json")

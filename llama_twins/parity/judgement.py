@@ -62,7 +62,8 @@ BUDGET = {
         "loss": 150 * U32,       # per block and the head, forward and backward
         "grad_norm": 150 * U32,
         "grad": 150 * U32,
-        "adamw": 0.05,           # lr per step of the trajectory (and the storage; training.py)
+        "adamw": 0.01,           # lr per step of the trajectory (and the storage; training.py),
+                                 # or 10 x the perturbed runs' spread (COMPOUNDING)
         "optimizer": 1e-5,       # lr per step (and the storage), on shared gradients
         "rope": 4 * U32,         # per position: the angle p f carries p f U of rounding
         "norm": 8 * U32,         # one RMSNorm
