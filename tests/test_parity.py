@@ -246,9 +246,9 @@ def test_a_chaotic_trajectory_is_judged_against_the_perturbed_runs(checkpoint):
     """No false FAIL where the model's own dynamics carry rounding far: at a step of 3.0 the
     small model's trajectory is chaotic, the twins' errors reach the order of the fixed
     budget (10^4 times theirs at the default step) and the perturbed float64 runs spread as far;
-    the figure is held to SPREAD_MULTIPLE (30) x that spread and passes, stating it. The negative case: the same
-    report with the decay mask wrong in both twins, at the default step, fails this figure
-    naming both (and test_parity_bugs plants every bug in both twins)."""
+    the figure is held to SPREAD_MULTIPLE (30) x that spread and passes, stating it. The
+    negative case: the same report with the decay mask wrong in both twins, at the default step,
+    fails this figure naming both (and test_parity_bugs plants every bug in both twins)."""
     from llama_twins.parity.planted import planted
 
     report = parity.parity_report(checkpoint, new_tokens=0, training_lr=3.0)

@@ -1,9 +1,9 @@
-"""Bugs planted in one twin or both, for the parity report's negative cases (tests/test_parity_bugs.py,
-tests/test_gpu.py and scripts/parity_calibration.py). Each is a context manager that yields the
-keyword arguments of parity_report (torch_model= or jax_model=) for the broken twin, and patches
-module attributes for the optimizer bugs only while it is open. The float64 reference reads the
-checkpoint and builds its own optimizer, so no bug reaches it: a bug in both twins is caught
-against it, naming both."""
+"""Bugs planted in one twin or both, for the parity report's negative cases
+(tests/test_parity_bugs.py, tests/test_gpu.py and scripts/parity_calibration.py). Each is a
+context manager that yields the keyword arguments of parity_report (torch_model= and/or
+jax_model=) for the broken twin(s), and patches module attributes for the optimizer bugs only
+while it is open. The float64 reference reads the checkpoint and builds its own optimizer, so no
+bug reaches it: a bug in both twins is caught against it, naming both."""
 
 from __future__ import annotations
 
