@@ -62,7 +62,7 @@ BUDGET = {
         "loss": 150 * U32,       # per block and the head, forward and backward
         "grad_norm": 150 * U32,
         "grad": 150 * U32,
-        "adamw": 0.01,           # lr per step of the trajectory (and the storage; training.py),
+        "adamw": 0.05,           # lr per step of the trajectory (and the storage; training.py),
                                  # or SPREAD_MULTIPLE x the perturbed runs' spread
         "optimizer": 1e-5,       # lr per step (and the storage), on shared gradients
         "rope": 4 * U32,         # per position: the angle p f carries p f U of rounding
@@ -95,9 +95,11 @@ BUDGET = {
 # on an AMD EPYC Zen 4. 30 leaves room for a CPU whose float32 arithmetic errs more: the twins'
 # gradients measured up to 110 U a block on an Intel Xeon's AVX2 code paths where they measure 22
 # here, and their trajectory up to 0.026 lr a step there against 0.004 here (3.11 x 5, twice).
-# With the sharp models carried so, the float32 fixed budget came down from 0.05 to 0.01 lr a
-# step, which catches torch's gradients never zeroed between steps (0.128 lr on SmolLM2 after
-# LoRA SFT: within 0.05's 0.25, 2.5x 0.01's).
+# The fixed budget stays 0.05 lr a step in float32: 0.01 would catch torch's gradients never
+# zeroed on SmolLM2 after LoRA SFT (0.128 lr, 161x the spread), but failed correct twins after 4
+# LoRA steps on the AVX2 paths (JAX 0.084, torch 0.177 lr, 196x a spread of 9e-4: the noise,
+# relative to each tensor's own largest gradient, is too small for the tensors whose gradients
+# are small next to the model's largest, where Adam's eps makes an absolute error count).
 COMPOUNDING = ("adamw",)
 SPREAD_MULTIPLE = 30.0
 # Greedy decoding may differ only at a near-tie: if the twins' logits agree within d, each twin's
