@@ -9,7 +9,7 @@ Zero-shot scores each label word as a continuation of a prompt: the summed log-p
 of the word's tokens. Each text is run once, into a KV cache that the later tokens of the longer
 label words read (see continuation_logprobs).
 
-The classifier directory (bridge.classification) is a native checkpoint plus the head, so the
+The classifier directory (tasks.classification) is a native checkpoint plus the head, so the
 torch twin loads it too (torch_llama.load_classifier).
 """
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.chat import ChatTemplate, own_template
-from bridge.classification import (DEFAULT_TEMPLATE, encode_texts, read_head,
+from tasks.classification import (DEFAULT_TEMPLATE, encode_texts, read_head,
                                    truncate_left, write_head)
 from bridge.config import LlamaConfig
 from bridge.dtypes import numpy_dtype

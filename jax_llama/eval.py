@@ -1,10 +1,10 @@
-"""Sliding-window perplexity in JAX: bridge.evaluation plans the windows and writes the report;
+"""Sliding-window perplexity in JAX: tasks.evaluation plans the windows and writes the report;
 this module scores a batch of windows with one jitted forward pass.
 
     report = evaluate(model, params, documents, seq_len=1024, stride=512, batch_size=8)
 
 The scorer is jitted once per call of `evaluate`; jax.jit compiles it once per batch shape, and
-bridge.evaluation pads batches to powers of two, so a run compiles a handful of times at most
+tasks.evaluation pads batches to powers of two, so a run compiles a handful of times at most
 (once when every document is longer than a window and its window count a multiple of the batch).
 """
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bridge.evaluation import DEFAULT_BATCH_SIZE, Document, WindowBatch, run_evaluation
+from tasks.evaluation import DEFAULT_BATCH_SIZE, Document, WindowBatch, run_evaluation
 
 from .model.llama import Llama
 
@@ -38,7 +38,7 @@ def window_nll(model: Llama, params, tokens_BS, targets_BS, weights_BS) -> jax.A
 
 def evaluate(model: Llama, params, documents: Sequence[Document], seq_len: int, stride: int,
              batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = False) -> dict:
-    """bridge.evaluation.run_evaluation with this model: per-file and overall nll_per_token,
+    """tasks.evaluation.run_evaluation with this model: per-file and overall nll_per_token,
     perplexity, tokens, bits_per_byte and seconds (a dict, ready for JSON)."""
     score = jax.jit(lambda p, t, y, w: window_nll(model, p, t, y, w))
 

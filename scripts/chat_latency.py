@@ -74,9 +74,9 @@ def main(argv=None) -> int:
 
     import jax_llama
     from bridge.chat import find_template
-    from bridge.conversation import Conversation
+    from tasks.conversation import Conversation
     from bridge.formats import open_checkpoint
-    from bridge.prompts import stop_ids
+    from tasks.prompts import stop_ids
     from jax_llama.inference.generate import ChatSession
 
     ckpt = open_checkpoint(path)

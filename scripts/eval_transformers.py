@@ -51,7 +51,7 @@ def guide_nll(model, ids: torch.Tensor, seq_len: int, stride: int) -> tuple[floa
 def main(argv=None) -> int:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from bridge.evaluation import read_texts
+    from tasks.evaluation import read_texts
     from bridge.tokenizer import find_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

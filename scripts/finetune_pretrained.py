@@ -50,7 +50,7 @@ def torch_agreement(run: Path, dev: Path) -> dict:
     """The torch twin's classifier (torch_llama.load_classifier) on the best epoch against the
     JAX predictions the run wrote for the dev file."""
     import torch_llama
-    from bridge.classification import read_examples
+    from tasks.classification import read_examples
     from jax_llama.training.finetune import classifier_dir
 
     clf = torch_llama.load_classifier(classifier_dir(run), device="cpu")

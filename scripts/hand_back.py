@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     import jax_llama
     from bridge.chat import find_template
     from bridge.convert import convert
-    from bridge.prompts import encode_prompts, stop_ids
+    from tasks.prompts import encode_prompts, stop_ids
     from bridge.tokenizer import find_tokenizer
 
     tokenizer = find_tokenizer(args.checkpoint)

@@ -5,7 +5,7 @@
 1. Perplexity of `--model` on the held-out text in `--data` (e.g. the validation split of the
    main job's run, written by scripts/embedded_validation.py), float32 against int8 per output
    channel and int8 in groups of --group-size input columns, in both twins (jax_llama.eval and
-   torch_llama.eval: sliding windows, bridge.evaluation).
+   torch_llama.eval: sliding windows, tasks.evaluation).
 2. Greedy agreement: 20 prompts (the first --prompt-len tokens of 20 evenly spaced places in the
    held-out text), 64 new tokens each, float32 against int8, in JAX; and whether the two twins'
    int8 continuations are identical.
@@ -39,7 +39,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def perplexities(model_dir: str, data: list[str], group_size: int, seq_len: int | None) -> list:
     import jax_llama
     import torch_llama
-    from bridge.evaluation import read_texts, tokenize, window_settings
+    from tasks.evaluation import read_texts, tokenize, window_settings
     from bridge.tokenizer import find_tokenizer
     from jax_llama.eval import evaluate as jax_evaluate
     from torch_llama.eval import evaluate as torch_evaluate
@@ -71,7 +71,7 @@ def perplexities(model_dir: str, data: list[str], group_size: int, seq_len: int 
 def greedy_agreement(model_dir: str, data: list[str], prompt_len: int) -> dict:
     import jax_llama
     import torch_llama
-    from bridge.evaluation import read_texts, tokenize
+    from tasks.evaluation import read_texts, tokenize
     from bridge.tokenizer import find_tokenizer
 
     ids = np.concatenate([d.ids for d in tokenize(read_texts(data), find_tokenizer(model_dir))])
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", required=True, help="a checkpoint with its tokenizer")
     parser.add_argument("--data", nargs="+", required=True, help="held-out text files / dirs")
     parser.add_argument("--group-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, help="eval window (default: bridge.evaluation's)")
+    parser.add_argument("--seq-len", type=int, help="eval window (default: tasks.evaluation's)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--out", default="results/quality")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the table from a JSON "

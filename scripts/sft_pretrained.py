@@ -37,7 +37,7 @@ def answers(checkpoint: str, new_tokens: int, questions: list[str] = QUESTIONS) 
     """The checkpoint's greedy answers to `questions`, through its own chat template."""
     import jax_llama
     from bridge.chat import find_template
-    from bridge.prompts import encode_prompts, stop_ids
+    from tasks.prompts import encode_prompts, stop_ids
     from bridge.tokenizer import find_tokenizer
 
     tokenizer = find_tokenizer(checkpoint)

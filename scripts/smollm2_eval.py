@@ -85,7 +85,7 @@ def greedy_agreement(native: Path, new_tokens: int) -> dict:
     many leading tokens agree."""
     import jax_llama
     from bridge.chat import find_template
-    from bridge.prompts import encode_prompts, stop_ids
+    from tasks.prompts import encode_prompts, stop_ids
     from bridge.tokenizer import find_tokenizer
 
     tokenizer = find_tokenizer(native)

@@ -328,10 +328,10 @@ def test_every_plain_text_path_adds_what_transformers_adds(layouts, tmp_path_fac
     preference pairs, eval documents and generate's prompts all open as AutoTokenizer's ids do,
     and each EOS a path appends on purpose (a document's end, a classifier's last token, a
     completion's end) stays."""
-    from bridge.classification import encode_texts
-    from bridge.evaluation import Text, tokenize
-    from bridge.preference import encode_pair
-    from bridge.prompts import encode_prompts
+    from tasks.classification import encode_texts
+    from tasks.evaluation import Text, tokenize
+    from tasks.preference import encode_pair
+    from tasks.prompts import encode_prompts
     from jax_llama.classify import zero_shot_rows
     from jax_llama.training.data import tokenize_corpus
 

@@ -11,8 +11,9 @@ import re
 import numpy as np
 import pytest
 
-from bridge.chat import (BUILTIN, ChatTemplate, Example, encode_example, find_template,
-                         read_chats, show_mask, truncate)
+from bridge.chat import BUILTIN, ChatTemplate, find_template
+
+from tasks.chats import Example, encode_example, read_chats, show_mask, truncate
 from bridge.errors import BridgeError
 from bridge.tokenizer import (LLAMA3_PATTERN, LLAMA3_SPECIALS, ByteTokenizer, load_tokenizer,
                              train_tokenizer)

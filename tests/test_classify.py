@@ -15,7 +15,7 @@ import torch
 
 import jax_llama
 import torch_llama
-from bridge.classification import read_examples, read_labels, strip_labels, truncate_left
+from tasks.classification import read_examples, read_labels, strip_labels, truncate_left
 from bridge.inputs import pad_rows
 from bridge.tokenizer import ByteTokenizer, train_tokenizer
 from conftest import SHARED, save_random_checkpoint, small_config
@@ -697,7 +697,7 @@ def test_a_pretrained_backbone_gets_its_own_recipe_and_trains_its_top_blocks(tas
     """finetune --init: the PRETRAINED recipe (lr, epochs, batch, dropout; the top half of the
     blocks, 1 of 3), flags over it; the blocks below and the embedding table come out unchanged, the top
     block, the final norm and the head do not. From scratch keeps FROM_SCRATCH."""
-    from bridge.classification import (FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA,
+    from tasks.classification import (FROM_SCRATCH, PRETRAINED, PRETRAINED_LORA,
                                        resolve_train_layers)
     from jax_llama.training.finetune import recipe
 

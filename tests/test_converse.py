@@ -12,8 +12,9 @@ import pytest
 
 import jax_llama
 import torch_llama
-from bridge.chat import ChatTemplate, read_chats
-from bridge.conversation import Conversation
+from bridge.chat import ChatTemplate
+from tasks.chats import read_chats
+from tasks.conversation import Conversation
 from bridge.inputs import shared_prefix
 from bridge.errors import BridgeError
 from bridge.tokenizer import ByteTokenizer

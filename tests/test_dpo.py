@@ -14,7 +14,7 @@ import pytest
 from conftest import save_random_checkpoint, small_config
 
 from bridge.errors import BridgeError
-from bridge.preference import Pair, encode_pair, encode_pairs, pair_rows, read_pairs
+from tasks.preference import Pair, encode_pair, encode_pairs, pair_rows, read_pairs
 from jax_llama.training import dpo as dpo_lib
 from jax_llama.training.spec import DpoSpec
 

@@ -1,4 +1,4 @@
-"""Sliding-window perplexity: the window plan (bridge.evaluation), the two twins against
+"""Sliding-window perplexity: the window plan (tasks.evaluation), the two twins against
 transformers' guide and against a direct computation, batching, the report and the eval commands'
 bad input."""
 
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import jax_llama
 import torch_llama
 from bridge.convert import convert
-from bridge.evaluation import Text, Window, plan_windows, read_texts, tokenize, window_settings
+from tasks.evaluation import Text, Window, plan_windows, read_texts, tokenize, window_settings
 from bridge.tokenizer import ByteTokenizer
 from conftest import real_tokenizer, save_random_checkpoint, small_config
 from jax_llama.eval import evaluate as jax_evaluate

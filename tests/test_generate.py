@@ -12,7 +12,7 @@ import torch
 import jax_llama
 import torch_llama
 from bridge.chat import find_template
-from bridge.prompts import encode_prompts, stop_ids
+from tasks.prompts import encode_prompts, stop_ids
 from bridge.errors import BridgeError
 from bridge.sampling import Sampler
 from bridge.tokenizer import load_tokenizer

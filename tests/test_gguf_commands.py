@@ -19,7 +19,7 @@ import jax_llama
 from bridge.chat import TEMPLATE_FILE, find_template
 from bridge.convert import convert
 from bridge.gguf.container import read_gguf
-from bridge.prompts import encode_prompts
+from tasks.prompts import encode_prompts
 from bridge.tokenizer import find_tokenizer, load_tokenizer
 from conftest import small_config
 from llama_twins.cli import bridge_main as bridge_cli, main as jax_cli, torch_main as torch_cli
@@ -85,8 +85,8 @@ def test_inspect_names_the_stored_types_and_the_rebuilt_tokenizer(tiny, capsys, 
 def test_prompts_follow_the_files_bos_rule(tiny):
     """No BOS where the tokenizer adds none, in each place that encodes text: generate's
     prompts, a finetune classifier's rows, zero-shot's prompts, eval's documents."""
-    from bridge.classification import encode_texts
-    from bridge.evaluation import Text, tokenize
+    from tasks.classification import encode_texts
+    from tasks.evaluation import Text, tokenize
     from jax_llama.classify import zero_shot_rows
 
     tokenizer = find_tokenizer(tiny)

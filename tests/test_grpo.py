@@ -16,7 +16,7 @@ from conftest import save_random_checkpoint, small_config
 from test_dpo import word_tokenizer
 
 from bridge.errors import BridgeError
-from bridge.rewards import RewardFailed, exact_answer, load_reward, score
+from tasks.rewards import RewardFailed, exact_answer, load_reward, score
 from jax_llama.training import grpo as grpo_lib
 from jax_llama.training.spec import GrpoSpec
 

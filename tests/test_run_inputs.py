@@ -11,7 +11,7 @@ import pytest
 
 from bridge.data_dirs import check_out_apart, files_under, output_kind
 from bridge.errors import BridgeError
-from bridge.evaluation import data_files
+from tasks.evaluation import data_files
 from bridge.tokenizer import ByteTokenizer
 from jax_llama.training import data
 from llama_twins.cli import main as cli

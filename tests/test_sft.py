@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import jax_llama
-from bridge.chat import Example, find_template
+from bridge.chat import find_template
+from tasks.chats import Example
 from bridge.tokenizer import load_tokenizer
 from conftest import interrupted_at, small_config
 from jax_llama.training.sft import demo_chats, example_batches, exact_match, load_chats
@@ -253,7 +254,7 @@ def test_replay_adds_the_starting_model_s_greedy_answers(sft_run, tmp_path, monk
     jax_llama.generate gives for it alone), join the training chats. The tiny model's answers
     never end a sentence, so replay_answer is made to keep them whole here."""
     from bridge.chat import find_template
-    from bridge.prompts import stop_ids
+    from tasks.prompts import stop_ids
     from jax_llama.training import sft as sft_lib
     from jax_llama.training.sft import general_prompts
 

@@ -15,7 +15,7 @@ import pytest
 import jax_llama
 import torch_llama
 from bridge.chat import find_template
-from bridge.prompts import encode_prompts, stop_ids
+from tasks.prompts import encode_prompts, stop_ids
 from bridge.tokenizer import find_tokenizer
 from conftest import jax_logits, torch_logits
 

@@ -1,5 +1,5 @@
 """Sequence classification in the torch twin: a classifier directory written by `jax-llama
-finetune` (bridge.classification), loaded and run. The twin of jax_llama.classify's Classifier,
+finetune` (tasks.classification), loaded and run. The twin of jax_llama.classify's Classifier,
 load_classifier and predict; fine-tuning itself runs in JAX."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bridge.classification import encode_texts, read_head
+from tasks.classification import encode_texts, read_head
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.inputs import length_batches, pad_rows
 from bridge.tokenizer import Tokenizer, find_tokenizer

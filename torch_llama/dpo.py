@@ -1,6 +1,6 @@
 """DPO in the torch twin: jax_llama.training.dpo's loss, rewards and log-probs, on the same batch.
 
-    logps = sequence_logps(model, rows)        # rows: bridge.preference.pair_rows (2B rows)
+    logps = sequence_logps(model, rows)        # rows: tasks.preference.pair_rows (2B rows)
     loss, metrics = dpo_loss(logps[:B], logps[B:], ref[:B], ref[B:], n[:B], n[B:], beta=0.1)
 
 The formulas are jax_llama.training.dpo's (see its docstring): the twins compute each in the same order,

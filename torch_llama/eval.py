@@ -1,4 +1,4 @@
-"""Sliding-window perplexity in the torch twin: bridge.evaluation plans the windows and writes the
+"""Sliding-window perplexity in the torch twin: tasks.evaluation plans the windows and writes the
 report; this module scores a batch of windows with one forward pass under inference_mode.
 
     report = evaluate(model, documents, seq_len=1024, stride=512, batch_size=8)
@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from bridge.evaluation import DEFAULT_BATCH_SIZE, Document, WindowBatch, run_evaluation
+from tasks.evaluation import DEFAULT_BATCH_SIZE, Document, WindowBatch, run_evaluation
 
 from .model import Llama
 
@@ -29,7 +29,7 @@ def window_nll(model: Llama, tokens_BS, targets_BS, weights_BS) -> torch.Tensor:
 
 def evaluate(model: Llama, documents: Sequence[Document], seq_len: int, stride: int,
              batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = False) -> dict:
-    """bridge.evaluation.run_evaluation with this model (on its own device): per-file and overall
+    """tasks.evaluation.run_evaluation with this model (on its own device): per-file and overall
     nll_per_token, perplexity, tokens, bits_per_byte and seconds (a dict, ready for JSON)."""
     device = next(model.parameters()).device
 

@@ -1,5 +1,5 @@
 """The lm-evaluation-harness model `jax-llama`: lm-eval's three request kinds answered by this
-package's forward pass (loglikelihood), bridge.evaluation's sliding windows (loglikelihood_rolling)
+package's forward pass (loglikelihood), tasks.evaluation's sliding windows (loglikelihood_rolling)
 and the KV-cache sampler (generate_until).
 
     lm_eval.simple_evaluate(model="jax-llama", model_args="pretrained=runs/main/model",
@@ -30,7 +30,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from tqdm import tqdm
 
 from bridge.errors import BridgeError
-from bridge.evaluation import Document, window_settings
+from tasks.evaluation import Document, window_settings
 from bridge.formats import open_checkpoint
 from bridge.sampling import Sampler
 from bridge.tokenizer import find_tokenizer
@@ -213,7 +213,7 @@ class JaxLlamaLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Per request (text,): the log-likelihood of all of the text's tokens, conditioned on
-        prefix_token_id, in `jax-llama eval`'s sliding windows (bridge.evaluation: windows of
+        prefix_token_id, in `jax-llama eval`'s sliding windows (tasks.evaluation: windows of
         max_length tokens every `stride` tokens, each token scored once). A text that fits one
         window gets exactly lm-eval's hf number; a longer one keeps more context per token than
         hf's disjoint windows, as `jax-llama eval --seq-len max_length --stride stride` does."""

@@ -298,7 +298,7 @@ class ChatSession:
     its prompt does not share with those already in the cache.
 
     `reply(ids, on_token)` continues `ids` (the whole conversation so far, as
-    bridge.conversation.Conversation renders it) up to max_new_tokens ids. The cache holds the ids
+    tasks.conversation.Conversation renders it) up to max_new_tokens ids. The cache holds the ids
     of the last prompt and of its reply but the last token (the decode loop feeds a token only to
     produce the next); a new prompt that starts with all of them prefills only its new ids, one
     that differs earlier (a template that renders earlier turns differently, dropped turns, a

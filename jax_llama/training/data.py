@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from bridge.atomic import write_text
-from bridge.classification import strip_labels
+from tasks.classification import strip_labels
 from bridge.data_dirs import check_out_apart, files_under
 from bridge.errors import BridgeError
 

@@ -33,7 +33,7 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.progress import bar as progress_bar
 from bridge.formats import Checkpoint
-from bridge.preference import Pair, in_order
+from tasks.preference import Pair, in_order
 
 from .inputs import open_init, run_config, run_tokenizer
 from .spec import LOSSES, DpoSpec, RunSpec
@@ -244,7 +244,7 @@ class PreferenceInputs:
     tokenizer: object
     config: LlamaConfig
     template: object | None          # bridge.chat.ChatTemplate, or None for plain-text pairs
-    pairs: list                      # bridge.preference.Pair
+    pairs: list                      # tasks.preference.Pair
     eval_pairs: list
     counts: dict                     # skipped (identical) and cut pairs
     reference: object = None         # Reference, once started
@@ -255,7 +255,7 @@ class PreferenceInputs:
     _logps: dict = field(default_factory=dict)
 
     def batches(self, tc: TrainConfig, local_batch: int):
-        from bridge.preference import PairBatches
+        from tasks.preference import PairBatches
 
         tokens = sum(len(p.chosen) + len(p.rejected) for p in self.pairs)
         say(f"{len(self.pairs):,} preference pairs ({len(self.eval_pairs):,} held out"
@@ -354,7 +354,7 @@ def dpo_inputs(spec: RunSpec, init: Checkpoint | None = None) -> PreferenceInput
     checkpoint already opened (inputs.open_init), else opened here; its tokenizer, config and
     chat template are read from that one opening."""
     from bridge.chat import find_template
-    from bridge.preference import encode_pairs, read_pairs
+    from tasks.preference import encode_pairs, read_pairs
 
     dpo = spec.dpo
     seed = spec.train.seed

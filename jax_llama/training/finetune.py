@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.atomic import write_text
-from bridge.classification import (FROM_SCRATCH, META_FILE, PRETRAINED, PRETRAINED_LORA, Dataset,
+from tasks.classification import (FROM_SCRATCH, META_FILE, PRETRAINED, PRETRAINED_LORA, Dataset,
                                    accuracy, encode_texts, write_predictions)
 from bridge.errors import BridgeError
 from bridge.inputs import length_batches, pad_rows

@@ -3,7 +3,7 @@ program checks, on the one training loop, as TRL 1.16's GRPOTrainer defines it.
 
 A round: P prompts, G completions each (num_generations), sampled from the current policy by the
 KV-cache generator that `generate` uses, all P x G in one batch. Every reward function scores
-every completion (bridge.rewards: TRL's calling convention); the weighted sum r_i of a completion
+every completion (tasks.rewards: TRL's calling convention); the weighted sum r_i of a completion
 becomes its advantage within its group of G:
 
     A_i = (r_i - mean(r of its group)) / (std(r of its group) + 1e-4)
@@ -49,7 +49,7 @@ import numpy as np
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.progress import bar as progress_bar
-from bridge.rewards import Reward, RewardFailed, load_reward, score
+from tasks.rewards import Reward, RewardFailed, load_reward, score
 
 from .inputs import open_init, run_config, run_tokenizer
 from .spec import LOSS_TYPES, GrpoSpec, RunSpec
@@ -207,8 +207,8 @@ def read_prompts(path: str) -> list[tuple[str, dict]]:
     """[(FILE:LINE, record)] of a prompts JSONL (TRL's format: "prompt", a string or a list of
     messages; every other column goes to the reward functions); anything else refused naming
     FILE:LINE."""
-    from bridge.chat import read_json_lines
-    from bridge.preference import _check_messages
+    from tasks.chats import read_json_lines
+    from tasks.preference import _check_messages
 
     records = []
     for where, obj in read_json_lines(path, "prompts"):
@@ -281,7 +281,7 @@ class GrpoInputs:
     template: object | None
     prompts: list
     eval_prompts: list
-    rewards: list                  # bridge.rewards.Reward
+    rewards: list                  # tasks.rewards.Reward
     weights: np.ndarray
     prompt_len: int = 0            # the prompts' padded length (the longest)
     model: object = None

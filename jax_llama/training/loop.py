@@ -306,11 +306,11 @@ def run_steps(state, train_step, next_batch, evaluate, tc: TrainConfig, *, desc:
     `tokens_in(batch)`, or tc.batch_size x tc.seq_len; the progress bar shows the MFU where
     `flops_per_token` is given. host (GRPO's inputs): its step_figures(step) join each step's
     record, the device figures its drop(step) names leave it; a batch it cannot make
-    (bridge.rewards.RewardFailed) ends the run like a NaN loss, with the last good step's
+    (tasks.rewards.RewardFailed) ends the run like a NaN loss, with the last good step's
     checkpoint. progress: the bar on stderr (bridge.progress), its figures step_figures'.
     Returns (state, last): last holds the final "loss" and "val_loss" (NaN where the evaluation
     has none)."""
-    from bridge.rewards import RewardFailed
+    from tasks.rewards import RewardFailed
 
     peak = measure_matmul_peak(tc.dtype) if flops_per_token else None
     last = {"loss": float("nan"), "val_loss": float("nan")}

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Callable
 import jax
 import numpy as np
 
-from bridge.chat import ChatTemplate, Example, encode_example, read_chats, truncate
+from bridge.chat import ChatTemplate
+
+from tasks.chats import Example, encode_example, read_chats, truncate
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint
@@ -226,7 +228,7 @@ class ChatInputs:
     tokenizer: object
     config: LlamaConfig
     template: object                 # bridge.chat.ChatTemplate
-    examples: list                   # bridge.chat.Example, cut to seq_len + 1 tokens
+    examples: list                   # tasks.chats.Example, cut to seq_len + 1 tokens
     eval_examples: list
     eval_chats: list                 # (where, messages) of the held-out conversations
     skipped: list[str]
@@ -323,7 +325,7 @@ def replay_chats(spec: RunSpec, tokenizer, template,
     as it did, where a narrow task alone teaches its style to every reply. The same every time
     (greedy), so a resumed run trains on the same chats. `init`: the --init checkpoint already
     opened, its weights read from that opening (else from spec.init)."""
-    from bridge.prompts import stop_ids as tokenizer_stops
+    from tasks.prompts import stop_ids as tokenizer_stops
 
     from ..inference.generate import generate
 

@@ -63,7 +63,7 @@ def jax_runner(spec: Spec):
     # what `jax-llama generate` does with one prompt: each token through the CLI's Streamer
     import io
 
-    from bridge.prompts import Streamer
+    from tasks.prompts import Streamer
     from bridge.tokenizer import find_tokenizer
     tokenizer = find_tokenizer(spec.weights)
     return (lambda batch, n: generate(model, params, [prompt(spec)] * batch, n,

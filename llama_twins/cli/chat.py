@@ -1,6 +1,6 @@
 """`jax-llama chat CKPT`: talk to a model over several turns, in its own chat template.
 
-The conversation (bridge.conversation) is rendered whole for every turn; the twin's ChatSession
+The conversation (tasks.conversation) is rendered whole for every turn; the twin's ChatSession
 keeps the KV cache of what it has seen, so a turn prefills only its new tokens. This module holds
 the loop a person (or a script, through a pipe) drives: lines in, replies streamed out.
 """
@@ -34,7 +34,7 @@ def converse(conversation, session, tokenizer, stdin=None, stdout=None, stats: b
     stays in the conversation), not the chat. From a pipe: each line is one user turn, and each
     reply is written followed by one empty line, so that a script can read them back. Notes
     (dropped turns, a prefill that could not reuse the cache, --stats) go to stderr."""
-    from bridge.prompts import Streamer
+    from tasks.prompts import Streamer
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     interactive = stdin.isatty()
@@ -131,9 +131,9 @@ def run_chat(args, open_session) -> int:
     checkpoint (once), find its tokenizer and chat template, then open_session(checkpoint,
     sampler, stop ids) -> (a twin's ChatSession, the model's LlamaConfig), and converse."""
     from bridge.chat import find_template
-    from bridge.conversation import Conversation
+    from tasks.conversation import Conversation
     from bridge.formats import open_checkpoint
-    from bridge.prompts import stop_ids
+    from tasks.prompts import stop_ids
     from bridge.resources import gc_paused
     from bridge.sampling import Sampler
     from bridge.tokenizer import find_tokenizer

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from bridge.classification import (DEFAULT_CHAT_QUESTION, DEFAULT_TEMPLATE, FROM_SCRATCH,
+from tasks.classification import (DEFAULT_CHAT_QUESTION, DEFAULT_TEMPLATE, FROM_SCRATCH,
                                    PRETRAINED, PRETRAINED_LORA)
 from bridge.config import preset
 from bridge.data_dirs import check_out_apart
@@ -21,7 +21,7 @@ from .options import (add_attention_argument, add_lora_arguments,
 
 
 def _read_task(args, path: str, require_labels: bool = True):
-    from bridge.classification import read_examples
+    from tasks.classification import read_examples
 
     dataset = read_examples(path, len(args.label_words), require_labels=require_labels,
                             skip_malformed=args.skip_malformed)
@@ -39,7 +39,7 @@ def _cut_note(name: str, cut: int, total: int, max_len: int) -> None:
 
 def _report_predictions(args, dataset, predictions, what: str) -> float | None:
     """Write predictions to --out (or stdout, one a line) and report accuracy when labeled."""
-    from bridge.classification import accuracy, write_predictions
+    from tasks.classification import accuracy, write_predictions
 
     score = accuracy(predictions, dataset.labels) if dataset.labeled else None
     line = (f"{what} accuracy {score:.4f} ({int(round(score * len(predictions)))}/{len(predictions)}) "
@@ -59,7 +59,7 @@ def _report_predictions(args, dataset, predictions, what: str) -> float | None:
 def cmd_finetune(args) -> int:
     import jax
 
-    from bridge.classification import read_labels, resolve_train_layers
+    from tasks.classification import read_labels, resolve_train_layers
     from bridge.tokenizer import find_tokenizer, load_tokenizer, train_tokenizer
     from jax_llama.checkpoint import load
     from jax_llama.classify import new_classifier
@@ -174,7 +174,7 @@ def cmd_zero_shot(args) -> int:
     import numpy as np
 
     from bridge.chat import find_template
-    from bridge.classification import read_labels
+    from tasks.classification import read_labels
     from bridge.formats import open_checkpoint
     from bridge.tokenizer import find_tokenizer
     from jax_llama.checkpoint import load

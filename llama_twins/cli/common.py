@@ -257,7 +257,7 @@ def generation_inputs(args, load: Callable[[object], tuple]) -> tuple:
 
 def _generation_inputs(args, load: Callable[[object], tuple]) -> tuple:
     from bridge.formats import open_checkpoint
-    from bridge.prompts import encode_prompts, stop_ids
+    from tasks.prompts import encode_prompts, stop_ids
     from bridge.sampling import Sampler
     from bridge.tokenizer import find_tokenizer
 
@@ -284,7 +284,7 @@ def run_generation(generate: Callable, tokenizer, texts: Sequence[str], prompts,
     lines; then the results."""
     import warnings
 
-    from bridge.prompts import Streamer
+    from tasks.prompts import Streamer
 
     stream = Streamer(tokenizer) if len(prompts) == 1 else None
     steps = _DecodeSteps(len(prompts), max_new_tokens, enabled=progress and stream is None)
@@ -380,7 +380,7 @@ def run_eval(args, load: Callable[[object], object], evaluate: Callable[..., dic
     batch_size=, progress=) -> the report, printed as a table or (--json) one JSON object."""
     import json
 
-    from bridge.evaluation import format_report, read_texts, tokenize, window_settings
+    from tasks.evaluation import format_report, read_texts, tokenize, window_settings
     from bridge.formats import open_checkpoint
     from bridge.tokenizer import find_tokenizer
 

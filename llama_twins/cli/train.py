@@ -102,7 +102,7 @@ def cmd_sft(args) -> int:
                   **({} if args.demo_examples is None else {"demo_examples": args.demo_examples}))
     spec = _run_spec(args, [], False if args.no_pack else None, default_pack=True, sft=sft)
     if args.show_mask is not None:
-        from bridge.chat import show_mask
+        from tasks.chats import show_mask
 
         if args.show_mask < 1:
             raise BridgeError(f"must be a positive integer (got {args.show_mask})", field="show_mask")

@@ -7,7 +7,7 @@ lm-evaluation-harness' `local-completions` tokenizes as the server does.
 
 Every request's fields are checked by name and type before anything runs: a field this server
 does not implement is refused (400), never ignored. Stop strings are cut on the text
-(bridge.prompts.TextStream): never returned, never partly streamed. Streams are Server-Sent
+(tasks.prompts.TextStream): never returned, never partly streamed. Streams are Server-Sent
 Events, `data: {...}` chunks, the last of each choice with its finish_reason, then `data: [DONE]`.
 A client that goes away mid-stream cancels its rows, which the next request then takes.
 

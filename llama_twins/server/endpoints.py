@@ -1,6 +1,6 @@
 """The endpoints' logic (Server): a checked request becomes prompts for the batching engine
 (jax_llama.inference.serving.Engine), its tokens become OpenAI's answers, whole or streamed as
-Server-Sent Events; stop strings are cut on the text (bridge.prompts.TextStream)."""
+Server-Sent Events; stop strings are cut on the text (tasks.prompts.TextStream)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from bridge.errors import BridgeError
-from bridge.prompts import TextStream
+from tasks.prompts import TextStream
 
 from .requests import (CHAT, COMPLETION, DEFAULT_MAX_TOKENS, ApiError, Sampling, check_fields,
                        sampling)

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import BridgeError
+from bridge.errors import BridgeError
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import LlamaConfig
-from .errors import BridgeError
+from bridge.config import LlamaConfig
+from bridge.errors import BridgeError
 
 HEAD_FILE = "classifier.safetensors"
 META_FILE = "classifier.json"
@@ -259,6 +259,6 @@ def accuracy(predictions, labels) -> float:
 
 def write_predictions(path: str | os.PathLike, predictions) -> Path:
     """One predicted label index a line (the LABEL field of the data format), written atomically."""
-    from .atomic import write_text
+    from bridge.atomic import write_text
 
     return write_text(path, "".join(f"{int(p)}\n" for p in predictions))

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .chat import ChatTemplate
-from .errors import BridgeError
-from .tokenizer import Tokenizer
+from bridge.chat import ChatTemplate
+from bridge.errors import BridgeError
+from bridge.tokenizer import Tokenizer
 
 
 class Conversation:
@@ -80,7 +80,7 @@ class Conversation:
 
     def save(self, path: str | Path) -> Path:
         """Append the conversation as one line {"messages": [...]} of a JSONL file, as `sft`
-        reads it (bridge.chat.read_chats); it must end with an assistant turn."""
+        reads it (tasks.chats.read_chats); it must end with an assistant turn."""
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise BridgeError(f"{path}: nothing to save yet: the conversation must end with a "
                               f"reply", field="path")

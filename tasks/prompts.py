@@ -7,9 +7,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from .chat import ChatTemplate
-from .errors import BridgeError
-from .tokenizer import Tokenizer
+from bridge.chat import ChatTemplate
+from bridge.errors import BridgeError
+from bridge.tokenizer import Tokenizer
 
 
 def encode_prompts(tokenizer: Tokenizer, texts: Sequence[str], max_seq_len: int,

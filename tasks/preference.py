@@ -24,9 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .chat import ROLES, ChatTemplate, read_json_lines
-from .errors import BridgeError
-from .inputs import shared_prefix
+from bridge.chat import ROLES, ChatTemplate
+
+from .chats import read_json_lines
+from bridge.errors import BridgeError
+from bridge.inputs import shared_prefix
 
 FIELDS = ("prompt", "chosen", "rejected")
 

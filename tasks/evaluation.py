@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from .data_dirs import files_under
-from .errors import BridgeError
+from bridge.data_dirs import files_under
+from bridge.errors import BridgeError
 
 DEFAULT_SEQ_LEN = 1024      # the window when none is given: the checkpoint's context, at most this
 DEFAULT_BATCH_SIZE = 8
@@ -228,7 +228,7 @@ def run_evaluation(score: Scorer, documents: Sequence[Document], seq_len: int, s
     """Score every document's windows with `score` (one document at a time, so that each file's
     seconds are its own) and return the report (see `report`). progress: a tqdm bar over
     windows on stderr."""
-    from .progress import bar as progress_bar
+    from bridge.progress import bar as progress_bar
 
     if batch_size < 1:
         raise BridgeError(f"must be a positive integer (got {batch_size})", field="batch_size")
