@@ -1,5 +1,5 @@
 """Speed of two checkouts of this project side by side: SmolLM2-135M's greedy decode (float32 and
-int8, batch 1 and 8) and a train step (and, with --rows finetune, the whole finetune command),
+int8 and 4-bit, batch 1 and 8), its load, and a train step (and, with --rows finetune, the whole finetune command),
 each tree in processes of its own, in alternating rounds.
 
 For a restructuring that must not slow anything: OLD is the tree before (a `git worktree` of the
@@ -31,6 +31,22 @@ import numpy as np
 kind, gguf = sys.argv[1], sys.argv[2]
 import jax, jax_llama
 generate = jax_llama.generate  # the function, exported by every version
+
+def load_as(path, how):
+    """(model, params) of the GGUF as float32, int8 (quantised after the float load, as every
+    version can) or 4-bit (the file's Q4_1 blocks as stored): through the keyword each version
+    of jax_llama.load takes for it."""
+    import inspect
+    if how == "float32":
+        return jax_llama.load(path, dtype="float32")
+    if how == "int8":
+        model, params = jax_llama.load(path, dtype="float32")
+        return model, jax_llama.quantize(params)
+    keywords = inspect.signature(jax_llama.load).parameters
+    if "int4" in keywords:  # before the layout was decided in bridge.layout
+        return jax_llama.load(path, dtype="float32", int4=True)
+    return jax_llama.load(path, dtype="float32", weights="int4")
+
 
 def best(run, repeats=3):
     run()  # compiles
@@ -80,18 +96,23 @@ elif kind == "finetune":  # the whole `jax-llama finetune` command on a small sy
                      "--vocab-size", "300", "--epochs", "3", "--max-len", "32"])
     assert code == 0, code
     print(json.dumps({"s": time.perf_counter() - start}))
+elif kind.startswith("load/"):  # the load itself, the file in the page cache (a load before)
+    how = kind.split("/")[1]
+    load_as(gguf, how)
+    start = time.perf_counter()
+    load_as(gguf, how)
+    print(json.dumps({"s": time.perf_counter() - start}))
 else:
     dtype, batch = kind.split("/")
-    model, params = jax_llama.load(gguf, dtype="float32")
-    if dtype == "int8":
-        params = jax_llama.quantize(params)
+    model, params = load_as(gguf, dtype)
     prompt = [[1 + i for i in range(16)]] * int(batch)
     first = best(lambda: generate(model, params, prompt, 1))
     full = best(lambda: generate(model, params, prompt, 65))
     print(json.dumps({"s": (full - first) / 64 / int(batch)}))  # seconds per token
 '''
 
-ROWS = ("float32/1", "float32/8", "int8/1", "int8/8", "train")
+ROWS = ("float32/1", "float32/8", "int8/1", "int8/8", "int4/1", "int4/8", "train",
+        "load/float32", "load/int4")
 EXTRA_ROWS = ("finetune",)  # --rows finetune: the whole command, seconds
 
 
@@ -151,7 +172,8 @@ def main(argv=None) -> int:
     def render(data: dict) -> list[str]:
         lines = [f"# {data['old']} against {data['new']}: {data['rounds']} alternating rounds", "",
                  "Decode rows: seconds per token (SmolLM2-135M, 16-token prompt, 64 new tokens, best "
-                 "of 3 per process); train: seconds per step (stories15M shapes, batch 8 x 256); "
+                 "of 3 per process; int4: the file's Q4_1 blocks as stored); load rows: seconds of "
+                 "`jax_llama.load` of SmolLM2's GGUF, the second load in its process; train: seconds per step (stories15M shapes, batch 8 x 256); "
                  "finetune: seconds of the whole `jax-llama finetune` command (600 synthetic texts, "
                  "3 epochs of 19 steps, from scratch).", "",
                  "| row | old (s) | new (s) | new / old | spread old | spread new | slower beyond noise |",
