@@ -113,6 +113,19 @@ def smollm2_path() -> Path | None:
     return path if path.is_file() else None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def decode_kernels_built():
+    """The decode kernels built once for every instruction set this CPU runs, as `jax-llama
+    kernels build` builds them (into $JAX_LLAMA_KERNEL_CACHE, default ~/.cache/jax_llama/kernels;
+    at once where they are there), so that the tests that decode run them: a model never compiles
+    them itself. Without a C++ compiler nothing is built and models run XLA's matmul
+    (tests/test_kernels.py then skips, saying why)."""
+    from jax_llama.model.kernels import library
+
+    if library.compiler() is not None:
+        library.build()
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real SmolLM2-135M-Instruct GGUF (LLaMA architecture, 30 layers, GQA 9/3, vocab 49,152);

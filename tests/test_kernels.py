@@ -25,13 +25,18 @@ from jax_llama.model import kernels
 @pytest.fixture(autouse=True)
 def kernels_on(monkeypatch):
     """The kernels are on unless JAX_LLAMA_KERNELS=0; on for these tests whatever the caller set.
-    They are skipped where they cannot run (no C++ compiler, another backend), but a compiler that
-    refuses the source is a failure: a build broken for one -march (as AVX-512 without BF16 once
-    was) would otherwise pass as a row of skips."""
+    They are skipped where they cannot run (no C++ compiler to build them, another backend), but
+    a compiler that refuses the source is a failure: a build broken for one instruction set (as
+    AVX-512 without BF16 once was) would otherwise pass as a row of skips. conftest's
+    decode_kernels_built has built them; this asks again for this CPU's variant (at once when
+    built) to name the compiler's error."""
     monkeypatch.setenv("JAX_LLAMA_KERNELS", "1")
+    if kernels.library.compiler() is not None:
+        why = kernels.build([kernels.variant_for(kernels.cpu_flags())])
+        failed = [f"{name}: {reason}" for name, reason in why.items() if reason]
+        if failed:
+            pytest.fail(f"the kernels did not compile: {failed[0]}")
     reason = kernels.unavailable_reason()
-    if reason is not None and " failed: " in reason:  # build()'s "<compiler> failed: ..."
-        pytest.fail(f"the kernels did not compile: {reason}")
     if reason is not None:
         pytest.skip(f"kernels unavailable: {reason}")
 
@@ -319,18 +324,13 @@ def test_int4_with_bfloat16_activations_is_the_rounded_x_times_the_weight(M, I, 
     assert not np.all(np.abs(plain - want) <= limit)
 
 
-@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 -march names")
-@pytest.mark.parametrize("arch", ["skylake-avx512", "x86-64"])
-def test_the_kernels_compile_for_avx512_without_bfloat16_and_for_no_vector_extension(
-        arch, tmp_path, monkeypatch):
-    """A CPU with AVX-512 but no AVX512_BF16 (Skylake to Cascade Lake) and one with no AVX
-    compile their own paths (a build that fails leaves such a CPU without kernels, and the tests
-    here skipped): the compiler's verdict on each."""
-    if kernels.unavailable_reason() is not None:
-        pytest.skip(f"kernels unavailable here: {kernels.unavailable_reason()}")
-    monkeypatch.setenv("JAX_LLAMA_KERNEL_MARCH", arch)
-    kernels.build(tmp_path / "matvec.so")
-    assert (tmp_path / "matvec.so").stat().st_size > 0
+def test_every_variant_compiles():
+    """Each instruction set's library compiles (built once into the kernel cache, at once where
+    it is there): a CPU with AVX-512 but no AVX512_BF16 (Skylake to Cascade Lake), one with AVX2
+    alone and one with no AVX each run their own paths, and a build that failed would leave such
+    a CPU without kernels (and the tests here skipped there): the compiler's verdict on each."""
+    assert kernels.build(kernels.VARIANTS) == {v.name: None for v in kernels.VARIANTS}
+    assert all(kernels.library.library_path(v).stat().st_size > 0 for v in kernels.VARIANTS)
 
 
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 -march names")
@@ -370,8 +370,7 @@ def test_the_avx2_build_multiplies_bfloat16_activations_factored_within_the_boun
         "out['lanes'] = np.array(kernels.lanes())\n"
         "np.savez(os.environ['OUT'], **out)\n")
     env = dict(os.environ, JAX_LLAMA_KERNELS="1", JAX_LLAMA_KERNEL_MARCH="x86-64-v3",
-               JAX_LLAMA_KERNEL_CACHE=str(tmp_path / "cache"), CASES=str(tmp_path / "in.npz"),
-               OUT=str(tmp_path / "out.npz"))
+               CASES=str(tmp_path / "in.npz"), OUT=str(tmp_path / "out.npz"))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     out = np.load(tmp_path / "out.npz")
@@ -882,7 +881,7 @@ def test_a_failed_build_says_why_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # a compiler that always fails
     out = tmp_path / "k.so"
     with pytest.raises(RuntimeError, match="false failed"):
-        kernels.build(out)
+        kernels.library.compile_library(kernels.VARIANTS[-1], out)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -911,7 +910,7 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
     and give each row the same bits alone or
     beside others (the rows kernel too, given the same weights stored (O, I); attention over a
     cache, with each build's own exp, to the same tolerance as AVX-512's); in a
-    subprocess each, with a kernel cache of its own."""
+    subprocess each, JAX_LLAMA_KERNEL_MARCH choosing the variant."""
     script = (
         "import json, numpy as np, jax\n"
         "from jax_llama.model import kernels\n"
@@ -984,8 +983,7 @@ def test_every_instruction_set_path_computes_the_same_products(arch, tmp_path):
         "                                 AttentionMask(slots, valid[-1:]))\n"
         "    assert np.array_equal(np.asarray(alone)[0], got[-1])\n"
         "print(json.dumps({'lanes': kernels.lanes(), 'worst': worst, 'attention': attention}))\n")
-    env = dict(os.environ, JAX_LLAMA_KERNELS="1", JAX_LLAMA_KERNEL_MARCH=arch,
-               JAX_LLAMA_KERNEL_CACHE=str(tmp_path))
+    env = dict(os.environ, JAX_LLAMA_KERNELS="1", JAX_LLAMA_KERNEL_MARCH=arch)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     out = __import__("json").loads(done.stdout.strip().splitlines()[-1])

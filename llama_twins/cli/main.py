@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chat, classify, evaluate, generate, models, serve, train
+from . import bench, chat, classify, evaluate, generate, kernels, models, serve, train
 from .common import command_main
 
 
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     classify.add_split_command(sub)
     bench.add_commands(sub)
     models.add_commands(sub)
+    kernels.add_commands(sub)
     return parser
 
 

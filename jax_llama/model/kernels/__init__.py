@@ -26,15 +26,19 @@ On SmolLM2 at batch 1 (a 2-core AMD EPYC, every row alternating with llama.cpp's
 results/decode/generate_smollm2.md): float32 0.88x llama.cpp's F32 (XLA alone 0.65x), int8 1.05x its
 Q8_0 (XLA's int8 matmul 0.25x).
 
-The source is compiled on first use with the system's C++ compiler for this CPU (`-march=native`,
-AVX-512, AVX2 or plain C++) against the XLA FFI headers jaxlib ships, into a cache keyed by the
-source, jaxlib and the CPU (`$JAX_LLAMA_KERNEL_CACHE`, default ~/.cache/jax_llama/kernels), and
-registered with jax.ffi. Where that cannot be done (no compiler, not a CPU backend, several
-devices) `usable` says False, the reason is logged once, and jax_llama.model.projections uses XLA's
-matmul: the kernels are an accelerator, never a requirement (a model with kernels="kernels" is
-refused instead). `JAX_LLAMA_KERNELS=0` turns them off (kernels="auto" is then xla);
-`JAX_LLAMA_KERNEL_THREADS=N` sets the threads a call may use (the caller and N - 1 helpers;
-default: the CPUs this process may run on, at most 8).
+Nothing is compiled when a model runs: `jax-llama kernels build` (README's set-up runs it)
+compiles the source ahead of time with the system's C++ compiler, against the XLA FFI headers
+jaxlib ships, once per instruction set this CPU runs (AVX-512 with or without VNNI and BF16, AVX2
++ FMA, plain C++; jax_llama.model.kernels.library), and a model's first use loads the best one
+built for this CPU and registers it with jax.ffi. Where none is built for it (no compiler when
+the build ran, a new jaxlib since) or it cannot run here (not a CPU backend, several devices)
+`usable` says False, the reason and the command that builds them are logged once, and
+jax_llama.model.projections uses XLA's matmul: the kernels are an accelerator, never a
+requirement (a model with kernels="kernels" is refused instead). `jax-llama kernels` says what is
+built and which variant this CPU runs; `JAX_LLAMA_KERNEL_MARCH` names another (x86-64-v3: the
+AVX2 one on an AVX-512 machine), `JAX_LLAMA_KERNEL_CACHE` where they are built.
+`JAX_LLAMA_KERNELS=0` turns them off (kernels="auto" is then xla); `JAX_LLAMA_KERNEL_THREADS=N` sets the threads a call
+may use (the caller and N - 1 helpers; default: the CPUs this process may run on, at most 8).
 
 Within each block of 64 inputs an output is one float32 sum in order, and the block sums are
 added in block order (the int8 scale multiplies the total); in matvec_rows an output is a dot
@@ -48,13 +52,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
@@ -62,9 +61,11 @@ import jax.numpy as jnp
 
 from bridge.int4 import activations
 
+from . import library
+from .library import VARIANTS, NotBuilt, build, choose, cpu_flags, variant_for  # noqa: F401
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("matvec.cc")
 # The kernels serve up to this many rows (batch x new tokens); more go to XLA. With their sums in
 # registers (matvec.cc's strips) they are ahead of XLA's float32 matmul at every batch up to 8:
 # SmolLM2 float32 decode ran 209 against 141 tokens/s at batch 4, 326-368 against 214-231 at
@@ -91,82 +92,28 @@ def enabled() -> bool:
     return os.environ.get("JAX_LLAMA_KERNELS", "1").strip().lower() not in ("0", "false", "off")
 
 
-def _cpu_key() -> str:
-    """What -march=native depends on: the CPU's model and flags (Linux), else the machine."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        wanted = [x for x in lines if x.startswith(("model name", "flags"))][:2]
-        return "\n".join(wanted) or platform.machine()
-    except OSError:
-        return platform.machine()
-
-
-def march() -> str:
-    """The -march the kernels are built for: native (this CPU), or $JAX_LLAMA_KERNEL_MARCH (e.g.
-    x86-64-v3 for the AVX2 path, x86-64 for the plain C++ one)."""
-    return os.environ.get("JAX_LLAMA_KERNEL_MARCH", "native")
-
-
-def library_path() -> Path:
-    """Where the compiled kernels for this source, jaxlib, CPU and -march live (built or not)."""
-    import jaxlib
-
-    key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode()
-                         + _cpu_key().encode() + march().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("JAX_LLAMA_KERNEL_CACHE")
-                or Path.home() / ".cache" / "jax_llama" / "kernels")
-    return root / f"matvec-{key}.so"
-
-
-def build(out: Path) -> None:
-    """Compile matvec.cc into `out` (written under a temporary name, then renamed, so a
-    half-written library is never loaded); raises RuntimeError with the compiler's last words."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") \
-        or shutil.which("clang++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [compiler, "-O3", f"-march={march()}", "-std=c++17", "-shared", "-fPIC",
-           f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            said = done.stderr.strip().splitlines()
-            errors = [line for line in said if "error" in line]  # the first says why
-            raise RuntimeError(f"{Path(compiler).name} failed: "
-                               f"{(errors or said)[:1] or done.returncode}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 @functools.cache
-def _load() -> str | None:
-    """Build (once per machine) and register the kernels; None when done, else why not."""
+def _load() -> tuple[str | None, Path | None]:
+    """Load and register the library this CPU runs (library.choose), once a process: (None, its
+    path) when done, else (why not, None). Nothing is compiled here."""
     if not enabled():
-        return "off (JAX_LLAMA_KERNELS=0)"
+        return "off (JAX_LLAMA_KERNELS=0)", None
     try:
-        path = library_path()
-        if not path.is_file():
-            log.info("jax_llama: compiling the decode kernels into %s (their first use with this "
-                     "source, jaxlib and CPU)", path)
-            build(path)
+        variant, path = library.choose()
         lib = ctypes.cdll.LoadLibrary(str(path))
         for name, symbol in TARGETS.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: use XLA's matmul instead
         log.warning("jax_llama: decode kernels unavailable (%s); using XLA's matmul", e)
-        return str(e)
-    return None
+        return str(e), None
+    log.info("jax_llama: decode kernels %s (%s)", variant.name, path)
+    return None, path
 
 
 def lanes() -> int:
-    """float32 lanes of the built kernels' vectors: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (plain)."""
+    """float32 lanes of the loaded kernels' vectors: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (plain)."""
     _check()
-    return ctypes.cdll.LoadLibrary(str(library_path())).jax_llama_matvec_lanes()
+    return ctypes.cdll.LoadLibrary(str(_load()[1])).jax_llama_matvec_lanes()
 
 
 def unavailable_reason() -> str | None:
@@ -177,7 +124,7 @@ def unavailable_reason() -> str | None:
         return f"the backend is {jax.default_backend()}, not cpu"
     if jax.device_count() != 1:
         return f"{jax.device_count()} devices (the kernels run unsharded)"
-    return _load()
+    return _load()[0]
 
 
 def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
