@@ -13,7 +13,8 @@ import pytest
 from bridge import progress
 from bridge.tokenizer import ByteTokenizer
 from conftest import save_random_checkpoint, small_config
-from jax_llama.training.loop import step_figures
+from jax_llama.training.grpo import GrpoRecipe
+from jax_llama.training.recipe import Recipe
 from llama_twins.cli import bridge_main, torch_main
 from llama_twins.cli import main as jax_cli
 
@@ -77,7 +78,8 @@ def test_a_note_goes_to_stderr_on_its_own_line(monkeypatch):
 # -- the training bar's figures ---------------------------------------------------------------------
 
 def test_the_training_bar_shows_no_held_out_figure_before_the_first_evaluation():
-    before = step_figures({"loss": 2.5, "val_loss": float("nan")}, 1234.0, None)
+    step_figures = Recipe().bar  # the recipes' default: loss, held-out loss, tokens/s
+    before = step_figures({"loss": 2.5}, 1234.0, None)
     assert before == {"loss": "2.500", "tok_s": "1,234"}
     after = step_figures({"loss": 2.5, "val_loss": 2.7}, 1234.0, {"val_loss": 2.7}, mfu=0.25)
     assert after == {"loss": "2.500", "val": "2.700", "tok_s": "1,234", "mfu": "25.0%"}
@@ -86,11 +88,14 @@ def test_the_training_bar_shows_no_held_out_figure_before_the_first_evaluation()
 
 
 def test_the_grpo_bar_shows_the_held_out_reward_only_once_scored():
-    before = step_figures({"loss": 0.1, "reward": 0.5}, 10.0, None, grpo=True)
+    step_figures = GrpoRecipe.__new__(GrpoRecipe).bar  # its own: the rewards, no tokens/s
+    before = step_figures({"loss": 0.1, "reward": 0.5}, 10.0, None)
     assert before == {"loss": "0.1000", "reward": "0.500"}
-    after = step_figures({"loss": 0.1, "reward": 0.5}, 10.0, {"eval/reward": 0.75}, grpo=True)
-    assert after["held_out"] == "0.750"
-    assert "nan" not in " ".join(step_figures({"loss": 0.1}, 10.0, {}, grpo=True).values())
+    # a round's reward is in the record of its first step only: the bar keeps showing it
+    after = step_figures({"loss": 0.1}, 10.0, {"eval/reward": 0.75})
+    assert after == {"loss": "0.1000", "reward": "0.500", "held_out": "0.750"}
+    fresh = GrpoRecipe.__new__(GrpoRecipe).bar
+    assert "nan" not in " ".join(fresh({"loss": 0.1}, 10.0, {}).values())
 
 
 # -- one flag on every command that draws a bar -----------------------------------------------------

@@ -357,9 +357,9 @@ def straight_finetune(task_files, tmp_path_factory):
 def finetune_steps(monkeypatch, at: dict):
     """classify's train step, with `at[step]` (1-based) run before that step: a signal sent, a
     batch poisoned (returned)."""
-    from jax_llama.training import finetune as finetune_lib
+    from jax_llama.training import loop as loop_lib  # finetune runs on the one loop
 
-    real = finetune_lib.jit_train_step
+    real = loop_lib.jit_train_step
 
     def wrapped(*args, **kwargs):
         step = real(*args, **kwargs)
@@ -368,7 +368,7 @@ def finetune_steps(monkeypatch, at: dict):
             action = at.get(int(state.step) + 1)
             return step(state, action(batch) if action else batch)
         return train_step
-    monkeypatch.setattr(finetune_lib, "jit_train_step", wrapped)
+    monkeypatch.setattr(loop_lib, "jit_train_step", wrapped)
 
 
 def needs_main_thread():

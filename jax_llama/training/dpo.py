@@ -21,6 +21,7 @@ or, with precompute_ref, run once over every pair before training, and then drop
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,12 @@ from bridge.progress import bar as progress_bar
 from bridge.formats import Checkpoint
 from tasks.preference import Pair, in_order
 
+from bridge.atomic import write_text
+
+from ..sharding import global_batch
 from .inputs import open_init, run_config, run_tokenizer
+from .lm import LanguageModelRecipe
+from .recipe import plot_losses
 from .spec import LOSSES, DpoSpec, RunSpec
 from .state import say
 
@@ -117,11 +123,11 @@ class Reference:
     def __init__(self, model, params=None):
         from ..lora import split
 
-        self.lora = model.lora is not None
-        if self.lora and model.lora.train_embeddings:
+        self.lora = model.projections.lora is not None
+        if self.lora and model.projections.lora.train_embeddings:
             raise BridgeError("the reference is the frozen base, so the embedding table must "
                               "stay frozen (drop --lora-train-embeddings)", field="lora")
-        self.model = model.clone(lora=None)
+        self.model = model.clone(projections=model.projections.replace(lora=None))
         self.params = None if self.lora else params
         strip = (lambda p: split(p)[0]) if self.lora else (lambda p: p)
         self._logps = jax.jit(lambda p, rows: sequence_logps(self.model, strip(p), rows))
@@ -274,7 +280,8 @@ class PreferenceInputs:
         held-out pairs' reference log-probs; with precompute_ref, every training pair's too,
         and the reference's copy of the weights is then dropped."""
         dpo = self.spec.dpo
-        copy = None if model.lora is not None else jax.tree.map(lambda x: x.copy(), params)
+        adapted = model.projections.lora is not None
+        copy = None if adapted else jax.tree.map(lambda x: x.copy(), params)
         self.reference = Reference(model, copy)
         self.batch_size, self.seq_len = local_batch, tc.seq_len
 
@@ -384,3 +391,48 @@ def dpo_inputs(spec: RunSpec, init: Checkpoint | None = None) -> PreferenceInput
 def eval_scalars(result: dict) -> dict:
     """A DPO evaluation's figures, without the replies, for the tracker and the metrics."""
     return {f"eval/{k}": v for k, v in result.items() if k != "replies"}
+
+
+class DpoRecipe(LanguageModelRecipe):
+    """`jax-llama dpo` as a recipe (jax_llama.training.recipe): batches of pairs with their
+    reference log-probs, the DPO loss (train_loss), the held-out pairs' loss, rewards and
+    accuracy at each evaluation and before and after (preference.json)."""
+
+    title = "DPO"
+    has_aux = True
+
+    def inputs(self, init) -> None:
+        # every pair is read, encoded and checked before anything is written
+        self.prefs = dpo_inputs(self.spec, init)
+        self.tokenizer, self.config = self.prefs.tokenizer, self.prefs.config
+        self.template = self.prefs.template
+
+    def batches(self, local_batch: int) -> None:
+        self.pair_batches = self.prefs.batches(self.tc, local_batch)
+
+    def start(self, model, params) -> None:
+        self.prefs.start_reference(model, params, self.tc, self.local_batch)
+
+    def scores(self, model, params) -> dict:
+        return self.prefs.evaluate(model, params, replies=True)
+
+    def scalars(self, scores: dict) -> dict:
+        return eval_scalars(scores)
+
+    def loss(self, model):
+        return train_loss(model, self.spec.dpo)
+
+    def next_batch(self, step: int, state) -> dict:
+        return global_batch(self.prefs.batch(self.pair_batches, step, state.params), self.mesh)
+
+    def evaluate(self, params) -> dict:
+        result = self.prefs.evaluate(self.network, params)
+        return {"val_loss": result["loss"], **eval_scalars(result)}
+
+    def results(self, out, model, params, scores: dict, summary: dict, tracker) -> dict:
+        summary["plot"] = plot_losses(out, None, "DPO loss")
+        write_text(out / "preference.json", json.dumps(scores, indent=2) + "\n")
+        summary["preference"] = {when: eval_scalars(v) for when, v in scores.items()}
+        summary["n_eval"] = len(self.prefs.eval_pairs)
+        summary["sample"] = self.prefs.sample(scores)
+        return summary

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bridge.atomic import write_text
 from tasks.classification import (FROM_SCRATCH, META_FILE, PRETRAINED, PRETRAINED_LORA, Dataset,
                                    accuracy, encode_texts, write_predictions)
 from bridge.errors import BridgeError
@@ -33,10 +32,11 @@ from ..classify import Classifier, FrozenFeatures, predict_ids
 from ..model.heads import LlamaClassifier
 from ..model.inputs import bucket
 from ..lora import trainable_for
-from .loop import plot_losses, run_steps
-from .state import Checkpoints, NonFinite, check_resumable, keep_metrics_until, say
-from .step import Loss, TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer
-from .tracking import Tracker, TrackingSpec
+from .loop import run
+from .recipe import RUN_RECORD, Recipe, RunOptions, plot_losses
+from .state import keep_metrics_until, say
+from .step import Loss, TrainConfig, TrainingDiverged
+from .tracking import TrackingSpec
 
 
 def frozen_features(clf: Classifier, train_rows: list[list[int]], dev_rows: list[list[int]],
@@ -122,7 +122,7 @@ def trainable_layers(model: LlamaClassifier, train_layers: int | None):
     of a run: LoRA's (jax_llama.lora.trainable_for) when the model has adapters, every leaf
     otherwise; with train_layers, only within the top `train_layers` blocks, the final norm and
     the head. None when everything trains."""
-    lora = model.lora
+    lora = model.projections.lora
     if train_layers is None:
         return None if lora is None else trainable_for(lora)
     n = model.config.n_layers
@@ -201,7 +201,7 @@ class RunControl:
 def _run_record(clf: Classifier, fc: FinetuneConfig, train: Dataset, dev: Dataset) -> dict:
     return {"finetune": asdict(fc), "model": clf.model.config.to_dict(), "labels": clf.labels,
             "max_len": clf.max_len,
-            "lora": None if clf.model.lora is None else clf.model.lora.to_dict(),
+            "lora": None if (lora := clf.model.projections.lora) is None else lora.to_dict(),
             "train": str(train.path), "dev": str(dev.path)}
 
 
@@ -220,137 +220,176 @@ def classifier_dir(run: Path) -> Path:
     return run
 
 
-def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, out: Path,
-             on_epoch: Callable[[dict], None] | None = None,
-             tracking: TrackingSpec = TrackingSpec(), control: RunControl = RunControl()) -> dict:
-    """Fine-tune `clf` in place on `train`, a recipe on the training loop (run_steps): its batches
-    are whole epochs of length-bucketed rows, its evaluation at each epoch's end measures `dev`
-    and keeps the best epoch's classifier at out/model with its dev predictions at
-    out/dev_predictions.txt. The run directory is laid out as every training command's:
-    run.json, metrics.jsonl (a line a step; an epoch's end adds epoch, train_loss, val_loss (the
-    dev NLL), dev_accuracy), checkpoints/ (one an epoch, and at a stop), model/, loss.png; with
-    `tracking`, the same records go to TensorBoard / W&B. A SIGTERM / SIGINT stops after the
-    current step with a checkpoint (RunStopped), and `control.resume` goes on from the newest
-    checkpoint that restores, ending where an uninterrupted run ends. Returns a summary."""
-    tracking.check()
-    nonfinite = NonFinite(control.on_nan, control.max_skipped)
-    setup = _run_record(clf, fc, train, dev)
-    old_layout = control.resume and not (out / "run.json").is_file() \
-        and (out / OLD_RECORD).is_file()
-    if control.resume:
-        check_resumable(out, setup, OLD_RECORD if old_layout else "run.json", "fine-tuning run",
-                        "fine-tuned")
-    out.mkdir(parents=True, exist_ok=True)
-    best_dir = out / (OLD_BEST if old_layout else "model")
-    started = time.time()
-    train_rows, train_cut = encode_texts(clf.tokenizer, train.texts, clf.max_len)
-    dev_rows, dev_cut = encode_texts(clf.tokenizer, dev.texts, clf.max_len)
-    for name, cut, n in (("train", train_cut, len(train_rows)), ("dev", dev_cut, len(dev_rows))):
-        if cut:
-            say(f"{name}: {cut} of {n} texts longer than {clf.max_len} tokens were truncated "
-                f"from the left")
-    per_epoch = math.ceil(len(train_rows) / fc.batch_size)
-    tc = dataclasses.replace(fc.train_config(per_epoch * fc.epochs), eval_every=per_epoch,
-                             checkpoint_every=per_epoch, keep_checkpoints=control.keep_checkpoints)
-    # LoRA: the adapters and the head only (and the embedding table, when it trains); with
-    # train_layers, of the top blocks only
-    labels = trainable_layers(clf.model, fc.train_layers)
-    optimizer = make_optimizer(tc, labels)
-    state = init_state(clf.params, optimizer)
-    checkpoints = Checkpoints(out / "checkpoints", control.keep_checkpoints)
-    done, meta = 0, None
-    if control.resume and (restored := checkpoints.restore_newest(state, None,
-                                                                 with_meta=old_layout)):
-        state, meta, done = restored
-        say(f"resumed {out} at step {done} (epoch {done // per_epoch + 1}, batch "
-            f"{done % per_epoch + 1} of {per_epoch})")
-    elif not old_layout:
-        write_text(out / "run.json", json.dumps(setup, indent=2) + "\n")
-    if old_layout:  # its metrics.jsonl has a line an epoch
-        keep_metrics_until(out / "metrics.jsonl", done // per_epoch, key="epoch")
-    else:
-        keep_metrics_until(out / "metrics.jsonl", done)
-    kept = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
-        if (out / "metrics.jsonl").is_file() else []
-    history = [r for r in kept if "dev_accuracy" in r]  # the epochs done
-    best = max(history, key=lambda r: r["dev_accuracy"], default={"dev_accuracy": -1.0, "epoch": 0})
-    if history and "seconds" in history[-1]:  # the time the run had taken when it stopped
-        started -= history[-1]["seconds"]
-    frozen = frozen_features(clf, train_rows, dev_rows, fc.train_layers, fc.frozen_cache,
-                             control.progress)
-    train_frozen, dev_frozen = frozen or (None, None)
-    step = jit_train_step(classifier_loss(clf.model if frozen is None else train_frozen.model),
-                          optimizer, tc, state, trainable=labels, skip_nonfinite=nonfinite.skip)
-    # this epoch's losses so far: the steps of it a stopped run trained come from its records
-    epoch_start = done - done % per_epoch
-    losses = [r["loss"] for r in kept if "step" in r and epoch_start < r["step"] <= done]
-    if meta:  # an old layout's checkpoint carries them (its metrics.jsonl has epochs only)
-        losses = list(meta["epoch_losses"])
+class FinetuneRecipe(Recipe):
+    """`jax-llama finetune` as a recipe (jax_llama.training.recipe): its batches are whole epochs
+    of length-bucketed rows, its loss the labels' NLL (classifier_loss), its evaluation at each
+    epoch's end measures `dev` and keeps the best epoch's classifier at out/model with its dev
+    predictions at out/dev_predictions.txt. An epoch's end adds epoch, train_loss, val_loss (the
+    dev NLL), dev_accuracy to that step's record in metrics.jsonl."""
 
-    taken = done  # steps trained
+    kind, done = "fine-tuning run", "fine-tuned"
+    fresh_out = False
 
-    def train_step(state, batch):
-        nonlocal taken
-        state, metrics = step(state, batch)
-        losses.append(metrics["loss"])
-        taken += 1
-        return state, metrics
+    def __init__(self, clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig,
+                 out: Path, on_epoch: Callable[[dict], None] | None = None,
+                 keep_checkpoints: int = 2):
+        self.clf, self.train, self.dev, self.fc, self.out = clf, train, dev, fc, out
+        self.on_epoch, self.keep_checkpoints = on_epoch, keep_checkpoints
+        self.old_layout = False
 
-    def epochs(rng: np.random.Generator) -> Iterator[dict]:
+    def check(self, run: RunOptions) -> None:
+        self.run = run
+
+    def record_file(self, out: Path, resume: bool) -> str:
+        # A run directory from before fine-tuning ran on the one loop: it still resumes.
+        self.old_layout = resume and not (out / RUN_RECORD).is_file() \
+            and (out / OLD_RECORD).is_file()
+        self.checkpoint_meta = self.old_layout
+        self.best_dir = out / (OLD_BEST if self.old_layout else "model")
+        return OLD_RECORD if self.old_layout else RUN_RECORD
+
+    def read(self) -> None:
+        clf, fc = self.clf, self.fc
+        self.started = time.time()
+        self.train_rows, self.train_cut = encode_texts(clf.tokenizer, self.train.texts,
+                                                       clf.max_len)
+        self.dev_rows, self.dev_cut = encode_texts(clf.tokenizer, self.dev.texts, clf.max_len)
+        for name, cut, n in (("train", self.train_cut, len(self.train_rows)),
+                             ("dev", self.dev_cut, len(self.dev_rows))):
+            if cut:
+                say(f"{name}: {cut} of {n} texts longer than {clf.max_len} tokens were "
+                    f"truncated from the left")
+        self.per_epoch = per_epoch = math.ceil(len(self.train_rows) / fc.batch_size)
+        self.tc = dataclasses.replace(fc.train_config(per_epoch * fc.epochs),
+                                      eval_every=per_epoch, checkpoint_every=per_epoch,
+                                      keep_checkpoints=self.keep_checkpoints)
+        self.desc = f"fine-tuning ({fc.epochs} epochs of {per_epoch} batches)"
+
+    def record(self) -> dict:
+        return _run_record(self.clf, self.fc, self.train, self.dev)
+
+    def model(self, run: RunOptions):
+        clf, fc = self.clf, self.fc
+        frozen = frozen_features(clf, self.train_rows, self.dev_rows, fc.train_layers,
+                                 fc.frozen_cache, run.progress)
+        self.train_frozen, self.dev_frozen = frozen or (None, None)
+        self.network = clf.model if frozen is None else self.train_frozen.model
+        # LoRA: the adapters and the head only (and the embedding table, when it trains); with
+        # train_layers, of the top blocks only
+        return clf.model, clf.params, trainable_layers(clf.model, fc.train_layers), None
+
+    def loss(self, model):
+        return classifier_loss(self.network)
+
+    def keep_metrics(self, path: Path, step: int) -> None:
+        if self.old_layout:  # its metrics.jsonl has a line an epoch
+            keep_metrics_until(path, step // self.per_epoch, key="epoch")
+        else:
+            keep_metrics_until(path, step)
+
+    def resumed(self, state, meta: dict | None) -> None:
+        """The epochs done (from metrics.jsonl), the best so far, this epoch's losses so far and
+        the batches from the step the run goes on from."""
+        done, per_epoch, out = int(state.step), self.per_epoch, self.out
+        if not self.run.resume:
+            keep_metrics_until(out / "metrics.jsonl", 0)
+        kept = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+            if (out / "metrics.jsonl").is_file() else []
+        self.history = [r for r in kept if "dev_accuracy" in r]  # the epochs done
+        self.best = max(self.history, key=lambda r: r["dev_accuracy"],
+                        default={"dev_accuracy": -1.0, "epoch": 0})
+        if self.history and "seconds" in self.history[-1]:  # the time taken when it stopped
+            self.started -= self.history[-1]["seconds"]
+        # this epoch's losses so far: the steps of it a stopped run trained come from its records
+        epoch_start = done - done % per_epoch
+        self.losses = [r["loss"] for r in kept if "step" in r and epoch_start < r["step"] <= done]
+        if meta:  # an old layout's checkpoint carries them (its metrics.jsonl has epochs only)
+            self.losses = list(meta["epoch_losses"])
+        self.taken, self.skipped = done, 0  # steps trained; skipped by this process
+        self.batches = self.epochs(np.random.default_rng(self.fc.seed), done)
+
+    def epochs(self, rng: np.random.Generator, done: int) -> Iterator[dict]:
         """The batches from step `done` on: the shuffles of the epochs done moved past, then the
         rest of this epoch and the next ones, as an uninterrupted run makes them."""
-        lengths = np.array([len(r) for r in train_rows])
+        fc, per_epoch = self.fc, self.per_epoch
+        lengths = np.array([len(r) for r in self.train_rows])
         for _ in range(done // per_epoch):
             length_batches(lengths, fc.batch_size, rng)
         skip = done % per_epoch
         while True:
-            yield from training_batches(train_rows, train.labels, fc, clf.max_len, rng,
-                                        train_frozen, skip=skip)
+            yield from training_batches(self.train_rows, self.train.labels, fc,
+                                        self.clf.max_len, rng, self.train_frozen, skip=skip)
             skip = 0
 
-    batches = epochs(np.random.default_rng(fc.seed))
+    def next_batch(self, step: int, state) -> dict:
+        return next(self.batches)
 
-    def evaluate(params) -> dict:
+    def step_figures(self, step: int, figures: dict) -> dict:
+        """Nothing added; the step's loss kept for its epoch's train_loss, and a step that the
+        NaN policy "skip" skips (loss or gradient norm not finite) counted."""
+        self.losses.append(figures["loss"])
+        self.taken += 1
+        self.skipped += not (np.isfinite(figures["loss"]) and np.isfinite(figures["grad_norm"]))
+        return {}
+
+    def tokens_in(self, batch: dict) -> int:
+        # padding and the weight-0 rows that fill the last batch left out
+        return int(np.asarray(batch["mask"])[np.asarray(batch["weights"]) > 0].sum())
+
+    def evaluate(self, params) -> dict:
         """At an epoch's end: the dev set's NLL and accuracy; the best epoch's classifier kept."""
-        nonlocal best
-        epoch = taken // per_epoch
-        values = np.asarray(jax.device_get(losses), np.float32)
+        clf, dev = self.clf, self.dev
+        epoch = self.taken // self.per_epoch
+        values = np.asarray(self.losses, np.float32)
         values = values[np.isfinite(values)]  # skipped steps left out
         train_loss = float(values.mean()) if values.size else float("nan")
         if not math.isfinite(train_loss):
             raise TrainingDiverged(f"fine-tuning diverged in epoch {epoch} (loss {train_loss})")
-        losses.clear()
+        self.losses.clear()
         clf.params = params
-        logp = predict_ids(clf, dev_rows, progress=control.progress, frozen=dev_frozen)
+        logp = predict_ids(clf, self.dev_rows, progress=self.run.progress, frozen=self.dev_frozen)
         predictions = logp.argmax(-1)
         record = {"val_loss": float(-np.mean(logp[np.arange(len(logp)), dev.labels])),
                   "epoch": epoch, "train_loss": train_loss,
                   "dev_accuracy": accuracy(predictions, dev.labels),
-                  "seconds": time.time() - started}
-        if nonfinite.skipped:
-            record["skipped_steps"] = len(nonfinite.skipped)
-        history.append(record)
-        if record["dev_accuracy"] > best["dev_accuracy"]:
-            best = record
-            clf.save(best_dir, {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],
-                                "finetune": asdict(fc)})
-            write_predictions(out / "dev_predictions.txt", predictions)
-        if on_epoch:
-            on_epoch(record)
+                  "seconds": time.time() - self.started}
+        if self.skipped:
+            record["skipped_steps"] = self.skipped
+        self.history.append(record)
+        if record["dev_accuracy"] > self.best["dev_accuracy"]:
+            self.best = record
+            clf.save(self.best_dir, {"epoch": epoch, "dev_accuracy": record["dev_accuracy"],
+                                     "finetune": asdict(self.fc)})
+            write_predictions(self.out / "dev_predictions.txt", predictions)
+        if self.on_epoch:
+            self.on_epoch(record)
         return record
 
-    def real_tokens(batch) -> int:  # padding and the weight-0 rows that fill the last batch left out
-        return int(np.asarray(batch["mask"])[np.asarray(batch["weights"]) > 0].sum())
+    def save(self, out: Path, model, params):
+        self.clf.params = params  # the best epoch's classifier is in out/model already
+        return model, params
 
-    tracker = Tracker.open(tracking, out, setup, done if control.resume else None)
-    with tracker:
-        state, _ = run_steps(state, train_step, lambda step, state: next(batches), evaluate, tc,
-                             desc=f"fine-tuning ({fc.epochs} epochs of {per_epoch} batches)",
-                             checkpoints=checkpoints, nonfinite=nonfinite, tracker=tracker,
-                             metrics=out / "metrics.jsonl", flops_per_token=None,
-                             tokens_in=real_tokens, progress=control.progress)
-    clf.params = state.params
-    plot = plot_losses(out, None, "cross-entropy of the labels (nats)")
-    return {"best": best, "history": history, "train_truncated": train_cut,
-            "dev_truncated": dev_cut, "seconds": time.time() - started,
-            "classifier": str(best_dir), "plot": plot}
+    def summary(self, out: Path, last: dict) -> dict:
+        return {"best": self.best, "history": self.history, "train_truncated": self.train_cut,
+                "dev_truncated": self.dev_cut, "seconds": time.time() - self.started,
+                "classifier": str(self.best_dir), "plot": None}
+
+    def finish(self, out: Path, model, params, scores: dict, summary: dict, tracker) -> dict:
+        summary["plot"] = plot_losses(out, None, "cross-entropy of the labels (nats)")
+        return summary
+
+
+def finetune(clf: Classifier, train: Dataset, dev: Dataset, fc: FinetuneConfig, out: Path,
+             on_epoch: Callable[[dict], None] | None = None,
+             tracking: TrackingSpec = TrackingSpec(), control: RunControl = RunControl()) -> dict:
+    """Fine-tune `clf` in place on `train`: FinetuneRecipe on the training loop (loop.run), the
+    run directory laid out as every training command's: run.json, metrics.jsonl (a line a step;
+    an epoch's end adds epoch, train_loss, val_loss (the dev NLL), dev_accuracy), checkpoints/
+    (one an epoch, and at a stop), model/ (the best epoch's classifier), dev_predictions.txt,
+    loss.png; with `tracking`, the same records go to TensorBoard / W&B. A SIGTERM / SIGINT
+    stops after the current step with a checkpoint (RunStopped), and `control.resume` goes on
+    from the newest checkpoint that restores, ending where an uninterrupted run ends. Returns a
+    summary (best, history, classifier, plot, ...)."""
+    recipe = FinetuneRecipe(clf, train, dev, fc, out, on_epoch, control.keep_checkpoints)
+    return run(recipe, RunOptions(out, control.resume, control.on_nan, control.max_skipped,
+                                  tracking, control.progress))

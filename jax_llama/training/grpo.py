@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bridge.config import LlamaConfig
@@ -51,205 +50,18 @@ from bridge.errors import BridgeError
 from bridge.progress import bar as progress_bar
 from tasks.rewards import Reward, RewardFailed, load_reward, score
 
+from bridge.atomic import write_text
+
+from ..sharding import global_batch
+from .grpo_loss import _nanstd, group_advantages, policy_loss, token_logps, train_loss
+from .grpo_prompts import Prompt, demo_prompts, encode_prompts, read_prompts
 from .inputs import open_init, run_config, run_tokenizer
-from .spec import LOSS_TYPES, GrpoSpec, RunSpec
+from .lm import LanguageModelRecipe
+from .recipe import BatchFailed
+from .spec import GrpoSpec, RunSpec
 from .state import say
 
 DEMO_REWARDS = ("exact_answer",)
-
-
-# -- the advantages: host side, float32, TRL's order of operations -------------------------------
-
-def _nanstd(x: np.ndarray, axis=None) -> np.ndarray:
-    """TRL's nanstd: the Bessel-corrected std of the non-NaN values (NaN for fewer than two)."""
-    mean = np.nanmean(x, axis=axis, keepdims=True)
-    variance = np.nanmean((x - mean) ** 2, axis=axis, keepdims=True)
-    count = np.sum(~np.isnan(x), axis=axis, keepdims=True).astype(np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        variance = variance * np.where(count > 1, count / (count - 1), np.nan)
-    std = np.sqrt(variance).astype(np.float32)
-    return std.reshape(()) if axis is None else np.squeeze(std, axis=axis)
-
-
-def group_advantages(rewards_per_func: np.ndarray, weights: np.ndarray, num_generations: int,
-                     scale_rewards: str = "group") -> dict[str, np.ndarray]:
-    """{"advantages", "rewards", "std", "zero_std"} of a round: rewards_per_func (N, F) with NaN
-    where a function returned None, completions grouped by G consecutive rows."""
-    import warnings
-
-    rpf = np.asarray(rewards_per_func, np.float32)
-    unscorable = np.isnan(rpf).all(axis=1)
-    with warnings.catch_warnings():  # all-NaN groups: NaN means, as torch.nanmean gives
-        warnings.simplefilter("ignore", RuntimeWarning)
-        rewards = np.nansum(rpf * np.asarray(weights, np.float32)[None, :], axis=1)
-        rewards = np.where(unscorable, np.nan, rewards).astype(np.float32)
-        grouped = rewards.reshape(-1, num_generations)
-        mean = np.repeat(np.nanmean(grouped, axis=1), num_generations).astype(np.float32)
-        if scale_rewards == "batch":
-            std = np.broadcast_to(_nanstd(rewards), rewards.shape).astype(np.float32)
-        else:  # "group", and "none", which computes it for frac_reward_zero_std only
-            std = np.repeat(_nanstd(grouped, axis=1), num_generations).astype(np.float32)
-        advantages = rewards - mean
-        if scale_rewards != "none":
-            advantages = advantages / (std + np.float32(1e-4))
-    zero_std = np.abs(std) <= 1e-8  # torch.isclose(std, 0): NaN is not close
-    return {"advantages": np.nan_to_num(advantages, nan=0.0).astype(np.float32),
-            "rewards": rewards, "std": std, "zero_std": zero_std}
-
-
-# -- the loss: pure functions of log-probs ------------------------------------------------------
-
-def token_logps(model, params, batch: dict, temperature: float, key=None):
-    """((B, N) log_softmax(logits / temperature) of each completion token, (B, N) the entropy of
-    that distribution), float32. batch: "inputs" (B, L - 1) the prompt, left-padded, then the
-    completion; "attention" (B, L - 1); "completion" (B, N) the completion's ids: the last N
-    positions' targets."""
-    (B, N), S = batch["completion"].shape, batch["inputs"].shape[1]
-    # the vocabulary projection of the last N positions only: those that predict the completion
-    head_at = jnp.broadcast_to(jnp.arange(S - N, S), (B, N))
-    logits = model.apply({"params": params}, batch["inputs"], attention_mask=batch["attention"],
-                         head_at=head_at, method="run",
-                         rngs={} if key is None else {"dropout": key}).logits
-    logits = logits.astype(jnp.float32) / temperature
-    logp_BNV = jax.nn.log_softmax(logits, axis=-1)
-    logps = jnp.take_along_axis(logp_BNV, batch["completion"][..., None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp_BNV) * logp_BNV, axis=-1)
-    return logps, entropy
-
-
-def policy_loss(logps, old_logps, ref_logps, advantages, mask, *, loss_type: str,
-                epsilon_low: float, epsilon_high: float, beta: float,
-                max_completion_length: int, normalizer=None):
-    """(loss, metrics) of B completions: logps, old_logps (None: logps with its gradient stopped),
-    ref_logps (used where beta > 0), mask (B, N); advantages (B,). normalizer: dapo's, the
-    completion tokens of the whole round / grad_accum."""
-    mask = mask.astype(jnp.float32)
-    old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps
-    ratio = jnp.exp(logps - old)
-    clipped = jnp.clip(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    A = advantages[:, None]
-    per_token = -jnp.minimum(ratio * A, clipped * A)
-    metrics = {}
-    if beta != 0.0:
-        # TRL 1.16's default (use_bias_correction_kl): times the ratio, so that its gradient is
-        # the reverse KL's, unbiased (the ratio's value is 1 on the sampling policy, its
-        # gradient is not 0)
-        kl = (jnp.exp(ref_logps - logps) - (ref_logps - logps) - 1) * ratio
-        per_token = per_token + beta * kl
-        metrics["kl"] = _masked_mean(kl, mask)
-    if loss_type == "grpo":
-        loss = jnp.mean(jnp.sum(per_token * mask, -1) / jnp.maximum(jnp.sum(mask, -1), 1.0))
-    elif loss_type == "bnpo":
-        loss = jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-    elif loss_type == "dr_grpo":
-        loss = jnp.sum(per_token * mask) / (per_token.shape[0] * max_completion_length)
-    elif loss_type == "dapo":
-        loss = jnp.sum(per_token * mask) / jnp.maximum(normalizer, 1.0)
-    else:
-        raise BridgeError(f"unknown loss type {loss_type!r} (expected {', '.join(LOSS_TYPES)})",
-                          field="loss_type")
-    low = ((ratio < 1 - epsilon_low) & (A < 0)).astype(jnp.float32)
-    high = ((ratio > 1 + epsilon_high) & (A > 0)).astype(jnp.float32)
-    metrics.update({"clip_ratio/low_mean": _masked_mean(low, mask),
-                    "clip_ratio/high_mean": _masked_mean(high, mask),
-                    "clip_ratio/region_mean": _masked_mean(jnp.maximum(low, high), mask)})
-    return loss, metrics
-
-
-def _masked_mean(x, mask):
-    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-
-
-def train_loss(model, spec: GrpoSpec):
-    """The micro-batch loss as a jax_llama.training.step Loss with aux metrics: policy_loss on
-    token_logps, plus the entropy and the sampler/trainer difference."""
-    def loss(params, batch, key):
-        logps, entropy = token_logps(model, params, batch, spec.temperature, key)
-        value, metrics = policy_loss(
-            logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
-            batch["mask"], loss_type=spec.loss_type, epsilon_low=spec.epsilon,
-            epsilon_high=spec.epsilon_high or spec.epsilon, beta=spec.beta,
-            max_completion_length=spec.max_completion_length, normalizer=batch["normalizer"][0])
-        mask = batch["mask"].astype(jnp.float32)
-        metrics["entropy"] = _masked_mean(jax.lax.stop_gradient(entropy), mask)
-        metrics["sampler/logp_diff_max"] = jnp.max(
-            jnp.abs(jax.lax.stop_gradient(logps) - batch["sampler_logps"]) * mask)
-        return value, metrics
-    return loss
-
-
-# -- prompts: the data, or the demo task ----------------------------------------------------------
-
-@dataclass
-class Prompt:
-    where: str          # FILE:LINE, or demo:N
-    prompt: object      # as the data gave it: a string or a list of messages
-    ids: list[int]      # rendered and encoded, ending where the completion starts
-    columns: dict       # every other column of the line
-
-
-def demo_prompts(n: int, seed: int) -> list[tuple[str, dict]]:
-    """`n` arithmetic questions, "What is A + B? Answer with the number only." over two-digit
-    A and B, with their answers: a task whose answer a program checks and that a small instruct
-    model can do but does not answer tersely (SmolLM2-135M-Instruct starts explaining)."""
-    rng = np.random.default_rng([seed, 29])
-    records = []
-    for i in range(n):
-        a, b = (int(x) for x in rng.integers(10, 100, 2))
-        records.append((f"demo:{i + 1}", {
-            "prompt": [{"role": "user",
-                        "content": f"What is {a} + {b}? Answer with the number only."}],
-            "answer": str(a + b)}))
-    return records
-
-
-def read_prompts(path: str) -> list[tuple[str, dict]]:
-    """[(FILE:LINE, record)] of a prompts JSONL (TRL's format: "prompt", a string or a list of
-    messages; every other column goes to the reward functions); anything else refused naming
-    FILE:LINE."""
-    from tasks.chats import read_json_lines
-    from tasks.preference import _check_messages
-
-    records = []
-    for where, obj in read_json_lines(path, "prompts"):
-        if not isinstance(obj, dict):
-            raise BridgeError(f"{where}: expected a JSON object (got {type(obj).__name__})")
-        if "prompt" not in obj:
-            raise BridgeError(f"{where}: no \"prompt\" (got keys "
-                              f"{', '.join(map(repr, obj)) or 'none'})")
-        prompt = obj["prompt"]
-        if isinstance(prompt, list):
-            obj = {**obj, "prompt": _check_messages(prompt, where, "prompt")}
-        elif not isinstance(prompt, str) or not prompt:
-            raise BridgeError(f"{where}: prompt: expected a non-empty string or a list of "
-                              f"messages (got {type(prompt).__name__})")
-        records.append((where, obj))
-    if not records:
-        raise BridgeError(f"{path}: no prompts (the file is empty)")
-    return records
-
-
-def encode_prompts(records, tokenizer, template, context: int, completion: int) -> list[Prompt]:
-    """Each record's prompt as ids (a string as the tokenizer encodes it, a message list
-    rendered with the chat template and its generation prompt); a prompt that leaves no room
-    for max_completion_length tokens in the model's context refused naming FILE:LINE."""
-    prompts = []
-    for where, record in records:
-        prompt = record["prompt"]
-        if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt, bos=tokenizer.add_bos)
-        else:
-            if template is None:
-                raise BridgeError(f"{where}: a conversational prompt needs a chat template "
-                                  f"(--chat-template)")
-            ids = template.encode(prompt, tokenizer, add_generation_prompt=True)
-        if len(ids) + completion > context:
-            raise BridgeError(f"{where}: the prompt's {len(ids)} tokens and "
-                              f"max_completion_length {completion} exceed the model's context "
-                              f"({context} tokens)")
-        prompts.append(Prompt(where, prompt, list(ids),
-                              {k: v for k, v in record.items() if k != "prompt"}))
-    return prompts
 
 
 # General questions asked before and after, greedy, shown side by side: what RL on one task
@@ -313,9 +125,9 @@ class GrpoInputs:
         if self.grpo.beta > 0:
             from ..lora import split
 
-            base = model.clone(lora=None)
-            if model.lora is not None:
-                if model.lora.train_embeddings:
+            base = model.clone(projections=model.projections.replace(lora=None))
+            if model.projections.lora is not None:
+                if model.projections.lora.train_embeddings:
                     raise BridgeError("the reference is the frozen base, so the embedding table "
                                       "must stay frozen (drop --lora-train-embeddings)",
                                       field="lora")
@@ -637,5 +449,86 @@ def eval_scalars(result: dict) -> dict:
     return {k: v for k, v in result.items() if k not in ("samples", "general")}
 
 
-__all__ = ["GrpoInputs", "Reward", "RewardFailed", "group_advantages", "policy_loss",
+class GrpoRecipe(LanguageModelRecipe):
+    """`jax-llama grpo` as a recipe (jax_llama.training.recipe): each round sampled and scored on
+    the host (GrpoInputs.batch), the clipped policy loss (train_loss), the held-out prompts'
+    rewards at each evaluation and before and after (grpo.json); its progress bar and its plot
+    show rewards."""
+
+    title = "GRPO"
+    has_aux = True
+    reward: float | None = None  # the last round's mean reward, for the bar
+
+    def inputs(self, init) -> None:
+        # every prompt and reward function is read and checked before anything is written
+        self.rl = grpo_inputs(self.spec, init)
+        self.tokenizer, self.config = self.rl.tokenizer, self.rl.config
+        self.template = self.rl.template
+
+    def read(self) -> None:
+        super().read()
+        self.flops_per_token = None  # a step's work is mostly sampling: no MFU
+
+    def batches(self, local_batch: int) -> None:
+        pass  # sampled round by round
+
+    def start(self, model, params) -> None:
+        self.rl.start(model, params)
+
+    def scores(self, model, params) -> dict:
+        return self.rl.evaluate(model, params, answers=True)
+
+    def scalars(self, scores: dict) -> dict:
+        return eval_scalars(scores)
+
+    def loss(self, model):
+        return train_loss(model, self.spec.grpo)
+
+    def next_batch(self, step: int, state) -> dict:
+        try:
+            rows = self.rl.batch(step, state.params, self.tc.steps)
+        except RewardFailed as e:
+            raise BatchFailed(str(e)) from None
+        return global_batch(rows, self.mesh)
+
+    def tokens_in(self, batch: dict) -> int:
+        return int(batch["inputs"].size)
+
+    def step_figures(self, step: int, figures: dict) -> dict:
+        return self.rl.step_figures(step)
+
+    def drop(self, step: int) -> set:
+        return self.rl.drop(step)
+
+    def evaluate(self, params) -> dict:
+        return eval_scalars(self.rl.evaluate(self.network, params))
+
+    def bar(self, record: dict, tokens_per_s: float, evaluated: dict | None,
+            mfu: float | None = None) -> dict[str, str]:
+        """The last loss, the last round's mean reward (in the record of its first step) and
+        the newest held-out reward, once scored."""
+        if "reward" in record:
+            self.reward = record["reward"]
+        evaluated = evaluated or {}
+        shown = {"loss": f"{record['loss']:.4f}"}
+        if self.reward is not None:
+            shown["reward"] = f"{self.reward:.3f}"
+        if "eval/reward" in evaluated:
+            shown["held_out"] = f"{evaluated['eval/reward']:.3f}"
+        if mfu is not None:
+            shown["mfu"] = f"{mfu:.1%}"
+        return shown
+
+    def results(self, out, model, params, scores: dict, summary: dict, tracker) -> dict:
+        summary["plot"] = plot_rewards(out, scores.get("before", {}).get("eval/reward"))
+        write_text(out / "grpo.json", json.dumps(scores, indent=2) + "\n")
+        summary["grpo"] = {when: eval_scalars(v) for when, v in scores.items()}
+        summary["general"] = {when: v["general"] for when, v in scores.items()}
+        summary["n_eval"] = len(self.rl.eval_prompts)
+        summary["sample"] = "\n".join(f"{s['prompt']!r} -> {s['completion']!r}"
+                                      for s in scores["after"]["samples"])
+        return summary
+
+
+__all__ = ["GrpoInputs", "GrpoRecipe", "Reward", "RewardFailed", "group_advantages", "policy_loss",
            "token_logps", "train_loss", "grpo_inputs", "demo_prompts"]

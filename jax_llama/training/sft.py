@@ -2,13 +2,14 @@
 chat template, the loss on the assistant's tokens only, whole conversations packed into rows.
 
 The rendering and the mask are bridge.chat's (framework-neutral); here the examples become the
-batches of jax_llama.training.loop's training loop, and a held-out set is scored by exact match of greedy
+batches of SftRecipe, the recipe the training loop runs, and a held-out set is scored by exact match of greedy
 replies. With no data, `demo_chats` makes a small instruction task with exact answers, so that
 the command shows learning on any machine with nothing downloaded.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -23,8 +24,12 @@ from bridge.errors import BridgeError
 from bridge.formats import Checkpoint
 from bridge.progress import bar as progress_bar
 
+from bridge.atomic import write_text
+
 from ..checkpoint import load as load_checkpoint
 from . import data as data_lib
+from .lm import NextTokenRecipe
+from .recipe import plot_losses
 from .inputs import open_init, run_config, run_tokenizer
 from .spec import RunSpec, SftSpec
 from .state import say
@@ -367,3 +372,38 @@ def replay_chats(spec: RunSpec, tokenizer, template,
 def exact_match_scalars(scores: dict) -> dict:
     """exact_match()'s figures, without the replies and counts, for the tracker."""
     return {k: scores[k] for k in ("exact_match", "unseen_exact_match")}
+
+
+class SftRecipe(NextTokenRecipe):
+    """`jax-llama sft` as a recipe (jax_llama.training.recipe): the conversations' tokens with
+    the assistant-only mask, next-token cross-entropy on them, the held-out chats' loss at each
+    evaluation; exact match of greedy replies before and after (exact_match.json)."""
+
+    title = "SFT"
+
+    def inputs(self, init) -> None:
+        # every conversation is read, rendered and checked before anything is written
+        self.chat = sft_inputs(self.spec, init)
+        self.tokenizer, self.config = self.chat.tokenizer, self.chat.config
+        self.template = self.chat.template
+
+    def batches(self, local_batch: int) -> None:
+        self.train_batches, self.val_batches, self.unigram = self.chat.batches(
+            self.tc, local_batch, self.spec.pack)
+
+    def scores(self, model, params) -> dict:
+        return self.chat.exact_match(model, params)
+
+    def scalars(self, scores: dict) -> dict:
+        return exact_match_scalars(scores)
+
+    def results(self, out, model, params, scores: dict, summary: dict, tracker) -> dict:
+        summary["plot"] = plot_losses(out, self.unigram)
+        write_text(out / "exact_match.json", json.dumps(scores, indent=2) + "\n")
+        after = scores["after"]
+        summary["exact_match"] = {k: v["exact_match"] for k, v in scores.items()}
+        summary["unseen_exact_match"] = after["unseen_exact_match"]
+        summary["n_unseen"] = after["n_unseen"]
+        summary["n_eval"] = after["n"]
+        summary["sample"] = self.chat.sample(after)
+        return summary

@@ -22,6 +22,8 @@ LOSSES = ("sigmoid", "robust", "hinge", "ipo")   # DPO's losses (jax_llama.train
 
 @dataclass(frozen=True)
 class SftSpec:
+    RECIPE = "sft:SftRecipe"  # the recipe these settings are for (module:class here)
+
     data: str | None = None           # chats JSONL; None: the synthetic demo task (demo_chats)
     eval_data: str | None = None      # held-out chats; None: eval_fraction of data
     chat_template: str | None = None  # llama3 | llama2 | a jinja file; None: the init's own
@@ -38,6 +40,8 @@ class SftSpec:
 
 @dataclass(frozen=True)
 class DpoSpec:
+    RECIPE = "dpo:DpoRecipe"  # the recipe these settings are for (module:class here)
+
     data: str | None = None            # pairs JSONL; None: the demo task (demo_pairs)
     eval_data: str | None = None       # held-out pairs; None: eval_fraction of data
     chat_template: str | None = None   # for conversational pairs; None: the init's own
@@ -73,6 +77,8 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 @dataclass(frozen=True)
 class GrpoSpec:
+    RECIPE = "grpo:GrpoRecipe"  # the recipe these settings are for (module:class here)
+
     data: str | None = None            # prompts JSONL; None: the demo task (demo_prompts)
     eval_data: str | None = None       # held-out prompts; None: eval_fraction of data
     chat_template: str | None = None   # for conversational prompts; None: the init's own
@@ -165,3 +171,20 @@ class RunSpec:
     max_skipped: int = 10              # with on_nan="skip": stop once this many were skipped
     progress: bool = True              # progress bars on stderr (bridge.progress); not part of
                                        # the setup either
+
+    def recipe(self):
+        """The recipe this run asks for (jax_llama.training.recipe): that of its recipe settings
+        (sft, dpo, grpo: each names its own), or pretraining on the corpus without any."""
+        import importlib
+
+        settings = [s for s in (self.sft, self.dpo, self.grpo) if s is not None]
+        where = settings[0].RECIPE if settings else "lm:CorpusRecipe"
+        module, name = where.split(":")
+        return getattr(importlib.import_module(f".{module}", __package__), name)(self)
+
+    def options(self):
+        """The run's RunOptions: its directory, resume, NaN policy, trackers and progress."""
+        from .recipe import RunOptions
+
+        return RunOptions(self.out, self.resume, self.on_nan, self.max_skipped, self.tracking,
+                          self.progress)
