@@ -27,7 +27,7 @@ from bridge.tensors import canonical_shapes
 
 from .model.attention import choose
 from .model.llama import Llama, resolve_dtype
-from .model.projections import implementation
+from .model.projections import choose as choose_projections, implementation
 
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # modules quantisation covers
@@ -375,5 +375,5 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
         if four is not None and progress and four.summary():
             note(f"{ckpt.path}: {four.summary()}")
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
-                  attention=attention, kernels=kernels)
+                  attention=attention, projections=choose_projections(kernels))
     return model, params

@@ -73,7 +73,7 @@ class Classifier:
 
         def write_extra(directory: Path) -> None:
             write_head(directory, np.asarray(head["kernel"]).T, np.asarray(head["bias"]), info)
-            if self.model.lora is not None:  # the backbone's adapter too, in PEFT's format
+            if self.model.projections.lora is not None:  # the backbone's adapter too (PEFT)
                 save_adapter(directory / "adapter", self.model, self.params)
 
         with tempfile.TemporaryDirectory() as tok_dir:
@@ -121,7 +121,8 @@ def load_classifier(path: str | Path, dtype=None, attention: str = "auto",
     backbone, output = backbone_params(lm_params)
     head = {"kernel": jnp.asarray(weight.T, dtype), "bias": jnp.asarray(bias, dtype)}
     model = LlamaClassifier(model_lm.config, len(meta["labels"]), float(meta.get("dropout", 0.0)),
-                            dtype=dtype, param_dtype=dtype, attention=attention, kernels=kernels)
+                            dtype=dtype, param_dtype=dtype, attention=attention,
+                            projections=model_lm.projections)
     return Classifier(model, {"llama": backbone, "classifier": head}, list(meta["labels"]),
                       find_tokenizer(str(path), None), int(meta["max_len"]), output,
                       own_template(path))
@@ -175,8 +176,8 @@ class FrozenFeatures:
                 batch_size: int = 64, desc: str = "frozen blocks",
                 progress: bool = True) -> FrozenFeatures:
         m = clf.model
-        lower = Blocks(m.config, 0, first_layer, m.dtype, m.param_dtype, m.attention, m.lora,
-                       m.kernels)
+        lower = Blocks(m.config, 0, first_layer, m.dtype, m.param_dtype, m.attention,
+                       m.projections)
         run = jax.jit(lambda params, tokens, mask: lower.apply({"params": params}, tokens, mask))
         lengths = np.array([len(r) for r in rows])
         features: list[np.ndarray | None] = [None] * len(rows)

@@ -1,6 +1,8 @@
 """LoRA on the JAX model: add adapters to a model and its params, train only them, save them in
 PEFT's format, merge them into the weights.
 
+The model is handed them as its projections' `lora` (jax_llama.model.projections.Projections:
+`model.projections.lora`, None without adapters); the architecture itself names no adapter.
 The adapters live in the params pytree beside the weights they adapt (`wq/lora_A/kernel`,
 `wq/lora_B/kernel`, float32), so one pytree goes through apply, jit, the mesh and orbax as before.
 Which leaves train is a label per leaf (`trainable`); the optimizer (jax_llama.training.step) partitions
@@ -24,6 +26,7 @@ from bridge.lora import INT8_TABLE, Adapter, LoraConfig, adapter_shapes, write_p
 from .checkpoint import has_adapters, params_from_tensors, tensor_specs
 from .model.heads import LlamaClassifier
 from .model.llama import Llama
+from .model.projections import Projections
 
 ADAPTER_KEYS = ("lora_A", "lora_B")
 
@@ -70,6 +73,11 @@ def combine(weights, adapters):
                                          **traverse_util.flatten_dict(adapters)})
 
 
+def _with_lora(model, lora: LoraConfig | None):
+    """`model` handed the same projections with `lora` (None: without adapters)."""
+    return model.clone(projections=model.projections.replace(lora=lora))
+
+
 def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | None = None):
     """(the model with LoRA on lora.targets, params with adapters): fresh ones (A drawn from
     `seed`, B zero), or `adapter`'s tensors when given. Works on a Llama or a LlamaClassifier,
@@ -78,11 +86,11 @@ def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | 
     if not isinstance(model, (Llama, LlamaClassifier)):
         raise BridgeError(f"expected a Llama or LlamaClassifier, got {type(model).__name__}",
                           field="model")
-    if model.lora is not None or has_adapters(params):
+    if model.projections.lora is not None or has_adapters(params):
         raise BridgeError("already has LoRA adapters", field="model")
     if lora.train_embeddings and "scale" in _backbone(model, params)["tok_embeddings"]:
         raise BridgeError(INT8_TABLE, field="train_embeddings")
-    config, lora_model = model.config, model.clone(lora=lora)
+    config, lora_model = model.config, _with_lora(model, lora)
     if adapter is not None:
         if adapter.lora != lora:
             raise BridgeError(f"the adapter's settings {adapter.lora} differ from {lora}",
@@ -92,7 +100,7 @@ def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | 
                                        scan_layers=model.scan_layers,
                                        shapes=adapter_shapes(config, lora))
     else:  # initialise the whole backbone, keep the adapters: XLA drops the rest unbuilt
-        backbone = Llama(config, scan_layers=model.scan_layers, lora=lora)
+        backbone = Llama(config, scan_layers=model.scan_layers, projections=Projections(lora=lora))
         fresh = lambda key: split(backbone.init(key, jnp.zeros((1, 1), jnp.int32))["params"])[1]  # noqa: E731
         adapters = jax.jit(fresh)(jax.random.key(seed))
         if lora.train_embeddings:
@@ -105,12 +113,13 @@ def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | 
 
 def adapter_of(model, params, base_model: str | None = None) -> Adapter:
     """The adapters in `params` as a bridge Adapter: canonical numpy float32 tensors."""
-    if model.lora is None:
+    lora = model.projections.lora
+    if lora is None:
         raise BridgeError("the model has no LoRA adapters", field="model")
-    adapters = _backbone(model, split(params, model.lora.train_embeddings)[1])
-    shapes = adapter_shapes(model.config, model.lora)
+    adapters = _backbone(model, split(params, lora.train_embeddings)[1])
+    shapes = adapter_shapes(model.config, lora)
     _, fetch = tensor_specs(adapters, model.config, shapes=shapes)
-    return Adapter(model.lora, {name: np.asarray(fetch(name), np.float32) for name in shapes},
+    return Adapter(lora, {name: np.asarray(fetch(name), np.float32) for name in shapes},
                    base_model)
 
 
@@ -125,11 +134,12 @@ def merge_lora(model, params):
     """(the model without LoRA, params with scale * A @ B added into each adapted kernel, in
     float32 and then the kernel's dtype): a plain model, as fast as one never adapted. A trained
     embedding table is rounded to the final norm's dtype, the base's, as the bridge merges it."""
-    if model.lora is None:
+    lora = model.projections.lora
+    if lora is None:
         return model, params
     weights, adapters = split(params)
     flat, flat_adapters = traverse_util.flatten_dict(weights), traverse_util.flatten_dict(adapters)
-    scale = model.lora.scale
+    scale = lora.scale
     for path, a in flat_adapters.items():
         if path[-2] != "lora_A":
             continue
@@ -138,11 +148,11 @@ def merge_lora(model, params):
         kernel = flat[kernel_path]
         update = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))  # (.., in, out)
         flat[kernel_path] = (kernel.astype(jnp.float32) + scale * update).astype(kernel.dtype)
-    if model.lora.train_embeddings:
+    if lora.train_embeddings:
         where = _backbone_key(model)
         table = where + ("tok_embeddings", "embedding")
         flat[table] = flat[table].astype(flat[where + ("norm", "weight")].dtype)
-    return model.clone(lora=None), traverse_util.unflatten_dict(flat)
+    return _with_lora(model, None), traverse_util.unflatten_dict(flat)
 
 
 def count(params, which=None) -> int:

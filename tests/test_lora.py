@@ -82,7 +82,7 @@ def test_adapter_logits_equal_the_merged_weights_computed_in_numpy(scan_layers):
     assert np.abs(adapted - base).max() > 1e-2
     np.testing.assert_allclose(adapted, plain, rtol=0, atol=2e-5)
     merged_model, merged_params = merge_lora(lora_model, lora_params)
-    assert merged_model.lora is None and not split(merged_params)[1]
+    assert merged_model.projections.lora is None and not split(merged_params)[1]
     np.testing.assert_allclose(np.asarray(merged_model.apply({"params": merged_params}, tokens)),
                                plain, rtol=0, atol=2e-5)
 
@@ -376,12 +376,13 @@ def test_a_bfloat16_base_is_not_copied_to_float32_whole_on_cpu():
     compiles without that pass for narrow params on the CPU: the step's temporaries then hold
     no float32 copy of the layers. Compiled only, on shapes."""
     from jax_llama.training.step import compiler_options, jit_train_step
+    from jax_llama.model.projections import choose
     from bridge.config import LlamaConfig
 
     config = LlamaConfig(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=1024,
                          vocab_size=64, max_seq_len=64)
     model = jax_llama.Llama(config, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                            scan_layers=True, remat=True, lora=LORA)
+                            scan_layers=True, remat=True, projections=choose(lora=LORA))
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"])
     tc = TrainConfig(steps=10, dtype="bfloat16")
     optimizer = make_optimizer(tc, trainable)

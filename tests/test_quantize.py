@@ -223,8 +223,9 @@ def test_lora_that_trains_an_int8_embedding_is_refused_in_both_twins():
     with pytest.raises(BridgeError, match="train_embeddings: the embedding table is int8"):
         torch_llama.add_lora(torch_llama.quantize(torch_model(config)), lora)
     # adapters on the projections alone (QLoRA's way) still go on an int8 model
-    assert torch_llama.add_lora(torch_llama.quantize(torch_model(config)),
-                                jax_llama.LoraConfig(rank=4)).lora is not None
+    adapted = torch_llama.add_lora(torch_llama.quantize(torch_model(config)),
+                                   jax_llama.LoraConfig(rank=4))
+    assert torch_llama.projections.lora_of(adapted) == jax_llama.LoraConfig(rank=4)
 
 
 def test_quantising_twice_is_refused(tmp_path):
@@ -347,7 +348,7 @@ def test_generate_quantize_in_both_commands(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["jax", "generate", "{float}", "--prompt", "a", "--group-size", "16"],
-     "--group-size: only with --quantize int8"),
+     "--group-size: one scale per this many inputs of int8 weights \\(with --quantize int8\\)"),
     (["torch", "generate", "{float}", "--prompt", "a", "--quantize", "int8", "--group-size", "32"],
      "--group-size: 32 does not divide the 48 input columns of 'layers.0.attention.wq.weight'"),
     (["jax", "generate", "{q}", "--prompt", "a", "--quantize", "int8", "--group-size", "16"],

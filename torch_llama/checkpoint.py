@@ -20,6 +20,7 @@ from bridge.quantize import SCALE_SUFFIX
 from bridge.resources import small_pages
 
 from .model import Llama, resolve_device, resolve_dtype
+from .projections import lora_of
 from .quantize import int8_weights, quantization_of
 
 
@@ -107,7 +108,7 @@ def save(path: str | os.PathLike, model: Llama, *, overwrite: bool = False,
     """Write `model` as a native checkpoint at `path` (atomically; tensors in their own dtype)."""
     if not isinstance(model, Llama):
         raise BridgeError(f"model: expected a torch_llama.Llama, got {type(model).__name__}")
-    if model.lora is not None:
+    if lora_of(model) is not None:
         raise BridgeError("holds LoRA adapters, which a checkpoint cannot: merge them "
                           "(torch_llama.merge_lora) or save the adapter alone "
                           "(torch_llama.save_adapter, i.e. bridge.lora.write_peft(path, "

@@ -1,7 +1,7 @@
 """LoRA on the torch model (jax_llama.lora's twin): add adapters to a model, train only them, save
 them in PEFT's format, merge them into the weights.
 
-The adapters are submodules of the projections they adapt (model.Linear: `wq.lora_A`,
+The adapters are submodules of the projections they adapt (projections.Linear: `wq.lora_A`,
 `wq.lora_B`, float32), so state_dict() holds the canonical adapter names beside the canonical
 weights. What trains is requires_grad: the base is frozen, so an optimizer given every parameter
 updates only the adapters (and a classifier's head). With lora.train_embeddings the embedding
@@ -20,7 +20,7 @@ from bridge.lora import EMBEDDING, INT8_TABLE, MODULES, Adapter, LoraConfig, wri
 
 from .heads import LlamaClassifier
 from .model import Llama
-from .projections import Linear
+from .projections import Linear, lora_of
 
 
 def _backbone(model) -> Llama:
@@ -42,7 +42,7 @@ def add_lora(model: Llama | LlamaClassifier, lora: LoraConfig, seed: int = 0,
     frozen; the adapters train, and so does a LlamaClassifier's head, and the embedding table
     (made float32; its output is cast to the model's dtype) when lora.train_embeddings."""
     llama = _backbone(model)
-    if llama.lora is not None:
+    if lora_of(llama) is not None:
         raise BridgeError("already has LoRA adapters", field="model")
     if lora.train_embeddings and llama.tok_embeddings.weight.dtype == torch.int8:
         raise BridgeError(INT8_TABLE, field="train_embeddings")
@@ -61,7 +61,6 @@ def add_lora(model: Llama | LlamaClassifier, lora: LoraConfig, seed: int = 0,
         for block in llama.layers:
             for target in lora.targets:
                 getattr(getattr(block, MODULES[target]), target).add_adapter(lora)
-    llama.lora = lora
     if adapter is not None:
         with torch.no_grad():
             for name, array in adapter.tensors.items():
@@ -73,11 +72,12 @@ def adapter_of(model: Llama | LlamaClassifier, base_model: str | None = None) ->
     """The model's adapters as a bridge Adapter: its LoraConfig and canonical numpy float32
     tensors; `base_model` is recorded for PEFT's adapter_config.json."""
     llama = _backbone(model)
-    if llama.lora is None:
+    lora = lora_of(llama)
+    if lora is None:
         raise BridgeError("the model has no LoRA adapters", field="model")
-    return Adapter(llama.lora, {name: t.detach().float().cpu().numpy()
-                                for name, t in llama.state_dict().items()
-                                if ".lora_" in name or name == EMBEDDING and llama.lora.train_embeddings},
+    return Adapter(lora, {name: t.detach().float().cpu().numpy()
+                          for name, t in llama.state_dict().items()
+                          if ".lora_" in name or name == EMBEDDING and lora.train_embeddings},
                    base_model)
 
 
@@ -94,11 +94,10 @@ def merge_lora(model: Llama | LlamaClassifier) -> Llama | LlamaClassifier:
     state_dict holds the canonical names only; a trained embedding table is rounded to the base's
     dtype (the final norm's). A model without adapters is returned as it is."""
     llama = _backbone(model)
-    if llama.lora is None:
+    if lora_of(llama) is None:
         return model
     for module in llama.modules():
         if isinstance(module, Linear) and module.lora is not None:
             module.merge_adapter()
     llama.tok_embeddings.to(llama.norm.weight.dtype)
-    llama.lora = None
     return model.requires_grad_(True)

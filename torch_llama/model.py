@@ -8,9 +8,10 @@ parameters; RMSNorm statistics, RoPE rotation and logits are float32. `model(tok
 logits; `model.run(...)` gives a LlamaOutput (logits, hidden states, cache) and, with a KVCache,
 appends its tokens to the cache and attends over everything cached so far (generation).
 
-Each projection is a Linear and the embedding an Embedding (torch_llama.projections: float or
-int8 storage, and a LoRA adapter slot that torch_llama.lora fills); the attention mask and its
-additive bias are torch_llama.attention's; the classifier head is in torch_llama.heads.
+Each projection is a Linear and the embedding an Embedding, the implementation the model is
+handed (torch_llama.projections: how a weight is stored and what a projection carries besides it
+live there); the attention mask and its additive bias are torch_llama.attention's; the
+classifier head is in torch_llama.heads.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from torch import nn
 from bridge.config import LlamaConfig, RopeScaling
 from bridge.dtypes import dtype_name
 from bridge.errors import BridgeError
-from bridge.lora import LoraConfig
 from bridge.rope import rope_inv_freq
 
 from .attention import AttentionMask
@@ -167,7 +167,7 @@ class LlamaOutput:
 # --8<-- [start:attention]
 class Attention(nn.Module):
     """Grouped-query attention through F.scaled_dot_product_attention (enable_gqa: K/V not copied
-    by us; the fused kernels read each kv head for its G query heads)."""
+    by us; SDPA's fused implementations read each kv head for its G query heads)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -182,9 +182,9 @@ class Attention(nn.Module):
         """x (B, S, D) -> out (B, S, D).
 
         mask: which key each query may attend (causal, padding, segments); None is plain causal
-        attention over these S tokens (SDPA's is_causal: its flash kernels). With a cache (already reserved for these tokens), the new
-        keys and values go into slots [index - S, index) of `layer` and the queries read all T
-        slots of that layer.
+        attention over these S tokens (SDPA's is_causal: its flash attention). With a cache
+        (already reserved for these tokens), the new keys and values go into slots
+        [index - S, index) of `layer` and the queries read all T slots of that layer.
         """
         c = self.config
         B, S, _ = x_BSD.shape
@@ -250,7 +250,6 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = None if c.tie_embeddings else Linear(c.dim, c.vocab_size)
-        self.lora: LoraConfig | None = None  # the adapters' settings, between add_lora and merge_lora
         # Kept off the module's buffers so that casting the model to bfloat16 cannot round it.
         self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
@@ -312,7 +311,7 @@ class Llama(nn.Module):
         cos_BSh, sin_BSh = rope_cos_sin(positions, self._inv_freq_for(device))
 
         # --8<-- [start:embedding]
-        # .to: a no-op unless LoRA trains the embedding table in float32 under a lower-precision model
+        # .to: a no-op unless the table is kept in another dtype than the model (float32, to train)
         x_BSD = self.tok_embeddings(tokens_BS).to(self.norm.weight.dtype)
         # --8<-- [end:embedding]
         for i, layer in enumerate(self.layers):

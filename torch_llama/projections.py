@@ -1,7 +1,9 @@
 """How the torch twin's projections store and multiply their weights: float, or int8 with
 float32 scales (torch_llama.quantize), and the LoRA adapter slot of a projection
 (torch_llama.lora). torch_llama.model builds its projections from Linear and its embedding from
-Embedding; jax_llama.model.projections is the twin.
+Embedding, and names none of this: a projection's storage is its weight's dtype, its adapter
+what torch_llama.lora gave it (`lora_of` reads the settings back); jax_llama.model.projections
+is the twin.
 """
 
 from __future__ import annotations
@@ -179,6 +181,13 @@ def round_to_bfloat16(x: torch.Tensor) -> torch.Tensor:
     """x rounded to the nearest bfloat16 (ties to even), in x's dtype; the gradient passes straight
     through. jax_llama.model.kernels.round_to_bfloat16's twin."""
     return x.to(torch.bfloat16).to(x.dtype).detach() + (x - x.detach())
+
+
+def lora_of(model: nn.Module) -> LoraConfig | None:
+    """The settings of the LoRA adapters `model`'s projections carry (torch_llama.lora.add_lora
+    gives every adapted Linear the same), None when none does."""
+    return next((m.lora for m in model.modules() if isinstance(m, Linear) and m.lora is not None),
+                None)
 
 
 class Embedding(Int8Weight, nn.Embedding):

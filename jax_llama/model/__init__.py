@@ -4,8 +4,9 @@
                     grouped-query attention, SwiGLU, Block, Llama
     attention.py    the attention implementations behind one function (xla, chunked, cudnn,
                     splash) and the mask they share
-    projections.py  how a projection x @ W and attention over the KV cache run: float or int8
-                    weights, a LoRA adapter, XLA or the decode kernels - one place decides
+    projections.py  how a projection x @ W, the embedding and attention over the KV cache run:
+                    float, int8 or 4-bit weights, a LoRA adapter, XLA or the decode kernels -
+                    one Projections, made by choose(kernels, lora), handed to the model
     kernels/        the CPU decode kernels (matvec.cc) that projections.py may hand the model
     inputs.py       host-side checks of token ids and positions
     heads.py        the classifier head on a Llama and Blocks, a slice of its layers

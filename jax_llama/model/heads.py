@@ -13,12 +13,11 @@ import jax.numpy as jnp
 
 from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
-from bridge.lora import LoraConfig
 from bridge.rope import rope_inv_freq
 
 from .attention import AttentionMask
 from .llama import Block, Llama, RMSNorm, _init, default_positions, rope_cos_sin
-from .projections import Embed
+from .projections import Projections
 
 Dtype = Any
 
@@ -41,8 +40,7 @@ class Blocks(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: str = "auto"
-    lora: LoraConfig | None = None
-    kernels: str = "auto"
+    projections: Projections = Projections()  # how x @ W runs (jax_llama.model.projections)
 
     @nn.compact
     def __call__(self, x, attention_mask):
@@ -58,10 +56,10 @@ class Blocks(nn.Module):
         cos_BSh, sin_BSh = rope_cos_sin(default_positions(valid_BS), rope_inv_freq(
             c.head_dim, c.rope_theta, c.rope_scaling))
         if self.first == 0:
-            x = Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), kernels=self.kernels,
-                      name="tok_embeddings")(x)
+            x = self.projections.embedding(c.vocab_size, c.dim, **kw, embedding_init=_init(c),
+                                           name="tok_embeddings")(x)
         for i in range(self.first, self.last):
-            block = Block(c, **kw, attention=self.attention, lora=self.lora, kernels=self.kernels,
+            block = Block(c, **kw, attention=self.attention, projections=self.projections,
                           name=f"layers_{i}")
             (x, _), _ = block((x, None), i, cos_BSh, sin_BSh, mask)
         return RMSNorm(c.norm_eps, **kw, name="norm")(x) if self.last == c.n_layers else x
@@ -88,9 +86,8 @@ class LlamaClassifier(nn.Module):
     scan_layers: bool = False
     remat: bool = False
     attention: str = "auto"
-    lora: LoraConfig | None = None
+    projections: Projections = Projections()  # how x @ W runs (jax_llama.model.projections)
     first_layer: int = 0
-    kernels: str = "auto"
 
     @nn.compact
     def __call__(self, tokens_BS, attention_mask, deterministic: bool = True):
@@ -99,15 +96,14 @@ class LlamaClassifier(nn.Module):
         Training (deterministic=False) needs a 'dropout' rng."""
         if self.first_layer == 0:
             h_BSD = Llama(self.config, self.dtype, self.param_dtype, self.scan_layers, self.remat,
-                          self.attention, self.lora, self.kernels, name="llama").run(
+                          self.attention, self.projections, name="llama").run(
                 tokens_BS, attention_mask=attention_mask, lm_head=False).hidden
         else:
             if self.scan_layers:
                 raise BridgeError("needs one parameter set per block (not scan_layers)",
                                   field="first_layer")
             h_BSD = Blocks(self.config, self.first_layer, self.config.n_layers, self.dtype,
-                           self.param_dtype, self.attention, self.lora, self.kernels,
-                           name="llama")(tokens_BS, attention_mask)
+                           self.param_dtype, self.attention, self.projections, name="llama")(tokens_BS, attention_mask)
         h_BD = h_BSD[jnp.arange(h_BSD.shape[0]), last_real_index(attention_mask)]
         h_BD = nn.Dropout(self.dropout)(h_BD, deterministic=deterministic)
         logits_BC = nn.Dense(self.n_classes, dtype=self.dtype, param_dtype=self.param_dtype,

@@ -10,10 +10,9 @@ Parameters live in `param_dtype`, activations in `dtype`; RMSNorm statistics, Ro
 attention softmax and logits are float32 whatever `dtype` is. Attention itself is one call,
 jax_llama.model.attention.attend, whichever implementation runs it (`attention=`).
 
-This file says what the model computes. How a projection x @ W runs (float or int8 weights, a
-LoRA adapter, the CPU decode kernels) and how attention reads the KV cache are the
-implementation the model is handed, jax_llama.model.projections (`project`, `attend_cache`,
-`Embed`), chosen per model by one field, `kernels` (auto, xla or kernels).
+This file says what the model computes. How a projection x @ W, the embedding and attention
+over the KV cache run is the implementation the model is handed, one field, `projections`
+(jax_llama.model.projections: the weights' storage, adapters and the CPU decode paths live there).
 """
 
 from __future__ import annotations
@@ -29,12 +28,12 @@ import jax.numpy as jnp
 from bridge.config import LlamaConfig, RopeScaling
 from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
-from bridge.lora import LoraConfig
 from bridge.rope import rope_inv_freq
 
 from .attention import AttentionMask, attend, choose
 from .inputs import check_inputs
-from .projections import Embed, attend_cache, implementation, project
+from .projections import Projections
+from .projections import choose as choose_projections
 
 Dtype = Any
 
@@ -176,8 +175,7 @@ class Attention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: str = "auto"
-    lora: LoraConfig | None = None
-    kernels: str = "auto"  # how projections and cached attention run (jax_llama.model.projections)
+    projections: Projections = Projections()  # how x @ W runs (jax_llama.model.projections)
 
     @nn.compact
     def __call__(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
@@ -193,7 +191,8 @@ class Attention(nn.Module):
         N, K, G, H = c.n_heads, c.n_kv_heads, c.n_groups, c.head_dim
         B, S, D = x_BSD.shape
         x_MD = x_BSD.reshape(B * S, D)  # projections as plain 2-D matmuls (faster on XLA:CPU)
-        q_MF, k_MF, v_MF = project(self, x_MD, _init(c), wq=N * H, wk=K * H, wv=K * H)
+        q_MF, k_MF, v_MF = self.projections.project(self, x_MD, _init(c),
+                                                    wq=N * H, wk=K * H, wv=K * H)
         q_BSNH = q_MF.reshape(B, S, N, H)
         k_BSKH, v_BSKH = k_MF.reshape(B, S, K, H), v_MF.reshape(B, S, K, H)
         q_BSNH = rotate(q_BSNH, cos_BSh, sin_BSh)
@@ -210,11 +209,12 @@ class Attention(nn.Module):
             k_LBKTH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None].astype(cache.k.dtype), start)
             v_LBKTH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None].astype(cache.v.dtype), start)
             cache = cache.replace(k=k_LBKTH, v=v_LBKTH)
-            out_BKGSH = attend_cache(self, q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
+            out_BKGSH = self.projections.attend_cache(self, q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
         else:
             out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
-        (out_MD,) = project(self, out_MNH, _init(c, residual=True), wo=D)  # W_o [head_1; ...]
+        (out_MD,) = self.projections.project(self, out_MNH, _init(c, residual=True),
+                                             wo=D)  # W_o [head_1; ...]
         return out_MD.reshape(B, S, D), cache
 # --8<-- [end:attention]
 
@@ -226,16 +226,17 @@ class FeedForward(nn.Module):
     config: LlamaConfig
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
-    lora: LoraConfig | None = None
-    kernels: str = "auto"  # how projections and cached attention run (jax_llama.model.projections)
+    projections: Projections = Projections()  # how x @ W runs (jax_llama.model.projections)
 
     @nn.compact
     def __call__(self, x_BSD):
         c = self.config
         x_MD = x_BSD.reshape(-1, x_BSD.shape[-1])  # M = B * S tokens: plain 2-D matmuls
-        gate_MF, up_MF = project(self, x_MD, _init(c), w1=c.ffn_dim, w3=c.ffn_dim)
+        gate_MF, up_MF = self.projections.project(self, x_MD, _init(c),
+                                                  w1=c.ffn_dim, w3=c.ffn_dim)
         hidden_MF = nn.silu(gate_MF) * up_MF                      # silu(W1 x) * W3 x
-        (out_MD,) = project(self, hidden_MF, _init(c, residual=True), w2=c.dim)  # W2 (...)
+        (out_MD,) = self.projections.project(self, hidden_MF, _init(c, residual=True),
+                                             w2=c.dim)  # W2 (...)
         return out_MD.reshape(x_BSD.shape)
 # --8<-- [end:feed_forward]
 
@@ -248,8 +249,7 @@ class Block(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     attention: str = "auto"
-    lora: LoraConfig | None = None
-    kernels: str = "auto"  # how projections and cached attention run (jax_llama.model.projections)
+    projections: Projections = Projections()  # how x @ W runs (jax_llama.model.projections)
 
     @nn.compact
     def __call__(self, carry, layer, cos_BSh, sin_BSh, mask: AttentionMask | None):
@@ -257,13 +257,12 @@ class Block(nn.Module):
         expects (layer, this block's index, is scanned over; the rest is broadcast)."""
         c, kw = self.config, dict(dtype=self.dtype, param_dtype=self.param_dtype)
         x_BSD, cache = carry
-        attended, cache = Attention(c, **kw, attention=self.attention, lora=self.lora,
-                                    kernels=self.kernels, name="attention")(
+        attended, cache = Attention(c, **kw, attention=self.attention,
+                                    projections=self.projections, name="attention")(
             RMSNorm(c.norm_eps, **kw, name="attention_norm")(x_BSD), cos_BSh, sin_BSh, mask,
             cache, layer)
         h = x_BSD + attended
-        out = h + FeedForward(c, **kw, lora=self.lora, kernels=self.kernels,
-                                 name="feed_forward")(
+        out = h + FeedForward(c, **kw, projections=self.projections, name="feed_forward")(
             RMSNorm(c.norm_eps, **kw, name="ffn_norm")(h))
         return (out, cache), None
 # --8<-- [end:block]
@@ -275,11 +274,9 @@ class Llama(nn.Module):
 
     scan_layers: run the blocks with nn.scan (parameters stacked on a leading L axis), so compile
     time does not grow with depth. remat: recompute each block's activations in the backward pass.
-    attention: xla, chunked, cudnn, splash or auto (jax_llama.model.attention). lora: LoRA adapters
-    on the projections it targets (bridge.lora.LoraConfig; jax_llama.lora adds, saves and merges
-    them).
-    kernels: auto, xla or kernels - whether the projections and the attention over the cache of
-    a decode step run on the CPU decode kernels (jax_llama.model.projections).
+    attention: xla, chunked, cudnn, splash or auto (jax_llama.model.attention). projections: how
+    each x @ W, the embedding and the attention over the cache run, and what the projections
+    carry besides W (jax_llama.model.projections.choose makes one).
     """
 
     config: LlamaConfig
@@ -288,8 +285,7 @@ class Llama(nn.Module):
     scan_layers: bool = False
     remat: bool = False
     attention: str = "auto"
-    lora: LoraConfig | None = None
-    kernels: str = "auto"  # how projections and cached attention run (jax_llama.model.projections)
+    projections: Projections = Projections()  # how x @ W runs (jax_llama.model.projections)
 
     def __call__(self, tokens_BS, positions=None, attention_mask=None, segment_ids=None):
         """tokens (B, S) int -> logits (B, S, V) float32 (see run for the arguments)."""
@@ -340,12 +336,12 @@ class Llama(nn.Module):
                                                                  c.rope_scaling))
 
         # --8<-- [start:embedding]
-        embed = Embed(c.vocab_size, c.dim, **kw, embedding_init=_init(c), kernels=self.kernels,
-                      name="tok_embeddings")
+        embed = self.projections.embedding(c.vocab_size, c.dim, **kw, embedding_init=_init(c),
+                                           name="tok_embeddings")
         carry = (embed(tokens_BS), cache)
         # --8<-- [end:embedding]
         block = nn.remat(Block, prevent_cse=not self.scan_layers) if self.remat else Block
-        kw_blocks = dict(kw, attention=self.attention, lora=self.lora, kernels=self.kernels)
+        kw_blocks = dict(kw, attention=self.attention, projections=self.projections)
         if self.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0},
                             split_rngs={"params": True, "dropout": True},
@@ -369,7 +365,7 @@ class Llama(nn.Module):
         if c.tie_embeddings:
             logits_MV = embed.attend(h_MD)
         else:
-            (logits_MV,) = project(self, h_MD, _init(c), output=c.vocab_size)
+            (logits_MV,) = self.projections.project(self, h_MD, _init(c), output=c.vocab_size)
         # --8<-- [end:lm_head]
         logits_BSV = logits_MV.reshape(B, P, c.vocab_size).astype(jnp.float32)
         return LlamaOutput(logits=logits_BSV, hidden=h_BSD, cache=cache)
@@ -382,18 +378,17 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 def init(config: LlamaConfig, seed: int = 0, *, dtype=jnp.float32, param_dtype=jnp.float32,
-         scan_layers: bool = False, remat: bool = False, attention: str = "auto",
-         lora: LoraConfig | None = None, kernels: str = "auto"):
-    """A Llama module and freshly initialised params (with fresh LoRA adapters given `lora`;
-    `kernels`: how its decode steps run, jax_llama.model.projections).
+         scan_layers: bool = False, remat: bool = False, attention: str = "auto", **projections):
+    """A Llama module and freshly initialised params. `projections`: the keyword arguments of
+    jax_llama.model.projections.choose (how its projections run and what they carry; their
+    fresh params are initialised too).
 
     Traceable: `jax.eval_shape(lambda: init(cfg)[1])` gives the shapes without allocating.
     """
     choose(attention, 1, 1)  # a bad name, or one the backend lacks, is refused before anything
-    implementation(kernels)  # likewise
     model = Llama(config, dtype=resolve_dtype(dtype), param_dtype=resolve_dtype(param_dtype),
-                  scan_layers=scan_layers, remat=remat, attention=attention, lora=lora,
-                  kernels=kernels)
+                  scan_layers=scan_layers, remat=remat, attention=attention,
+                  projections=choose_projections(**projections))
     tokens = jnp.zeros((1, 1), dtype=jnp.int32)
     params = jax.jit(model.init)(jax.random.key(seed), tokens)["params"]
     return model, params

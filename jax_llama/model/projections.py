@@ -1,28 +1,34 @@
-"""How the model's projections and its attention over the KV cache run: XLA, or the decode kernels.
+"""How the model's projections, its embedding and its attention over the KV cache run: float,
+int8 or 4-bit weights, a LoRA adapter, XLA or the CPU decode kernels.
 
-jax_llama.model.llama says what the LLaMA computes; this module is the implementation it is handed
-for x @ W and for cached attention, chosen per model by one field, `Llama.kernels`:
+jax_llama.model.llama says what the LLaMA computes; this module is the implementation it is handed,
+one `Projections` (the field `Llama.projections`), made by one function, `choose(kernels, lora)`:
 
-    auto     the decode kernels (jax_llama.model.kernels) wherever they serve the shapes - up to 8
-             float32 rows on a single CPU device, float32 or int8 weights - else XLA. What every
-             command ran before the choice had a name; JAX_LLAMA_KERNELS=0 makes it xla.
-    xla      XLA's matmuls and jax_llama.model.attention.attend only.
-    kernels  as auto, but a model whose kernels cannot run here is refused (the reason named).
+    kernels  auto     the decode kernels (jax_llama.model.kernels) wherever they serve the shapes -
+                      up to 8 float32 rows on a single CPU device, float32, int8 or 4-bit weights -
+                      else XLA. What every command ran before the choice had a name;
+                      JAX_LLAMA_KERNELS=0 makes it xla.
+             xla      XLA's matmuls and jax_llama.model.attention.attend only.
+             kernels  as auto, but a model whose kernels cannot run here is refused (the reason
+                      named).
+    lora     a LoRA adapter (bridge.lora.LoraConfig) on the projections it targets, or None;
+             jax_llama.lora adds, saves and merges adapters and hands the model the choice.
 
-Both give the same numbers to float32 rounding (the kernels' sums run in another order), and the
-same greedy tokens (tests/test_kernels.py decodes both ways). `implementation(kernels)` is the
-one place that turns the choice into "kernels" or "xla" - from the backend, the device count and
-JAX_LLAMA_KERNELS - when a model is made (init, load) and while it traces; whether one call is
-served (its rows, dtypes, shapes) jax_llama.model.kernels' `usable` says.
+Both kernels choices give the same numbers to float32 rounding (the kernels' sums run in another
+order), and the same greedy tokens (tests/test_kernels.py decodes both ways). `implementation`
+is the one place that turns the choice into "kernels" or "xla" - from the backend, the device
+count and JAX_LLAMA_KERNELS - when a model is made (init, load) and while it traces; whether one
+call is served (its rows, dtypes, shapes) jax_llama.model.kernels' `usable` says.
 
-Storage is the other thing a projection's params can say: a `scale` beside the `kernel` (or the
-tied embedding) means int8 weights (jax_llama.quantize), multiplied by int8_matmul or by the
-kernels. A LoRA adapter (bridge.lora.LoraConfig) adds its low-rank path to the projections it
-targets.
+Storage is what a projection's params say: a `scale` beside the `kernel` (or the tied embedding)
+means int8 weights (jax_llama.quantize), multiplied by int8_matmul or by the kernels; a uint8
+`kernel` with `scale` (and `min`) means 4-bit weights (bridge.int4), multiplied by int4_matmul or
+by the kernels. The model names none of this: the params it is given decide.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -38,7 +44,8 @@ from bridge.lora import LoraConfig
 
 from . import kernels as decode_kernels
 from .kernels import dequantize_int4
-from .attention import AttentionMask, attend, choose
+from .attention import AttentionMask, attend
+from .attention import choose as choose_attention
 
 log = logging.getLogger(__name__)
 Dtype = Any
@@ -127,47 +134,75 @@ class Linear(nn.Module):
         return out + b(a(x_MD)) * jnp.asarray(self.lora.scale, self.dtype)
 
 
-def project(module: nn.Module, x_MD, kernel_init, **features: int) -> list[jax.Array]:
-    """[x @ W for each projection named in `features` (name=outputs)], all reading the same x
-    (q, k, v; gate, up; or one alone), as Linears named so under `module`, in its dtypes
-    (initialised by kernel_init), with an adapter where its LoRA targets one. Ones without
-    adapters that the decode kernels serve (module.kernels allowing; a few rows on CPU, all
-    float32 or all int8) are one kernel call, their weights read by the same threads (the same
-    numbers to float32 rounding)."""
-    params = [module.variables.get("params", {}).get(name, {}) for name in features]
-    weights = [(p.get("kernel"), p.get("scale"), p.get("min")) for p in params]
-    lora = module.lora
-    adapted = lora is not None and any(n in lora.targets for n in features)
-    x = x_MD.astype(module.dtype)
-    if (not adapted and _kernels_on(module.kernels)
-            and all(w[0] is not None and decode_kernels.usable(x, *w) for w in weights)):
-        if all(s is None for _, s, _ in weights):
-            return decode_kernels.matvec_f32(x, [w for w, _, _ in weights])
-        if all(w.dtype == jnp.int8 for w, _, _ in weights):
-            return [y.astype(module.dtype)
-                    for y in decode_kernels.matvec_int8(x, [(w, s) for w, s, _ in weights])]
-        if all(w.dtype == jnp.uint8 for w, _, _ in weights):  # 4-bit, with minima or not
-            return decode_kernels.matvec_int4(x, weights)
-    return [Linear(f, dtype=module.dtype, param_dtype=module.param_dtype, kernel_init=kernel_init,
-                   lora=lora if lora is not None and name in lora.targets else None,
-                   kernels=module.kernels, name=name)(x_MD)
-            for name, f in features.items()]
+@dataclasses.dataclass(frozen=True)
+class Projections:
+    """How a model runs its projections x @ W, its embedding and its attention over the KV cache:
+    the one object jax_llama.model.llama is handed for them (`Llama.projections`), made by
+    `choose`. kernels: auto, xla or kernels (the module docstring); lora: a LoRA adapter on the
+    projections lora.targets names (bridge.lora.LoraConfig), or None."""
+
+    kernels: str = "auto"
+    lora: LoraConfig | None = None
+
+    def replace(self, **changes) -> Projections:
+        """These projections with `changes` (kernels=, lora=)."""
+        return dataclasses.replace(self, **changes)
+
+    def project(self, module: nn.Module, x_MD, kernel_init, **features: int) -> list[jax.Array]:
+        """[x @ W for each projection named in `features` (name=outputs)], all reading the same
+        x (q, k, v; gate, up; or one alone), as Linears named so under `module`, in its dtypes
+        (initialised by kernel_init), with an adapter where lora targets one. Ones without
+        adapters that the decode kernels serve (kernels allowing; a few rows on CPU, all float32,
+        all int8 or all 4-bit) are one kernel call, their weights read by the same threads (the
+        same numbers to float32 rounding)."""
+        params = [module.variables.get("params", {}).get(name, {}) for name in features]
+        weights = [(p.get("kernel"), p.get("scale"), p.get("min")) for p in params]
+        lora = self.lora
+        adapted = lora is not None and any(n in lora.targets for n in features)
+        x = x_MD.astype(module.dtype)
+        if (not adapted and _kernels_on(self.kernels)
+                and all(w[0] is not None and decode_kernels.usable(x, *w) for w in weights)):
+            if all(s is None for _, s, _ in weights):
+                return decode_kernels.matvec_f32(x, [w for w, _, _ in weights])
+            if all(w.dtype == jnp.int8 for w, _, _ in weights):
+                return [y.astype(module.dtype)
+                        for y in decode_kernels.matvec_int8(x, [(w, s) for w, s, _ in weights])]
+            if all(w.dtype == jnp.uint8 for w, _, _ in weights):  # 4-bit, with minima or not
+                return decode_kernels.matvec_int4(x, weights)
+        return [Linear(f, dtype=module.dtype, param_dtype=module.param_dtype,
+                       kernel_init=kernel_init,
+                       lora=lora if lora is not None and name in lora.targets else None,
+                       kernels=self.kernels, name=name)(x_MD)
+                for name, f in features.items()]
+
+    def attend_cache(self, module: nn.Module, q_BKGSH, k_LBKTH, v_LBKTH, layer,
+                     mask: AttentionMask):
+        """The queries' attention over layer `layer` of the cache (L, B, K, T, H), in module's
+        `attention` implementation and dtype. A few float32 queries on a CPU, where `attention`
+        means xla and kernels allows, are one kernel call that reads the layer in place
+        (jax_llama.model.kernels.attend_cache: XLA ran a dozen small operations a layer); else
+        the layer's slice goes through jax_llama.model.attention.attend."""
+        S, T, H = q_BKGSH.shape[3], k_LBKTH.shape[3], q_BKGSH.shape[4]
+        if (_kernels_on(self.kernels) and choose_attention(module.attention, S, T, False, H) == "xla"
+                and decode_kernels.usable_attention(q_BKGSH, k_LBKTH, mask)):
+            return decode_kernels.attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
+        k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
+        v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False)
+        return attend(q_BKGSH, k_BKTH.astype(module.dtype), v_BKTH.astype(module.dtype), mask,
+                      module.attention)
+
+    def embedding(self, vocab_size: int, dim: int, **kw) -> Embed:
+        """The token embedding (vocab_size, dim) and tied LM head (Embed; kw: nn.Embed's)."""
+        return Embed(vocab_size, dim, **kw, kernels=self.kernels)
 
 
-def attend_cache(module: nn.Module, q_BKGSH, k_LBKTH, v_LBKTH, layer, mask: AttentionMask):
-    """The queries' attention over layer `layer` of the cache (L, B, K, T, H), in module's
-    `attention` implementation and dtype. A few float32 queries on a CPU, where `attention`
-    means xla and module.kernels allows, are one kernel call that reads the layer in place
-    (jax_llama.model.kernels.attend_cache: XLA ran a dozen small operations a layer); else the
-    layer's slice goes through jax_llama.model.attention.attend."""
-    S, T, H = q_BKGSH.shape[3], k_LBKTH.shape[3], q_BKGSH.shape[4]
-    if (_kernels_on(module.kernels) and choose(module.attention, S, T, False, H) == "xla"
-            and decode_kernels.usable_attention(q_BKGSH, k_LBKTH, mask)):
-        return decode_kernels.attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
-    k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
-    v_BKTH = jax.lax.dynamic_index_in_dim(v_LBKTH, layer, keepdims=False)
-    return attend(q_BKGSH, k_BKTH.astype(module.dtype), v_BKTH.astype(module.dtype), mask,
-                  module.attention)
+def choose(kernels: str = "auto", lora: LoraConfig | None = None) -> Projections:
+    """The Projections a model is handed: how its decode steps run (`kernels`: auto, xla or
+    kernels; one that cannot run here refused as `implementation` refuses it) and the LoRA
+    adapter its projections carry (None: none). jax_llama.init, jax_llama.load and
+    jax_llama.lora.add_lora choose through it."""
+    implementation(kernels)
+    return Projections(kernels, lora)
 
 
 class Embed(nn.Embed):
