@@ -190,3 +190,24 @@ def test_the_command_without_a_compiler_says_so_and_succeeds(tmp_path, monkeypat
         "jax-llama kernels: no C++ compiler (c++, g++ or clang++) on PATH, so the decode kernels "
         "are not built; models run XLA's matmul (install one and run `jax-llama kernels build`)"]
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_command_with_a_failing_compiler_says_why_and_lets_the_set_up_go_on(
+        tmp_path, monkeypatch, capsys):
+    """A compiler that fails every variant (one without its C++ headers): each failure said, one
+    line that models run XLA's matmul, exit code 0 (the README's set-up goes on); a variant named
+    by --variant that fails is exit code 1."""
+    from llama_twins.cli.main import main
+
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("JAX_LLAMA_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("JAX_LLAMA_KERNEL_MARCH", raising=False)
+    runs = [v.name for v in library.VARIANTS if v.needs <= library.cpu_flags()]
+    assert main(["kernels", "build"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"  {n:<12} failed: false failed: exit code 1" for n in runs]
+    assert captured.err.splitlines() == [
+        f"jax-llama kernels: not built for this CPU ({runs[0]}) in {tmp_path / 'cache'}: "
+        "`jax-llama kernels build` builds them; until then models run XLA's matmul"]
+    assert main(["kernels", "build", "--variant", "plain"]) == 1
+    assert list((tmp_path / "cache").glob("*.so")) == []
