@@ -56,9 +56,9 @@ KERNELS = ("auto", "xla", "kernels")
 def implementation(kernels: str = "auto") -> str:
     """The implementation a model with `kernels` (auto, xla or kernels) runs its decode steps on:
     "kernels" or "xla". auto is "kernels" where they can run in this process (a single CPU device,
-    a C++ compiler, JAX_LLAMA_KERNELS not 0), else "xla"; "kernels" where they cannot raises
-    BridgeError naming why. Building the kernels the first time is logged
-    (jax_llama.model.kernels)."""
+    the kernels built for this CPU by `jax-llama kernels build`, JAX_LLAMA_KERNELS not 0), else
+    "xla"; "kernels" where they cannot raises BridgeError naming why. Nothing is compiled here:
+    where none is built, why is logged once (jax_llama.model.kernels)."""
     if kernels not in KERNELS:
         raise BridgeError(f"{kernels!r}: expected one of {', '.join(KERNELS)}", field="kernels")
     if kernels == "xla":
