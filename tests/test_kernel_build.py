@@ -169,6 +169,10 @@ def test_the_command_builds_and_reports_without_a_real_compile(tmp_path, monkeyp
     status = capsys.readouterr().out.splitlines()
     assert status[0].endswith(f"this CPU runs {runs[0]}")
     assert [line.split()[0] for line in status[1:] if line.endswith("<- runs")] == [runs[0]]
+    monkeypatch.setenv("JAX_LLAMA_KERNELS", "0")
+    assert main(["kernels"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        f"this CPU runs {runs[0]} (but JAX_LLAMA_KERNELS=0 turns them off here)")
     assert main(["kernels", "build", "--variant", "sse9"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "error: --variant: 'sse9': expected one of "

@@ -31,7 +31,10 @@ def _status(library) -> int:
         runs = f"this CPU runs {running.name}"
     except library.NotBuilt as e:
         running, runs = None, f"none runs here: {e}"
-    print(f"decode kernels in {library.cache_dir()} (jaxlib {jaxlib.__version__}): {runs}")
+    from jax_llama.model.kernels import enabled
+
+    off = "" if enabled() else " (but JAX_LLAMA_KERNELS=0 turns them off here)"
+    print(f"decode kernels in {library.cache_dir()} (jaxlib {jaxlib.__version__}): {runs}{off}")
     for v in library.VARIANTS:
         built = "built" if library.library_path(v).is_file() else "not built"
         fits = "fits this CPU" if v.needs <= flags else "not for this CPU"
