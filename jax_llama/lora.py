@@ -100,7 +100,8 @@ def add_lora(model, params, lora: LoraConfig, seed: int = 0, adapter: Adapter | 
                                        scan_layers=model.scan_layers,
                                        shapes=adapter_shapes(config, lora))
     else:  # initialise the whole backbone, keep the adapters: XLA drops the rest unbuilt
-        backbone = Llama(config, scan_layers=model.scan_layers, projections=Projections(lora=lora))
+        backbone = Llama(config, scan_layers=model.scan_layers,
+                         projections=Projections(lora=lora))
         fresh = lambda key: split(backbone.init(key, jnp.zeros((1, 1), jnp.int32))["params"])[1]  # noqa: E731
         adapters = jax.jit(fresh)(jax.random.key(seed))
         if lora.train_embeddings:

@@ -103,7 +103,8 @@ class LlamaClassifier(nn.Module):
                 raise BridgeError("needs one parameter set per block (not scan_layers)",
                                   field="first_layer")
             h_BSD = Blocks(self.config, self.first_layer, self.config.n_layers, self.dtype,
-                           self.param_dtype, self.attention, self.projections, name="llama")(tokens_BS, attention_mask)
+                           self.param_dtype, self.attention, self.projections,
+                           name="llama")(tokens_BS, attention_mask)
         h_BD = h_BSD[jnp.arange(h_BSD.shape[0]), last_real_index(attention_mask)]
         h_BD = nn.Dropout(self.dropout)(h_BD, deterministic=deterministic)
         logits_BC = nn.Dense(self.n_classes, dtype=self.dtype, param_dtype=self.param_dtype,

@@ -213,8 +213,8 @@ class Attention(nn.Module):
         else:
             out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
-        (out_MD,) = self.projections.project(self, out_MNH, _init(c, residual=True),
-                                             wo=D)  # W_o [head_1; ...]
+        # W_o [head_1; ...; head_N]
+        (out_MD,) = self.projections.project(self, out_MNH, _init(c, residual=True), wo=D)
         return out_MD.reshape(B, S, D), cache
 # --8<-- [end:attention]
 
@@ -235,8 +235,7 @@ class FeedForward(nn.Module):
         gate_MF, up_MF = self.projections.project(self, x_MD, _init(c),
                                                   w1=c.ffn_dim, w3=c.ffn_dim)
         hidden_MF = nn.silu(gate_MF) * up_MF                      # silu(W1 x) * W3 x
-        (out_MD,) = self.projections.project(self, hidden_MF, _init(c, residual=True),
-                                             w2=c.dim)  # W2 (...)
+        (out_MD,) = self.projections.project(self, hidden_MF, _init(c, residual=True), w2=c.dim)
         return out_MD.reshape(x_BSD.shape)
 # --8<-- [end:feed_forward]
 

@@ -183,7 +183,8 @@ class Projections:
         (jax_llama.model.kernels.attend_cache: XLA ran a dozen small operations a layer); else
         the layer's slice goes through jax_llama.model.attention.attend."""
         S, T, H = q_BKGSH.shape[3], k_LBKTH.shape[3], q_BKGSH.shape[4]
-        if (_kernels_on(self.kernels) and choose_attention(module.attention, S, T, False, H) == "xla"
+        if (_kernels_on(self.kernels)
+                and choose_attention(module.attention, S, T, False, H) == "xla"
                 and decode_kernels.usable_attention(q_BKGSH, k_LBKTH, mask)):
             return decode_kernels.attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
         k_BKTH = jax.lax.dynamic_index_in_dim(k_LBKTH, layer, keepdims=False)
