@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-VAL_FRACTION = 0.05  # jax_llama.training.loop._corpus_batches holds out this fraction of the tokens
+VAL_FRACTION = 0.05  # jax_llama.training.lm.corpus_batches holds out this fraction of the tokens
 
 
 def main(argv=None) -> int:

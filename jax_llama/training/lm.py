@@ -34,9 +34,10 @@ from .step import jit_eval_step, lm_loss
 class LanguageModelRecipe(Recipe):
     """What the recipes on a Llama share. A subclass reads its inputs in `read(init)` (the
     --init checkpoint opened once, or None), setting self.tokenizer and self.config, and makes its
-    batches in `batches(local_batch)`; it says in `title` what it is called in a refusal."""
+    batches in `batches(local_batch)`."""
 
-    title = "LoRA"          # a recipe that runs across several processes sets None
+    title: str | None = None   # set: the recipe runs in one process only (its name in the
+                               # refusal); None: across several too (not with LoRA)
     template = None         # a chat template the run saves (bridge.chat.ChatTemplate)
 
     def __init__(self, spec: RunSpec):
@@ -49,7 +50,7 @@ class LanguageModelRecipe(Recipe):
         spec = self.spec
         choose_attention(spec.attention, 1, 1)  # refused before anything is read or written
         # the recipes' data are files; a run's own output is never its input
-        settings = spec.sft or spec.dpo or spec.grpo
+        settings = spec.settings
         check_out_apart(spec.out, [*spec.data, *((settings.data, settings.eval_data)
                                                   if settings else ())])
         if jax.process_count() > 1 and (spec.lora or self.title):
@@ -77,10 +78,7 @@ class LanguageModelRecipe(Recipe):
         return {"model": self.config.to_dict(), "train": spec.train.to_dict(), "data": spec.data,
                 "tokenizer": spec.tokenizer, "init": spec.init, "strip_labels": spec.strip_labels,
                 "pack": spec.pack, "lora": None if spec.lora is None else spec.lora.to_dict(),
-                "sft": None if spec.sft is None else spec.sft.to_dict(),
-                "dpo": None if spec.dpo is None else spec.dpo.to_dict(),
-                "grpo": None if spec.grpo is None else spec.grpo.to_dict(),
-                "tracking": spec.tracking.to_dict()}
+                **spec.settings_record(), "tracking": spec.tracking.to_dict()}
 
     # run.json files from before strip_labels and pack were recorded ran without them
     record_before = {"strip_labels": False, "pack": False}
@@ -182,8 +180,6 @@ class CorpusRecipe(NextTokenRecipe):
     """Pretraining (`jax-llama train`): next-token cross-entropy on a corpus (the embedded
     default, or the files given), tokenized once into the cache beside the run, 5% held out;
     evaluated by the held-out loss, against the unigram baseline; a short sample at the end."""
-
-    title = None  # runs across several processes
 
     def inputs(self, init) -> None:
         spec = self.spec

@@ -50,7 +50,8 @@ from .spec import RunSpec
 from .state import (Checkpoints, NonFinite, RunStopped, StopSignals, all_processes_reach,
                     check_resumable, say)
 from .tracking import Tracker
-from .step import TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer, place_state
+from .step import (TrainConfig, TrainingDiverged, init_state, jit_train_step, make_optimizer,
+                   place_state)
 
 __all__ = ["RunStopped", "TrainingDiverged", "plot_losses", "run", "run_steps", "train"]
 

@@ -22,12 +22,12 @@ all here, in the order the loop calls it:
   scores(model, params)  the before/after scores (None: none), and scalars(scores) their figures
   loss(model)            the loss a train step minimises (jax_llama.training.step.Loss); has_aux:
                          whether it returns (loss, metrics)
-  next_batch(step, state)   the host batch of `step`; the loop places it on the mesh
+  next_batch(step, state)   the batch of `step`, on the devices it runs on (a mesh: global_batch)
   evaluate(params)       the held-out figures, every tc.eval_every steps and at the end
   step_figures(step, figures), drop(step)   figures the host adds to a step's record (given
-                         the device's), device figures it leaves out (GRPO's round figures); tokens_in(batch): the tokens a step
-                         trains on; bar(record, tokens_per_s, evaluated, mfu): what the progress
-                         bar shows
+                         the device's), device figures it leaves out (GRPO's round figures)
+  tokens_in(batch)       the tokens a step trains on
+  bar(record, tokens_per_s, evaluated, mfu)   what the progress bar shows
   save(out, model, params)   the final model (LoRA: the adapter, then the merge), on every
                          process; returns the (model, params) the after-scores and finish see;
                          summary(out, last): the summary every process returns

@@ -2,9 +2,9 @@
 chat template, the loss on the assistant's tokens only, whole conversations packed into rows.
 
 The rendering and the mask are bridge.chat's (framework-neutral); here the examples become the
-batches of SftRecipe, the recipe the training loop runs, and a held-out set is scored by exact match of greedy
-replies. With no data, `demo_chats` makes a small instruction task with exact answers, so that
-the command shows learning on any machine with nothing downloaded.
+batches of SftRecipe, the recipe the training loop runs, and a held-out set is scored by exact
+match of greedy replies. With no data, `demo_chats` makes a small instruction task with exact
+answers, so that the command shows learning on any machine with nothing downloaded.
 """
 
 from __future__ import annotations

@@ -142,6 +142,10 @@ class GrpoSpec:
                 for k, v in dataclasses.asdict(self).items()}
 
 
+# The RunSpec fields that hold a recipe's settings, as run.json records them.
+RECIPE_SETTINGS = ("sft", "dpo", "grpo")
+
+
 @dataclass
 class RunSpec:
     out: Path
@@ -172,13 +176,23 @@ class RunSpec:
     progress: bool = True              # progress bars on stderr (bridge.progress); not part of
                                        # the setup either
 
+    @property
+    def settings(self):
+        """The recipe's own settings (SftSpec, DpoSpec, GrpoSpec), or None: pretraining."""
+        return next((getattr(self, k) for k in RECIPE_SETTINGS if getattr(self, k) is not None),
+                    None)
+
+    def settings_record(self) -> dict:
+        """Each recipe's settings as run.json records them (None for those not asked for)."""
+        return {k: None if getattr(self, k) is None else getattr(self, k).to_dict()
+                for k in RECIPE_SETTINGS}
+
     def recipe(self):
-        """The recipe this run asks for (jax_llama.training.recipe): that of its recipe settings
-        (sft, dpo, grpo: each names its own), or pretraining on the corpus without any."""
+        """The recipe this run asks for (jax_llama.training.recipe): the one its settings name
+        (RECIPE, module:class in this package), or pretraining on the corpus without any."""
         import importlib
 
-        settings = [s for s in (self.sft, self.dpo, self.grpo) if s is not None]
-        where = settings[0].RECIPE if settings else "lm:CorpusRecipe"
+        where = self.settings.RECIPE if self.settings is not None else "lm:CorpusRecipe"
         module, name = where.split(":")
         return getattr(importlib.import_module(f".{module}", __package__), name)(self)
 
