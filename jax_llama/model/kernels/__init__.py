@@ -106,7 +106,7 @@ def _load() -> tuple[str | None, Path | None]:
     except Exception as e:  # noqa: BLE001 - any failure means: use XLA's matmul instead
         log.warning("jax_llama: decode kernels unavailable (%s); using XLA's matmul", e)
         return str(e), None
-    log.info("jax_llama: decode kernels %s (%s)", variant.name, path)
+    log.debug("jax_llama: decode kernels %s (%s)", variant.name, path)
     return None, path
 
 
