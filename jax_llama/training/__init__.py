@@ -4,9 +4,13 @@
     state.py     what a run keeps on disk: checkpoints and their manifest, stop signals, the NaN policy
     tracking.py  metrics to TensorBoard / W&B
     data.py      corpora to token batches
-    loop.py      the run: resume, steps, evaluation, checkpoints, the run record
-    sft.py, dpo.py  the supervised fine-tuning and preference recipes' data and losses
-    spec.py      what a run is asked to do: RunSpec, SftSpec, DpoSpec
+    recipe.py    the Recipe interface: what one kind of run does, as the loop calls it
+    loop.py      the run, the same for every recipe: resume, steps, evaluation, checkpoints,
+                 the run record
+    lm.py        the recipes on a Llama: their shared set-up, and pretraining on a corpus
+    sft.py, dpo.py, grpo.py (grpo_loss.py, grpo_prompts.py), finetune.py
+                 the supervised fine-tuning, preference, RL and classifier recipes
+    spec.py      what a run is asked to do: RunSpec, SftSpec, DpoSpec, GrpoSpec
     inputs.py    a language-model run's tokenizer and model config
 
 The mesh and its sharding rules are jax_llama.sharding's: loading a checkpoint onto a mesh
