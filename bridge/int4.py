@@ -398,7 +398,7 @@ def mixture_refused(name: str, field: str) -> BridgeError:
     """The refusal to save a model holding `name` as int8 beside 4-bit projections (a load in each
     tensor's nearest layout of a file with 6- or 8-bit tensors): no checkpoint holds both."""
     return BridgeError(f"{name}: int8 beside 4-bit projections (a load in each tensor's nearest "
-                       f"layout): no checkpoint holds the mixture; load with int4=True "
+                       f"layout): no checkpoint holds the mixture; load with quantize='int4' "
                        f"(--quantize int4) to hold every projection as 4-bit", field=field)
 
 
@@ -422,35 +422,6 @@ class StoredReader:
 
     def summary(self) -> None:
         return None
-
-
-def requested_reader(checkpoint, *, int4: bool = False, int8: bool = False,
-                     nearest: bool = False, unsupported: str | None = None):
-    """What a load's int4 / int8 / nearest flags ask for, checked before any weight is read:
-    None for none; else make(get) -> the QuantisedReader of that mode (int4_reader, int8_reader,
-    nearest_reader). A 4-bit native checkpoint is read as it is stored (StoredReader) with no
-    flag, int4 or nearest. Refuses more than one mode, int8 from a quantised checkpoint, and
-    `unsupported` (what the caller cannot combine with them, e.g. "an adapter"), naming the
-    flag."""
-    asked = [k for k, v in (("int4", int4), ("int8", int8), ("nearest", nearest)) if v]
-    if len(asked) > 1:
-        raise BridgeError(f"one of int4, int8 and nearest (got {', '.join(asked)})",
-                          field=asked[1])
-    quantization = checkpoint.quantization
-    if quantization is not None and quantization.method == "int4" and asked != ["int8"]:
-        if unsupported is not None:
-            raise BridgeError(f"{checkpoint.path} holds 4-bit weights, which cannot be read "
-                              f"with {unsupported}: use the float checkpoint it was made from",
-                              field=asked[0] if asked else None)
-        return lambda get: StoredReader(checkpoint)
-    if not asked:
-        return None
-    if unsupported is not None or quantization is not None:
-        raise BridgeError(f"quantised weights are read from a float or GGUF checkpoint, without "
-                          f"{unsupported or quantization.method + ' weights'}, for now",
-                          field=asked[0])
-    reader = {"int4": int4_reader, "int8": int8_reader, "nearest": nearest_reader}[asked[0]]
-    return lambda get: reader(checkpoint, get, checkpoint.config)
 
 
 def quantised_layouts(checkpoint) -> dict[str, int]:

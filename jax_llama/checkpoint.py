@@ -18,7 +18,8 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
-from bridge.int4 import minima_implied, mixture_refused, requested_reader
+from bridge.int4 import minima_implied, mixture_refused
+from bridge.layout import decide_layout, held_as
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.resources import gc_paused, small_pages
@@ -300,8 +301,8 @@ def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config:
 
 def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool = False,
          remat: bool = False, attention: str = "auto", adapter: str | os.PathLike | None = None,
-         mesh=None, kernels: str = "auto", progress: bool = False, int4: bool = False,
-         int8: bool = False, nearest: bool = False):
+         mesh=None, kernels: str = "auto", progress: bool = False, quantize: str | None = None,
+         group_size: int | None = None):
     """(Llama module, params) from a checkpoint of any supported format: a path, or a checkpoint
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
@@ -316,36 +317,35 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
     each process reading only the parts its devices hold: safetensors formats (native, HF) read
     those parts alone; Meta and llama2.c files, and a merged adapter, read each tensor whole.
     progress: a bar on stderr counting the tensors read (bridge.progress).
-    int4: the projections as 4-bit weights (bridge.int4), read as the file holds them where it
-    holds them so exactly (a GGUF's Q4_0 / Q4_1), else quantised as each is read: the float
-    model is never whole in memory. A tied LM head (the embedding) becomes int8 rows; an untied
-    embedding and the norms keep `dtype`.
-    int8: the projections and the LM head as int8 with a scale per output channel, quantised as
-    each is read (jax_llama.quantize's numbers, the float model never whole in memory).
-    nearest: each tensor a quantised file holds (a GGUF's Q4_K, Q8_0, ...) in its nearest
-    layout, as read (bridge.int4.nearest_reader: up to 5 bits a weight as 4-bit weights, Q4_0 and
-    Q4_1 exactly; more as int8 rows), the float ones in `dtype`: memory about the file's size.
-    With progress, what was read how (and the error of what was quantised) is said on stderr.
+    quantize, group_size: how the weights are held (bridge.layout.decide_layout, which
+    torch_llama.load asks too): None float; "int8" int8 with a scale per output channel (or per
+    group_size inputs), quantised as each weight is read; "int4" the projections as 4-bit
+    weights, read as the file holds them where it holds them so exactly (a GGUF's Q4_0 / Q4_1),
+    else quantised as each is read, a tied LM head as int8 rows; "stored" each tensor a
+    quantised file holds in its nearest layout (a GGUF's Q4_0 / Q4_1 as 4-bit weights exactly,
+    Q5 ... Q8_0 as int8 rows), memory about the file's size; "auto" stored where the file
+    holds quantised tensors and neither dtype nor adapter is given, else float - what the
+    commands do without --quantize. A native int8 or 4-bit checkpoint loads as it is stored.
+    With progress, the layout chosen, what was read how (and the error of what was quantised)
+    are said on stderr.
     """
     choose(attention, 1, 1)
     implementation(kernels)  # a bad name, or kernels that cannot run here, refused as early
     with gc_paused(), small_pages():
         return _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, progress,
-                     int4, int8, nearest)
+                     quantize, group_size)
 
 
-def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, progress, int4,
-          int8, nearest):
+def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, progress, quantize,
+          group_size):
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-    if ckpt.quantization is not None:
-        method = ckpt.quantization.method
-        if adapter is not None:
-            raise BridgeError(f"{ckpt.path} holds {method} weights, which an adapter cannot be "
-                              f"merged into: merge it into the float model, then quantise",
-                              field="adapter")
-        if mesh is not None:
-            raise BridgeError(f"not with the {method} checkpoint {ckpt.path} (load it whole)",
-                              field="mesh")
+    layout = decide_layout(ckpt, quantize, group_size, dtype, adapter=adapter is not None,
+                           whole="scan_layers" if scan_layers else None)
+    if mesh is not None and (layout.native or layout.weights != "float"):
+        raise BridgeError(f"not with {layout.weights} weights from {ckpt.path} (load it whole)",
+                          field="mesh")
+    if progress and layout.describe(ckpt.path):
+        note(layout.describe(ckpt.path))
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     get = ckpt.tensor
     read = ckpt.tensor_slice
@@ -356,8 +356,7 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
     if mesh is not None:
         params = params_on_mesh(read, ckpt.config, mesh, scan_layers=scan_layers, dtype=dtype)
     else:
-        make = requested_reader(ckpt, int4=int4, int8=int8, nearest=nearest, unsupported=(
-            "scan_layers" if scan_layers else "an adapter" if adapter is not None else None))
+        make = layout.reader(ckpt)
         four = None if make is None else make(get)  # get is ckpt.tensor: no adapter with these
         if hasattr(four, "rows") and getattr(ckpt, "reads_rows", False):
             four.rows = ckpt.tensor_slice  # what it quantises, read a chunk of rows at a time
@@ -374,6 +373,22 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
                                          shapes=shapes, int4=None if four is None else held)
         if four is not None and progress and four.summary():
             note(f"{ckpt.path}: {four.summary()}")
+    if layout.after:  # int8 in groups of inputs, or of weights an adapter was merged into
+        from .quantize import quantize as quantized
+        params = quantized(params, layout.group_size, progress=progress)
     model = Llama(ckpt.config, dtype=dtype, param_dtype=dtype, scan_layers=scan_layers, remat=remat,
                   attention=attention, projections=choose_projections(kernels))
     return model, params
+
+
+def held_layouts(params, config: LlamaConfig) -> dict[str, str]:
+    """Canonical weight name -> how `params` hold it: "int4", "int8" or its float dtype's name
+    (bridge.layout.held_as; torch_llama.checkpoint.held_layouts is the twin)."""
+    scanned = is_scanned(params)
+    out = {}
+    for name in canonical_shapes(config):
+        node = params
+        for key in _flax_path(name, scanned)[0]:
+            node = node[key]
+        out[name] = held_as(node.dtype)
+    return out

@@ -85,7 +85,7 @@ def decode_bytes_per_token(config: LlamaConfig, dtype_bytes: int = 4,
 
 def int4_bytes_per_token(config: LlamaConfig, minima: bool = True) -> int:
     """Weight bytes one decode step of a 4-bit model (bridge.int4, as jax_llama.load(...,
-    int4=True) holds it) must read: half a byte per projection weight plus a float16 scale and
+    quantize="int4") holds it) must read: half a byte per projection weight plus a float16 scale and
     minimum per 32 (minima=False: a scale alone, as a Q4_0 file's weights are held); a tied
     head's int8 rows with a float32 scale each (an untied head is 4-bit); one embedding row."""
     from bridge.int4 import EMBEDDING, GROUP

@@ -8,7 +8,7 @@ the model's own tokenizer, cut into non-overlapping windows of --window tokens; 
 scored alone from its first token (the NLL of tokens 2..window given those before).
 
 Rows: llama.cpp (llama-cpp-python) on the F32 and the Q4_0 file; jax-llama float32 (the F32 file),
-int4 reading the Q4_0 file's blocks exactly (jax_llama.load(..., int4=True): llama.cpp's weights,
+int4 reading the Q4_0 file's blocks exactly (jax_llama.load(..., quantize="int4"): llama.cpp's weights,
 bit for bit), the same with JAX_LLAMA_INT4_ACTIVATIONS=int8 and =bfloat16, and int4 by our own quantiser
 (bridge.int4.quantize_int4: a scale and a minimum per 32) from the float32 weights. Writes OUT/int4_perplexity.{md,json}.
 
@@ -115,13 +115,13 @@ def main(argv=None) -> int:
                 ("llama.cpp Q4_0", lambda: nll_llama_cpp(files["q4_0"], chunks)),
                 ("jax-llama float32", lambda: nll_jax(*jax_llama.load(files["f32"]), chunks)),
                 ("jax-llama int4 (the Q4_0 file's blocks)",
-                 lambda: nll_jax(*jax_llama.load(files["q4_0"], int4=True), chunks)),
+                 lambda: nll_jax(*jax_llama.load(files["q4_0"], quantize="int4"), chunks)),
                 ("jax-llama int4, 8-bit activations (the Q4_0 file's blocks)",
                  lambda: with_activations("int8", lambda: nll_jax(
-                     *jax_llama.load(files["q4_0"], int4=True), chunks))),
+                     *jax_llama.load(files["q4_0"], quantize="int4"), chunks))),
                 ("jax-llama int4, bfloat16 activations (the Q4_0 file's blocks)",
                  lambda: with_activations("bfloat16", lambda: nll_jax(
-                     *jax_llama.load(files["q4_0"], int4=True), chunks))),
+                     *jax_llama.load(files["q4_0"], quantize="int4"), chunks))),
                 ("jax-llama int4 (our quantiser, from float32)",
                  lambda: (lambda m, p: nll_jax(m, quantize(p, method="int4"), chunks))(
                      *jax_llama.load(files["f32"])))):

@@ -2,7 +2,7 @@
 tensor into a Q4_0 GGUF file (random weights at realistic scales, written as blocks: no float copy
 of the model is ever made), then, each in a process of its own so that its peak RSS is its own:
 
-  - int4:    jax_llama.load(FILE, nearest=True) - the Q4_0 projections as 4-bit weights exactly, the
+  - int4:    jax_llama.load(FILE, quantize="stored") - the Q4_0 projections as 4-bit weights exactly, the
              Q8_0 head and the Q4_0 embedding as int8 rows - then batch-1 greedy decoding with a KV
              cache of 8,192 slots (the context the 8k figure is about), time to first token and
              tokens/s;
@@ -11,7 +11,7 @@ of the model is ever made), then, each in a process of its own so that its peak 
              the int4 row sets float32);
   - int4-bf16: the same with JAX_LLAMA_INT4_ACTIVATIONS=bfloat16 (x rounded to bfloat16, pairs
              multiplied by vdpbf16ps where the CPU has AVX512_BF16);
-  - int8:    jax_llama.load(FILE, int8=True) - each projection quantised to int8 as it is read -
+  - int8:    jax_llama.load(FILE, quantize="int8") - each projection quantised to int8 as it is read -
              and the same decoding;
   - llama.cpp on the same file (llama-cpp-python), the same prompt and greedy decoding;
   - qlora:   a LoRA train step (rank 16 on every projection, AdamW, layers rematerialised) at
@@ -215,7 +215,7 @@ def qlora_step(path: str, seq: int) -> dict:
     from bridge.lora import LoraConfig
     from jax_llama.lora import add_lora, combine, count, split
 
-    model, params = jax_llama.load(path, nearest=True)
+    model, params = jax_llama.load(path, quantize="stored")
     lora = LoraConfig(rank=16, alpha=32.0,
                       targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
     model, params = add_lora(model.clone(remat=REMAT), params, lora)

@@ -3,11 +3,11 @@
     python scripts/load_speed.py [--files PATH,...] [--modes nearest,float32,torch-nearest] [--rounds 3]
         [--incumbent DIR] [--as-cli] [--out results/formats]
 
-Each (file, mode) load runs in a process of its own: `jax_llama.load(FILE, nearest=True)` (each
+Each (file, mode) load runs in a process of its own: `jax_llama.load(FILE, quantize="stored")` (each
 tensor in its nearest quantised layout: Q4_0 / Q4_1 as 4-bit weights, Q8_0 as int8 rows; the
 default for a quantised GGUF), `jax_llama.load(FILE, dtype="float32")` (every tensor
 dequantised), until the params are on the device, or `torch_llama.load(FILE, device="cpu",
-nearest=True)` (torch-nearest). It reports the wall time of the load (the
+quantize="stored")` (torch-nearest). It reports the wall time of the load (the
 process's start-up and imports not counted), the process's peak RSS, and a digest of the params'
 bytes. With --incumbent DIR (a checkout, e.g. `git worktree add /tmp/before HEAD~1`), each load
 also runs from DIR, alternating, and the digests must agree (the same params). The files are
@@ -42,12 +42,12 @@ if sys.argv[3] == "cli":  # as the command-line tools start, where the tree has 
 if mode == "torch-nearest":
     import torch_llama
     t = time.perf_counter()
-    leaves = [v.numpy() for v in torch_llama.load(path, device="cpu", nearest=True).state_dict().values()]
+    leaves = [v.numpy() for v in torch_llama.load(path, device="cpu", quantize="stored").state_dict().values()]
 else:
     import jax, jax_llama
     t = time.perf_counter()
     if mode == "nearest":
-        model, params = jax_llama.load(path, nearest=True)
+        model, params = jax_llama.load(path, quantize="stored")
     else:
         model, params = jax_llama.load(path, dtype="float32")
     jax.block_until_ready(params)
@@ -123,9 +123,9 @@ def render(r: dict) -> list[str]:
              f"{cpu}, {r['cores']} cores; each load a process of its own, the file in the page "
              f"cache, the median of {r['rounds']} rounds"
              + incumbent_clause(r)
-             + ". nearest: `jax_llama.load(FILE, nearest=True)`; float32: `jax_llama.load(FILE, "
+             + ". nearest: `jax_llama.load(FILE, quantize='stored')`; float32: `jax_llama.load(FILE, "
                "dtype=\"float32\")`; torch-nearest: `torch_llama.load(FILE, device=\"cpu\", "
-               "nearest=True)`; load: until the params are on the device."
+               "quantize='stored')`; load: until the params are on the device."
              + (" Each process first set its malloc as the command-line tools set theirs "
                 "(`bridge.resources.keep_freed_memory`, where its tree has it)."
                 if r.get("as_cli") else "")

@@ -620,10 +620,10 @@ def test_a_q4_k_file_loads_as_4_bit_values_as_stored(tmp_path, capsys):
     requantised = quantize_int4(stored)
     err = np.sqrt(((dequantize_layout(*requantised) - stored) ** 2).sum() / (stored ** 2).sum())
     assert max(near.rounded["Q4_K -> int4"]) < err / 20
-    model, params = jax_llama.load(path, nearest=True)
+    model, params = jax_llama.load(path, quantize="stored")
     np.testing.assert_array_equal(np.asarray(params["layers_0"]["feed_forward"]["w1"]["kernel"]),
                                   packed)
-    tmodel = torch_llama.load(path, device="cpu", nearest=True)
+    tmodel = torch_llama.load(path, device="cpu", quantize="stored")
     np.testing.assert_array_equal(tmodel.state_dict()[name].numpy(), packed)
     tokens = random_tokens(config, 2, 8)
     np.testing.assert_allclose(jax_logits(model, params, tokens),

@@ -274,20 +274,20 @@ def test_4_bit_saves_and_loads_refuse_what_they_cannot_hold(tmp_path, gguf_files
     from llama_twins.cli import main as jax_cli
     from llama_twins.cli.bridge_main import main as bridge_cli
 
-    model, nearest = jax_llama.load(gguf_files["q8_0"], nearest=True)  # int8 rows everywhere
-    _, four = jax_llama.load(gguf_files["q4_0"], nearest=True)  # Q4_0 layers, a Q8_0 head
+    model, nearest = jax_llama.load(gguf_files["q8_0"], quantize="stored")  # int8 rows everywhere
+    _, four = jax_llama.load(gguf_files["q4_0"], quantize="stored")  # Q4_0 layers, a Q8_0 head
     with pytest.raises(BridgeError, match="output: int8 beside 4-bit projections"):
         jax_llama.save(tmp_path / "mixed", model.config, four)
     assert not (tmp_path / "mixed").exists()
     with pytest.raises(BridgeError, match="groups of 32"):
         jax_llama.quantize(jax_llama.init(model.config)[1], group_size=64, method="int4")
 
-    _, whole = jax_llama.load(gguf_files["q4_0"], int4=True)
+    _, whole = jax_llama.load(gguf_files["q4_0"], quantize="int4")
     jax_llama.save(tmp_path / "q4", model.config, whole)
     assert jax_cli.main(["generate", str(tmp_path / "q4"), "--prompt", "hi", "--quantize",
                          "int8", "--max-new-tokens", "2", "--tokenizer",
                          str(tokenizer_of(gguf_files["q4_0"]))]) == 2
-    assert "holds int4 weights; --quantize int8 reads a float or GGUF" in capsys.readouterr().err
+    assert "holds int4 weights (--quantize int8 reads a float or GGUF" in capsys.readouterr().err
     assert bridge_cli(["convert", str(tmp_path / "q4"), str(tmp_path / "hf"), "--to", "hf"]) == 2
     assert "holds int4-quantised weights" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
@@ -303,7 +303,7 @@ def test_4_bit_saves_and_loads_refuse_what_they_cannot_hold(tmp_path, gguf_files
 def test_convert_writes_a_4_bit_checkpoint_as_a_4_bit_load_reads_it(tmp_path, gguf_files, capsys):
     """`llama-bridge convert SRC DST --to native --quantize int4`: a GGUF's Q4_0 blocks as they
     are, the rest quantised as read (said on stderr, with the error); the checkpoint holds the
-    very params jax_llama.load(SRC, int4=True) makes, and generates the same greedy tokens."""
+    very params jax_llama.load(SRC, quantize="int4") makes, and generates the same greedy tokens."""
     from llama_twins.cli.bridge_main import main as bridge_cli
 
     assert bridge_cli(["convert", str(gguf_files["q4_0"]), str(tmp_path / "q4"), "--to",
@@ -311,7 +311,7 @@ def test_convert_writes_a_4_bit_checkpoint_as_a_4_bit_load_reads_it(tmp_path, gg
     said = capsys.readouterr().err
     assert "14 Q4_0 -> int4 exactly" in said and "Q8_0 -> int4 quantised (error" in said
     model, stored = jax_llama.load(tmp_path / "q4")
-    _, direct = jax_llama.load(gguf_files["q4_0"], int4=True)
+    _, direct = jax_llama.load(gguf_files["q4_0"], quantize="int4")
     assert jax.tree.structure(stored) == jax.tree.structure(direct)
     for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(direct)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -472,7 +472,7 @@ def test_smollm2s_q4_1_projections_load_as_4_bits_exactly(smollm2):
 
     ckpt = open_checkpoint(smollm2)
     assert ckpt.tensor_types["Q4_1"] == 210
-    model, q = jax_llama.load(ckpt, int4=True)
+    model, q = jax_llama.load(ckpt, quantize="int4")
     _, f = jax_llama.load(ckpt)
     wq = q["layers_0"]["attention"]["wq"]
     assert wq["kernel"].dtype == np.uint8 and wq["kernel"].shape == (576, 288)
@@ -514,7 +514,7 @@ def test_quantize_int4_on_both_generate_commands(tmp_path, capsys):
 
 
 def test_both_twins_read_a_gguf_as_the_same_4_bit_weights(smollm2):
-    """torch_llama.load(..., int4=True) reads SmolLM2's Q4_1 blocks and its int8 head rows as
+    """torch_llama.load(..., quantize="int4") reads SmolLM2's Q4_1 blocks and its int8 head rows as
     jax_llama.load does (the same bits, in the same layout); their logits agree to float32 rounding of
     sums in another order (2e-4 over 30 layers); and an adapter is refused, naming the field."""
     import torch
@@ -524,8 +524,8 @@ def test_both_twins_read_a_gguf_as_the_same_4_bit_weights(smollm2):
     from conftest import torch_logits
 
     ckpt = open_checkpoint(smollm2)
-    model, q = jax_llama.load(ckpt, int4=True)
-    tmodel = torch_llama.load(ckpt, device="cpu", int4=True)
+    model, q = jax_llama.load(ckpt, quantize="int4")
+    tmodel = torch_llama.load(ckpt, device="cpu", quantize="int4")
     wq = tmodel.layers[3].attention.wq
     assert wq.weight.dtype == torch.uint8
     for leaf, tensor in (("kernel", wq.weight), ("scale", wq.weight_scale), ("min", wq.weight_min)):
@@ -537,7 +537,7 @@ def test_both_twins_read_a_gguf_as_the_same_4_bit_weights(smollm2):
     np.testing.assert_allclose(torch_logits(tmodel, tokens),
                                np.asarray(model.apply({"params": q}, tokens)), rtol=0, atol=2e-4)
     with pytest.raises(BridgeError, match="int4"):
-        torch_llama.load(ckpt, device="cpu", int4=True, adapter="somewhere")
+        torch_llama.load(ckpt, device="cpu", quantize="int4", adapter="somewhere")
 
 
 # -- a quantised file in its nearest layout ---------------------------------------------------------
@@ -587,7 +587,7 @@ def test_a_quantised_gguf_loads_in_its_nearest_layout_in_both_twins(gguf_files):
     ckpt = open_checkpoint(gguf_files["q4_0"])
     assert quantised_layouts(ckpt) == {"Q4_0 -> int4 (exact)": 14, "Q8_0 -> int8 rows": 1,
                                        "Q4_0 -> int8 rows": 1}
-    model, q = jax_llama.load(ckpt, nearest=True)
+    model, q = jax_llama.load(ckpt, quantize="stored")
     _, f = jax_llama.load(ckpt)
     wq = q["layers_1"]["attention"]["wq"]
     assert wq["kernel"].dtype == np.uint8
@@ -608,7 +608,7 @@ def test_a_quantised_gguf_loads_in_its_nearest_layout_in_both_twins(gguf_files):
         x.nbytes for x in jax.tree.leaves(q)) == sum(node["min"].nbytes for _, node in modules(held)
                                                      if "min" in node)
     assert 1e-4 < np.abs(logits - np.asarray(model.apply({"params": f}, tokens))).max() < 0.1
-    tmodel = torch_llama.load(ckpt, device="cpu", nearest=True)
+    tmodel = torch_llama.load(ckpt, device="cpu", quantize="stored")
     assert tmodel.output.weight.dtype == torch.int8 and tmodel.tok_embeddings.weight.dtype == torch.int8
     twq = tmodel.layers[1].attention.wq
     np.testing.assert_array_equal(twq.weight.numpy(), np.asarray(wq["kernel"]))
@@ -625,25 +625,25 @@ def test_a_quantised_gguf_loads_in_its_nearest_layout_in_both_twins(gguf_files):
 
 
 def test_int8_as_it_is_read_is_quantize_after_loading(gguf_files):
-    """load(int8=True) quantises each tensor as it is read: the same bits as loading the float
-    model and quantising it (jax_llama.quantize, torch_llama.quantize); one mode at a time."""
+    """load(quantize="int8") quantises each tensor as it is read: the same bits as loading the float
+    model and quantising it (jax_llama.quantize, torch_llama.quantize); an unknown mode is refused."""
     import torch_llama
 
     path = gguf_files["q8_0"]
-    _, streamed = jax_llama.load(path, int8=True)
+    _, streamed = jax_llama.load(path, quantize="int8")
     _, f = jax_llama.load(path)
     after = jax_llama.quantize(f)
     for a, b in zip(jax.tree_util.tree_leaves(streamed), jax.tree_util.tree_leaves(after)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    t_streamed = torch_llama.load(path, device="cpu", int8=True).state_dict()
+    t_streamed = torch_llama.load(path, device="cpu", quantize="int8").state_dict()
     t_after = torch_llama.quantize(torch_llama.load(path, device="cpu")).state_dict()
     assert t_streamed.keys() == t_after.keys()
     for name in t_after:
         np.testing.assert_array_equal(t_streamed[name].numpy(), t_after[name].numpy())
-    with pytest.raises(BridgeError, match="one of int4, int8 and nearest"):
-        jax_llama.load(path, int4=True, nearest=True)
-    with pytest.raises(BridgeError, match="one of int4, int8 and nearest"):
-        torch_llama.load(path, device="cpu", int8=True, nearest=True)
+    with pytest.raises(BridgeError, match="expected one of int8, int4, stored, auto or None"):
+        jax_llama.load(path, quantize="nearest")
+    with pytest.raises(BridgeError, match="expected one of int8, int4, stored, auto or None"):
+        torch_llama.load(path, device="cpu", quantize=True)
 
 
 def counting_bar(monkeypatch) -> tuple[list, list]:
@@ -688,7 +688,7 @@ def test_int8_rows_are_read_and_quantised_a_chunk_of_rows_at_a_time_with_the_sam
     monkeypatch.setattr(bridge.int4, "ROWS_CHUNK_ELEMENTS", 64 * 10)  # 10 rows a chunk
     counted, totals = counting_bar(monkeypatch)
     sliced = recording_slices(monkeypatch)
-    _, by_rows = jax_llama.load(gguf_files["q4_0"], nearest=True)
+    _, by_rows = jax_llama.load(gguf_files["q4_0"], quantize="stored")
     assert len(counted) == totals[-1] == len(ckpt.specs)  # every tensor, those read by rows too
     quantised = tmp_path_factory.mktemp("stored") / "int4"  # a 4-bit native checkpoint's too
     model, params = jax_llama.load(gguf_files["q4_0"])
@@ -699,7 +699,7 @@ def test_int8_rows_are_read_and_quantised_a_chunk_of_rows_at_a_time_with_the_sam
     # 259 rows, 10 a chunk: 26 reads each of the embedding and the head
     assert sliced == ["tok_embeddings.weight"] * 26 + ["output.weight"] * 26
     monkeypatch.setattr(GGUFCheckpoint, "reads_rows", False)
-    _, whole = jax_llama.load(gguf_files["q4_0"], nearest=True)
+    _, whole = jax_llama.load(gguf_files["q4_0"], quantize="stored")
     assert len(sliced) == 52  # read whole: no slices
     for module, key in (("tok_embeddings", "embedding"), ("tok_embeddings", "scale"),
                         ("output", "kernel"), ("output", "scale")):
@@ -778,7 +778,7 @@ def test_lora_on_a_4_bit_base_trains_as_on_its_dequantised_weights():
 
 def test_the_torch_twin_reads_rows_as_the_jax_twin_does_and_counts_every_tensor(
         gguf_files, monkeypatch, tmp_path_factory):
-    """torch_llama.load(nearest=True) quantises the int8 rows from a chunk of the file's rows at
+    """torch_llama.load(quantize="stored") quantises the int8 rows from a chunk of the file's rows at
     a time, as jax_llama.load does: the same bytes as from the whole tensor, and the JAX twin's.
     Its bar counts every tensor of a GGUF (those read exactly as 4-bit weights too) and every
     stored part of a 4-bit native checkpoint, so that it ends. Negative case: without the ticks
@@ -791,16 +791,16 @@ def test_the_torch_twin_reads_rows_as_the_jax_twin_does_and_counts_every_tensor(
     counted, totals = counting_bar(monkeypatch)
     sliced = recording_slices(monkeypatch)
     path = gguf_files["q4_0"]
-    by_rows = torch_llama.load(path, device="cpu", nearest=True).state_dict()
+    by_rows = torch_llama.load(path, device="cpu", quantize="stored").state_dict()
     assert sum(counted) == totals[-1] == len(GGUFCheckpoint(path).specs)
     assert sliced == ["tok_embeddings.weight"] * 26 + ["output.weight"] * 26
     monkeypatch.setattr(GGUFCheckpoint, "reads_rows", False)
-    whole = torch_llama.load(path, device="cpu", nearest=True).state_dict()
+    whole = torch_llama.load(path, device="cpu", quantize="stored").state_dict()
     assert len(sliced) == 52
     assert by_rows.keys() == whole.keys()
     for name in by_rows:
         np.testing.assert_array_equal(by_rows[name].numpy(), whole[name].numpy())
-    _, jax_params = jax_llama.load(path, nearest=True)
+    _, jax_params = jax_llama.load(path, quantize="stored")
     np.testing.assert_array_equal(by_rows["output.weight"].numpy(),
                                   np.asarray(jax_params["output"]["kernel"]).T)
     stored = tmp_path_factory.mktemp("stored") / "int4"  # a 4-bit native checkpoint
@@ -816,5 +816,5 @@ def test_the_torch_twin_reads_rows_as_the_jax_twin_does_and_counts_every_tensor(
     monkeypatch.setattr(GGUFCheckpoint, "tensor", lambda self, name: (
         reads.append(name), read_whole(self, name))[1])
     monkeypatch.setattr(GGUFCheckpoint, "reads_rows", True)
-    torch_llama.load(path, device="cpu", nearest=True)
+    torch_llama.load(path, device="cpu", quantize="stored")
     assert 0 < len(reads) < len(GGUFCheckpoint(path).specs)

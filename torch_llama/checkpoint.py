@@ -13,7 +13,8 @@ from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.torch_files import from_numpy as to_torch
 from bridge.formats.torch_files import to_numpy
-from bridge.int4 import MIN_SUFFIX, minima_implied, requested_reader
+from bridge.int4 import MIN_SUFFIX, minima_implied
+from bridge.layout import decide_layout, held_as
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.quantize import SCALE_SUFFIX
@@ -26,7 +27,7 @@ from .quantize import int8_weights, quantization_of
 
 def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "auto", dtype=None,
          adapter: str | os.PathLike | None = None, progress: bool = False,
-         int4: bool = False, int8: bool = False, nearest: bool = False) -> Llama:
+         quantize: str | None = None, group_size: int | None = None) -> Llama:
     """A Llama in eval mode from a checkpoint of any supported format: a path, or a checkpoint
     already opened (bridge.formats.open_checkpoint), which is then not opened again.
 
@@ -35,25 +36,21 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
     twice. `adapter`, a PEFT LoRA adapter directory (bridge.lora.read_peft), is checked against
     the checkpoint's config before any weight is read, then merged into each weight as it
     streams in, in the model's dtype as merge_lora merges: a plain model. progress: a bar on
-    stderr counting the tensors read (bridge.progress). int4: the projections as 4-bit weights
-    and a tied head as int8 rows (bridge.int4.int4_reader: a GGUF's Q4_0 / Q4_1 blocks exactly,
-    the rest quantised as each is read), as jax_llama.load(..., int4=True) reads them; int8
-    likewise, int8 with a scale per output channel (torch_llama.quantize's numbers). nearest:
-    each tensor a quantised file holds in its nearest layout (bridge.int4.nearest_reader), as
-    jax_llama.load(..., nearest=True) reads them.
+    stderr counting the tensors read (bridge.progress). quantize, group_size: how the weights
+    are held - None float, "int8", "int4", "stored" (each quantised tensor of a file in its
+    nearest layout) or "auto" - decided by bridge.layout.decide_layout as jax_llama.load
+    decides it, so both twins hold the same weights in the same layout.
     """
     with small_pages():  # its arrays become its tensors (bridge.resources)
-        return _load(path, device, dtype, adapter, progress, int4, int8, nearest)
+        return _load(path, device, dtype, adapter, progress, quantize, group_size)
 
 
-def _load(path, device, dtype, adapter, progress, int4, int8, nearest) -> Llama:
+def _load(path, device, dtype, adapter, progress, quantize, group_size) -> Llama:
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-    make = requested_reader(ckpt, int4=int4, int8=int8, nearest=nearest,
-                            unsupported="an adapter" if adapter is not None else None)
-    if ckpt.quantization is not None and adapter is not None:
-        raise BridgeError(f"{ckpt.path} holds {ckpt.quantization.method} weights, which an "
-                          f"adapter cannot be merged into: merge it into the float model, then "
-                          f"quantise", field="adapter")
+    layout = decide_layout(ckpt, quantize, group_size, dtype, adapter=adapter is not None)
+    if progress and layout.describe(ckpt.path):
+        note(layout.describe(ckpt.path))
+    make = layout.reader(ckpt)
     device = resolve_device(device)
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     lora = None if adapter is None else read_peft(adapter, ckpt.config)
@@ -100,7 +97,19 @@ def _load(path, device, dtype, adapter, progress, int4, int8, nearest) -> Llama:
     model.load_state_dict(state, strict=True, assign=True)
     if four is not None and progress and four.summary():
         note(f"{ckpt.path}: {four.summary()}")
+    if layout.after:  # int8 in groups of inputs, or of weights an adapter was merged into
+        from .quantize import quantize as quantized
+        quantized(model, layout.group_size)
     return model.eval()
+
+
+def held_layouts(model: Llama) -> dict[str, str]:
+    """Canonical weight name -> how `model` holds it: "int4", "int8" or its float dtype's name
+    (bridge.layout.held_as; jax_llama.checkpoint.held_layouts is the twin)."""
+    from bridge.tensors import canonical_shapes
+
+    state = model.state_dict()
+    return {name: held_as(state[name].dtype) for name in canonical_shapes(model.config)}
 
 
 def save(path: str | os.PathLike, model: Llama, *, overwrite: bool = False,

@@ -268,7 +268,7 @@ STREAMED = f"{JAX} streamed"  # the `jax-llama generate` path: one prompt, each 
 # bytes), Q8_0 (int8 with a scale per 32 weights, what the int8 rows compare with) and Q4_0
 # (4 bits with a float16 scale per 32 weights, which the 4-bit rows read exactly).
 LLAMA_CPP_TYPES = ("f32", "q8_0", "q4_0")
-# The 4-bit row reads the Q4_0 file's blocks (load(int4=True)), batch 1 and 8. (The torch twin's
+# The 4-bit row reads the Q4_0 file's blocks (load(quantize="int4")), batch 1 and 8. (The torch twin's
 # 4-bit Linear dequantises every weight per call: 2.9 tokens/s on SmolLM2, 4 minutes a round, so
 # it has no row here.)
 # q8: 8-bit activations, bf16: bfloat16 ones (bridge.int4.activations)

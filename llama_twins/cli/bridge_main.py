@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="where to write it (refused if it exists, unless --force)")
     add_output_arguments(p)
     add_quantize_arguments(p, "--to native only: the projections as int8 with float32 scales "
-                              "(the rest in --dtype); jax-llama / torch-llama load it as it is")
+                              "(the rest in --dtype); jax-llama / torch-llama load it as it is",
+                           loads=False)
 
     p = add_command(sub, "merge-lora", cmd_merge_lora,
                     help="merge a PEFT LoRA adapter into its base checkpoint, one tensor at a time")

@@ -14,8 +14,8 @@ import time
 from bridge.errors import BridgeError
 
 from .common import (EXIT_OK, add_command, add_model_arguments, add_sampling_arguments,
-                     error_line)
-from .options import add_attention_argument, load_quantized
+                     error_line, weights)
+from .options import add_attention_argument, with_kernels
 
 COMMANDS = {"/reset": "forget the conversation (the system message stays)",
             "/save FILE": "append the conversation to FILE as one line of the JSONL sft reads",
@@ -159,10 +159,9 @@ def cmd_chat(args) -> int:
     from jax_llama.inference.generate import ChatSession
 
     def open_session(checkpoint, sampler, stops):
-        model, params = load_quantized(args, lambda **four: load(
-            checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-            kernels=args.kernels, progress=args.progress, **four), checkpoint=checkpoint,
-            say=args.stats)
+        model, params = with_kernels(args, lambda: load(
+            checkpoint, attention=args.attention, adapter=args.adapter, kernels=args.kernels,
+            progress=args.progress, **weights(args)), say=args.stats)
         return (ChatSession(model, params, args.max_new_tokens, sampler, stops, args.seed),
                 model.config)
 

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError, python_setting
+from bridge.layout import REQUESTS
 from bridge.progress import LOG_INTERVAL_S
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -85,20 +86,27 @@ class _Stderr(logging.StreamHandler):
 
 @contextlib.contextmanager
 def training_voice():
-    """While a command runs: the training library's lines (jax_llama.training.state.say, logged
-    at INFO) printed on stderr as they are, and not passed on to the root logger's handlers."""
-    log = logging.getLogger("jax_llama.training")
-    handler, before = _Stderr(), (log.level, log.propagate)
+    """While a command runs: the library's lines - the training loop's
+    (jax_llama.training.state.say) and where the decode kernels are compiled
+    (jax_llama.model.kernels), logged at INFO - printed on stderr as they are, and not passed on
+    to the root logger's handlers."""
+    logs = [logging.getLogger(name) for name in VOICES]
+    handler, before = _Stderr(), [(log.level, log.propagate) for log in logs]
     handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    for log in logs:
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     try:
         yield
     finally:
-        log.removeHandler(handler)
-        log.setLevel(before[0])
-        log.propagate = before[1]
+        for log, (level, propagate) in zip(logs, before):
+            log.removeHandler(handler)
+            log.setLevel(level)
+            log.propagate = propagate
+
+
+VOICES = ("jax_llama.training", "jax_llama.model.kernels")  # the loggers training_voice prints
 
 
 def add_progress_argument(p: argparse.ArgumentParser, *aliases: str,
@@ -160,121 +168,63 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def add_quantize_arguments(p: argparse.ArgumentParser,
                            what: str = "int8 weight-only: the projections held as int8 with "
                                        "float32 scales, dequantised in the matmul (embeddings "
-                                       "and norms keep --dtype)") -> None:
-    p.add_argument("--quantize", choices=("int8", "int4"),
+                                       "and norms keep --dtype)", loads: bool = True) -> None:
+    """--quantize and --group-size: how a load holds the weights (`loads`; checked by the library,
+    bridge.layout.decide_layout, whose errors name these fields), or how a convert writes them."""
+    p.add_argument("--quantize", choices=REQUESTS if loads else ("int8", "int4"),
                    help=what + "; int4: 4-bit weights in groups of 32 inputs with a scale and a "
                                "minimum (a GGUF's Q4_0 / Q4_1 read as they are, exactly; other "
                                "weights quantised as they load), expanded in the decode kernels' "
-                               "registers. Without --quantize or --dtype a quantised GGUF loads "
-                               "in its nearest layout: Q4 types as int4, Q5 to Q8_0 as int8")
+                               "registers" + ("; stored: a quantised GGUF in its nearest layout "
+                                              "(Q4 types as int4, Q5 to Q8_0 as int8 rows); "
+                                              "auto (default): stored without --dtype or "
+                                              "--adapter, else float" if loads else ""))
     p.add_argument("--group-size", type=int,
                    help="with --quantize: one scale per this many input columns of each row "
                         "(default: one per output channel)")
 
 
-def int4_request(args, checkpoint) -> bool:
-    """Whether --quantize int4 is asked for, refused where it cannot apply (an int8 checkpoint, a
-    --group-size other than 32) before any weight is read."""
-    if args.quantize != "int4":
-        return False
-    from bridge.int4 import GROUP
-
-    if args.group_size not in (None, GROUP):
-        raise BridgeError(f"4-bit weights come in groups of {GROUP} inputs", field="group_size")
-    held = checkpoint.quantization
-    if held is not None and held.method != "int4":
-        raise BridgeError(f"{args.checkpoint} holds {held.method} weights; --quantize int4 reads "
-                          f"a float, GGUF or 4-bit checkpoint", field="quantize")
-    return True
+def weights(args) -> dict:
+    """The load's keywords for how it holds the weights (bridge.layout.decide_layout): --dtype,
+    --quantize (auto where not given) and --group-size."""
+    return {"dtype": args.dtype, "quantize": args.quantize or "auto",
+            "group_size": args.group_size}
 
 
-def nearest_request(args, checkpoint) -> bool:
-    """Whether the checkpoint loads in its nearest quantised layout (bridge.int4.nearest_reader:
-    a GGUF's Q4_0 / Q4_1 as 4-bit weights exactly, Q4_K as 4-bit, Q5, Q6_K and Q8_0 as int8 rows):
-    a file that holds quantised tensors, with neither --dtype, --quantize nor --adapter given.
-    Said on stderr, with how to dequantise instead."""
-    if (getattr(args, "dtype", None) is not None or getattr(args, "quantize", None) is not None
-            or getattr(args, "adapter", None) is not None):
-        return False
-    from bridge.int4 import quantised_layouts
-
-    layouts = quantised_layouts(checkpoint)
-    if layouts:
-        print(f"{args.checkpoint}: read in its nearest quantised layout ("
-              f"{', '.join(f'{n} {layout}' for layout, n in layouts.items())}); --dtype float32 "
-              f"dequantises", file=sys.stderr, flush=True)
-    return bool(layouts)
-
-
-def requested_quantization(args, checkpoint=None):
-    """The bridge.quantize.Quantization to apply to the loaded model (--quantize on a float
-    checkpoint), checked against the checkpoint's dims before any weight is read; None when the
-    model runs as it is stored. `checkpoint`: args.checkpoint already opened, else it is opened
-    here."""
-    from bridge.formats import open_checkpoint
-    from bridge.quantize import Quantization, check_quantizable
-
-    ckpt = open_checkpoint(args.checkpoint) if checkpoint is None else checkpoint
-    if not quantization_request(args, ckpt.quantization):
-        return None
-    quantization = Quantization(args.quantize, args.group_size)
-    check_quantizable(ckpt.config, quantization)
-    return quantization
-
-
-def quantization_request(args, checkpoint_quantization) -> bool:
-    """Whether the loaded model must still be quantised: --quantize on a float checkpoint. An
-    int8 checkpoint runs as it is stored; --group-size alone, or a different group size than
-    the checkpoint's, is refused."""
-    if args.quantize is None:
-        if args.group_size is not None:
-            raise BridgeError("only with --quantize int8", field="group_size")
-        return False
-    if checkpoint_quantization is not None:
-        method = checkpoint_quantization.method
-        if args.quantize != method:
-            raise BridgeError(f"{args.checkpoint} holds {method} weights; --quantize "
-                              f"{args.quantize} reads a float or GGUF checkpoint",
-                              field="quantize")
-        if args.group_size not in (None, checkpoint_quantization.group_size):
-            raise BridgeError(f"{args.checkpoint} holds {method} weights quantised with group "
-                              f"size {checkpoint_quantization.group_size}", field="group_size")
-        return False
-    return True
-
-
-def generation_inputs(args, load: Callable[[object], tuple]) -> tuple:
+def generation_inputs(args, load: Callable[..., object], **options) -> tuple:
     """What both generate commands check and prepare, in an order that refuses bad input before
-    the weights are read: (model, tokenizer, texts, prompt ids, sampler, stop ids), with
-    load(checkpoint) -> (model, its LlamaConfig). The checkpoint is opened once, here: its
-    tokenizer, chat template, config and weights all come from that one opening (with Python's
-    cycle collector paused: bridge.resources.gc_paused)."""
+    the weights are read: (sampler, texts, checkpoint, model, tokenizer, prompt ids, stop ids),
+    the model being load(checkpoint, progress=, **options), the twin's own load (options: how
+    it holds the weights, weights(args), and the twin's own). The flags are read first; then the checkpoint is opened once: its tokenizer, chat
+    template, config and weights all come from that one opening (with Python's cycle collector
+    paused: bridge.resources.gc_paused)."""
     from bridge.resources import gc_paused
-
-    with gc_paused():
-        return _generation_inputs(args, load)
-
-
-def _generation_inputs(args, load: Callable[[object], tuple]) -> tuple:
-    from bridge.formats import open_checkpoint
-    from tasks.prompts import encode_prompts, stop_ids
     from bridge.sampling import Sampler
-    from bridge.tokenizer import find_tokenizer
 
+    if args.system and not (args.chat or args.chat_template):
+        raise BridgeError("a system message needs --chat", field="system")
+    texts = read_prompts(args)
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
+    options = {"progress": args.progress, **options}
+    with gc_paused():
+        return (sampler, texts, *_generation_inputs(args, texts, load, options))
+
+
+def _generation_inputs(args, texts, load, options) -> tuple:
+    from bridge.formats import open_checkpoint
+    from bridge.tokenizer import find_tokenizer
+    from tasks.prompts import encode_prompts, stop_ids
+
     checkpoint = open_checkpoint(args.checkpoint)
     tokenizer = find_tokenizer(checkpoint, args.tokenizer)
     template = None
     if args.chat or args.chat_template:
         from bridge.chat import find_template
         template = find_template(checkpoint, tokenizer, args.chat_template)
-    elif args.system:
-        raise BridgeError("a system message needs --chat", field="system")
-    texts = read_prompts(args)
-    model, config = load(checkpoint)
-    prompts = encode_prompts(tokenizer, texts, config.max_seq_len, template, args.truncate,
-                             system=args.system)
-    return model, tokenizer, texts, prompts, sampler, stop_ids(tokenizer, args.stop)
+    stops = stop_ids(tokenizer, args.stop)
+    prompts = encode_prompts(tokenizer, texts, checkpoint.config.max_seq_len, template,
+                             args.truncate, system=args.system)
+    return checkpoint, load(checkpoint, **options), tokenizer, prompts, stops
 
 
 def run_generation(generate: Callable, tokenizer, texts: Sequence[str], prompts,

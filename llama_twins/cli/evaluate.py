@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from .common import add_command, add_eval_arguments, run_eval
-from .options import add_attention_argument, load_quantized
+from .common import add_command, add_eval_arguments, run_eval, weights
+from .options import add_attention_argument, with_kernels
 
 
 def cmd_eval(args) -> int:
@@ -12,10 +12,9 @@ def cmd_eval(args) -> int:
     from jax_llama.eval import evaluate
 
     def load_model(checkpoint):
-        return load_quantized(args, lambda **four: load(checkpoint, dtype=args.dtype,
-                                                 attention=args.attention, kernels=args.kernels,
-                                                 progress=args.progress, **four),
-                              checkpoint=checkpoint)
+        return with_kernels(args, lambda: load(checkpoint, attention=args.attention,
+                                               kernels=args.kernels, progress=args.progress,
+                                               **weights(args)))
 
     return run_eval(args, load_model, lambda loaded, documents, **kw: evaluate(*loaded, documents,
                                                                                **kw))

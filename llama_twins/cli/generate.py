@@ -6,26 +6,24 @@ from __future__ import annotations
 from bridge.errors import BridgeError
 
 from .common import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_generate_arguments,
-                     generation_inputs, report_warnings, run_generation)
-from .options import add_attention_argument, load_quantized
+                     generation_inputs, report_warnings, run_generation, weights)
+from .options import add_attention_argument, say_kernels
 
 
 def cmd_generate(args) -> int:
+    """The flags read (generation_inputs), the checkpoint loaded and continued by the library,
+    the text printed (run_generation)."""
     import warnings
 
     from jax_llama.checkpoint import load
     from jax_llama.inference.generate import generate
 
-    def load_model(checkpoint):
-        model, params = load_quantized(args, lambda **four: load(
-            checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-            kernels=args.kernels, progress=args.progress, **four), checkpoint=checkpoint)
-        return (model, params, checkpoint), model.config
-
     if args.compare_torch and args.quantize:
         raise BridgeError("not with --quantize (it compares the float twins)", field="compare_torch")
-    (model, params, checkpoint), tokenizer, texts, prompts, sampler, stops = generation_inputs(
-        args, load_model)
+    held = weights(args)  # how the weights are held: the same in both twins (bridge.layout)
+    sampler, texts, checkpoint, (model, params), tokenizer, prompts, stops = generation_inputs(
+        args, load, attention=args.attention, adapter=args.adapter, kernels=args.kernels, **held)
+    say_kernels(args)
     if args.compare_torch:
         import torch_llama
 
@@ -33,8 +31,7 @@ def cmd_generate(args) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             # the torch twin from the checkpoint the JAX twin was read from: not opened again
-            tmodel = torch_llama.load(checkpoint, device="cpu", dtype=args.dtype,
-                                      adapter=args.adapter)
+            tmodel = torch_llama.load(checkpoint, device="cpu", adapter=args.adapter, **held)
             report = compare_greedy(model, params, tmodel, prompts, args.max_new_tokens, stops)
         report_warnings(caught)
         print(format_greedy_parity(report, tokenizer.decode))

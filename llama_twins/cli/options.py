@@ -1,6 +1,5 @@
 """The flags several `jax-llama` families share, beside what they turn into: the attention
-implementation, the decode kernels, int8 on load, LoRA, experiment tracking and the non-finite-step
-policy."""
+implementation, the decode kernels, LoRA, experiment tracking and the non-finite-step policy."""
 
 from __future__ import annotations
 
@@ -9,32 +8,6 @@ import sys
 from typing import Callable
 
 from bridge.errors import BridgeError
-
-from .common import int4_request, nearest_request, requested_quantization
-
-
-def load_quantized(args, load: Callable[..., tuple], say: bool = True, checkpoint=None) -> tuple:
-    """load(**options) -> (model, params), quantised to int8 when --quantize asks for it, or read
-    as 4-bit weights (load(int4=True)) for --quantize int4; --kernels said as with_kernels says
-    it. `checkpoint`: args.checkpoint already opened, if it is."""
-    from bridge.formats import open_checkpoint
-    from jax_llama.quantize import quantize
-
-    # refused here, before any weight is read
-    checkpoint = open_checkpoint(args.checkpoint) if checkpoint is None else checkpoint
-    if int4_request(args, checkpoint):
-        return with_kernels(args, lambda: load(int4=True), say)
-    if nearest_request(args, checkpoint):
-        return with_kernels(args, lambda: load(nearest=True), say)
-    quantization = requested_quantization(args, checkpoint)
-    if (quantization is not None and quantization.group_size is None
-            and getattr(args, "adapter", None) is None):  # quantised as each tensor is read
-        return with_kernels(args, lambda: load(int8=True), say)
-    model, params = with_kernels(args, load, say)
-    if quantization is None:
-        return model, params
-    return model, quantize(params, quantization.group_size, quantization.method,
-                           progress=args.progress)
 
 
 def lora_config(args, saved: dict | None = None):
@@ -127,31 +100,27 @@ def add_attention_argument(p, kernels: bool = True) -> None:
 
 def with_kernels(args, load: Callable[[], tuple], say: bool = True):
     """load() (of a model with `kernels=args.kernels`), --kernels checked first - where the
-    kernels are compiled, the first time on this machine, which the library's log says on
-    stderr - and once it is loaded, what its decode steps run on said on stderr (later, by
-    say_kernels, with say=False: a command that still checks its input first)."""
-    import logging
-
-    from jax_llama.model import kernels
+    kernels are compiled, the first time on this machine, the library's log says on stderr
+    (common.training_voice) - and once it is loaded, what its decode steps run on said on
+    stderr (later, by say_kernels, with say=False: a command that still checks its input
+    first)."""
     from jax_llama.model.projections import implementation
 
-    log = logging.getLogger("jax_llama.model.kernels")
-    handler, level = logging.StreamHandler(sys.stderr), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        which = implementation(args.kernels)
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
+    implementation(args.kernels)
     loaded = load()
-    why = ("" if which == "kernels" or args.kernels == "xla"
-           else f": {kernels.unavailable_reason()}")
-    args.kernels_note = f"projections and cached attention: {which} (--kernels {args.kernels}{why})"
     if say:
         say_kernels(args)
     return loaded
 
 
 def say_kernels(args) -> None:
-    print(args.kernels_note, file=sys.stderr, flush=True)
+    """One line on stderr: what the decode steps' projections and cached attention run on, as
+    --kernels chose (the kernels compiled, where they can run, by the load before)."""
+    from jax_llama.model import kernels
+    from jax_llama.model.projections import implementation
+
+    which = implementation(args.kernels)
+    why = ("" if which == "kernels" or args.kernels == "xla"
+           else f": {kernels.unavailable_reason()}")
+    print(f"projections and cached attention: {which} (--kernels {args.kernels}{why})",
+          file=sys.stderr, flush=True)

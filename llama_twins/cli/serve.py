@@ -9,8 +9,8 @@ from pathlib import Path
 from bridge.dtypes import DTYPE_NAMES
 from bridge.errors import BridgeError
 
-from .common import EXIT_OK, add_command, add_progress_argument, add_quantize_arguments
-from .options import add_attention_argument, load_quantized, say_kernels
+from .common import EXIT_OK, add_command, add_progress_argument, add_quantize_arguments, weights
+from .options import add_attention_argument, say_kernels, with_kernels
 
 
 def cmd_serve(args) -> int:
@@ -33,10 +33,9 @@ def cmd_serve(args) -> int:
     checkpoint = open_checkpoint(args.checkpoint)  # opened once: tokenizer, template, weights
     tokenizer = find_tokenizer(checkpoint, args.tokenizer)
     template = find_template(checkpoint, tokenizer, args.chat_template)
-    model, params = load_quantized(args, lambda **four: load(
-        checkpoint, dtype=args.dtype, attention=args.attention, adapter=args.adapter,
-        kernels=args.kernels, progress=args.progress, **four), say=False,
-        checkpoint=checkpoint)
+    model, params = with_kernels(args, lambda: load(
+        checkpoint, attention=args.attention, adapter=args.adapter, kernels=args.kernels,
+        progress=args.progress, **weights(args)), say=False)
     engine = Engine(model, params, max_batch=args.max_batch, max_len=args.max_context)
     given = Path(args.checkpoint.rstrip("/"))
     # a path: its file or directory name; a model's name (hub id, installed model): as typed

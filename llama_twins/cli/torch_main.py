@@ -8,49 +8,18 @@ import sys
 from . import models
 from .chat import add_chat_command, run_chat
 from .common import (add_command, add_eval_arguments, add_generate_arguments, command_main,
-                     generation_inputs, int4_request, nearest_request, requested_quantization,
-                     run_eval, run_generation)
+                     generation_inputs, run_eval, run_generation, weights)
 
 
 def cmd_generate(args) -> int:
     from torch_llama import generate, load, resolve_device
 
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
-
-    def load_model(checkpoint):
-        model = load_quantized(args, lambda **four: load(
-            checkpoint, device=device, dtype=args.dtype, adapter=args.adapter,
-            progress=args.progress, **four), checkpoint)
-        return model, model.config
-
-    model, tokenizer, texts, prompts, sampler, stops = generation_inputs(args, load_model)
+    sampler, texts, _, model, tokenizer, prompts, stops = generation_inputs(
+        args, load, device=device, adapter=args.adapter, **weights(args))
     return run_generation(lambda prompts, stream: generate(
         model, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
         tokenizer, texts, prompts, args.max_new_tokens, args.progress)
-
-
-def load_quantized(args, load, checkpoint=None):
-    """load(**options) -> the model, quantised to int8 in place when --quantize asks for it, or
-    read as 4-bit weights (load(int4=True)) for --quantize int4; `checkpoint`: args.checkpoint
-    already opened, if it is."""
-    from torch_llama import quantize
-
-    # refused here, before any weight is read
-    from bridge.formats import open_checkpoint
-
-    checkpoint = open_checkpoint(args.checkpoint) if checkpoint is None else checkpoint
-    if int4_request(args, checkpoint):  # read as 4-bit weights, as the JAX twin reads them
-        return load(int4=True)
-    if nearest_request(args, checkpoint):
-        return load(nearest=True)
-    quantization = requested_quantization(args, checkpoint)
-    if (quantization is not None and quantization.group_size is None
-            and getattr(args, "adapter", None) is None):  # quantised as each tensor is read
-        return load(int8=True)
-    model = load()
-    if quantization is None:
-        return model
-    return quantize(model, quantization.group_size, quantization.method)
 
 
 def cmd_eval(args) -> int:
@@ -60,9 +29,7 @@ def cmd_eval(args) -> int:
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
     def load_model(checkpoint):
-        return load_quantized(args, lambda **four: load(
-            checkpoint, device=device, dtype=args.dtype, progress=args.progress, **four),
-            checkpoint)
+        return load(checkpoint, device=device, progress=args.progress, **weights(args))
 
     return run_eval(args, load_model, evaluate)
 
@@ -74,9 +41,8 @@ def cmd_chat(args) -> int:
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
 
     def open_session(checkpoint, sampler, stops):
-        model = load_quantized(args, lambda **four: load(
-            checkpoint, device=device, dtype=args.dtype, adapter=args.adapter,
-            progress=args.progress, **four), checkpoint)
+        model = load(checkpoint, device=device, adapter=args.adapter, progress=args.progress,
+                     **weights(args))
         return ChatSession(model, args.max_new_tokens, sampler, stops, args.seed), model.config
 
     return run_chat(args, open_session)
