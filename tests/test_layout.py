@@ -223,3 +223,18 @@ def test_commands_refuse_a_bad_request_in_one_line(files, capsys, tmp_path):
                          "--quantize", "int8"]) == 2
     assert capsys.readouterr().err.startswith(
         f"error: --quantize: {files['int4']} holds int4 weights (--quantize int8 reads a float")
+
+
+def test_a_load_onto_a_mesh_reads_float_weights_only(files):
+    """A mesh load reads each process's slices of float tensors: a quantised layout is refused,
+    naming mesh, before any weight is read; the float request loads."""
+    import jax
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    for kind, quantize in (("float", "int8"), ("q4_0", "auto"), ("int4", None)):
+        with pytest.raises(BridgeError, match="load it whole") as caught:
+            jax_llama.load(files[kind], mesh=mesh, quantize=quantize)
+        assert caught.value.field == "mesh"
+    _, params = jax_llama.load(files["q4_0"], mesh=mesh)
+    assert set(held_layouts(params, open_checkpoint(files["q4_0"]).config).values()) == {"float32"}
