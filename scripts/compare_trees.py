@@ -44,8 +44,8 @@ def load_as(path, how):
         return model, jax_llama.quantize(params)
     keywords = inspect.signature(jax_llama.load).parameters
     if "int4" in keywords:  # before the layout was decided in bridge.layout
-        return jax_llama.load(path, dtype="float32", quantize="int4")
-    return jax_llama.load(path, dtype="float32", weights="int4")
+        return jax_llama.load(path, dtype="float32", int4=True)
+    return jax_llama.load(path, dtype="float32", quantize="int4")
 
 
 def best(run, repeats=3):
