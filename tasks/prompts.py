@@ -1,6 +1,7 @@
 """Text in and out of generation, framework-neutral: prompts as token ids (BOS, a chat template,
-truncation), the ids that stop a row, and text printed as its tokens arrive. Both
-twins' generate commands use these; each twin brings its own model and generate()."""
+truncation), the ids that stop a row, and what a generation shows while it runs (its text as
+the tokens arrive, or a bar over a batch's steps). Both twins' generate commands use these;
+each twin brings its own model and generate()."""
 
 from __future__ import annotations
 
@@ -71,6 +72,45 @@ class Streamer:
             self.out.write(text[len(self.shown):])
             self.out.flush()
             self.shown = text
+
+
+class Display:
+    """What a generation shows while it runs, as a context around it: one prompt's text printed
+    as its tokens arrive (Streamer), or for a batch a bar on stderr over its decode steps
+    (max_new_tokens at most; it ends early when every row has stopped). `note`: a line said on
+    stderr as the generation starts (what its decode steps run on, say).
+
+        with Display(tokenizer, len(prompts), max_new_tokens) as shown:
+            result = generate(..., on_token=shown.on_token)
+
+    on_token(row, id) is what generate() calls: None for a batch without a bar, which then
+    decodes in one call rather than a step per call."""
+
+    def __init__(self, tokenizer: Tokenizer, rows: int, max_new_tokens: int,
+                 progress: bool = True, note: str | None = None, out=None):
+        from bridge.progress import bar
+
+        self.stream = Streamer(tokenizer, out) if rows == 1 else None
+        counting = progress and self.stream is None
+        self.bar = bar(total=max_new_tokens, desc=f"decoding {rows} prompts", unit="step",
+                       enabled=counting)
+        self.note, self.made = note, [0] * rows
+        self.on_token = self.stream if self.stream is not None else (
+            self._count if counting else None)
+
+    def __enter__(self) -> "Display":
+        if self.note:
+            print(self.note, file=sys.stderr, flush=True)
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def _count(self, row: int, token: int) -> None:
+        self.made[row] += 1
+        if self.made[row] > self.bar.n:  # the first row to reach a step
+            self.bar.update(self.made[row] - self.bar.n)
 
 
 class TextStream:

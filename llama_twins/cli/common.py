@@ -227,42 +227,13 @@ def _generation_inputs(args, texts, load, options) -> tuple:
     return checkpoint, load(checkpoint, **options), tokenizer, prompts, stops
 
 
-def run_generation(generate: Callable, tokenizer, texts: Sequence[str], prompts,
-                   max_new_tokens: int, progress: bool = True) -> int:
-    """generate(prompts, on_token) -> Generation, streamed when there is one prompt, a batch
-    with a progress bar over its decode steps; warnings (a clipped max_new_tokens) as clean
-    lines; then the results."""
-    import warnings
-
-    from tasks.prompts import Streamer
-
-    stream = Streamer(tokenizer) if len(prompts) == 1 else None
-    steps = _DecodeSteps(len(prompts), max_new_tokens, enabled=progress and stream is None)
-    with warnings.catch_warnings(record=True) as caught, steps.bar:
-        warnings.simplefilter("always", UserWarning)
-        result = generate(prompts, stream if stream is not None else steps.on_token)
+def print_generation(tokenizer, texts: Sequence[str], result, display, caught: Iterable) -> int:
+    """The end of both generate commands: the warnings recorded while generating (a clipped
+    max_new_tokens) as clean lines, then the results (display: the tasks.prompts.Display it
+    ran in; after one streamed prompt only a final newline)."""
     report_warnings(w for w in caught if "donated buffers" not in str(w.message))
-    print_results(tokenizer, texts, result.tokens, stream is not None)
+    print_results(tokenizer, texts, result.tokens, display.stream is not None)
     return EXIT_OK
-
-
-class _DecodeSteps:
-    """A bar over a batch's decode steps (max_new_tokens at most; it ends early when every row
-    has stopped), counted by on_token(row, id): None when the bar is off, and the batch then
-    decodes in one call rather than a step per call."""
-
-    def __init__(self, rows: int, max_new_tokens: int, enabled: bool):
-        from bridge.progress import bar
-
-        self.bar = bar(total=max_new_tokens, desc=f"decoding {rows} prompts", unit="step",
-                       enabled=enabled)
-        self.made = [0] * rows
-        self.on_token = self._count if enabled else None
-
-    def _count(self, row: int, token: int) -> None:
-        self.made[row] += 1
-        if self.made[row] > self.bar.n:  # the first row to reach a step
-            self.bar.update(self.made[row] - self.bar.n)
 
 
 def read_prompts(args) -> list[str]:

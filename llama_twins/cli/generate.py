@@ -3,31 +3,35 @@ with both twins side by side)."""
 
 from __future__ import annotations
 
+import sys
+
 from bridge.errors import BridgeError
 
 from .common import (EXIT_CHECK_FAILED, EXIT_OK, add_command, add_generate_arguments,
-                     generation_inputs, report_warnings, run_generation, weights)
-from .options import add_attention_argument, say_kernels
+                     generation_inputs, print_generation, report_warnings, weights)
+from .options import add_attention_argument, kernels_line
 
 
 def cmd_generate(args) -> int:
-    """The flags read (generation_inputs), the checkpoint loaded and continued by the library,
-    the text printed (run_generation)."""
+    """The flags read and the inputs checked (weights, kernels_line, generation_inputs), the
+    checkpoint loaded and continued by the library, the text printed (print_generation)."""
     import warnings
 
     from jax_llama.checkpoint import load
     from jax_llama.inference.generate import generate
+    from tasks.prompts import Display
 
     if args.compare_torch and args.quantize:
         raise BridgeError("not with --quantize (it compares the float twins)", field="compare_torch")
     held = weights(args)  # how the weights are held: the same in both twins (bridge.layout)
+    note = kernels_line(args)  # said once the model is loaded, as its decoding starts
     sampler, texts, checkpoint, (model, params), tokenizer, prompts, stops = generation_inputs(
         args, load, attention=args.attention, adapter=args.adapter, kernels=args.kernels, **held)
-    say_kernels(args)
     if args.compare_torch:
         import torch_llama
 
         from ..parity import compare_greedy, format_greedy_parity
+        print(note, file=sys.stderr, flush=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             # the torch twin from the checkpoint the JAX twin was read from: not opened again
@@ -36,9 +40,12 @@ def cmd_generate(args) -> int:
         report_warnings(caught)
         print(format_greedy_parity(report, tokenizer.decode))
         return EXIT_OK if report["identical"] else EXIT_CHECK_FAILED
-    return run_generation(lambda prompts, stream: generate(
-        model, params, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
-        tokenizer, texts, prompts, args.max_new_tokens, args.progress)
+    with Display(tokenizer, len(prompts), args.max_new_tokens, args.progress, note) as shown, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = generate(model, params, prompts, args.max_new_tokens, sampler, stops, args.seed,
+                          on_token=shown.on_token)
+    return print_generation(tokenizer, texts, result, shown, caught)
 
 
 def add_commands(sub) -> None:

@@ -92,10 +92,11 @@ def add_attention_argument(p, kernels: bool = True) -> None:
     if kernels:
         p.add_argument("--kernels", default="auto",
                        help="how projections and attention over the KV cache run: kernels (the "
-                            "CPU decode kernels, jax_llama/model/kernels/matvec.cc, built on first "
-                            "use: up to 8 float32 rows, float32 or int8 weights), xla (XLA's "
-                            "matmuls only), auto (default: kernels where they can run, else xla; "
-                            "JAX_LLAMA_KERNELS=0 makes it xla)")
+                            "CPU decode kernels, jax_llama/model/kernels/matvec.cc, built ahead by "
+                            "`jax-llama kernels build`: up to 8 float32 rows, float32, int8 or "
+                            "4-bit weights), xla (XLA's matmuls only), auto (default: kernels "
+                            "where they are built and run here, else xla; JAX_LLAMA_KERNELS=0 "
+                            "makes it xla)")
 
 
 def with_kernels(args, load: Callable[[], tuple], say: bool = True):
@@ -113,14 +114,18 @@ def with_kernels(args, load: Callable[[], tuple], say: bool = True):
     return loaded
 
 
-def say_kernels(args) -> None:
-    """One line on stderr: what the decode steps' projections and cached attention run on, as
-    --kernels chose (the kernels compiled, where they can run, by the load before)."""
+def kernels_line(args) -> str:
+    """What the decode steps' projections and cached attention run on, as --kernels chose, in
+    one line (a --kernels that cannot be had is refused here, naming the flag)."""
     from jax_llama.model import kernels
     from jax_llama.model.projections import implementation
 
     which = implementation(args.kernels)
     why = ("" if which == "kernels" or args.kernels == "xla"
            else f": {kernels.unavailable_reason()}")
-    print(f"projections and cached attention: {which} (--kernels {args.kernels}{why})",
-          file=sys.stderr, flush=True)
+    return f"projections and cached attention: {which} (--kernels {args.kernels}{why})"
+
+
+def say_kernels(args) -> None:
+    """kernels_line on stderr."""
+    print(kernels_line(args), file=sys.stderr, flush=True)

@@ -8,18 +8,26 @@ import sys
 from . import models
 from .chat import add_chat_command, run_chat
 from .common import (add_command, add_eval_arguments, add_generate_arguments, command_main,
-                     generation_inputs, run_eval, run_generation, weights)
+                     generation_inputs, print_generation, run_eval, weights)
 
 
 def cmd_generate(args) -> int:
+    """As jax-llama generate: the flags read and the inputs checked, the library's load and
+    generate, the text printed."""
+    import warnings
+
+    from tasks.prompts import Display
     from torch_llama import generate, load, resolve_device
 
     device = resolve_device(args.device)  # a bad --device is refused before anything is read
     sampler, texts, _, model, tokenizer, prompts, stops = generation_inputs(
         args, load, device=device, adapter=args.adapter, **weights(args))
-    return run_generation(lambda prompts, stream: generate(
-        model, prompts, args.max_new_tokens, sampler, stops, args.seed, on_token=stream),
-        tokenizer, texts, prompts, args.max_new_tokens, args.progress)
+    with Display(tokenizer, len(prompts), args.max_new_tokens, args.progress) as shown, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = generate(model, prompts, args.max_new_tokens, sampler, stops, args.seed,
+                          on_token=shown.on_token)
+    return print_generation(tokenizer, texts, result, shown, caught)
 
 
 def cmd_eval(args) -> int:
