@@ -1,9 +1,5 @@
 """Canonical flat tensors <-> the Flax params pytree, and the load/save contract on top of them.
-
-The map is a rule, not a table: `tok_embeddings.weight` is the Embed's `embedding`, `*norm.weight`
-is an RMSNorm's `weight`, and every other 2-D weight is a Dense `kernel`, stored transposed
-(Flax kernels are (in, out), canonical weights (out, in)). `layers.{i}.*` lives under `layers_{i}`,
-or, with scan_layers, under `layers` with the layer index as the leading axis.
+Where each tensor lives in the pytree (the map is a rule, not a table) is jax_llama.params'.
 """
 
 from __future__ import annotations
@@ -18,96 +14,19 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
-from bridge.int4 import minima_implied, mixture_refused
+from bridge.int4 import minima_implied
 from bridge.layout import decide_layout, held_as
 from bridge.lora import read_peft
 from bridge.progress import note, reading
 from bridge.resources import gc_paused, small_pages
-from bridge.quantize import MIN_SUFFIX, SCALE_SUFFIX, Quantization, checkpoint_shapes
+from bridge.quantize import MIN_SUFFIX, checkpoint_shapes
 from bridge.tensors import canonical_shapes
 
 from .model.attention import choose
 from .model.llama import Llama, resolve_dtype
 from .model.projections import choose as choose_projections, implementation
-
-
-PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "output")  # modules quantisation covers
-
-
-def _flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None, bool]:
-    """Canonical name -> (path in the params pytree, layer index on a stacked axis, transposed?).
-    An int8 projection's `<name>_scale` (out, in / G) is its module's `scale` (in / G, out); an
-    int8 embedding's (vocab, dim / G) is its `scale` as it is. (A 4-bit projection's `kernel`,
-    `scale` and `min` are its canonical rows, not transposed: tensor_specs sees to that.)"""
-    if name.endswith(MIN_SUFFIX):
-        path, layer, _ = _flax_path(name.removesuffix(MIN_SUFFIX), scan_layers)
-        return (*path[:-1], "min"), layer, False
-    module, leaf = name.rsplit(".", 1)  # drop ".weight" / ".weight_scale"
-    parts = module.split(".")
-    layer = None
-    if parts[0] == "layers":
-        layer = int(parts[1])
-        parts = (["layers"] if scan_layers else [f"layers_{layer}"]) + parts[2:]
-        layer = layer if scan_layers else None
-    if parts == ["tok_embeddings"]:  # (vocab, dim) as it is; int8, its scale (vocab, G) too
-        return (*parts, "scale" if leaf == "weight" + SCALE_SUFFIX else "embedding"), layer, False
-    if parts[-1].endswith("norm"):
-        return (*parts, "weight"), layer, False
-    return (*parts, "scale" if leaf == "weight" + SCALE_SUFFIX else "kernel"), layer, True
-
-
-def int8_only(quantization: Quantization | None) -> Quantization | None:
-    """The quantisation a load reads tensor by tensor, its scales beside the weights: int8's.
-    (A 4-bit checkpoint's weights come whole from bridge.int4.StoredReader.)"""
-    return quantization if quantization is not None and quantization.method == "int8" else None
-
-
-def has_adapters(params) -> bool:
-    """True when the params pytree holds LoRA adapters (lora_A / lora_B entries)."""
-    return any(getattr(k, "key", None) in ("lora_A", "lora_B")
-               for path, _ in jax.tree_util.tree_leaves_with_path(params) for k in path)
-
-
-def quantization_of(params) -> Quantization | None:
-    """The Quantization a params pytree holds (jax_llama.quantize), read from its first `scale`:
-    int8, the group size in / G (G = 1: per channel); int4 where a kernel is 4-bit (uint8
-    rows, with a `min` or without: Q4_0's -8 scale; every projection then 4-bit: a mixture, as
-    a nearest load of a file with 6- and 8-bit tensors holds it, is refused). None for float
-    params."""
-    if any(_four_bit(node) for _, node in modules(params)):
-        mixed = [path for path, node in modules(params)
-                 if "kernel" in node and not _four_bit(node) and path[-1] in PROJECTIONS]
-        if mixed:
-            raise mixture_refused("/".join(mixed[0]), field="params")
-        return Quantization("int4")
-    for path, node in modules(params):
-        if "scale" in node and "kernel" in node:
-            inputs, groups = node["kernel"].shape[-2], node["scale"].shape[-2]
-        elif "scale" in node and "embedding" in node:  # a tied head: (vocab, dim), (vocab, G)
-            inputs, groups = node["embedding"].shape[-1], node["scale"].shape[-1]
-        else:
-            continue
-        return Quantization(group_size=None if groups == 1 else inputs // groups)
-    return None
-
-
-def _four_bit(node: dict) -> bool:
-    """Whether a module's params are a 4-bit weight (its kernel uint8 rows)."""
-    kernel = node.get("kernel")
-    return getattr(kernel, "dtype", None) == np.uint8
-
-
-def modules(params, path=()):
-    """(path, dict) of every module's params in the tree, depth first."""
-    if isinstance(params, dict):
-        yield path, params
-        for key, value in params.items():
-            yield from modules(value, path + (key,))
-
-
-def is_scanned(params) -> bool:
-    """True when the params pytree holds the blocks stacked under `layers` (scan_layers=True)."""
-    return "layers" in params
+from .params import (flax_path, four_bit, has_adapters, host_array, int8_only, is_scanned,
+                     quantization_of)
 
 
 def _on_device(value: np.ndarray) -> jax.Array:
@@ -146,13 +65,13 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
         if tuple(value.shape) != shapes[name]:
             raise BridgeError(f"tensor '{name}': shape {tuple(value.shape)}, config implies "
                               f"{shapes[name]}")
-        return value.T if _flax_path(name, scan_layers)[2] else value
+        return value.T if flax_path(name, scan_layers)[2] else value
 
     for name in shapes:
         if not (scan_layers and name.startswith("layers.")):
             quantised = None if int4 is None else int4(name)
             if quantised is not None:  # (packed, scale, min) of a 4-bit projection: its rows as
-                path, _, transposed = _flax_path(name, scan_layers)  # they are; (q, scale) of
+                path, _, transposed = flax_path(name, scan_layers)  # they are; (q, scale) of
                 node = module(path)  # int8 rows: transposed as a kernel is, where it is one
                 flip = transposed and len(quantised) == 2
                 if len(quantised) == 3 and minima_implied(*quantised[1:]):
@@ -160,7 +79,7 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
                 for leaf, value in zip((path[-1], "scale", "min"), quantised):
                     node[leaf] = _on_device(value.T if flip else value)
                 continue
-            put(_flax_path(name, scan_layers)[0], read(name))
+            put(flax_path(name, scan_layers)[0], read(name))
     if scan_layers:
         for suffix in [n.split(".", 2)[2] for n in shapes if n.startswith("layers.0.")]:
             first = read(f"layers.0.{suffix}")
@@ -168,7 +87,7 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
             stacked[0] = first
             for i in range(1, config.n_layers):
                 stacked[i] = read(f"layers.{i}.{suffix}")
-            put(_flax_path(f"layers.0.{suffix}", scan_layers)[0], stacked)
+            put(flax_path(f"layers.0.{suffix}", scan_layers)[0], stacked)
     return params
 
 
@@ -186,18 +105,18 @@ def tensor_specs(params, config: LlamaConfig, shapes=None):
         shapes = checkpoint_shapes(config, quantization_of(params))
     implied = set()  # the minima of 4-bit weights held without them: written as -8 scale
     for name in shapes:
-        path, layer, transposed = _flax_path(name, scanned)
+        path, layer, transposed = flax_path(name, scanned)
         node = parent = params
         for key in path:
             if (name.endswith(MIN_SUFFIX) and key == "min" and isinstance(node, dict)
-                    and key not in node and _four_bit(node)):
+                    and key not in node and four_bit(node)):
                 implied.add(name)
                 node = node["scale"]
                 break
             if not isinstance(node, dict) or key not in node:
                 raise BridgeError(f"params: no entry {'/'.join(path)} for tensor '{name}'")
             parent, node = node, node[key]
-        if _four_bit(parent) or name in implied:
+        if four_bit(parent) or name in implied:
             transposed = False  # 4-bit weights, their scales and minima: canonical rows
         leaves[name] = (node, layer, transposed)
     n_leaves = len(jax.tree_util.tree_leaves(params))
@@ -224,15 +143,6 @@ def tensor_specs(params, config: LlamaConfig, shapes=None):
         return value.T if transposed else value
 
     return specs, fetch
-
-
-def host_array(x) -> np.ndarray:
-    """One array on this host, whole: from its devices, or, sharded over several processes,
-    gathered from all of them (a collective: every process must ask, in the same order)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 def save(path: str | os.PathLike, config: LlamaConfig, params, *, overwrite: bool = False,
@@ -269,10 +179,10 @@ def params_on_mesh(read: Callable[[str, tuple[slice, ...]], np.ndarray], config:
     shapes = canonical_shapes(config)
     groups: dict[tuple[str, ...], list[str]] = {}  # params path -> its canonical names, by layer
     for name in shapes:
-        groups.setdefault(_flax_path(name, scan_layers)[0], []).append(name)
+        groups.setdefault(flax_path(name, scan_layers)[0], []).append(name)
     params: dict = {}
     for path, names in groups.items():
-        _, layer, transposed = _flax_path(names[0], scan_layers)
+        _, layer, transposed = flax_path(names[0], scan_layers)
         shape = tuple(reversed(shapes[names[0]])) if transposed else shapes[names[0]]
         stacked = layer is not None
         if stacked:
@@ -388,7 +298,7 @@ def held_layouts(params, config: LlamaConfig) -> dict[str, str]:
     out = {}
     for name in canonical_shapes(config):
         node = params
-        for key in _flax_path(name, scanned)[0]:
+        for key in flax_path(name, scanned)[0]:
             node = node[key]
         out[name] = held_as(node.dtype)
     return out

@@ -23,7 +23,8 @@ from flax import traverse_util
 from bridge.errors import BridgeError
 from bridge.lora import INT8_TABLE, Adapter, LoraConfig, adapter_shapes, write_peft
 
-from .checkpoint import has_adapters, params_from_tensors, tensor_specs
+from .checkpoint import params_from_tensors, tensor_specs
+from .params import has_adapters
 from .model.heads import LlamaClassifier
 from .model.llama import Llama
 from .model.projections import Projections

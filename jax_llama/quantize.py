@@ -33,7 +33,7 @@ from bridge.int4 import quantize_int4
 from bridge.progress import LOAD_DELAY_S, bar
 from bridge.quantize import Quantization, quantize_weight
 
-from .checkpoint import PROJECTIONS, host_array, modules, quantization_of
+from .params import PROJECTIONS, host_array, modules, quantization_of
 
 
 def quantize(params, group_size: int | None = None, method: str = "int8",

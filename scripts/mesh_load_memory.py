@@ -79,7 +79,7 @@ def worker(args) -> None:
     import jax_llama
     from bridge.formats import open_checkpoint
     from bridge.tensors import canonical_shapes
-    from jax_llama.checkpoint import _flax_path
+    from jax_llama.params import flax_path
     from jax_llama.sharding import make_mesh
 
     start = time.perf_counter()
@@ -93,7 +93,7 @@ def worker(args) -> None:
     ckpt = open_checkpoint(args.path)
     equal = True
     for name in canonical_shapes(ckpt.config):
-        path, _, transposed = _flax_path(name, False)
+        path, _, transposed = flax_path(name, False)
         leaf = params
         for key in path:
             leaf = leaf[key]

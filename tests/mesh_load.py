@@ -18,7 +18,8 @@ import jax_llama
 from bridge.config import LlamaConfig
 from bridge.convert import convert
 from bridge.formats import open_checkpoint
-from jax_llama.checkpoint import _flax_path, params_on_mesh
+from jax_llama.checkpoint import params_on_mesh
+from jax_llama.params import flax_path
 from jax_llama.sharding import make_mesh, spec_for
 from jax.sharding import NamedSharding
 
@@ -55,7 +56,7 @@ def main(root: Path) -> None:
                                                jax.tree.leaves(on_mesh)))
                 worst, share = 0.0, 0.0
                 for name, (shape, _) in ckpt.specs.items():
-                    path, layer, transposed = _flax_path(name, False)
+                    path, layer, transposed = flax_path(name, False)
                     leaf_shape = tuple(reversed(shape)) if transposed else shape
                     keys = [jax.tree_util.DictKey(k) for k in path]
                     sharding = NamedSharding(mesh, spec_for(keys, leaf_shape, mesh))

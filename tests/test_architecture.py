@@ -21,7 +21,7 @@ import jax_llama
 import torch_llama
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("bridge", "jax_llama", "torch_llama", "llama_twins")
+PACKAGES = ("bridge", "tasks", "jax_llama", "torch_llama", "llama_twins")
 LINT_IMPORTS = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
 
 
@@ -35,7 +35,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
 def test_import_contracts_hold():
     result = lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 4 kept, 0 broken." in result.stdout
+    assert "Contracts: 5 kept, 0 broken." in result.stdout
 
 
 def test_a_planted_back_arrow_fails_and_names_the_import(tmp_path):
@@ -52,9 +52,13 @@ def test_a_planted_back_arrow_fails_and_names_the_import(tmp_path):
     kinds = tmp_path / "bridge" / "tokenizer" / "kinds.py"
     kinds.write_text(kinds.read_text()
                      + "\n\ndef _planted():\n    from ..gguf.container import is_gguf\n")
+    # inside tasks: the chats reaching up into the preference pairs that build on them
+    chats = tmp_path / "tasks" / "chats.py"
+    chats.write_text(chats.read_text() + "\n\ndef _planted():\n    from .preference import read_pairs\n")
     result = lint_imports(tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "Contracts: 0 kept, 4 broken." in result.stdout, result.stdout
+    assert "Contracts: 0 kept, 5 broken." in result.stdout, result.stdout
+    assert "tasks.chats -> tasks.preference" in result.stdout
     assert "bridge.config -> llama_twins.parity" in result.stdout
     assert "torch_llama.generate -> jax_llama.inference.generate" in result.stdout
     assert "bridge.tokenizer.kinds -> bridge.gguf.container" in result.stdout

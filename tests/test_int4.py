@@ -15,7 +15,7 @@ from bridge.errors import BridgeError
 from bridge.gguf.int4 import from_q4_blocks
 from bridge.int4 import GROUP, dequantize_int4, pack, quantize_int4, unpack
 from conftest import random_tokens, small_config
-from jax_llama.checkpoint import modules
+from jax_llama.params import modules
 
 
 def test_pack_round_trips_and_keeps_input_order():

@@ -209,7 +209,7 @@ def check_mesh_splits(config: LlamaConfig, mesh) -> None:
     rules would leave every parameter whole on every device, which is not what it asks for."""
     from bridge.tensors import canonical_shapes
 
-    from ..checkpoint import _flax_path
+    from ..params import flax_path
     from ..sharding import spec_for
 
     for axis in ("fsdp", "tensor"):
@@ -217,7 +217,7 @@ def check_mesh_splits(config: LlamaConfig, mesh) -> None:
             continue
         split = False
         for name, shape in canonical_shapes(config).items():
-            path, _, transposed = _flax_path(name, False)
+            path, _, transposed = flax_path(name, False)
             keys = [jax.tree_util.DictKey(k) for k in path]
             leaf = tuple(reversed(shape)) if transposed else shape
             split |= axis in tuple(spec_for(keys, leaf, mesh))
