@@ -399,6 +399,7 @@ class DpoRecipe(LanguageModelRecipe):
     accuracy at each evaluation and before and after (preference.json)."""
 
     title = "DPO"
+    scalars = staticmethod(eval_scalars)  # the before/after scores' figures
     has_aux = True
 
     def inputs(self, init) -> None:
@@ -415,9 +416,6 @@ class DpoRecipe(LanguageModelRecipe):
 
     def scores(self, model, params) -> dict:
         return self.prefs.evaluate(model, params, replies=True)
-
-    def scalars(self, scores: dict) -> dict:
-        return eval_scalars(scores)
 
     def loss(self, model):
         return train_loss(model, self.spec.dpo)

@@ -456,6 +456,7 @@ class GrpoRecipe(LanguageModelRecipe):
     show rewards."""
 
     title = "GRPO"
+    scalars = staticmethod(eval_scalars)  # the before/after scores' figures
     has_aux = True
     reward: float | None = None  # the last round's mean reward, for the bar
 
@@ -477,9 +478,6 @@ class GrpoRecipe(LanguageModelRecipe):
 
     def scores(self, model, params) -> dict:
         return self.rl.evaluate(model, params, answers=True)
-
-    def scalars(self, scores: dict) -> dict:
-        return eval_scalars(scores)
 
     def loss(self, model):
         return train_loss(model, self.spec.grpo)

@@ -380,6 +380,7 @@ class SftRecipe(NextTokenRecipe):
     evaluation; exact match of greedy replies before and after (exact_match.json)."""
 
     title = "SFT"
+    scalars = staticmethod(exact_match_scalars)  # the before/after scores' figures
 
     def inputs(self, init) -> None:
         # every conversation is read, rendered and checked before anything is written
@@ -393,9 +394,6 @@ class SftRecipe(NextTokenRecipe):
 
     def scores(self, model, params) -> dict:
         return self.chat.exact_match(model, params)
-
-    def scalars(self, scores: dict) -> dict:
-        return exact_match_scalars(scores)
 
     def results(self, out, model, params, scores: dict, summary: dict, tracker) -> dict:
         summary["plot"] = plot_losses(out, self.unigram)
