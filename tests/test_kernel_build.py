@@ -19,8 +19,14 @@ x86 = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 variants
 V3 = {"cx16", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "bmi1", "bmi2",
       "f16c", "fma", "abm", "movbe", "sse", "sse2", "mmx"}
 V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+ICELAKE = V4 | {"avx512_vnni", "avx512vbmi", "avx512_vbmi2", "avx512_bitalg", "avx512_vpopcntdq",
+                "avx512ifma", "gfni"}
 CPUS = {  # /proc/cpuinfo flag sets (the ones that matter) -> the variant that CPU runs
-    "zen4": (V4 | {"avx512_vnni", "avx512_bf16", "avx512vbmi"}, "avx512-bf16"),
+    "zen4": (ICELAKE | {"avx512_bf16", "clzero"}, "avx512-bf16"),
+    "sapphire rapids": (ICELAKE | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"},
+                        "avx512-bf16"),
+    "ice lake": (ICELAKE, "avx512-vnni"),
+    "cooper lake": (V4 | {"avx512_vnni", "avx512_bf16"}, "avx512-vnni"),  # BF16, no VBMI
     "cascade lake": (V4 | {"avx512_vnni"}, "avx512-vnni"),
     "skylake-x": (V4, "avx512"),
     "haswell": (V3, "avx2"),

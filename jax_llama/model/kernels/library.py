@@ -5,8 +5,8 @@
     variant, path = choose()     # the library to load here, or NotBuilt saying why
 
 `jax-llama kernels build` calls build(); a model never compiles anything. The variants, best
-first: avx512-bf16 (x86-64-v4 with AVX512_VNNI and AVX512_BF16: Zen 4, Sapphire Rapids),
-avx512-vnni (Ice Lake, Cascade Lake), avx512 (Skylake-X), avx2 (x86-64-v3: AVX2, FMA, F16C) and
+first: avx512-bf16 (x86-64-v4 with Ice Lake's VNNI, VBMI, VBMI2, BITALG, VPOPCNTDQ, IFMA and
+GFNI, and BF16: Zen 4, Zen 5, Sapphire Rapids), avx512-vnni (Ice Lake, Cascade Lake, Cooper Lake), avx512 (Skylake-X), avx2 (x86-64-v3: AVX2, FMA, F16C) and
 plain (C++ without vector extensions: any CPU). matvec.cc picks its paths by the compiler's macros
 (__AVX512F__, __AVX512BF16__, ...), so a variant is the set of flags it is compiled with and the
 /proc/cpuinfo flags a CPU must show to run it. choose() takes the best variant the CPU runs, or,
@@ -52,8 +52,13 @@ _V3 = frozenset({"cx16", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2", "avx", "a
                  "bmi2", "f16c", "fma", "abm", "movbe"})
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 _X86 = (
-    Variant("avx512-bf16", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
-            _V4 | {"avx512_vnni", "avx512_bf16"}, 16),
+    # Ice Lake's byte and bit instructions with Cooper Lake's BF16: Zen 4, Zen 5, Sapphire Rapids
+    # (what -march=native gave those CPUs' builds before: VBMI's byte shuffles among them)
+    Variant("avx512-bf16", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mavx512vbmi",
+                            "-mavx512vbmi2", "-mavx512bitalg", "-mavx512vpopcntdq",
+                            "-mavx512ifma", "-mgfni"),
+            _V4 | {"avx512_vnni", "avx512_bf16", "avx512vbmi", "avx512_vbmi2", "avx512_bitalg",
+                   "avx512_vpopcntdq", "avx512ifma", "gfni"}, 16),
     Variant("avx512-vnni", ("-march=x86-64-v4", "-mavx512vnni"), _V4 | {"avx512_vnni"}, 16),
     Variant("avx512", ("-march=x86-64-v4",), _V4, 16),
     Variant("avx2", ("-march=x86-64-v3",), _V3, 8),
