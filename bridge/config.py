@@ -15,6 +15,10 @@ from typing import Any, Mapping
 from .errors import BridgeError
 
 ROPE_SCALING_TYPES = ("llama3",)
+# Families whose decoder is LLaMA's plus the deltas LlamaConfig holds: Mistral (without a sliding
+# window) is LLaMA itself, Qwen2 adds biases to q, k and v, Qwen3 an RMSNorm over each head's q
+# and k. The family is the name a checkpoint carries (HF's model_type) and is written back.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _is_int(value: Any) -> bool:
@@ -102,6 +106,9 @@ class LlamaConfig:
     head_dim: int | None = field(default=None)  # None means dim // n_heads
     bos_id: int | None = None      # token ids the checkpoint declares (HF bos/eos_token_id); they
     eos_ids: tuple[int, ...] = ()  # travel with the weights so that conversions keep them
+    family: str = "llama"          # one of FAMILIES: the architecture's name in HF config.json
+    qkv_bias: bool = False         # Qwen2: q, k and v projections add a bias
+    qk_norm: bool = False          # Qwen3: RMSNorm over each head's q and k before RoPE
     # --8<-- [end:config]
 
     def __post_init__(self):
@@ -130,6 +137,11 @@ class LlamaConfig:
                  "rope_scaling", "must be a RopeScaling, a mapping or None", self.rope_scaling)
         _require(isinstance(self.tie_embeddings, bool), "tie_embeddings", "must be a bool",
                  self.tie_embeddings)
+        _require(self.family in FAMILIES, "family", f"must be one of {list(FAMILIES)}",
+                 self.family)
+        for name in ("qkv_bias", "qk_norm"):
+            _require(isinstance(getattr(self, name), bool), name, "must be a bool",
+                     getattr(self, name))
         _require(self.bos_id is None or (_is_int(self.bos_id) and self.bos_id >= 0), "bos_id",
                  "must be a non-negative integer or None", self.bos_id)
         if isinstance(self.eos_ids, (list, int)):
@@ -144,6 +156,18 @@ class LlamaConfig:
     def n_groups(self) -> int:
         """G: query heads per kv head."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def deltas(self) -> list[str]:
+        """The fields on which this model differs from LLaMA's decoder (empty for LLaMA)."""
+        return [name for name in ("qkv_bias", "qk_norm") if getattr(self, name)]
+
+    def refuse_deltas(self, format: str) -> None:
+        """Refuse, naming the first delta, a model that `format` (which holds LLaMA's decoder
+        alone) cannot hold."""
+        if self.deltas:
+            raise BridgeError(f"{format} holds LLaMA's decoder only, not {self.family}'s "
+                              f"{self.deltas[0]} (write hf or native)", field="to")
 
     def replace(self, **changes) -> "LlamaConfig":
         """A copy with some fields changed (validated again)."""

@@ -23,13 +23,29 @@ _LAYER_SHAPES = {
     "feed_forward.w3.weight": lambda c: (c.ffn_dim, c.dim),
 }
 LAYER_SUFFIXES = tuple(_LAYER_SHAPES)
+# Tensors only a config with the delta has: (name suffix, shape builder), after attention.wv.
+_DELTA_SHAPES = {
+    "qkv_bias": {"attention.wq.bias": lambda c: (c.n_heads * c.head_dim,),
+                 "attention.wk.bias": lambda c: (c.n_kv_heads * c.head_dim,),
+                 "attention.wv.bias": lambda c: (c.n_kv_heads * c.head_dim,)},
+    "qk_norm": {"attention.q_norm.weight": lambda c: (c.head_dim,),
+                "attention.k_norm.weight": lambda c: (c.head_dim,)},
+}
+
+
+def layer_shapes(config: LlamaConfig) -> dict:
+    """(name suffix, shape builder) of each tensor of one layer of `config`, in a stable order."""
+    shapes = dict(_LAYER_SHAPES)
+    for delta in config.deltas:
+        shapes.update(_DELTA_SHAPES[delta])
+    return shapes
 
 
 def canonical_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of `config` holds, in a stable order, with its shape."""
     shapes = {"tok_embeddings.weight": (config.vocab_size, config.dim)}
     for i in range(config.n_layers):
-        for suffix, shape in _LAYER_SHAPES.items():
+        for suffix, shape in layer_shapes(config).items():
             shapes[f"layers.{i}.{suffix}"] = shape(config)
     shapes["norm.weight"] = (config.dim,)
     if not config.tie_embeddings:

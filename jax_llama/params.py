@@ -4,7 +4,8 @@ them), and one array gathered onto this host. jax_llama.checkpoint (load, save) 
 jax_llama.quantize both build on these.
 
 The map is a rule, not a table: `tok_embeddings.weight` is the Embed's `embedding`, `*norm.weight`
-is an RMSNorm's `weight`, and every other 2-D weight is a Dense `kernel`, stored transposed
+is an RMSNorm's `weight` (q_norm and k_norm included), a projection's bias (`*.wq.bias`) its
+Attention's `wq_bias`, and every other 2-D weight is a Dense `kernel`, stored transposed
 (Flax kernels are (in, out), canonical weights (out, in)). `layers.{i}.*` lives under `layers_{i}`,
 or, with scan_layers, under `layers` with the layer index as the leading axis.
 """
@@ -40,6 +41,8 @@ def flax_path(name: str, scan_layers: bool) -> tuple[tuple[str, ...], int | None
         return (*parts, "scale" if leaf == "weight" + SCALE_SUFFIX else "embedding"), layer, False
     if parts[-1].endswith("norm"):
         return (*parts, "weight"), layer, False
+    if leaf == "bias":  # a projection's bias (qkv_bias) is its Attention's `<projection>_bias`
+        return (*parts[:-1], f"{parts[-1]}_bias"), layer, False
     return (*parts, "scale" if leaf == "weight" + SCALE_SUFFIX else "kernel"), layer, True
 
 

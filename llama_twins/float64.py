@@ -35,6 +35,7 @@ import numpy as np
 
 from bridge.config import LlamaConfig
 from bridge.dtypes import numpy_dtype
+from bridge.errors import BridgeError
 from bridge.rope import rope_inv_freq
 
 
@@ -260,6 +261,9 @@ class _Blocks:
         import jax
         import jax.numpy as jnp
 
+        if config.deltas:
+            raise BridgeError(f"the float64 reference computes LLaMA's decoder only, not "
+                              f"{config.family}'s {config.deltas[0]}", field="config")
         self.config = c = config
         self.inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling,
                                                   dtype=np.float64))

@@ -172,10 +172,13 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         c = self.config = config
-        self.wq = Linear(c.dim, c.n_heads * c.head_dim)
-        self.wk = Linear(c.dim, c.n_kv_heads * c.head_dim)
-        self.wv = Linear(c.dim, c.n_kv_heads * c.head_dim)
+        self.wq = Linear(c.dim, c.n_heads * c.head_dim, bias=c.qkv_bias)  # Qwen2: W x + b
+        self.wk = Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.wv = Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.wo = Linear(c.n_heads * c.head_dim, c.dim)
+        if c.qk_norm:  # Qwen3: each head's q and k normalised, weights (H,) shared by the heads
+            self.q_norm = RMSNorm(c.head_dim, c.norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.norm_eps)
 
     def forward(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
                 cache: KVCache | None = None, layer: int = 0):
@@ -188,9 +191,12 @@ class Attention(nn.Module):
         """
         c = self.config
         B, S, _ = x_BSD.shape
-        q_BSNH = rotate(self.wq(x_BSD).view(B, S, c.n_heads, c.head_dim), cos_BSh, sin_BSh)
-        k_BSKH = rotate(self.wk(x_BSD).view(B, S, c.n_kv_heads, c.head_dim), cos_BSh, sin_BSh)
+        q_BSNH = self.wq(x_BSD).view(B, S, c.n_heads, c.head_dim)
+        k_BSKH = self.wk(x_BSD).view(B, S, c.n_kv_heads, c.head_dim)
         v_BSKH = self.wv(x_BSD).view(B, S, c.n_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
+        q_BSNH, k_BSKH = rotate(q_BSNH, cos_BSh, sin_BSh), rotate(k_BSKH, cos_BSh, sin_BSh)
         # SDPA wants heads before sequence: (B, N, S, H) and (B, K, T, H).
         k_BKTH, v_BKTH = k_BSKH.transpose(1, 2), v_BSKH.transpose(1, 2)
         if cache is not None:
@@ -257,11 +263,13 @@ class Llama(nn.Module):
 
     def reset_parameters(self) -> None:
         """N(0, 0.02), with the projections into the residual stream (wo, w2) scaled by
-        1/sqrt(2L); norms at one. The same distributions as jax_llama.init."""
+        1/sqrt(2L); norms at one, biases at zero. The same distributions as jax_llama.init."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
             elif name.endswith(("wo.weight", "w2.weight")):
                 nn.init.normal_(p, std=residual_std)
             else:

@@ -61,12 +61,12 @@ class Int8Weight:
 
 
 class Linear(Int8Weight, nn.Linear):
-    """x W^T without bias (W (out, in) keeps nn.Linear's name, `weight`), plus, once add_adapter
-    is called, a LoRA update scale * B A dropout(x) with A (rank, in) and B (out, rank) in
-    float32 as `lora_A.weight` and `lora_B.weight`: the canonical adapter names."""
+    """x W^T (+ b, with bias=True; W (out, in) and b keep nn.Linear's names), plus, once
+    add_adapter is called, a LoRA update scale * B A dropout(x) with A (rank, in) and B (out,
+    rank) in float32 as `lora_A.weight` and `lora_B.weight`: the canonical adapter names."""
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.lora: LoraConfig | None = None
 
     def add_adapter(self, lora: LoraConfig) -> None:
@@ -119,7 +119,9 @@ class Linear(Int8Weight, nn.Linear):
         elif self.weight.dtype == torch.int8:
             y = int8_linear(x, self.weight, self.weight_scale, self._scale_in(x.dtype))
         else:
-            y = super().forward(x)
+            y = super().forward(x)  # x W^T (+ bias)
+        if self.bias is not None and not self.weight.is_floating_point():
+            y = y + self.bias.to(y.dtype)
         if self.lora is None:
             return y
         # The float32 adapters run in x's dtype, as the projection itself does.

@@ -1,9 +1,12 @@
-"""Hugging Face `LlamaForCausalLM` checkpoints: config.json + safetensors (single file or shards).
+"""Hugging Face `LlamaForCausalLM` checkpoints: config.json + safetensors (single file or shards),
+and those of the families whose decoder is LLaMA's with a delta LlamaConfig holds: Mistral
+without a sliding window, Qwen2 (q, k, v biases) and Qwen3 (q and k head norms).
 
 Two things differ from the canonical layout. Names: a declarative table below. RoPE: HF rotates
 half-split pairs (dims i and i + H/2) where Meta rotates interleaved pairs (2i, 2i+1), so HF
 stores wq and wk with the rows of each head permuted; `to_half_split` / `from_half_split` undo
-each other, per head, with n_heads for wq and n_kv_heads for wk. Getting this wrong gives a model
+each other, per head, with n_heads for wq and n_kv_heads for wk; the q and k biases are rows
+of the same heads and move with them, and a head norm's weight (H,) moves as one head's rows. Getting this wrong gives a model
 that loads, runs and talks fluent nonsense, hence the tests against transformers itself.
 
 config.json is read as transformers 4.x wrote it (top-level rope_theta, rope_scaling,
@@ -24,6 +27,7 @@ import numpy as np
 from ..atomic import atomic_directory, copy_files
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
+from ..tensors import layer_shapes
 from .base import Checkpoint, Spec, check_specs, find_extra_files, payload_bytes
 from .native import read_json
 from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, OpenFiles, read_tensor, read_tensor_infos,
@@ -33,17 +37,18 @@ from .safetensors_dir import (DEFAULT_MAX_SHARD_SIZE, OpenFiles, read_tensor, re
 # -- the q/k permutation ---------------------------------------------------------------------------
 
 def to_half_split(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Canonical (interleaved) rows of wq/wk -> HF (half-split) rows; w is (n_heads * H, D).
+    """Canonical (interleaved) rows of wq/wk -> HF (half-split) rows; w is (n_heads * H, D), or
+    (n_heads * H,) for a bias or a head norm's weight.
 
     Within each head, output row 2i + j (j = 0, 1) moves to j * H/2 + i."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
+    rows, cols = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *cols).swapaxes(1, 2).reshape(w.shape)
 
 
 def from_half_split(w: np.ndarray, n_heads: int) -> np.ndarray:
     """HF (half-split) rows of wq/wk -> canonical (interleaved) rows: the inverse of to_half_split."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(0, 2, 1, 3).reshape(rows, cols)
+    rows, cols = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *cols).swapaxes(1, 2).reshape(w.shape)
 
 
 # -- names: HF name <-> canonical name, and which heads count to (un)permute with ----------------
@@ -56,12 +61,19 @@ _LAYER = {  # suffix after "model.layers.{i}." -> suffix after "layers.{i}."
     "self_attn.k_proj.weight": "attention.wk.weight",
     "self_attn.v_proj.weight": "attention.wv.weight",
     "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",         # qkv_bias (Qwen2)
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",  # qk_norm (Qwen3)
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
-_PERMUTED = {"attention.wq.weight": lambda c: c.n_heads, "attention.wk.weight": lambda c: c.n_kv_heads}
+_PERMUTED = {"attention.wq.weight": lambda c: c.n_heads, "attention.wk.weight": lambda c: c.n_kv_heads,
+             "attention.wq.bias": lambda c: c.n_heads, "attention.wk.bias": lambda c: c.n_kv_heads,
+             "attention.q_norm.weight": lambda c: 1, "attention.k_norm.weight": lambda c: 1}
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _DERIVABLE = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # old exports
 
@@ -93,7 +105,14 @@ def _heads_to_permute(name: str, config: LlamaConfig) -> int | None:
 # -- config.json ------------------------------------------------------------------------------------
 
 # Values transformers' LlamaForCausalLM supports and this project's model does not.
-_UNSUPPORTED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+_UNSUPPORTED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+                "use_sliding_window": False, "sliding_window": None}
+# Each family's class, and its deltas (LlamaConfig fields) as its config.json implies them.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_DELTAS = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}}
+# Keys of a Qwen config that only matter with use_sliding_window, refused above when it is true.
+_WINDOW_KEYS = {"max_window_layers", "layer_types"}
 _IGNORED = {  # known keys with no bearing on the weights or the forward pass
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "initializer_range",
     "use_cache", "pad_token_id", "attention_dropout", "pretraining_tp", "_name_or_path",
@@ -104,11 +123,21 @@ _IGNORED = {  # known keys with no bearing on the weights or the forward pass
 def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
     """LlamaConfig and notes from an HF config.json dict; unsupported settings refused by name."""
     notes = []
-    if d.get("model_type", "llama") != "llama":
-        raise BridgeError(f"{where}: model_type {d['model_type']!r} is not supported (only 'llama')")
+    family = d.get("model_type", "llama")
+    if family not in _ARCHITECTURES:
+        raise BridgeError(f"{where}: model_type {family!r} is not supported (only "
+                          f"{', '.join(map(repr, _ARCHITECTURES))})")
     for key, supported in _UNSUPPORTED.items():
         if key in d and d[key] != supported:
             raise BridgeError(f"{where}: {key}={d[key]!r} is not supported (only {supported!r})")
+    sliding = [t for t in d.get("layer_types") or () if t != "full_attention"]
+    if sliding:
+        raise BridgeError(f"{where}: layer_types has {sliding[0]!r} layers, not supported (only "
+                          f"'full_attention')")
+    experts = sorted(k for k in d if "expert" in k and d[k])
+    if experts:
+        raise BridgeError(f"{where}: {experts[0]}={d[experts[0]]!r} is not supported (mixture of "
+                          f"experts)")
     if d.get("quantization_config"):
         raise BridgeError(f"{where}: quantization_config is not supported (quantised weights)")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -144,7 +173,8 @@ def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
         max_seq_len=d.get("max_position_embeddings", 2048), norm_eps=d.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta), rope_scaling=scaling,
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        bos_id=d.get("bos_token_id"), eos_ids=() if eos is None else eos)
+        bos_id=d.get("bos_token_id"), eos_ids=() if eos is None else eos, family=family,
+        **_DELTAS[family])
     try:
         config = LlamaConfig(**fields)
     except BridgeError as e:
@@ -153,7 +183,7 @@ def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
                                              "num_attention_heads", "num_key_value_heads",
                                              "intermediate_size", "vocab_size",
                                              "max_position_embeddings", "rms_norm_eps",
-                                             "tie_word_embeddings"}
+                                             "tie_word_embeddings"} | _WINDOW_KEYS
     unknown = sorted(set(d) - known)
     if unknown:
         notes.append(f"config.json keys not used by the model: {', '.join(unknown)}")
@@ -163,8 +193,14 @@ def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
 def config_to_hf(config: LlamaConfig, dtype: str) -> dict:
     """An HF config.json dict (transformers 4.x form, which 4.x and 5.x both load)."""
     c = config
+    implied = {"qkv_bias": False, "qk_norm": False, **_DELTAS[c.family]}
+    for delta, value in implied.items():
+        if getattr(c, delta) != value:
+            raise BridgeError(f"LlamaConfig.{delta}={getattr(c, delta)!r}: a {c.family} checkpoint "
+                              f"cannot hold it (transformers' {_ARCHITECTURES[c.family]} has "
+                              f"{delta}={value!r})")
     d = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [_ARCHITECTURES[c.family]], "model_type": c.family,
         "hidden_size": c.dim, "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers,
         "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
         "head_dim": c.head_dim, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_seq_len,
@@ -178,6 +214,13 @@ def config_to_hf(config: LlamaConfig, dtype: str) -> dict:
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
     }
+    if c.family != "llama":  # no bias on o_proj nor the MLP; no sliding window
+        for key in ("mlp_bias", "pretraining_tp", "attention_bias"):
+            if key != "attention_bias" or c.family != "qwen3":
+                del d[key]
+        d["sliding_window"] = None
+        if c.family != "mistral":
+            d["use_sliding_window"] = False
     if c.bos_id is not None:
         d["bos_token_id"] = c.bos_id
     if c.eos_ids:
@@ -207,16 +250,17 @@ class HFCheckpoint(Checkpoint):
             read_json(config_path) if fields is None else fields, config_path)
         self.infos: dict = {}  # canonical name -> TensorInfo
         self._open_files = OpenFiles()
-        derivable = []
+        derivable, held = [], layer_shapes(self.config)  # a delta's tensors: only with the delta
         for name, info in read_tensor_infos(self.path).items():
             canonical = canonical_name(name)
-            if canonical is not None:
+            if canonical is not None and (not canonical.startswith("layers.")
+                                          or canonical.split(".", 2)[2] in held):
                 self.infos[canonical] = info
             elif _DERIVABLE.fullmatch(name):
                 derivable.append(name)
             else:
                 raise BridgeError(f"{info.file}: unexpected tensor {name!r} (not part of a "
-                                  f"LlamaForCausalLM this project supports)")
+                                  f"{_ARCHITECTURES[self.config.family]} this project supports)")
         if derivable:
             self.notes.append(f"skipped {len(derivable)} derivable rotary_emb.inv_freq tensors")
         if self.config.tie_embeddings and "output.weight" in self.infos:

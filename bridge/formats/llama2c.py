@@ -265,6 +265,7 @@ def write_llama2c(path: str | os.PathLike, config: LlamaConfig, specs: dict[str,
     bfloat16 / float16). Configs run.c cannot run are refused. `progress(nbytes)` is called after
     each tensor with its size as fetched. `extra_files` are ignored: a single file has no room.
     """
+    config.refuse_deltas("a llama2.c export")
     check_specs(config, specs, "tensors to write")
     if version not in ORDERS:
         raise BridgeError(f"version: llama2c writes versions {sorted(ORDERS)}, got {version!r}")

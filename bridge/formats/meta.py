@@ -296,6 +296,7 @@ def write_meta(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
     pickle per rank and cannot be streamed. `progress(nbytes)` is called after each fetch.
     """
     import torch
+    config.refuse_deltas("a Meta checkpoint")
     ordered = check_specs(config, specs, "tensors to write")
     params = params_json(config)
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:

@@ -67,6 +67,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
 
     from .vocab import vocab_keys
 
+    config.refuse_deltas("a LLaMA GGUF file")
     ordered = check_specs(config, specs, "tensors to write")
     warn = warn or note  # above an open progress bar
     stored = {d.name for _, d in ordered.values()}

@@ -1,0 +1,167 @@
+"""Mistral (without a sliding window), Qwen2 and Qwen3 read from Hugging Face directories: both
+twins give transformers' own logits, each delta matters, an export loads in transformers as the
+same class, and what the project cannot hold is refused by name, nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax_llama  # noqa: E402
+import torch_llama  # noqa: E402
+from bridge.errors import BridgeError  # noqa: E402
+from bridge.formats import open_checkpoint  # noqa: E402
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             rms_norm_eps=1e-6)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True), "qkv_bias"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32), "qk_norm"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None), None),
+}
+BRIDGE = str(Path(sys.executable).with_name("llama-bridge"))
+TOKENS = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (2, 9))
+
+
+def _hf_model(family: str, seed: int = 0):
+    config_class, model_class, extra, _ = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**SMALL, **extra)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # random biases and norms, so that a wrong permutation shows
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "q_norm.weight", "k_norm.weight")):
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def _hf_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(TOKENS)).logits.float().numpy()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    family = request.param
+    model = _hf_model(family)
+    path = tmp_path_factory.mktemp(family) / "hf"
+    model.save_pretrained(path)
+    return family, path, _hf_logits(model)
+
+
+def test_config_read_as_its_family(saved):
+    family, path, _ = saved
+    config = open_checkpoint(path).config
+    delta = FAMILIES[family][3]
+    assert config.family == family
+    assert config.deltas == ([] if delta is None else [delta])
+    if family == "qwen3":
+        assert config.head_dim == 32 != config.dim // config.n_heads
+    assert type(config).from_dict(config.to_dict()) == config
+
+
+def test_both_twins_equal_transformers(saved):
+    family, path, want = saved
+    model, params = jax_llama.load(path)
+    jax_logits = np.asarray(model.apply({"params": params}, TOKENS))
+    torch_logits = torch_llama.load(path, device="cpu")(torch.as_tensor(TOKENS)).detach().numpy()
+    np.testing.assert_allclose(jax_logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(torch_logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_switching_the_delta_off_changes_the_logits(saved):
+    family, path, want = saved
+    delta = FAMILIES[family][3]
+    if delta is None:
+        pytest.skip("Mistral without a window has no delta")
+    ckpt = open_checkpoint(path)
+    config = ckpt.config.replace(**{delta: False})
+    tensors = {n: ckpt.tensor(n) for n in ckpt.specs if n in _names(config)}
+    model = torch_llama.Llama(config)
+    model.load_state_dict({n: torch.as_tensor(t) for n, t in tensors.items()})
+    got = model.eval()(torch.as_tensor(TOKENS)).detach().numpy()
+    assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()
+    jax_model, _ = jax_llama.init(config)
+    from jax_llama.checkpoint import params_from_tensors
+    params = params_from_tensors(tensors.__getitem__, config)
+    got = np.asarray(jax_model.apply({"params": params}, TOKENS))
+    assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()
+
+
+def _names(config):
+    from bridge.tensors import canonical_shapes
+    return canonical_shapes(config)
+
+
+def test_export_loads_in_transformers_as_the_same_class(saved, tmp_path):
+    family, path, want = saved
+    out = tmp_path / "out"
+    result = subprocess.run([BRIDGE, "convert", str(path), str(out), "--to", "hf"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == family
+    assert written["architectures"] == [FAMILIES[family][1]]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == FAMILIES[family][1]
+    np.testing.assert_allclose(_hf_logits(model), want, rtol=1e-5, atol=1e-6)
+
+
+def _error_lines(stderr: str) -> list[str]:
+    """stderr's lines but a progress bar's (one clear line is what the user reads)."""
+    return [line for line in stderr.strip().splitlines() if "%|" not in line]
+
+
+def _refused(tmp_path, family, change, field):
+    model = _hf_model(family)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    fields = json.loads((src / "config.json").read_text())
+    fields.update(change)
+    (src / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(BridgeError, match=field):
+        open_checkpoint(src)
+    return src
+
+
+@pytest.mark.parametrize("family, change, field", [
+    ("mistral", {"sliding_window": 4096}, "sliding_window"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    ("qwen2", {"num_experts": 8}, "num_experts"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("qwen2", {"model_type": "qwen2_moe"}, "model_type"),
+])
+def test_what_cannot_be_held_is_refused_by_name(tmp_path, family, change, field):
+    src = _refused(tmp_path, family, change, field)
+    out = tmp_path / "out"
+    result = subprocess.run([BRIDGE, "convert", str(src), str(out), "--to", "native"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1 and field in errors[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("to", ["meta", "llama2c", "gguf"])
+def test_formats_without_the_deltas_refuse_them(saved, tmp_path, to):
+    family, path, _ = saved
+    delta = FAMILIES[family][3]
+    if delta is None:
+        pytest.skip("Mistral without a window is LLaMA")
+    out = tmp_path / ("out.gguf" if to == "gguf" else "out")
+    result = subprocess.run([BRIDGE, "convert", str(path), str(out), "--to", to],
+                            capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1 and delta in errors[0]
+    assert not out.exists()
