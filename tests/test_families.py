@@ -19,16 +19,21 @@ import jax_llama  # noqa: E402
 import torch_llama  # noqa: E402
 from bridge.errors import BridgeError  # noqa: E402
 from bridge.formats import open_checkpoint  # noqa: E402
+from bridge.sampling import Sampler  # noqa: E402
+from bridge.tensors import canonical_shapes  # noqa: E402
+from jax_llama.checkpoint import params_from_tensors  # noqa: E402
+from torch_llama.generate import generate as torch_generate  # noqa: E402
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
              rms_norm_eps=1e-6)
-FAMILIES = {
+FAMILIES = {  # name: (config class, model class, settings, its delta)
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True), "qkv_bias"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32), "qk_norm"),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None), None),
 }
 BRIDGE = str(Path(sys.executable).with_name("llama-bridge"))
+WITH_DELTA = [f for f, spec in FAMILIES.items() if spec[3] is not None]
 TOKENS = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (2, 9))
 
 
@@ -49,13 +54,24 @@ def _hf_logits(model) -> np.ndarray:
         return model(torch.as_tensor(TOKENS)).logits.float().numpy()
 
 
+@pytest.fixture(scope="module")
+def saved_by_family(tmp_path_factory):
+    """family -> (family, its small random model saved by transformers, transformers' logits)."""
+    made = {}
+
+    def save(family):
+        if family not in made:
+            model = _hf_model(family)
+            path = tmp_path_factory.mktemp(family) / "hf"
+            model.save_pretrained(path)
+            made[family] = family, path, _hf_logits(model)
+        return made[family]
+    return save
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def saved(request, tmp_path_factory):
-    family = request.param
-    model = _hf_model(family)
-    path = tmp_path_factory.mktemp(family) / "hf"
-    model.save_pretrained(path)
-    return family, path, _hf_logits(model)
+def saved(request, saved_by_family):
+    return saved_by_family(request.param)
 
 
 def test_config_read_as_its_family(saved):
@@ -78,28 +94,37 @@ def test_both_twins_equal_transformers(saved):
     np.testing.assert_allclose(torch_logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_switching_the_delta_off_changes_the_logits(saved):
-    family, path, want = saved
+@pytest.fixture(scope="module", params=WITH_DELTA)
+def saved_with_delta(request, saved_by_family):
+    return saved_by_family(request.param)
+
+
+def test_cached_greedy_generation_equals_transformers(saved):
+    family, path, _ = saved
+    prompt = [[5, 17, 33, 2]]
+    with torch.no_grad():
+        want = _hf_model(family).generate(torch.tensor(prompt), max_new_tokens=8,
+                                          do_sample=False)[0, 4:].tolist()
+    model, params = jax_llama.load(path)
+    assert jax_llama.generate(model, params, prompt, 8, Sampler(temperature=0.0)).tokens == [want]
+    got = torch_generate(torch_llama.load(path, device="cpu"), prompt, 8, Sampler(temperature=0.0))
+    assert got.tokens == [want]
+
+
+def test_switching_the_delta_off_changes_the_logits(saved_with_delta):
+    family, path, want = saved_with_delta
     delta = FAMILIES[family][3]
-    if delta is None:
-        pytest.skip("Mistral without a window has no delta")
     ckpt = open_checkpoint(path)
     config = ckpt.config.replace(**{delta: False})
-    tensors = {n: ckpt.tensor(n) for n in ckpt.specs if n in _names(config)}
+    tensors = {n: ckpt.tensor(n) for n in ckpt.specs if n in canonical_shapes(config)}
     model = torch_llama.Llama(config)
     model.load_state_dict({n: torch.as_tensor(t) for n, t in tensors.items()})
     got = model.eval()(torch.as_tensor(TOKENS)).detach().numpy()
     assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()
     jax_model, _ = jax_llama.init(config)
-    from jax_llama.checkpoint import params_from_tensors
     params = params_from_tensors(tensors.__getitem__, config)
     got = np.asarray(jax_model.apply({"params": params}, TOKENS))
     assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()
-
-
-def _names(config):
-    from bridge.tensors import canonical_shapes
-    return canonical_shapes(config)
 
 
 def test_export_loads_in_transformers_as_the_same_class(saved, tmp_path):
@@ -111,6 +136,7 @@ def test_export_loads_in_transformers_as_the_same_class(saved, tmp_path):
     written = json.loads((out / "config.json").read_text())
     assert written["model_type"] == family
     assert written["architectures"] == [FAMILIES[family][1]]
+    assert open_checkpoint(out).config == open_checkpoint(path).config  # the 4.x schema read
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(model).__name__ == FAMILIES[family][1]
     np.testing.assert_allclose(_hf_logits(model), want, rtol=1e-5, atol=1e-6)
@@ -153,11 +179,9 @@ def test_what_cannot_be_held_is_refused_by_name(tmp_path, family, change, field)
 
 
 @pytest.mark.parametrize("to", ["meta", "llama2c", "gguf"])
-def test_formats_without_the_deltas_refuse_them(saved, tmp_path, to):
-    family, path, _ = saved
+def test_formats_without_the_deltas_refuse_them(saved_with_delta, tmp_path, to):
+    family, path, _ = saved_with_delta
     delta = FAMILIES[family][3]
-    if delta is None:
-        pytest.skip("Mistral without a window is LLaMA")
     out = tmp_path / ("out.gguf" if to == "gguf" else "out")
     result = subprocess.run([BRIDGE, "convert", str(path), str(out), "--to", to],
                             capture_output=True, text=True)
