@@ -172,6 +172,7 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         c = self.config = config
+        # --8<-- [start:deltas]
         self.wq = Linear(c.dim, c.n_heads * c.head_dim, bias=c.qkv_bias)  # Qwen2: W x + b
         self.wk = Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.wv = Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
@@ -179,6 +180,7 @@ class Attention(nn.Module):
         if c.qk_norm:  # Qwen3: each head's q and k normalised, weights (H,) shared by the heads
             self.q_norm = RMSNorm(c.head_dim, c.norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.norm_eps)
+        # --8<-- [end:deltas]
 
     def forward(self, x_BSD, cos_BSh, sin_BSh, mask: AttentionMask | None = None,
                 cache: KVCache | None = None, layer: int = 0):
@@ -194,8 +196,10 @@ class Attention(nn.Module):
         q_BSNH = self.wq(x_BSD).view(B, S, c.n_heads, c.head_dim)
         k_BSKH = self.wk(x_BSD).view(B, S, c.n_kv_heads, c.head_dim)
         v_BSKH = self.wv(x_BSD).view(B, S, c.n_kv_heads, c.head_dim)
+        # --8<-- [start:qk_norm]
         if c.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
+        # --8<-- [end:qk_norm]
         q_BSNH, k_BSKH = rotate(q_BSNH, cos_BSh, sin_BSh), rotate(k_BSKH, cos_BSh, sin_BSh)
         # SDPA wants heads before sequence: (B, N, S, H) and (B, K, T, H).
         k_BKTH, v_BKTH = k_BSKH.transpose(1, 2), v_BSKH.transpose(1, 2)

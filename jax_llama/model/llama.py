@@ -193,16 +193,20 @@ class Attention(nn.Module):
         x_MD = x_BSD.reshape(B * S, D)  # projections as plain 2-D matmuls (faster on XLA:CPU)
         q_MF, k_MF, v_MF = self.projections.project(self, x_MD, _init(c),
                                                     wq=N * H, wk=K * H, wv=K * H)
+        # --8<-- [start:qkv_bias]
         if c.qkv_bias:  # Qwen2: W x + b
             q_MF, k_MF, v_MF = (y + self.param(f"w{n}_bias", nn.initializers.zeros,
                                                (y.shape[-1],), self.param_dtype).astype(y.dtype)
                                 for n, y in zip("qkv", (q_MF, k_MF, v_MF)))
+        # --8<-- [end:qkv_bias]
         q_BSNH = q_MF.reshape(B, S, N, H)
         k_BSKH, v_BSKH = k_MF.reshape(B, S, K, H), v_MF.reshape(B, S, K, H)
+        # --8<-- [start:qk_norm]
         if c.qk_norm:  # Qwen3: each head's q and k normalised, weights (H,) shared by the heads
             kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
             q_BSNH = RMSNorm(c.norm_eps, **kw, name="q_norm")(q_BSNH)
             k_BSKH = RMSNorm(c.norm_eps, **kw, name="k_norm")(k_BSKH)
+        # --8<-- [end:qk_norm]
         q_BSNH = rotate(q_BSNH, cos_BSh, sin_BSh)
         k_BSKH = rotate(k_BSKH, cos_BSh, sin_BSh)
 
