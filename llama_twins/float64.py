@@ -35,8 +35,8 @@ import numpy as np
 
 from bridge.config import LlamaConfig
 from bridge.dtypes import numpy_dtype
-from bridge.errors import BridgeError
 from bridge.rope import rope_inv_freq
+from bridge.tensors import layer_shapes
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ def forward_blocks(tensor: Callable[[str], np.ndarray], config: LlamaConfig, tok
     x = jnp.asarray(np.asarray(embedding[np.asarray(tokens)], np.float64))
     hidden, sublayers = [], []
     for i in range(c.n_layers):
-        x, parts = run.block(_block_weights(tensor, i, np.float64), x, angles, bias)
+        x, parts = run.block(_block_weights(tensor, c, i, np.float64), x, angles, bias)
         hidden.append(np.asarray(x))
         sublayers.append({k: np.asarray(v) for k, v in parts.items()})
     h = run.final_norm(jnp.asarray(np.asarray(tensor("norm.weight"), np.float64)), x)
@@ -227,8 +227,8 @@ def parts_from(tensor: Callable[[str], np.ndarray], config: LlamaConfig, i: int,
             x = tensor("tok_embeddings.weight")[np.asarray(tokens)]
         x = np.asarray(x, np.float64)
         given = {k: jnp.asarray(np.asarray(v, np.float64)) for k, v in parts.items()}
-        out = run.parts(_block_weights(tensor, i, np.float64), jnp.asarray(x), given, angles,
-                        bias)
+        w = _block_weights(tensor, config, i, np.float64)
+        out = run.parts(w, jnp.asarray(x), given, angles, bias)
         return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -237,19 +237,15 @@ def _blocks(config: LlamaConfig) -> "_Blocks":
     return _Blocks(config)
 
 
-BLOCK_TENSORS = ("attention_norm.weight", "attention.wq.weight", "attention.wk.weight",
-                 "attention.wv.weight", "attention.wo.weight", "ffn_norm.weight",
-                 "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")
-
-
-def _block_weights(tensor: Callable, i: int, dtype=None) -> dict:
-    """Block i's tensors by their short names (BLOCK_TENSORS), as `dtype` (None: as they are)."""
+def _block_weights(tensor: Callable, config: LlamaConfig, i: int, dtype=None) -> dict:
+    """Block i's tensors by their short names (bridge.tensors.layer_shapes: a delta's with
+    it), as `dtype` (None: as they are)."""
     import jax.numpy as jnp
 
     def get(name):
         t = tensor(f"layers.{i}.{name}")
         return t if dtype is None else jnp.asarray(np.asarray(t, dtype))
-    return {name: get(name) for name in BLOCK_TENSORS}
+    return {name: get(name) for name in layer_shapes(config)}
 
 
 class _Blocks:
@@ -261,9 +257,6 @@ class _Blocks:
         import jax
         import jax.numpy as jnp
 
-        if config.deltas:
-            raise BridgeError(f"the float64 reference computes LLaMA's decoder only, not "
-                              f"{config.family}'s {config.deltas[0]}", field="config")
         self.config = c = config
         self.inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling,
                                                   dtype=np.float64))
@@ -307,13 +300,14 @@ class _Blocks:
         embedding = weights["tok_embeddings.weight"]
         xs = [embedding[inputs]]
         for i in range(c.n_layers):
-            xs.append(self.block(_block_weights(weights.__getitem__, i), xs[-1], angles, bias)[0])
+            w = _block_weights(weights.__getitem__, c, i)
+            xs.append(self.block(w, xs[-1], angles, bias)[0])
         head_name = "tok_embeddings.weight" if c.tie_embeddings else "output.weight"
         value, (g_norm, g_head, g) = self.head_value_and_grad(
             weights["norm.weight"], weights[head_name], xs.pop(), targets)
         grads = {"norm.weight": g_norm, head_name: g_head}
         for i in reversed(range(c.n_layers)):
-            g_w, g = self.block_vjp(_block_weights(weights.__getitem__, i), xs.pop(), angles,
+            g_w, g = self.block_vjp(_block_weights(weights.__getitem__, c, i), xs.pop(), angles,
                                     bias, g)
             grads.update({f"layers.{i}.{name}": t for name, t in g_w.items()})
         g_embedding = jnp.zeros_like(embedding).at[inputs].add(g)
@@ -450,7 +444,7 @@ def forward(w: dict, config: LlamaConfig, inv_freq, tokens, mask, sublayers: boo
     x = w["tok_embeddings.weight"][tokens]
     hidden, parts = [], []
     for i in range(c.n_layers):
-        x, part = block(_block_weights(w.__getitem__, i), c, x, angles, bias)
+        x, part = block(_block_weights(w.__getitem__, c, i), c, x, angles, bias)
         hidden.append(x)
         parts.append(part)
     head = w["tok_embeddings.weight"] if c.tie_embeddings else w["output.weight"]
@@ -474,7 +468,7 @@ def geometry(mask, inv_freq):
 
 def block(w: dict, config: LlamaConfig, x, angles, bias):
     """One block on x (B, S, D): (its output, {attention_norm, attention, ffn_norm,
-    feed_forward: each part's output}). w: the block's tensors by short name (BLOCK_TENSORS);
+    feed_forward: each part's output}). w: the block's tensors by short name (_block_weights);
     angles, bias: see _Blocks.geometry."""
     part = {"attention_norm": _rms_norm(x, w["attention_norm.weight"], config.norm_eps)}
     part["attention"] = attention(w, config, part["attention_norm"], angles, bias)
@@ -490,9 +484,14 @@ def attention(w: dict, config: LlamaConfig, h, angles, bias):
 
     c = config
     B, S, _ = h.shape
-    q = (h @ w["attention.wq.weight"].T).reshape(B, S, c.n_heads, c.head_dim)
-    k = (h @ w["attention.wk.weight"].T).reshape(B, S, c.n_kv_heads, c.head_dim)
-    v = (h @ w["attention.wv.weight"].T).reshape(B, S, c.n_kv_heads, c.head_dim)
+    q, k, v = (h @ w[f"attention.{n}.weight"].T for n in ("wq", "wk", "wv"))
+    if c.qkv_bias:  # Qwen2
+        q, k, v = q + w["attention.wq.bias"], k + w["attention.wk.bias"], v + w["attention.wv.bias"]
+    q = q.reshape(B, S, c.n_heads, c.head_dim)
+    k, v = k.reshape(B, S, c.n_kv_heads, c.head_dim), v.reshape(B, S, c.n_kv_heads, c.head_dim)
+    if c.qk_norm:  # Qwen3: each head's q and k, before RoPE
+        q = _rms_norm(q, w["attention.q_norm.weight"], c.norm_eps)
+        k = _rms_norm(k, w["attention.k_norm.weight"], c.norm_eps)
     q, k = _rotate(q, angles), _rotate(k, angles)
     k = jnp.repeat(k, c.n_heads // c.n_kv_heads, axis=2)  # query head n reads kv head n // G
     v = jnp.repeat(v, c.n_heads // c.n_kv_heads, axis=2)

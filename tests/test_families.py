@@ -189,3 +189,25 @@ def test_formats_without_the_deltas_refuse_them(saved_with_delta, tmp_path, to):
     errors = _error_lines(result.stderr)
     assert len(errors) == 1 and delta in errors[0]
     assert not out.exists()
+
+
+def test_float64_reference_knows_the_deltas(saved):
+    import jax
+
+    from llama_twins.float64 import _Blocks, forward_blocks
+
+    family, path, _ = saved
+    ckpt = open_checkpoint(path)
+    tensors = {n: ckpt.tensor(n) for n in ckpt.specs}
+    hf = _hf_model(family).double()
+    with torch.no_grad():
+        want = hf(torch.as_tensor(TOKENS)).logits.numpy()
+    with jax.enable_x64(True):
+        _, logits, _ = forward_blocks(tensors.__getitem__, ckpt.config, TOKENS,
+                                      np.ones_like(TOKENS))
+        _, grads = _Blocks(ckpt.config).value_and_grad(
+            {n: jax.numpy.asarray(t, np.float64) for n, t in tensors.items()},
+            jax.numpy.asarray(TOKENS[:, :-1]), jax.numpy.asarray(TOKENS[:, 1:]))
+    # transformers computes RoPE's angles in float32 even in a float64 model: 1e-7 of the scale
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    assert sorted(grads) == sorted(canonical_shapes(ckpt.config))

@@ -6,8 +6,9 @@ Two things differ from the canonical layout. Names: a declarative table below. R
 half-split pairs (dims i and i + H/2) where Meta rotates interleaved pairs (2i, 2i+1), so HF
 stores wq and wk with the rows of each head permuted; `to_half_split` / `from_half_split` undo
 each other, per head, with n_heads for wq and n_kv_heads for wk; the q and k biases are rows
-of the same heads and move with them, and a head norm's weight (H,) moves as one head's rows. Getting this wrong gives a model
-that loads, runs and talks fluent nonsense, hence the tests against transformers itself.
+of the same heads and move with them, and a head norm's weight (H,) moves as one head's rows.
+Getting this wrong gives a model that loads, runs and talks fluent nonsense, hence the tests
+against transformers itself.
 
 config.json is read as transformers 4.x wrote it (top-level rope_theta, rope_scaling,
 torch_dtype: what the published LLaMA checkpoints carry) and as 5.x writes it (rope_parameters,
@@ -71,7 +72,8 @@ _LAYER = {  # suffix after "model.layers.{i}." -> suffix after "layers.{i}."
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
 }
-_PERMUTED = {"attention.wq.weight": lambda c: c.n_heads, "attention.wk.weight": lambda c: c.n_kv_heads,
+_PERMUTED = {"attention.wq.weight": lambda c: c.n_heads,
+             "attention.wk.weight": lambda c: c.n_kv_heads,
              "attention.wq.bias": lambda c: c.n_heads, "attention.wk.bias": lambda c: c.n_kv_heads,
              "attention.q_norm.weight": lambda c: 1, "attention.k_norm.weight": lambda c: 1}
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
