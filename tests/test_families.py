@@ -211,3 +211,13 @@ def test_float64_reference_knows_the_deltas(saved):
     # transformers computes RoPE's angles in float32 even in a float64 model: 1e-7 of the scale
     np.testing.assert_allclose(logits, want, rtol=0, atol=1e-6 * np.abs(want).max())
     assert sorted(grads) == sorted(canonical_shapes(ckpt.config))
+
+
+def test_parity_report_with_transformers_passes(saved_with_delta):
+    family, path, _ = saved_with_delta
+    result = subprocess.run([BRIDGE, "parity", str(path), "--reference", "transformers",
+                             "--seq-len", "8", "--new-tokens", "4", "--no-training",
+                             "--no-progress"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "transformers vs JAX" in result.stdout
+    assert result.stdout.strip().endswith("parity: ok, every figure within its bound")

@@ -49,7 +49,7 @@ def _transformers_forward(path, dtype: str, tokens, mask):
         # float32 on disk, which every transformers version loads as float32; then the parameters
         # (not RoPE's inv_freq buffer) are rounded to `dtype` to nearest even, as the twins do.
         hf_dir = convert(path, Path(tmp) / "hf", to="hf", dtype="float32", progress=False)
-        hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()  # the family's class
     for p in hf.parameters():
         p.data = p.data.to(getattr(torch, dtype_name(dtype)))
     positions = np.maximum(np.cumsum(mask, axis=-1) - 1, 0)  # real tokens counted, as the twins do
