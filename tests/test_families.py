@@ -159,8 +159,23 @@ def _refused(tmp_path, family, change, field):
     return src
 
 
+def test_qwens_unused_window_size_is_read(tmp_path):
+    """Qwen2.5's config.json gives a sliding_window with use_sliding_window false: no window."""
+    model = _hf_model("qwen2")
+    model.save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    fields.update(sliding_window=32768, use_sliding_window=False, max_window_layers=21)
+    fields.pop("layer_types", None)
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    jax_model, params = jax_llama.load(tmp_path)
+    want = _hf_logits(model)
+    got = np.asarray(jax_model.apply({"params": params}, TOKENS))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("family, change, field", [
     ("mistral", {"sliding_window": 4096}, "sliding_window"),
+    ("mistral", {"sliding_window": 4096, "layer_types": None}, "sliding_window"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("qwen2", {"num_experts": 8}, "num_experts"),

@@ -108,13 +108,13 @@ def _heads_to_permute(name: str, config: LlamaConfig) -> int | None:
 
 # Values transformers' LlamaForCausalLM supports and this project's model does not.
 _UNSUPPORTED = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
-                "use_sliding_window": False, "sliding_window": None}
+                "use_sliding_window": False}
 # Each family's class, and its deltas (LlamaConfig fields) as its config.json implies them.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _DELTAS = {"llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True}}
-# Keys of a Qwen config that only matter with use_sliding_window, refused above when it is true.
-_WINDOW_KEYS = {"max_window_layers", "layer_types"}
+# Keys that only matter with a sliding window, refused below when one is on.
+_WINDOW_KEYS = {"sliding_window", "max_window_layers", "layer_types"}
 _IGNORED = {  # known keys with no bearing on the weights or the forward pass
     "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "initializer_range",
     "use_cache", "pad_token_id", "attention_dropout", "pretraining_tp", "_name_or_path",
@@ -132,6 +132,11 @@ def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
     for key, supported in _UNSUPPORTED.items():
         if key in d and d[key] != supported:
             raise BridgeError(f"{where}: {key}={d[key]!r} is not supported (only {supported!r})")
+    # Qwen's window is off unless use_sliding_window (refused above): its size is then unused,
+    # and Qwen2.5 publishes one. Mistral's window is on wherever it has a size.
+    if "use_sliding_window" not in d and d.get("sliding_window") is not None:
+        raise BridgeError(f"{where}: sliding_window={d['sliding_window']!r} is not supported "
+                          f"(only null: attention over every position)")
     sliding = [t for t in d.get("layer_types") or () if t != "full_attention"]
     if sliding:
         raise BridgeError(f"{where}: layer_types has {sliding[0]!r} layers, not supported (only "
