@@ -178,8 +178,14 @@ class LlamaConfig:
     # -- (de)serialisation: the native config.json ----------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values; a family's deltas only where they differ from LLaMA's, so a
+        LLaMA's config.json and run.json read as before they existed (older builds read them,
+        a run from before resumes)."""
         d = dataclasses.asdict(self)
         d["eos_ids"] = list(self.eos_ids)
+        for name in ("family", "qkv_bias", "qk_norm"):
+            if d[name] == LlamaConfig.__dataclass_fields__[name].default:
+                del d[name]
         return d
 
     @classmethod
