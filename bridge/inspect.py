@@ -16,13 +16,16 @@ _SCAN_CHUNK = 1 << 24  # elements per NaN / Inf count: 16 MiB of booleans at a t
 
 
 def describe(ckpt: Checkpoint) -> dict:
-    """path, format, config, parameters, tensors, files, dtypes, bytes, quantization, tensor
+    """path, format, family (llama, mistral, qwen2, qwen3) and its deltas from LLaMA's decoder
+    (LlamaConfig.deltas), config, parameters, tensors, files, dtypes, bytes, quantization, tensor
     types (as a GGUF file names them, with counts; else None), loads_as (what the inference
     commands make of its quantised tensors by default: bridge.int4.quantised_layouts; None for
     a float or int8 checkpoint), tokenizer (describe_tokenizer) and notes, as JSON values."""
     return {
         "path": str(ckpt.path),
         "format": ckpt.format,
+        "family": ckpt.config.family,
+        "deltas": ckpt.config.deltas,
         "config": ckpt.config.to_dict(),
         "parameters": count_params(ckpt.config),
         "tensors": len(ckpt.specs),

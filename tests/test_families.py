@@ -85,6 +85,21 @@ def test_config_read_as_its_family(saved):
     assert type(config).from_dict(config.to_dict()) == config
 
 
+def test_inspect_names_the_family_and_its_delta(saved):
+    family, path, _ = saved
+    delta = FAMILIES[family][3]
+    result = subprocess.run([BRIDGE, "inspect", str(path), "--json", "--no-scan"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["family"] == family
+    assert report["deltas"] == ([] if delta is None else [delta])
+    text = subprocess.run([BRIDGE, "inspect", str(path), "--no-scan"], capture_output=True,
+                          text=True).stdout
+    line = next(row for row in text.splitlines() if row.strip().startswith("family"))
+    assert family in line and (delta is None or delta in line)
+
+
 def test_both_twins_equal_transformers(saved):
     family, path, want = saved
     model, params = jax_llama.load(path)

@@ -50,6 +50,8 @@ def cmd_inspect(args) -> int:
     if report["loads_as"]:
         print("  loads as    " + ", ".join(f"{n} {layout}" for layout, n in report["loads_as"].items())
               + " (generate, chat, serve, eval; --dtype float32 dequantises)")
+    print(f"  family      {c.family}" + (f" (LLaMA's decoder with {', '.join(c.deltas)})"
+                                        if c.deltas else ""))
     print(f"  shape       dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads / {c.n_kv_heads} kv "
           f"heads of {c.head_dim}, ffn {c.ffn_dim}, vocab {c.vocab_size}")
     print(f"  positions   max_seq_len {c.max_seq_len}, rope_theta {c.rope_theta:g}, "
