@@ -254,8 +254,8 @@ def _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, pr
     if mesh is not None and (layout.native or layout.weights != "float"):
         raise BridgeError(f"not with {layout.weights} weights from {ckpt.path} (load it whole)",
                           field="mesh")
-    if progress and layout.describe(ckpt.path):
-        note(layout.describe(ckpt.path))
+    if progress and (said := layout.describe(ckpt.path)):
+        note(said)
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
     get = ckpt.tensor
     read = ckpt.tensor_slice

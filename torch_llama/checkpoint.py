@@ -48,8 +48,8 @@ def load(path: str | os.PathLike | Checkpoint, device: str | torch.device = "aut
 def _load(path, device, dtype, adapter, progress, quantize, group_size) -> Llama:
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     layout = decide_layout(ckpt, quantize, group_size, dtype, adapter=adapter is not None)
-    if progress and layout.describe(ckpt.path):
-        note(layout.describe(ckpt.path))
+    if progress and (said := layout.describe(ckpt.path)):
+        note(said)
     make = layout.reader(ckpt)
     device = resolve_device(device)
     dtype = resolve_dtype(ckpt.stored_dtype() if dtype is None else dtype)
