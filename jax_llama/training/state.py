@@ -204,18 +204,28 @@ class Checkpoints:
             self.manager.wait_until_finished()
         except Exception:  # noqa: BLE001 - the same failure, reported again by the threads
             pass
+        deadline = time.monotonic() + 10.0
+        for thread in threading.enumerate():  # orbax's own threads, not its idle pool workers
+            if (thread is not threading.current_thread()
+                    and type(thread).__module__.startswith("orbax")):
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
         def partial() -> list[Path]:
             return [path for path in self.directory.iterdir()
                     if path.name == str(step) or (path.name.startswith(f"{step}.")
                                                   and "tmp" in path.name)]
 
-        deadline = time.monotonic() + 10.0
-        while (left := partial()) and time.monotonic() < deadline:
-            for path in left:
-                shutil.rmtree(path, ignore_errors=True)
-            if partial():
-                time.sleep(0.05)
+        quiet_since = None  # gone, and staying gone for a moment: no thread writes there now
+        while time.monotonic() < deadline:
+            if left := partial():
+                quiet_since = None
+                for path in left:
+                    shutil.rmtree(path, ignore_errors=True)
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > 0.5:
+                break
+            time.sleep(0.05)
         self.manager.reload()
 
     def restore_newest(self, state, mesh, with_meta: bool = False):
