@@ -15,10 +15,11 @@ from typing import Any, Mapping
 from .errors import BridgeError
 
 ROPE_SCALING_TYPES = ("llama3",)
-# Families whose decoder is LLaMA's plus the deltas LlamaConfig holds: Mistral (without a sliding
-# window) is LLaMA itself, Qwen2 adds biases to q, k and v, Qwen3 an RMSNorm over each head's q
-# and k. The family is the name a checkpoint carries (HF's model_type) and is written back.
+# Families whose decoder is LLaMA's plus the deltas LlamaConfig holds: Mistral is LLaMA itself,
+# v0.1 attending only within a sliding window of positions; Qwen2 adds biases to q, k and v, Qwen3
+# an RMSNorm over each head's q and k. The family is the name a checkpoint carries (HF's model_type) and is written back.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DELTAS = ("qkv_bias", "qk_norm", "sliding_window")  # LlamaConfig's fields beyond LLaMA's decoder
 
 
 def _is_int(value: Any) -> bool:
@@ -109,6 +110,7 @@ class LlamaConfig:
     family: str = "llama"          # one of FAMILIES: the architecture's name in HF config.json
     qkv_bias: bool = False         # Qwen2: q, k and v projections add a bias
     qk_norm: bool = False          # Qwen3: RMSNorm over each head's q and k before RoPE
+    sliding_window: int | None = None  # Mistral v0.1: a query sees only the last W positions
     # --8<-- [end:config]
 
     def __post_init__(self):
@@ -142,6 +144,9 @@ class LlamaConfig:
         for name in ("qkv_bias", "qk_norm"):
             _require(isinstance(getattr(self, name), bool), name, "must be a bool",
                      getattr(self, name))
+        _require(self.sliding_window is None or (_is_int(self.sliding_window)
+                                                 and self.sliding_window > 0),
+                 "sliding_window", "must be a positive integer or None", self.sliding_window)
         _require(self.bos_id is None or (_is_int(self.bos_id) and self.bos_id >= 0), "bos_id",
                  "must be a non-negative integer or None", self.bos_id)
         if isinstance(self.eos_ids, (list, int)):
@@ -160,7 +165,7 @@ class LlamaConfig:
     @property
     def deltas(self) -> list[str]:
         """The fields on which this model differs from LLaMA's decoder (empty for LLaMA)."""
-        return [name for name in ("qkv_bias", "qk_norm") if getattr(self, name)]
+        return [name for name in DELTAS if getattr(self, name) not in (False, None)]
 
     def refuse_deltas(self, format: str) -> None:
         """Refuse, naming the first delta, a model that `format` (which holds LLaMA's decoder
@@ -183,7 +188,7 @@ class LlamaConfig:
         a run from before resumes)."""
         d = dataclasses.asdict(self)
         d["eos_ids"] = list(self.eos_ids)
-        for name in ("family", "qkv_bias", "qk_norm"):
+        for name in ("family",) + DELTAS:
             if d[name] == LlamaConfig.__dataclass_fields__[name].default:
                 del d[name]
         return d

@@ -37,7 +37,7 @@ def layer_shapes(config: LlamaConfig) -> dict:
     """(name suffix, shape builder) of each tensor of one layer of `config`, in a stable order."""
     shapes = dict(_LAYER_SHAPES)
     for delta in config.deltas:
-        shapes.update(_DELTA_SHAPES[delta])
+        shapes.update(_DELTA_SHAPES.get(delta, {}))  # sliding_window: no tensor of its own
     return shapes
 
 

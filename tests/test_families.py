@@ -1,4 +1,4 @@
-"""Mistral (without a sliding window), Qwen2 and Qwen3 read from Hugging Face directories: both
+"""Mistral (its sliding window: tests/test_sliding_window.py), Qwen2 and Qwen3 read from Hugging Face directories: both
 twins give transformers' own logits, each delta matters, an export loads in transformers as the
 same class, and what the project cannot hold is refused by name, nothing written."""
 
@@ -189,8 +189,9 @@ def test_qwens_unused_window_size_is_read(tmp_path):
 
 
 @pytest.mark.parametrize("family, change, field", [
-    ("mistral", {"sliding_window": 4096}, "sliding_window"),
-    ("mistral", {"sliding_window": 4096, "layer_types": None}, "sliding_window"),
+    ("mistral", {"sliding_window": 0}, "sliding_window"),
+    ("mistral", {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ("qwen2", {"num_experts": 8}, "num_experts"),

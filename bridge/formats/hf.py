@@ -134,9 +134,10 @@ def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
             raise BridgeError(f"{where}: {key}={d[key]!r} is not supported (only {supported!r})")
     # Qwen's window is off unless use_sliding_window (refused above): its size is then unused,
     # and Qwen2.5 publishes one. Mistral's window is on wherever it has a size.
-    if "use_sliding_window" not in d and d.get("sliding_window") is not None:
-        raise BridgeError(f"{where}: sliding_window={d['sliding_window']!r} is not supported "
-                          f"(only null: attention over every position)")
+    window = d.get("sliding_window") if family == "mistral" else None
+    if family == "llama" and d.get("sliding_window") is not None:
+        raise BridgeError(f"{where}: sliding_window={d['sliding_window']!r} is not supported on "
+                          f"a llama checkpoint (model_type mistral has one)")
     sliding = [t for t in d.get("layer_types") or () if t != "full_attention"]
     if sliding:
         raise BridgeError(f"{where}: layer_types has {sliding[0]!r} layers, not supported (only "
@@ -181,7 +182,7 @@ def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
         rope_theta=float(theta), rope_scaling=scaling,
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_id=d.get("bos_token_id"), eos_ids=() if eos is None else eos, family=family,
-        **_DELTAS[family])
+        sliding_window=window, **_DELTAS[family])
     try:
         config = LlamaConfig(**fields)
     except BridgeError as e:
@@ -201,6 +202,8 @@ def config_to_hf(config: LlamaConfig, dtype: str) -> dict:
     """An HF config.json dict (transformers 4.x form, which 4.x and 5.x both load)."""
     c = config
     implied = {"qkv_bias": False, "qk_norm": False, **_DELTAS[c.family]}
+    if c.family != "mistral":
+        implied["sliding_window"] = None
     for delta, value in implied.items():
         if getattr(c, delta) != value:
             raise BridgeError(f"LlamaConfig.{delta}={getattr(c, delta)!r}: a {c.family} checkpoint "
@@ -221,11 +224,11 @@ def config_to_hf(config: LlamaConfig, dtype: str) -> dict:
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
     }
-    if c.family != "llama":  # no bias on o_proj nor the MLP; no sliding window
+    if c.family != "llama":  # no bias on o_proj nor the MLP; Mistral's window or none
         for key in ("mlp_bias", "pretraining_tp", "attention_bias"):
             if key != "attention_bias" or c.family != "qwen3":
                 del d[key]
-        d["sliding_window"] = None
+        d["sliding_window"] = c.sliding_window
         if c.family != "mistral":
             d["use_sliding_window"] = False
     if c.bos_id is not None:
