@@ -199,6 +199,23 @@ class LlamaConfig:
         return _from_fields(cls, d, "LlamaConfig")
 
 
+# The most tokens one call writes into a rolling KV cache (a longer prompt is prefilled in chunks).
+WINDOW_CHUNK = 512
+
+
+def rolling_cache(config: LlamaConfig, length: int) -> tuple[int, int] | None:
+    """(slots, chunk) of the rolling KV cache that serves `length` positions of a model with a
+    sliding window of W: a query needs the W - 1 keys before its own, so a call writing up to
+    `chunk` tokens needs W + chunk - 1 slots, reused in turn. None where a plain cache of `length`
+    slots is no larger (no window, or `length` within those slots). Both twins size theirs so."""
+    W = config.sliding_window
+    if W is None:
+        return None
+    chunk = min(W, WINDOW_CHUNK)
+    slots = W + chunk - 1
+    return (slots, chunk) if length > slots else None
+
+
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                original_max_position_embeddings=8192)
 _LLAMA32_SCALING = dataclasses.replace(_LLAMA31_SCALING, factor=32.0)
