@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from bridge.config import rolling_cache
 from bridge.errors import BridgeError
 from bridge.inputs import pad_rows, shared_prefix
 from bridge.int4 import generation_activations, using_activations
@@ -140,8 +141,8 @@ def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache
     4-bit projections take their input (bridge.int4.generation_activations)."""
     B, P = tokens_BP.shape
     n_max = cache_len - P
-    cache = KVCache.create(model.config, B, cache_len, model.dtype)
-    out = run_model(model, params, activations, tokens_BP, attention_mask=mask_BP, cache=cache)
+    cache = KVCache.create(model.config, B, cache_len, model.dtype, rolling=True)
+    out = _prefill_in_chunks(model, params, activations, tokens_BP, mask_BP, cache)
     key, sub = jax.random.split(key)
     # left padding: the last column is real
     token_B, logprob_B = _pick(out.logits[:, -1], sub, sampler, tempered)
@@ -149,6 +150,31 @@ def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache
                      done_B=jnp.zeros((B,), bool), tokens_BN=jnp.zeros((B, n_max), jnp.int32),
                      logprobs_BN=jnp.zeros((B, n_max), jnp.float32), key=key)
     return _emit(start, token_B, logprob_B, stop_ids)
+
+
+def _prefill_in_chunks(model, params, activations: str, tokens_BP, mask_BP, cache: KVCache):
+    """The left-padded prompts written into `cache` -> the LlamaOutput of their last tokens. A
+    rolling cache (a sliding window) takes at most `cache.chunk` tokens a call: a longer prompt
+    goes in chunks, padded further on the left to a whole number of them, one scanned step each."""
+    B, P = tokens_BP.shape
+    C = cache.chunk
+    if C is None or P <= C:
+        return run_model(model, params, activations, tokens_BP, attention_mask=mask_BP, cache=cache)
+    n = -(-P // C)
+    pad = ((0, 0), (n * C - P, 0))
+    tokens_BnC = jnp.pad(tokens_BP, pad).reshape(B, n, C)
+    mask_BnC = jnp.pad(jnp.asarray(mask_BP, bool), pad).reshape(B, n, C)
+
+    def chunk(cache, inputs):
+        tokens_BC, mask_BC = inputs
+        out = run_model(model, params, activations, tokens_BC, attention_mask=mask_BC,
+                        cache=cache, lm_head=False)
+        return out.cache, None
+
+    cache, _ = jax.lax.scan(chunk, cache, (tokens_BnC[:, :-1].swapaxes(0, 1),
+                                           mask_BnC[:, :-1].swapaxes(0, 1)))
+    return run_model(model, params, activations, tokens_BnC[:, -1], attention_mask=mask_BnC[:, -1],
+                     cache=cache)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampler", "tempered", "activations"),
@@ -267,7 +293,8 @@ def _extend(params, cache: KVCache, start, tokens_1S, n, stop_ids, key, *, model
     bucket) after them, and choose the first new token from the logits of token n - 1. The cache
     holds one row whose slots are its tokens in order, so cutting it back is setting its index."""
     T, S = cache.length, tokens_1S.shape[1]
-    cache = cache.replace(index=start, valid=(jnp.arange(T) < start)[None],
+    held_T = jnp.arange(T) if cache.slots is None else cache.slots  # a rolling cache's slots
+    cache = cache.replace(index=start, valid=((held_T >= 0) & (held_T < start))[None],
                           positions=jnp.full((1,), start, jnp.int32))
     valid_1S = (jnp.arange(S) < n)[None]
     out = run_model(model, params, activations, tokens_1S, attention_mask=valid_1S, cache=cache,
@@ -335,6 +362,16 @@ class ChatSession:
         check_inputs(np.asarray([ids], np.int32), config.vocab_size)
         # at least the last id is prefilled: its logits choose the first new token
         start = min(shared_prefix(self.cached, ids), len(ids) - 1)
+        static = dict(model=self.model, sampler=self.sampler,
+                      activations=generation_activations())
+        rolling = rolling_cache(config, config.max_seq_len) is not None
+        if rolling:  # a rolling cache, of a fixed size; a long turn goes in in chunks
+            start = self._rolling(start)
+            chunk = self.cache.chunk
+        reused = start
+        while rolling and len(ids) - start > chunk:
+            d = self._extend(ids, start, chunk, chunk, static)
+            self.cache, start = d.cache, start + chunk
         n = len(ids) - start
         # Few shapes, so few programs: each new one costs seconds to compile, and still one or
         # two to load from the persistent compilation cache in a new process. A turn's new ids
@@ -342,19 +379,14 @@ class ChatSession:
         # chunk of _MIN_CHUNK; the cache starts at _MIN_SLOTS, enough for several turns, and the
         # decode kernels skip its empty slots.
         S = bucket(max(n, _MIN_CHUNK), max(n, config.max_seq_len))
+        if rolling:
+            S = max(n, min(S, chunk))
         need = max(start + S, len(ids) + self.max_new_tokens)
-        if self.cache is None or self.cache.length < need:
+        if not rolling and (self.cache is None or self.cache.length < need):
             length = max(need, bucket(max(need, _MIN_SLOTS), config.max_seq_len))
             self.cache = (KVCache.create(config, 1, length, self.model.dtype) if self.cache is None
                           else _grown(self.cache, length))
-        tokens = np.zeros((1, S), np.int32)
-        tokens[0, :n] = ids[start:]
-        static = dict(model=self.model, sampler=self.sampler,
-                      activations=generation_activations())
-        self.key, key = jax.random.split(self.key)
-        cache, self.cache, self.cached = self.cache, None, []  # handed on: donated below
-        args = (self.params, cache, jnp.int32(start), tokens, jnp.int32(n), self.stops, key)
-        d = program(_extend, "extend", args, dict(n_max=self.max_new_tokens, **static))(*args)
+        d = self._extend(ids, start, n, S, static)
         decode = functools.partial(program, _decode, "decode",
                                    (self.params, d, jnp.int32(1), self.stops), static)
         if on_token is None:
@@ -366,5 +398,29 @@ class ChatSession:
         hits = [j for j, t in enumerate(new) if t in set(self.stop_ids)]
         new = new[:hits[0] + 1] if hits else new
         self.cache, self.cached = d.cache, ids + new[:steps - 1]
-        self.prefilled, self.reused = n, start
+        self.prefilled, self.reused = len(ids) - reused, reused
         return new
+
+    def _rolling(self, start: int) -> int:
+        """Where the next prompt starts prefilling with a rolling cache (made here when there is
+        none): at `start` while the cache still holds the W - 1 slots before it, else at 0 in a
+        fresh cache (the conversation was cut back further than its window)."""
+        config = self.model.config
+        held_from = len(self.cached) - self.cache.length if self.cache is not None else 0
+        if start - config.sliding_window + 1 < held_from:
+            self.forget()
+        if self.cache is None:
+            self.cache = KVCache.create(config, 1, config.max_seq_len, self.model.dtype,
+                                        rolling=True)
+            start = 0
+        return start
+
+    def _extend(self, ids: list[int], start: int, n: int, S: int, static: dict) -> Decoding:
+        """Prefill ids[start:start + n] (right-padded to S) after the cache's first `start` slots
+        -> the Decoding that chooses the next token. The cache is handed on (donated)."""
+        tokens = np.zeros((1, S), np.int32)
+        tokens[0, :n] = ids[start:start + n]
+        self.key, key = jax.random.split(self.key)
+        cache, self.cache, self.cached = self.cache, None, []  # handed on: donated below
+        args = (self.params, cache, jnp.int32(start), tokens, jnp.int32(n), self.stops, key)
+        return program(_extend, "extend", args, dict(n_max=self.max_new_tokens, **static))(*args)

@@ -23,8 +23,9 @@ serves its G query heads without a copy.
            results/gpu/gpu.md. It never fails for lack of a kernel.
 
 The mask is described, not built: AttentionMask says which key slot each query sits at (causal:
-a query sees slots up to its own), which slots hold real tokens, and each token's segment (a
-token sees only its own segment). `dense()` builds the (B, S, T) boolean mask for xla and cudnn;
+a query sees slots up to its own), which slots hold real tokens, each token's segment (a token
+sees only its own segment) and, for Mistral's sliding window, how far back a query sees. A
+rolling KV cache reuses its entries in turn, so it also says which slot each entry holds. `dense()` builds the (B, S, T) boolean mask for xla and cudnn;
 chunked builds one (Q, C) block at a time. A query that may see no key (left padding) gets the
 uniform average of every key in xla and zeros in chunked: its output is never read.
 """
@@ -69,29 +70,39 @@ SPLASH_BLOCKS = (512, 256, 128)  # the largest of these that divides the padded 
 
 
 class AttentionMask(struct.PyTreeNode):
-    """Query s may attend key slot t when t <= q_slots[s] (causal), valid[b, t] (a real token)
-    and q_segments[b, s] == k_segments[b, t] (same document). None fields are not restrictions."""
+    """Query s may attend key entry t, which holds slot k = k_slots[t] (t itself when k_slots is
+    None), when k <= q_slots[s] (causal), q_slots[s] - k < window (a sliding window), valid[b, t]
+    (a real token) and q_segments[b, s] == k_segments[b, t] (same document). None fields are not
+    restrictions."""
 
     q_slots: jax.Array                  # (S,) int32: the key slot each query occupies
     valid: jax.Array | None = None      # (B, T) bool
     q_segments: jax.Array | None = None  # (B, S) int32
     k_segments: jax.Array | None = None  # (B, T) int32
+    k_slots: jax.Array | None = None    # (T,) int32: the slot each entry of a rolling cache holds
+    window: int | None = struct.field(pytree_node=False, default=None)  # LlamaConfig.sliding_window
     # True when the S queries are the T = S keys themselves (q_slots == arange(S), no cache):
     # known when tracing, so kernels with a static causal mask (splash) can be chosen.
     self_attention: bool = struct.field(pytree_node=False, default=False)
 
     @classmethod
-    def causal(cls, S: int, valid_BS=None, segments_BS=None) -> "AttentionMask":
+    def causal(cls, S: int, valid_BS=None, segments_BS=None, window=None) -> "AttentionMask":
         """S tokens attending to themselves (no cache): query s at slot s."""
         return cls(q_slots=jnp.arange(S, dtype=jnp.int32), valid=valid_BS,
-                   q_segments=segments_BS, k_segments=segments_BS, self_attention=True)
+                   q_segments=segments_BS, k_segments=segments_BS, window=window,
+                   self_attention=True)
 
     def block(self, q_start, Q: int, k_start, C: int):
         """The (B or 1, Q, C) boolean mask of queries [q_start, q_start + Q) and key slots
         [k_start, k_start + C); indices past the ends read as masked keys."""
         q_slots = jax.lax.dynamic_slice_in_dim(self.q_slots, q_start, Q)
-        k_slots = k_start + jnp.arange(C)
+        k_slots = (k_start + jnp.arange(C) if self.k_slots is None
+                   else jax.lax.dynamic_slice_in_dim(self.k_slots, k_start, C))
         allowed = (k_slots[None, :] <= q_slots[:, None])[None]
+        # --8<-- [start:sliding_window]
+        if self.window is not None:  # Mistral: a query sees only the last `window` positions
+            allowed = allowed & (q_slots[:, None] - k_slots[None, :] < self.window)[None]
+        # --8<-- [end:sliding_window]
         if self.valid is not None:
             valid = jax.lax.dynamic_slice_in_dim(self.valid, k_start, C, axis=1)
             allowed = allowed & valid[:, None, :]
@@ -175,7 +186,8 @@ def _splash(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask):
     head (its G query heads share it), vmapped over batch and kv heads. The sequence is padded to
     a multiple of 128; padding (padded or invalid tokens) and segments become splash's segment
     ids: each row's invalid tokens get an id no real token of the row has, so no real query sees
-    them (they see each other; their outputs are never read)."""
+    them (they see each other; their outputs are never read). A sliding window is its LocalMask
+    (the last `window` keys up to the query's own)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     B, K, G, S, H = q_BKGSH.shape
@@ -193,7 +205,9 @@ def _splash(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask):
     segments_BS = jnp.where(valid_BS, segments_BS, unseen)
 
     kernel = splash.make_splash_mqa_single_device(
-        splash.MultiHeadMask([splash.CausalMask((S_pad, S_pad)) for _ in range(G)]),
+        splash.MultiHeadMask([splash.CausalMask((S_pad, S_pad)) if mask.window is None
+                              else splash.LocalMask((S_pad, S_pad), (mask.window - 1, 0), 0)
+                              for _ in range(G)]),
         block_sizes=splash.BlockSizes(
             block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
             block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block),
@@ -237,13 +251,17 @@ def _padded_mask(mask: AttentionMask, S_pad: int, T: int, T_pad: int) -> Attenti
         q_slots=_pad_to(mask.q_slots, S_pad, 0, value=-1),  # a padded query sees nothing
         valid=None if valid is None else _pad_to(valid, T_pad, 1, value=False),
         q_segments=None if mask.q_segments is None else _pad_to(mask.q_segments, S_pad, 1),
-        k_segments=None if mask.k_segments is None else _pad_to(mask.k_segments, T_pad, 1))
+        k_segments=None if mask.k_segments is None else _pad_to(mask.k_segments, T_pad, 1),
+        k_slots=None if mask.k_slots is None else _pad_to(mask.k_slots, T_pad, 0,
+                                                          value=np.iinfo(np.int32).max),
+        window=mask.window)
 
 
 def _free_key_blocks(mask: AttentionMask, q_start, Q: int, C: int, needed):
     """How many key blocks from the first one every query of the block may see whole: wholly
-    below the causal diagonal, with no padding or segments to mask. They need no mask at all."""
-    if mask.valid is not None or mask.q_segments is not None:
+    below the causal diagonal, with no padding, segments or window to mask. They need no mask."""
+    if (mask.valid is not None or mask.q_segments is not None or mask.window is not None
+            or mask.k_slots is not None):
         return 0
     first_slot = jnp.min(jax.lax.dynamic_slice_in_dim(mask.q_slots, q_start, Q))
     return jnp.clip((first_slot + 1) // C, 0, needed)
@@ -251,7 +269,10 @@ def _free_key_blocks(mask: AttentionMask, q_start, Q: int, C: int, needed):
 
 def _key_blocks_needed(mask: AttentionMask, q_start, Q: int, C: int, n_k: int):
     """How many key blocks from the first one a query block can see: keys past its last query's
-    slot are masked by causality, so those blocks are skipped (half the work of a prefill)."""
+    slot are masked by causality, so those blocks are skipped (half the work of a prefill). A
+    rolling cache's entries are in no order: it needs them all."""
+    if mask.k_slots is not None:
+        return n_k
     last_slot = jnp.max(jax.lax.dynamic_slice_in_dim(mask.q_slots, q_start, Q))
     return jnp.clip(last_slot // C + 1, 0, n_k)
 
@@ -262,7 +283,18 @@ def _sweep(mask: AttentionMask, i, Q: int, C: int, n_k: int, step, carry):
     needed = _key_blocks_needed(mask, i * Q, Q, C, n_k)
     free = _free_key_blocks(mask, i * Q, Q, C, needed)
     carry = jax.lax.fori_loop(0, free, lambda j, c: step(j, c, False), carry)
-    return jax.lax.fori_loop(free, needed, lambda j, c: step(j, c, True), carry)
+    return jax.lax.fori_loop(jnp.maximum(free, _first_key_block(mask, i * Q, Q, C, needed)),
+                             needed, lambda j, c: step(j, c, True), carry)
+
+
+def _first_key_block(mask: AttentionMask, q_start, Q: int, C: int, needed):
+    """The first key block a query block can see: with a sliding window, the blocks wholly
+    before its first query's window are skipped (work linear in the window, not the length)."""
+    if mask.window is None or mask.k_slots is not None:
+        return 0
+    q_slots = jax.lax.dynamic_slice_in_dim(mask.q_slots, q_start, Q)
+    first_slot = jnp.min(jnp.where(q_slots >= 0, q_slots, jnp.iinfo(jnp.int32).max))
+    return jnp.clip((first_slot - mask.window + 1) // C, 0, needed)
 
 
 def _chunked(q_BKGSH, k_BKTH, v_BKTH, mask: AttentionMask):

@@ -25,7 +25,7 @@ from flax import struct
 import jax
 import jax.numpy as jnp
 
-from bridge.config import LlamaConfig, RopeScaling
+from bridge.config import LlamaConfig, RopeScaling, rolling_cache
 from bridge.dtypes import numpy_dtype
 from bridge.errors import BridgeError
 from bridge.rope import rope_inv_freq
@@ -113,6 +113,10 @@ class KVCache(struct.PyTreeNode):
     marked invalid, so its RoPE positions (`positions`) count real tokens only. Heads come before
     slots, the layout attention reads: with slots first, XLA:CPU transposes the whole cache of
     every layer at every decode step.
+
+    With a sliding window of W, a query never reads a key W positions back, so a long generation
+    can keep a rolling cache (create(rolling=True)): T = W + chunk - 1 entries reused in turn,
+    entry t holding slot `slots[t]`, and no call writing more than `chunk` tokens at once.
     """
 
     k: jax.Array          # (L, B, K, T, H) in the compute dtype
@@ -120,31 +124,72 @@ class KVCache(struct.PyTreeNode):
     valid: jax.Array      # (B, T) bool: slots that hold a real (non-padding) token
     index: jax.Array      # () int32: the next slot to write, shared by all rows
     positions: jax.Array  # (B,) int32: the RoPE position of each row's next real token
+    slots: jax.Array | None = None  # (T,) int32: a rolling cache's slot in each entry (-1: none)
+    window: int | None = struct.field(pytree_node=False, default=None)  # the config's window
 
     @classmethod
-    def create(cls, config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
-        """A cache of `length` slots, all invalid (zeros: a masked slot must not hold a NaN)."""
-        shape = (config.n_layers, batch, config.n_kv_heads, length, config.head_dim)
+    def create(cls, config: LlamaConfig, batch: int, length: int, dtype=jnp.float32,
+               rolling: bool = False) -> "KVCache":
+        """A cache of `length` slots, all invalid (zeros: a masked slot must not hold a NaN);
+        rolling: as few entries as the model's sliding window needs (bridge.config.rolling_cache),
+        where it has one and `length` is longer."""
+        ring = rolling_cache(config, length) if rolling else None
+        T = length if ring is None else ring[0]
+        shape = (config.n_layers, batch, config.n_kv_heads, T, config.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   valid=jnp.zeros((batch, length), bool), index=jnp.zeros((), jnp.int32),
-                   positions=jnp.zeros((batch,), jnp.int32))
+                   valid=jnp.zeros((batch, T), bool), index=jnp.zeros((), jnp.int32),
+                   positions=jnp.zeros((batch,), jnp.int32),
+                   slots=None if ring is None else jnp.full((T,), -1, jnp.int32),
+                   window=config.sliding_window)
 
     @property
     def length(self) -> int:
-        """T, the slots it holds."""
+        """T, the slots (a rolling cache: the entries) it holds."""
         return self.k.shape[3]
+
+    @property
+    def chunk(self) -> int | None:
+        """The most tokens one call may write: a rolling cache's entries less the W - 1 that
+        its first new query reads; None for a plain cache (as many as it has slots)."""
+        return None if self.slots is None else self.length - self.window + 1
 
     def reserve(self, valid_BS):
         """Make room for S new tokens at slots [index, index + S), valid where valid_BS (B, S) is
         -> (the cache with valid, index and positions advanced; the AttentionMask of the new
-        queries: each sees the valid slots up to its own; positions (B, S) of the new tokens)."""
+        queries: each sees the valid slots up to its own, within the window; positions (B, S) of
+        the new tokens)."""
         S = valid_BS.shape[1]
-        valid_BT = jax.lax.dynamic_update_slice(self.valid, valid_BS, (0, self.index))
-        mask = AttentionMask(q_slots=self.index + jnp.arange(S, dtype=jnp.int32), valid=valid_BT)
+        q_slots = self.index + jnp.arange(S, dtype=jnp.int32)
+        if self.slots is None:
+            valid_BT, slots = jax.lax.dynamic_update_slice(self.valid, valid_BS, (0, self.index)), None
+        else:
+            if S > self.chunk:
+                raise BridgeError(f"{S} tokens in one call, more than the {self.chunk} a rolling "
+                                  f"cache of {self.length} entries takes (window "
+                                  f"{self.window}): write them in chunks", field="tokens")
+            entries = q_slots % self.length
+            valid_BT = self.valid.at[:, entries].set(valid_BS)
+            slots = self.slots.at[entries].set(q_slots)
+        mask = AttentionMask(q_slots=q_slots, valid=valid_BT, k_slots=slots, window=self.window)
         positions_BS = self.positions[:, None] + default_positions(valid_BS)
-        advanced = self.replace(valid=valid_BT, index=self.index + S,
+        advanced = self.replace(valid=valid_BT, slots=slots, index=self.index + S,
                                 positions=self.positions + valid_BS.sum(-1).astype(jnp.int32))
         return advanced, mask, positions_BS
+
+    def write(self, layer, k_BKSH, v_BKSH) -> "KVCache":
+        """The keys and values of the S tokens reserved last, written into layer `layer` in place:
+        slots [index - S, index), or a rolling cache's entries for them."""
+        S = k_BKSH.shape[2]
+        if self.slots is None:
+            start = (layer, 0, 0, self.index - S, 0)
+            return self.replace(
+                k=jax.lax.dynamic_update_slice(self.k, k_BKSH[None].astype(self.k.dtype), start),
+                v=jax.lax.dynamic_update_slice(self.v, v_BKSH[None].astype(self.v.dtype), start))
+        entries = (self.index - S + jnp.arange(S)) % self.length
+        # indexed by (layer, :, :, entries): the indexed axes come first, (S, B, K, H)
+        return self.replace(
+            k=self.k.at[layer, :, :, entries].set(k_BKSH.transpose(2, 0, 1, 3).astype(self.k.dtype)),
+            v=self.v.at[layer, :, :, entries].set(v_BKSH.transpose(2, 0, 1, 3).astype(self.v.dtype)))
 # --8<-- [end:kv_cache]
 
 
@@ -182,8 +227,8 @@ class Attention(nn.Module):
                  cache: KVCache | None = None, layer=0):
         """x (B, S, D) -> (out (B, S, D), cache).
 
-        mask: which key each query may attend (causal, padding, segments); None is plain causal
-        attention over these S tokens. With a cache (already reserved for these tokens), the new
+        mask: which key each query may attend (causal, padding, segments, the sliding window);
+        None is causal attention over these S tokens (within the config's window, if any). With a cache (already reserved for these tokens), the new
         keys and values go into slots [index - S, index) of `layer` and the queries read all T
         slots of that layer (attend_cache): each step writes in place and reads once, with no
         copy."""
@@ -213,15 +258,12 @@ class Attention(nn.Module):
         # Heads go before positions so that each (kv head, group) is one batched matmul.
         k_BKTH, v_BKTH = k_BSKH.transpose(0, 2, 1, 3), v_BSKH.transpose(0, 2, 1, 3)
         if mask is None:
-            mask = AttentionMask.causal(S)
+            mask = AttentionMask.causal(S, window=c.sliding_window)
         # Query head n = k * G + g reads kv head k (the order Meta's repeat_kv implies).
         q_BKGSH = q_BSNH.reshape(B, S, K, G, H).transpose(0, 2, 3, 1, 4)
         if cache is not None:
-            start = (layer, 0, 0, cache.index - S, 0)
-            k_LBKTH = jax.lax.dynamic_update_slice(cache.k, k_BKTH[None].astype(cache.k.dtype), start)
-            v_LBKTH = jax.lax.dynamic_update_slice(cache.v, v_BKTH[None].astype(cache.v.dtype), start)
-            cache = cache.replace(k=k_LBKTH, v=v_LBKTH)
-            out_BKGSH = self.projections.attend_cache(self, q_BKGSH, k_LBKTH, v_LBKTH, layer, mask)
+            cache = cache.write(layer, k_BKTH, v_BKTH)
+            out_BKGSH = self.projections.attend_cache(self, q_BKGSH, cache.k, cache.v, layer, mask)
         else:
             out_BKGSH = attend(q_BKGSH, k_BKTH, v_BKTH, mask, self.attention)
         out_MNH = out_BKGSH.transpose(0, 3, 1, 2, 4).reshape(B * S, N * H)
@@ -338,7 +380,8 @@ class Llama(nn.Module):
             positions = cached_positions if positions is None else positions
         elif attention_mask is not None or segment_ids is not None:
             segments_BS = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-            mask = AttentionMask.causal(S, None if attention_mask is None else valid_BS, segments_BS)
+            mask = AttentionMask.causal(S, None if attention_mask is None else valid_BS, segments_BS,
+                                        c.sliding_window)
             if positions is None:
                 positions = default_positions(valid_BS, segments_BS)
         if positions is None:

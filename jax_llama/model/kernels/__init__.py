@@ -385,8 +385,9 @@ def usable_attention(q_BKGSH, k_LBKTH, mask) -> bool:
     if q_BKGSH.ndim != 5 or k_LBKTH.ndim != 5:
         return False
     B, S = q_BKGSH.shape[0], q_BKGSH.shape[3]
+    folded = S == 1 or (mask.window is None and mask.k_slots is None)  # see attend_cache
     return (B * S <= MAX_ROWS and q_BKGSH.dtype == jnp.float32 and k_LBKTH.dtype == jnp.float32
-            and mask.q_segments is None and unavailable_reason() is None)
+            and mask.q_segments is None and folded and unavailable_reason() is None)
 
 
 def _attention_reference(q_BKGSH, k_LBKTH, v_LBKTH, layer, q_slots_S, valid_BT):
@@ -428,10 +429,18 @@ def attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, layer, mask):
     gradient is that function's). Call only where `usable_attention` said True."""
     _check()
     B, T = q_BKGSH.shape[0], k_LBKTH.shape[3]
-    valid_BT = (jnp.ones((B, T), bool) if mask.valid is None
-                else jnp.broadcast_to(mask.valid, (B, T)))
+    q_slots_S = mask.q_slots
+    if mask.window is not None or mask.k_slots is not None:
+        # The kernel knows causality and valid slots only. One query's whole mask is one row of
+        # valid slots, the window's and a rolling cache's order folded in: the kernel then reads
+        # up to the query's own slot, or every entry of a rolling cache.
+        valid_BT = jnp.broadcast_to(mask.dense(T)[:, 0], (B, T))
+        q_slots_S = q_slots_S if mask.k_slots is None else jnp.full((1,), T - 1, jnp.int32)
+    else:
+        valid_BT = (jnp.ones((B, T), bool) if mask.valid is None
+                    else jnp.broadcast_to(mask.valid, (B, T)))
     return _attend_cache(q_BKGSH, k_LBKTH, v_LBKTH, jnp.asarray(layer, jnp.int32),
-                         mask.q_slots.astype(jnp.int32), valid_BT)
+                         q_slots_S.astype(jnp.int32), valid_BT)
 
 
 def _check():
