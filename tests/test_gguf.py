@@ -383,9 +383,9 @@ def test_refusals(tmp_path, capsys):
     refused(capsys, tmp_path, ["convert", src, tmp_path / "x.bin", "--to", "llama2c",
                                "--dtype", "q8_0"], "q8_0")
 
-    qwen = rewrite(gg, tmp_path / "qwen.gguf", arch="qwen2")
-    refused(capsys, tmp_path, ["convert", qwen, out], "qwen.gguf", "general.architecture",
-            "'qwen2'")
+    gemma = rewrite(gg, tmp_path / "gemma.gguf", arch="gemma")
+    refused(capsys, tmp_path, ["convert", gemma, out], "gemma.gguf", "general.architecture",
+            "'gemma'")
 
     # a Q8_K tensor (256-element blocks of 292 bytes: llama.cpp's intermediate type for K-quant
     # matmuls, which gguf does not dequantise)

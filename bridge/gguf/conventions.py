@@ -1,7 +1,8 @@
-"""llama.cpp's conventions for a LLaMA in GGUF, the ones a write makes and a read takes back: the
-architecture name, the file types `--dtype` names and who quantises each, the tensor name table,
-our own keys (LLaMA 3.1 rope scaling, the config's token ids), and llama.cpp's formula for the
-rope_freqs.weight tensor that carries LLaMA 3.1's rope scaling.
+"""llama.cpp's conventions for a LLaMA-family model in GGUF, the ones a write makes and a read
+takes back: the architecture of each family and the deltas it holds, which architectures keep q
+and k in Hugging Face's half-split RoPE layout, the file types `--dtype` names and who quantises
+each, the tensor name table, our own keys (LLaMA 3.1 rope scaling, the config's token ids), and
+llama.cpp's formula for the rope_freqs.weight tensor that carries LLaMA 3.1's rope scaling.
 """
 
 from __future__ import annotations
@@ -11,10 +12,23 @@ import re
 
 import numpy as np
 
-from ..config import RopeScaling
+from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
 
 ARCH = "llama"
+# general.architecture -> (the family it is read as, the deltas its tensors hold). Each is the
+# decoder llama.cpp runs under that name (src/models/qwen2.cpp: biases on q, k and v; qwen3.cpp:
+# attn_q_norm / attn_k_norm, head_dim as attention.key_length).
+ARCHES = {"llama": ("llama", ()), "qwen2": ("qwen2", ("qkv_bias",)),
+          "qwen3": ("qwen3", ("qk_norm",))}
+# The architecture a family is written as. llama.cpp's converter writes Mistral as "llama"
+# (conversion/mistral.py subclasses LlamaModel), so a Mistral file reads back as family llama.
+FAMILY_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Architectures whose q and k rows stay in Hugging Face's half-split order: llama.cpp's converter
+# permutes q_proj / k_proj for "llama" alone (conversion/llama.py, LlamaModel.permute) and runs
+# these with NEOX RoPE, pairs H/2 apart (src/llama-model.cpp, llama_model_rope_type). A read
+# undoes the permutation per head (wq, wk, their biases, the head norms), a write redoes it.
+HALF_SPLIT_ARCHES = ("qwen2", "qwen3")
 # --dtype for a GGUF target -> (gguf.GGMLQuantizationType name: the matrices' type before the
 # per-tensor rules of _tensor_type; gguf.LlamaFileType name: general.file_type, and the name of
 # llama_cpp.LLAMA_FTYPE_<it>; who quantises: GGUF_PY = gguf.quants' numpy quantisers, here, one
@@ -62,6 +76,16 @@ NAMES = {
     "norm.weight": "output_norm.weight",
     "output.weight": "output.weight",
 }
+# The deltas' tensors, by the names of llama.cpp's qwen2 (biases) and qwen3 (head norms).
+DELTA_NAMES = {
+    "layers.{i}.attention.wq.bias": "blk.{i}.attn_q.bias",
+    "layers.{i}.attention.wk.bias": "blk.{i}.attn_k.bias",
+    "layers.{i}.attention.wv.bias": "blk.{i}.attn_v.bias",
+    "layers.{i}.attention.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "layers.{i}.attention.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+}
+_ALL_NAMES = {**NAMES, **DELTA_NAMES}
+_CANONICAL = {v: k for k, v in _ALL_NAMES.items()}
 _LAYER = re.compile(r"(layers|blk)\.(\d+)\.")
 
 
@@ -74,7 +98,7 @@ def _translate(name: str, table: dict[str, str]) -> str | None:
 
 def gguf_name(name: str) -> str:
     """llama.cpp's name for a canonical tensor name."""
-    out = _translate(name, NAMES)
+    out = _translate(name, _ALL_NAMES)
     if out is None:
         raise BridgeError(f"tensor {name!r}: no GGUF name for it")
     return out
@@ -82,7 +106,28 @@ def gguf_name(name: str) -> str:
 
 def canonical_name(name: str) -> str | None:
     """The canonical name of a llama.cpp tensor name; None for a name we do not map."""
-    return _translate(name, {v: k for k, v in NAMES.items()})
+    return _translate(name, _CANONICAL)
+
+
+def gguf_arch(config: LlamaConfig) -> str:
+    """The general.architecture a model of `config` is written as; refused, naming the delta,
+    where that architecture cannot hold the model's deltas exactly (a sliding window anywhere;
+    a qwen2 without its biases, whose file llama.cpp would read as one with them)."""
+    arch = FAMILY_ARCH[config.family]
+    if arch == ARCH:
+        config.refuse_deltas("a LLaMA GGUF file")
+        return arch
+    holds = ARCHES[arch][1]
+    extra = [d for d in config.deltas if d not in holds]
+    if extra:
+        raise BridgeError(f"a {arch} GGUF file holds {arch}'s decoder ({', '.join(holds)}), not "
+                          f"{config.family}'s {extra[0]} (write hf or native)", field="to")
+    missing = [d for d in holds if d not in config.deltas]
+    if missing:
+        raise BridgeError(f"a {arch} GGUF file holds {missing[0]}, which this {config.family} "
+                          f"model lacks (LlamaConfig.{missing[0]} is off; write hf or native)",
+                          field="to")
+    return arch
 
 
 def gguf_dtype(dtype: str) -> str:

@@ -1,8 +1,14 @@
-"""Reading a LLaMA GGUF file: its llama.* keys as a LlamaConfig, its tensors as canonical arrays
-(float types as stored, every quantised type that gguf.quants dequantises as float32, one tensor
-at a time), its vocabulary as tokenizer files (bridge.gguf.tokenizer) and its chat template. The
-container is read by bridge.gguf.container; names and key conventions are
+"""Reading a LLaMA-family GGUF file: its <arch>.* keys as a LlamaConfig, its tensors as canonical
+arrays (float types as stored, every quantised type that gguf.quants dequantises as float32, one
+tensor at a time), its vocabulary as tokenizer files (bridge.gguf.tokenizer) and its chat
+template. The container is read by bridge.gguf.container; names and key conventions are
 bridge.gguf.conventions'.
+
+The architectures read are llama.cpp's llama, qwen2 (q, k and v biases) and qwen3 (q and k head
+norms, head_dim as attention.key_length). A qwen file keeps q and k in Hugging Face's half-split
+RoPE layout, which a read turns into the project's interleaved one per head (wq, wk, their biases,
+the head norms; bridge.formats.hf's permutation). Mistral files are llama files (that is how
+llama.cpp writes them), so they read back as family llama: a GGUF file does not name the family.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ from ..chat import TEMPLATE_FILE, ChatTemplate
 from ..config import LlamaConfig, RopeScaling
 from ..errors import BridgeError
 from ..formats.base import Checkpoint, check_specs
+from ..formats.hf import _heads_to_permute, from_half_split
 from ..parallel import by_chunks
+from ..tensors import LAYER_SUFFIXES, layer_shapes
 from ..tokenizer import Tokenizer
 from .container import GGUFFile, TensorInfo, read_gguf
-from .conventions import (ARCH, OUR_BOS, OUR_EOS, OUR_KEY, ROPE_FREQS, canonical_name,
-                          llama3_rope_freqs)
+from .conventions import (ARCHES, HALF_SPLIT_ARCHES, OUR_BOS, OUR_EOS, OUR_KEY, ROPE_FREQS,
+                          canonical_name, gguf_name, llama3_rope_freqs)
 from .tokenizer import gguf_tokenizer, tokenizer_files
 
 # Read as stored: GGML float type -> numpy dtype. Every other type is read through
@@ -39,8 +47,9 @@ _DEQUANT_CHUNK = 1 << 20
 
 
 class GGUFCheckpoint(Checkpoint):
-    """A LLaMA GGUF file: F32 / F16 / BF16 tensors as stored, every type gguf can dequantise
-    (Q4_0 ... Q8_0, K-quants, IQ, TQ) as float32, one tensor at a time. Its vocabulary, where
+    """A LLaMA-family GGUF file (architecture llama, qwen2 or qwen3): F32 / F16 / BF16 tensors as
+    stored, every type gguf can dequantise (Q4_0 ... Q8_0, K-quants, IQ, TQ) as float32, one
+    tensor at a time, q and k rows always in the interleaved RoPE order. Its vocabulary, where
     llama.cpp's tokenizer can be rebuilt, and its chat template become tokenizer files in
     `extra_files`, in a temporary directory that lives as long as this object."""
 
@@ -54,9 +63,9 @@ class GGUFCheckpoint(Checkpoint):
         self.files, self._notes = [self.path], []
         fields = file.fields
         arch = fields.get("general.architecture")
-        if arch != ARCH:
-            raise BridgeError(f"{self.path}: general.architecture is {arch!r}; only {ARCH!r} "
-                              f"GGUF files are read")
+        if arch not in ARCHES:
+            raise BridgeError(f"{self.path}: general.architecture is {arch!r}; only "
+                              f"{', '.join(map(repr, ARCHES))} GGUF files are read")
 
         self._tensors: dict[str, tuple[TensorInfo, object]] = {}
         specs, rope_freqs, readable = {}, None, {}
@@ -73,11 +82,16 @@ class GGUFCheckpoint(Checkpoint):
                 continue
             name = canonical_name(t.name)
             if name is None:
-                raise BridgeError(f"{self.path}: unexpected tensor {t.name!r} for a LLaMA model")
+                raise BridgeError(f"{self.path}: unexpected tensor {t.name!r} for a {arch} model")
             self._tensors[name] = (t, qtype)
             specs[name] = (t.shape, np.dtype(STORED_FLOATS.get(qtype.name, np.float32)))
-        self.config = _config(self.path, fields, specs, rope_freqs)
-        self.specs = check_specs(self.config, specs, self.path, source="its llama.* keys")
+        self.config = _config(self.path, fields, specs, rope_freqs, arch)
+        _require_delta_tensors(self.path, self.config, specs, arch)
+        self.specs = check_specs(self.config, specs, self.path, source=f"its {arch}.* keys")
+        # rows per head to undo Hugging Face's half-split RoPE order in (qwen2, qwen3), by name
+        self._heads = {} if arch not in HALF_SPLIT_ARCHES else {
+            name: heads for name in self.specs
+            if (heads := _heads_to_permute(name, self.config)) is not None}
         counts = Counter(gguf.GGMLQuantizationType(t.type_id).name for t in file.tensors)
         self.tensor_types = dict(counts.most_common())
         quantised = sorted(k for k in counts if k not in STORED_FLOATS)
@@ -94,7 +108,13 @@ class GGUFCheckpoint(Checkpoint):
     def tensor(self, name: str) -> np.ndarray:
         if name not in self._tensors:
             raise BridgeError(f"{self.path}: no tensor {name!r}")
-        return _as_array(self._file, *self._tensors[name])
+        return self._interleaved(name, _as_array(self._file, *self._tensors[name]))
+
+    def _interleaved(self, name: str, rows):
+        """`rows` (an array, or None) of tensor `name` in the project's interleaved RoPE order:
+        a qwen file's q / k rows from their half-split order, per head; others as they are."""
+        heads = self._heads.get(name)
+        return rows if heads is None or rows is None else from_half_split(rows, heads)
 
     # tensor_slice of leading rows reads those rows' blocks alone (so jax_llama.load has
     # bridge.int4's QuantisedReader quantise int8 rows a chunk of rows at a time)
@@ -108,7 +128,7 @@ class GGUFCheckpoint(Checkpoint):
         t, qtype = self._tensors[name]
         first, rest = (index[0], index[1:]) if index else (slice(None), ())
         if (len(t.shape) < 2 or not isinstance(first, slice) or first.step not in (None, 1)
-                or any(r != slice(None) for r in rest)):
+                or any(r != slice(None) for r in rest) or name in self._heads):
             return super().tensor_slice(name, index)
         start, stop, _ = first.indices(t.shape[0])
         return _as_array(self._file, t, qtype, rows=(start, max(start, stop)))
@@ -130,7 +150,8 @@ class GGUFCheckpoint(Checkpoint):
         t, qtype = self._tensors[name]
         if qtype.name not in BLOCK_BYTES:
             return None
-        return from_q4_blocks(self._file.raw(t), qtype.name, tuple(t.shape), name)
+        blocks = from_q4_blocks(self._file.raw(t), qtype.name, tuple(t.shape), name)
+        return tuple(self._interleaved(name, rows) for rows in blocks)
 
     def int4_rounded(self, name: str):
         """A Q4_K tensor in bridge.int4's layout, its q as the file holds them and its scales and
@@ -143,7 +164,8 @@ class GGUFCheckpoint(Checkpoint):
         t, qtype = self._tensors[name]
         if qtype.name != "Q4_K" or len(t.shape) != 2:
             return None
-        return from_q4_k_blocks(self._file.raw(t), tuple(t.shape), name)
+        packed, scale, low, *sums = from_q4_k_blocks(self._file.raw(t), tuple(t.shape), name)
+        return (*(self._interleaved(name, rows) for rows in (packed, scale, low)), *sums)
 
     def own_tokenizer(self) -> Tokenizer:
         """The file's vocabulary, rebuilt to tokenize as llama.cpp does, from the keys read on
@@ -329,31 +351,36 @@ def _f32_value(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _config(path: Path, fields: dict, specs: dict, rope_freqs: np.ndarray | None) -> LlamaConfig:
+def _config(path: Path, fields: dict, specs: dict, rope_freqs: np.ndarray | None,
+            arch: str) -> LlamaConfig:
+    """The LlamaConfig of the <arch>.* keys: the family the architecture is read as, with the
+    deltas it holds (bridge.gguf.conventions.ARCHES)."""
+    family, deltas = ARCHES[arch]
+
     def key(name: str, default=None):
-        value = fields.get(f"{ARCH}.{name}", default)
+        value = fields.get(f"{arch}.{name}", default)
         if value is None:
-            raise BridgeError(f"{path}: key {ARCH}.{name} is missing")
+            raise BridgeError(f"{path}: key {arch}.{name} is missing")
         return value
 
-    if fields.get(f"{ARCH}.expert_count", 0):
-        raise BridgeError(f"{path}: {ARCH}.expert_count is {fields[f'{ARCH}.expert_count']}: a "
+    if fields.get(f"{arch}.expert_count", 0):
+        raise BridgeError(f"{path}: {arch}.expert_count is {fields[f'{arch}.expert_count']}: a "
                           f"mixture-of-experts model, which LlamaConfig does not describe")
-    scaling_type = fields.get(f"{ARCH}.rope.scaling.type", "none")
-    if scaling_type != "none" or fields.get(f"{ARCH}.rope.scaling.factor", 0.0) not in (0.0, 1.0):
-        raise BridgeError(f"{path}: {ARCH}.rope.scaling.type {scaling_type!r} (factor "
-                          f"{fields.get(f'{ARCH}.rope.scaling.factor')}) is not supported; only "
+    scaling_type = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none" or fields.get(f"{arch}.rope.scaling.factor", 0.0) not in (0.0, 1.0):
+        raise BridgeError(f"{path}: {arch}.rope.scaling.type {scaling_type!r} (factor "
+                          f"{fields.get(f'{arch}.rope.scaling.factor')}) is not supported; only "
                           f"unscaled RoPE and LLaMA 3's rope_freqs are read")
     n_heads = key("attention.head_count")
     dim = key("embedding_length")
     head_dim = key("attention.key_length", key("rope.dimension_count", dim // max(n_heads, 1)))
     for name in ("attention.value_length", "rope.dimension_count"):
-        if fields.get(f"{ARCH}.{name}", head_dim) != head_dim:
-            raise BridgeError(f"{path}: {ARCH}.{name} is {fields[f'{ARCH}.{name}']}, but the head "
+        if fields.get(f"{arch}.{name}", head_dim) != head_dim:
+            raise BridgeError(f"{path}: {arch}.{name} is {fields[f'{arch}.{name}']}, but the head "
                               f"dim is {head_dim}; partial RoPE and unequal k/v heads are not "
                               f"supported")
     embedding = specs.get("tok_embeddings.weight")
-    vocab = fields.get(f"{ARCH}.vocab_size") or (embedding[0][0] if embedding else None)
+    vocab = fields.get(f"{arch}.vocab_size") or (embedding[0][0] if embedding else None)
     theta = _f32_value(key("rope.freq_base", 10000.0))
     try:
         config = LlamaConfig(
@@ -363,15 +390,27 @@ def _config(path: Path, fields: dict, specs: dict, rope_freqs: np.ndarray | None
             max_seq_len=key("context_length"),
             norm_eps=_f32_value(key("attention.layer_norm_rms_epsilon")), rope_theta=theta,
             rope_scaling=_rope_scaling(path, fields, theta, head_dim, rope_freqs),
-            tie_embeddings="output.weight" not in specs, head_dim=head_dim,
-            **_token_ids(fields))
+            tie_embeddings="output.weight" not in specs, head_dim=head_dim, family=family,
+            **dict.fromkeys(deltas, True), **_token_ids(fields))
     except BridgeError as e:
         raise BridgeError(f"{path}: {e}") from None
     except TypeError as e:  # a key of the wrong type (a string where a number belongs)
-        raise BridgeError(f"{path}: a {ARCH}.* key has the wrong type ({e})") from None
+        raise BridgeError(f"{path}: a {arch}.* key has the wrong type ({e})") from None
     if config.head_dim == config.dim // config.n_heads:
         config = config.replace(head_dim=None)
     return config
+
+
+def _require_delta_tensors(path: Path, config: LlamaConfig, specs: dict, arch: str) -> None:
+    """Refuse a file of an architecture with deltas (qwen2's biases, qwen3's head norms) that lacks
+    one of their tensors, naming it as the file does."""
+    suffixes = [s for s in layer_shapes(config) if s not in LAYER_SUFFIXES]
+    for i in range(config.n_layers if suffixes else 0):
+        for suffix in suffixes:
+            if f"layers.{i}.{suffix}" not in specs:
+                raise BridgeError(f"{path}: tensor {gguf_name(f'layers.{i}.{suffix}')!r} is "
+                                  f"missing (a {arch} file holds {', '.join(ARCHES[arch][1])} "
+                                  f"in every layer)")
 
 
 def _token_ids(fields: dict) -> dict:

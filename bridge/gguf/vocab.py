@@ -6,7 +6,8 @@ Export, as llama.cpp's converter writes them:
     llama3  "gpt2" (byte-level BPE), pre "llama-bpe": the 128,000 ranks as GPT-2 byte-level
             strings, merges, the 256 special tokens as CONTROL.
     hf      "gpt2" for a byte-level BPE tokenizer.json, pre the name bridge.gguf.pretokenizers
-            gives its splits (the one it was rebuilt from GGUF with, where it was); others (a
+            gives its splits (the one it was rebuilt from GGUF with, where it was; else the
+            writer's choice, "qwen2" for a Qwen model, where it fits); others (a
             SentencePiece-style BPE with byte fallback) are refused by name.
     bytes   "gpt2", pre "gpt-2", no merges: id b is byte b.
 The byte-level vocabularies and merges are those of bridge.hf_tokenizer's tokenizer.json, so one
@@ -33,17 +34,18 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 
 # -- export ----------------------------------------------------------------------------------------
 
-def vocab_keys(tokenizer: Tokenizer, vocab_size: int, chat_template: str | None = None
-               ) -> list[tuple[str, object]]:
+def vocab_keys(tokenizer: Tokenizer, vocab_size: int, chat_template: str | None = None,
+               pre: str | None = None) -> list[tuple[str, object]]:
     """(GGUFWriter method, value) pairs that write `tokenizer` as llama.cpp reads it, for a model
-    of `vocab_size` ids."""
+    of `vocab_size` ids; `pre` the pre-tokenizer name to write where it has the tokenizer's
+    splits and no name came with the tokenizer (several names share one regex list)."""
     if tokenizer.vocab_size > vocab_size:
         raise BridgeError(f"the tokenizer's {tokenizer.vocab_size} ids do not fit the model's "
                           f"vocab_size {vocab_size}", field="tokenizer")
     if tokenizer.kind == "llama2":
         keys = _sentencepiece_keys(tokenizer, vocab_size)
     elif tokenizer.kind in ("llama3", "hf", "bytes"):
-        keys = _byte_level_keys(tokenizer, vocab_size)
+        keys = _byte_level_keys(tokenizer, vocab_size, pre)
     else:
         raise BridgeError(f"no GGUF vocabulary for a tokenizer of kind {tokenizer.kind!r}",
                           field="tokenizer")
@@ -79,7 +81,8 @@ def _sentencepiece_keys(tokenizer: Tokenizer, vocab_size: int) -> list[tuple[str
             ("add_token_list", tokens), ("add_token_scores", scores), ("add_token_types", types)]
 
 
-def _byte_level_keys(tokenizer: Tokenizer, vocab_size: int) -> list[tuple[str, object]]:
+def _byte_level_keys(tokenizer: Tokenizer, vocab_size: int, prefer: str | None
+                     ) -> list[tuple[str, object]]:
     build = {"llama3": _from_tiktoken, "hf": _from_hf, "bytes": _from_bytes}[tokenizer.kind]
     spec = json.loads(build(tokenizer).to_str())
     model = spec["model"]
@@ -92,7 +95,7 @@ def _byte_level_keys(tokenizer: Tokenizer, vocab_size: int) -> list[tuple[str, o
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     stored = tokenizer._config.get(GGUF_PRE_KEY) if tokenizer.kind == "hf" else None
     pre = _pre_name(spec.get("pre_tokenizer"), bool(model.get("ignore_merges")), bool(merges),
-                    stored)
+                    stored, prefer)
     tokens = [_pad(i) for i in range(vocab_size)]
     types = [UNUSED] * vocab_size
     for token, i in model["vocab"].items():
@@ -108,15 +111,17 @@ def _byte_level_keys(tokenizer: Tokenizer, vocab_size: int) -> list[tuple[str, o
 
 
 def _pre_name(pre_tokenizer: dict | None, ignore_merges: bool, has_merges: bool,
-              stored: str | None = None) -> str:
+              stored: str | None = None, prefer: str | None = None) -> str:
     """llama.cpp's name for the pre-tokenizer (the splits that cut text before BPE): `stored`
-    (the name a tokenizer rebuilt from GGUF came with) where it still describes it, else the
-    first name of bridge.gguf.pretokenizers with the same splits and ignore_merges."""
+    (the name a tokenizer rebuilt from GGUF came with) where it still describes it, else
+    `prefer` where it does, else the first name of bridge.gguf.pretokenizers with the same
+    splits and ignore_merges."""
     splits = _splits(pre_tokenizer)
     fits = [name for name, pre in PRE_TOKENIZERS.items() if pre.byte_level and
             split_patterns(pre) == splits and pre.ignore_merges == ignore_merges]
-    if stored in fits:
-        return stored
+    for name in (stored, prefer):
+        if name in fits:
+            return name
     if fits:
         return next((name for name in ("gpt-2", "llama-bpe") if name in fits), fits[0])
     if not has_merges:  # each byte its own token: how the text is cut cannot change the ids

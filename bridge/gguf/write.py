@@ -1,15 +1,20 @@
-"""Writing a LLaMA model as a GGUF file (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; the K-quants
-q2_k ... q6_k by llama.cpp's own quantiser, bridge.gguf.quantize), through llama.cpp's own `gguf`
-package (the container, and the rounding of every type it quantises from gguf.quants).
+"""Writing a LLaMA-family model as a GGUF file (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1; the
+K-quants q2_k ... q6_k by llama.cpp's own quantiser, bridge.gguf.quantize), through llama.cpp's own
+`gguf` package (the container, and the rounding of every type it quantises from gguf.quants).
 
 What llama.cpp reads, and so what is written (facts from llama.cpp's converter and loader):
-  - architecture "llama" and its keys: llama.context_length, embedding_length, block_count,
-    feed_forward_length, attention.head_count / head_count_kv / key_length / value_length /
-    layer_norm_rms_epsilon, rope.dimension_count, rope.freq_base, vocab_size; general.file_type.
+  - architecture "llama" (Mistral's too, as llama.cpp's converter writes it; a window is refused),
+    "qwen2" or "qwen3" (bridge.gguf.conventions.gguf_arch), and its keys: <arch>.context_length,
+    embedding_length, block_count, feed_forward_length, attention.head_count / head_count_kv /
+    key_length / value_length / layer_norm_rms_epsilon, rope.dimension_count, rope.freq_base,
+    vocab_size; general.file_type.
   - q/k rows in Meta's interleaved-pair order: llama.cpp's converter applies `permute` to Hugging
     Face's q_proj / k_proj, which undoes HF's half-split permutation (conversion/llama.py,
     LlamaModel.permute and modify_tensors), and runs the llama graph with adjacent-pair RoPE. Our
-    canonical tensors are already in that order, so they are written as they are.
+    canonical tensors are already in that order, so they are written as they are. For qwen2 and
+    qwen3 the converter keeps Hugging Face's rows (llama.cpp runs them with NEOX RoPE), so wq, wk,
+    their biases and the head norms are written in half-split order, per head, as
+    bridge.formats.hf writes them; the biases and head norms are 1-D, hence F32.
   - LLaMA 3.1 rope scaling as a `rope_freqs.weight` tensor of per-frequency divisors (float32,
     (H/2,)), computed by llama.cpp's formula (LlamaModel.generate_extra_tensors). llama.cpp's own
     rope.scaling.* keys must not carry it: rope.scaling.type "llama3" fails its loader's
@@ -38,9 +43,11 @@ from ..atomic import atomic_file
 from ..config import LlamaConfig
 from ..errors import BridgeError
 from ..formats.base import Spec, check_specs
+from ..formats.hf import _heads_to_permute, to_half_split
 from ..progress import note
-from .conventions import (ARCH, FILE_TYPES, LLAMA_CPP, OUR_BOS, OUR_EOS, OUR_KEY, OUTPUT_QTYPE,
-                          ROPE_FREQS, gguf_dtype, gguf_name, llama3_rope_freqs)
+from .conventions import (FILE_TYPES, HALF_SPLIT_ARCHES, LLAMA_CPP, OUR_BOS, OUR_EOS, OUR_KEY,
+                          OUTPUT_QTYPE, ROPE_FREQS, gguf_arch, gguf_dtype, gguf_name,
+                          llama3_rope_freqs)
 
 
 def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Spec],
@@ -49,7 +56,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
                dtype: str | None = None, tokenizer=None,
                warn: Callable[[str], object] | None = None,
                stage: Callable[[str], object] | None = None) -> Path:
-    """Write a LLaMA GGUF file atomically, one tensor in memory at a time.
+    """Write a LLaMA-family GGUF file atomically, one tensor in memory at a time.
 
     `dtype` a FILE_TYPES name (default: the specs' dtype, f32 when mixed) applies to the matrices,
     by the rules of _tensor_type (1-D tensors F32, the output projection Q8_0 under a quantised
@@ -67,7 +74,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
 
     from .vocab import vocab_keys
 
-    config.refuse_deltas("a LLaMA GGUF file")
+    arch = gguf_arch(config)
     ordered = check_specs(config, specs, "tensors to write")
     warn = warn or note  # above an open progress bar
     stored = {d.name for _, d in ordered.values()}
@@ -91,7 +98,7 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
     qtype_name, ftype_name, _ = FILE_TYPES[file_type]
     qtype = gguf.GGMLQuantizationType[qtype_name]
 
-    writer = gguf.GGUFWriter(None, ARCH)
+    writer = gguf.GGUFWriter(None, arch)
     _add_config(writer, config, gguf.LlamaFileType[ftype_name])
     chat_template = next((Path(f).read_text(encoding="utf-8") for f in extra_files
                           if Path(f).name == "chat_template.jinja"), None)
@@ -102,7 +109,8 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
         warn(f"{path}: written without a tokenizer: llama.cpp will not load it without one "
              f"(pass --tokenizer FILE / tokenizer=...)")
     else:
-        for method, value in vocab_keys(tokenizer, config.vocab_size, chat_template):
+        for method, value in vocab_keys(tokenizer, config.vocab_size, chat_template,
+                                        pre="qwen2" if arch in HALF_SPLIT_ARCHES else None):
             getattr(writer, method)(value)  # the writer's own add_token_list etc.: its key names
 
     # Every tensor's info goes into the header first (names, shapes, types, offsets), so that the
@@ -136,6 +144,10 @@ def write_gguf(path: str | os.PathLike, config: LlamaConfig, specs: dict[str, Sp
                         config.head_dim, config.rope_theta, config.rope_scaling))
                     continue
                 array = fetch(name)
+                heads = _heads_to_permute(name, config) if arch in HALF_SPLIT_ARCHES else None
+                if heads is not None:  # rows (or their blocks) in half-split order, per head
+                    array = (Encoded(to_half_split(array.data, heads), array.qtype)
+                             if isinstance(array, Encoded) else to_half_split(array, heads))
                 if isinstance(array, Encoded):  # blocks already in the tensor's type
                     if array.qtype != t.name or array.data.nbytes != math.prod(
                             ordered[name][0]) // gguf.GGML_QUANT_SIZES[t][0] * \
