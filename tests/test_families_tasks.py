@@ -121,13 +121,14 @@ def _hf_class(path) -> str:
 # -- LoRA -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_our_adapter_under_peft_on_transformers_class_and_merged_keeping_the_deltas(
+def test_adapters_go_both_ways_with_peft_on_transformers_class_and_merge_keeping_the_deltas(
         family, hf_dir, tmp_path):
     """An adapter on all seven projections with random B: peft.PeftModel over transformers'
     class (Qwen2, Qwen3, Mistral) gives the JAX and torch twins' adapted logits; `llama-bridge
     merge-lora --to hf` writes the same class with the same logits, its biases and head norms
     the base's, bit for bit."""
-    from peft import PeftModel
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel, get_peft_model
     from safetensors.numpy import load_file
 
     path = hf_dir(family)
@@ -138,7 +139,8 @@ def test_our_adapter_under_peft_on_transformers_class_and_merged_keeping_the_del
     base = transformers.AutoModelForCausalLM.from_pretrained(path)
     want = _logits(PeftModel.from_pretrained(base, tmp_path / "adapter").eval())
     ours = np.asarray(lora_model.apply({"params": lora_params}, TOKENS))
-    assert np.abs(ours - _jax_logits(path)).max() > 1e-2  # the adapter does something
+    base_logits = _jax_logits(path)
+    assert np.abs(ours - base_logits).max() > 1e-2  # the adapter does something
     _assert_close(ours, want)
     _assert_close(_jax_logits(path, adapter=tmp_path / "adapter"), want)
     _assert_close(torch_logits(torch_llama.load(path, device="cpu", adapter=tmp_path / "adapter"),
@@ -155,6 +157,17 @@ def test_our_adapter_under_peft_on_transformers_class_and_merged_keeping_the_del
     assert len(kept) == DELTA_TENSORS[family]
     for name in kept:
         np.testing.assert_array_equal(after[name], before[name])
+
+    theirs = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(path), PeftLoraConfig(
+        r=4, lora_alpha=16, task_type="CAUSAL_LM", init_lora_weights=False,  # B random, not zero
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"]))
+    theirs.eval().save_pretrained(tmp_path / "theirs")
+    want = _logits(theirs)
+    assert np.abs(want - base_logits).max() > 1e-2
+    _assert_close(_jax_logits(path, adapter=tmp_path / "theirs"), want)
+    _assert_close(torch_logits(torch_llama.load(path, device="cpu", adapter=tmp_path / "theirs"),
+                               TOKENS), want)
 
 
 # -- the trainers ----------------------------------------------------------------------------------
