@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from bridge.config import rolling_cache
 from bridge.inputs import check_ids, pad_rows, shared_prefix
 from bridge.int4 import generation_activations, using_activations
 from bridge.sampling import Generation, Sampler, check_generation
@@ -67,8 +68,10 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
     """Continue each prompt (a list of token ids) by up to max_new_tokens tokens.
 
     Prompts are left-padded with pad_id to the longest, so that the last column holds every
-    row's last real token; one prefill fills the cache, then each step feeds the B sampled
-    tokens (B, 1). A row stops after sampling a token in stop_ids; the loop ends when all have.
+    row's last real token; a prefill fills the cache (in pieces when it is a rolling one: a model
+    with a sliding window keeps at most W + chunk - 1 slots however long it generates), then each
+    step feeds the B sampled tokens (B, 1). A row stops after sampling a token in stop_ids; the
+    loop ends when all have.
     on_token(row, token_id) is called as each token is produced. Runs on the model's device,
     under torch.inference_mode (entered inside, so that a clipping warning points at the caller).
     The prompts are checked on the host, once; the decode steps feed the model's own samples.
@@ -83,10 +86,11 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
     device = weight.device
     stop, done = set(stop_ids), [False] * B
     with torch.inference_mode(), using_activations(generation_activations()):
-        cache = KVCache.create(c, B, tokens_BS.shape[1] + max_new_tokens, weight.dtype, device)
+        cache = KVCache.create(c, B, tokens_BS.shape[1] + max_new_tokens, weight.dtype, device,
+                               rolling=True)
         generator = torch.Generator(device=device).manual_seed(seed)
-        out = model.run(torch.from_numpy(tokens_BS).long().to(device),
-                        attention_mask=torch.from_numpy(mask_BS).to(device), cache=cache)
+        out = _prefill(model, torch.from_numpy(tokens_BS).long().to(device), cache,
+                      torch.from_numpy(mask_BS).to(device))
         for step in range(max_new_tokens):
             logits_BV = out.logits[:, -1]
             next_B = sample(logits_BV, sampler, generator)
@@ -107,6 +111,18 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], max_new_tokens: int
 # --8<-- [end:decode]
 
 
+def _prefill(model: Llama, tokens_BS: torch.Tensor, cache: KVCache, attention_mask=None):
+    """Run tokens (B, S) into `cache` (attention_mask (B, S), 1 = real, as in Llama.run) -> the
+    LlamaOutput of the last call: one call, or pieces of cache.chunk tokens for a rolling cache,
+    which takes no more at once."""
+    S = tokens_BS.shape[1]
+    piece = cache.chunk or S
+    for i in range(0, S, piece):
+        out = model.run(tokens_BS[:, i:i + piece], cache=cache, attention_mask=(
+            None if attention_mask is None else attention_mask[:, i:i + piece]))
+    return out
+
+
 # -- a cache kept between replies (chat) -----------------------------------------------------------
 
 class ChatSession:
@@ -114,7 +130,9 @@ class ChatSession:
     its prompt does not share with those already in the cache: jax_llama's ChatSession, with the
     same attributes (`cached`, `prefilled`, `reused`) and the same rules. The cache holds the ids
     of the last prompt and of its reply but the last token; cutting it back to the ids a new
-    prompt shares with them is moving its index (one row, no padding: slot i holds id i)."""
+    prompt shares with them is moving its index (one row, no padding: slot i holds id i). A
+    rolling cache (sliding window W) is cut back only while it still holds the W - 1 slots before
+    the cut, which the new tokens attend; otherwise the prompt is prefilled from scratch."""
 
     def __init__(self, model: Llama, max_new_tokens: int, sampler: Sampler = Sampler(),
                  stop_ids: Sequence[int] = (), seed: int = 0):
@@ -142,18 +160,8 @@ class ChatSession:
         need = len(ids) + limit
         cache, self.cache, self.cached = self.cache, None, []  # rebuilt below once the reply ends
         with torch.inference_mode(), using_activations(generation_activations()):
-            if cache is None or cache.length < need:
-                grown = KVCache.create(c, 1, max(need, 2 * (cache.length if cache else 0)),
-                                       weight.dtype, weight.device)
-                if cache is not None:
-                    grown.k[:, :, :, :start], grown.v[:, :, :, :start] = (
-                        cache.k[:, :, :, :start], cache.v[:, :, :, :start])
-                cache = grown
-            cache.index = start
-            cache.valid[:, start:] = False
-            cache.valid[:, :start] = True
-            cache.positions.fill_(start)
-            out = self.model.run(torch.tensor([ids[start:]], device=weight.device), cache=cache)
+            cache, start = _resume(cache, start, need, c, weight)
+            out = _prefill(self.model, torch.tensor([ids[start:]], device=weight.device), cache)
             new = []
             for step in range(limit):
                 token = int(sample(out.logits[:, -1], self.sampler, self.generator)[0])
@@ -166,3 +174,32 @@ class ChatSession:
         self.cache, self.cached = cache, ids + new[:-1]
         self.prefilled, self.reused = len(ids) - start, start
         return new
+
+
+def _resume(cache: KVCache | None, start: int, need: int, config, weight):
+    """A one-row cache cut back to its first `start` slots, with room for `need` -> (the cache,
+    the slots it kept). A model with a sliding window keeps one rolling cache of a fixed size,
+    started afresh (start 0) when it no longer holds the W - 1 slots before `start`; a plain cache
+    too short for `need` is copied into a longer one (at least twice as long)."""
+    if rolling_cache(config, config.max_seq_len) is not None:
+        if cache is not None and start - config.sliding_window + 1 < cache.index - cache.length:
+            cache = None  # the ring has overwritten slots the new tokens would attend
+        if cache is None:
+            cache, start = KVCache.create(config, 1, config.max_seq_len, weight.dtype,
+                                          weight.device, rolling=True), 0
+    elif cache is None or cache.length < need:
+        grown = KVCache.create(config, 1, max(need, 2 * (cache.length if cache else 0)),
+                               weight.dtype, weight.device)
+        if cache is not None:
+            grown.k[:, :, :, :start], grown.v[:, :, :, :start] = (
+                cache.k[:, :, :, :start], cache.v[:, :, :, :start])
+        else:
+            start = 0
+        cache = grown
+    held_T = cache.slots  # the slot in each entry
+    if held_T is None:
+        held_T = torch.arange(cache.length, device=weight.device)
+    cache.valid[:] = ((held_T >= 0) & (held_T < start))[None]  # slots past `start`: invalid
+    cache.index = start
+    cache.positions.fill_(start)
+    return cache, start

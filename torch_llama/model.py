@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bridge.config import LlamaConfig, RopeScaling
+from bridge.config import LlamaConfig, RopeScaling, rolling_cache
 from bridge.dtypes import dtype_name
 from bridge.errors import BridgeError
 from bridge.rope import rope_inv_freq
@@ -109,47 +109,90 @@ class KVCache:
     Every row writes the same slot at each step (`index`); a row's left padding occupies slots
     marked invalid, so its RoPE positions (`positions`) count real tokens only. Heads come before
     slots, the layout SDPA reads without a copy. Updated in place (jax_llama's is functional).
+
+    With a sliding window of W a query needs only the W - 1 slots before its own, so a long
+    generation can keep a rolling cache (create(rolling=True), sized by
+    bridge.config.rolling_cache): T = W + chunk - 1 entries used in turn, slot s in entry s % T,
+    `slots` saying which slot each entry holds; `index` still counts every slot written, and one
+    call writes at most `chunk` tokens.
     """
     k: torch.Tensor          # (L, B, K, T, H) in the model's dtype
     v: torch.Tensor          # (L, B, K, T, H)
     valid: torch.Tensor      # (B, T) bool: slots that hold a real (non-padding) token
     index: int               # the next slot to write, shared by all rows
     positions: torch.Tensor  # (B,) int64: the RoPE position of each row's next real token
+    window: int | None = None          # LlamaConfig.sliding_window
+    slots: torch.Tensor | None = None  # (T,) int64, rolling only: each entry's slot (-1: none yet)
 
     @classmethod
     def create(cls, config: LlamaConfig, batch: int, length: int,
-               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "KVCache":
-        """A cache of `length` slots, all invalid. Zeros, not torch.empty: unwritten slots are
-        masked, but a masked NaN would still poison the weighted sum (0 * NaN = NaN)."""
-        shape = (config.n_layers, batch, config.n_kv_heads, length, config.head_dim)
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               rolling: bool = False) -> "KVCache":
+        """A cache of `length` slots, all invalid; rolling: as few entries as the model's sliding
+        window needs (bridge.config.rolling_cache), where it has one and `length` is longer.
+        Zeros, not torch.empty: unwritten slots are masked, but a masked NaN would still poison
+        the weighted sum (0 * NaN = NaN)."""
+        ring = rolling_cache(config, length) if rolling else None
+        T = length if ring is None else ring[0]
+        shape = (config.n_layers, batch, config.n_kv_heads, T, config.head_dim)
         return cls(k=torch.zeros(shape, dtype=dtype, device=device),
                    v=torch.zeros(shape, dtype=dtype, device=device),
-                   valid=torch.zeros(batch, length, dtype=torch.bool, device=device),
-                   index=0, positions=torch.zeros(batch, dtype=torch.long, device=device))
+                   valid=torch.zeros(batch, T, dtype=torch.bool, device=device),
+                   index=0, positions=torch.zeros(batch, dtype=torch.long, device=device),
+                   window=config.sliding_window,
+                   slots=None if ring is None else torch.full((T,), -1, device=device))
 
     @property
     def length(self) -> int:
-        """T, the slots it holds."""
+        """T, the slots (a rolling cache: the entries) it holds."""
         return self.k.shape[3]
+
+    @property
+    def chunk(self) -> int | None:
+        """The most tokens one call may write: a rolling cache's entries less the W - 1 that its
+        first new query reads; None for a plain cache (as many as it has slots)."""
+        return None if self.slots is None else self.length - self.window + 1
 
     def reserve(self, valid_BS: torch.Tensor):
         """Make room for S new tokens at slots [index, index + S), valid where valid_BS (B, S) is
         -> (this cache, advanced in place; the AttentionMask of the new queries: each sees the
-        valid slots up to its own; positions (B, S) of the new tokens)."""
+        valid slots up to its own, within the window; positions (B, S) of the new tokens)."""
         (B, S), T, start = valid_BS.shape, self.length, self.index
         if self.valid.shape[0] != B:
             raise BridgeError(f"batch {self.valid.shape[0]} does not match tokens {B}", field="cache")
-        if start + S > T:
+        if self.slots is None and start + S > T:
             raise BridgeError(f"{S} tokens at slot {start} do not fit the cache length {T}",
                               field="cache")
+        if self.slots is not None and S > self.chunk:
+            raise BridgeError(f"{S} tokens in one call, more than the {self.chunk} a rolling cache "
+                              f"of {T} entries takes (window {self.window}): write them in chunks",
+                              field="tokens")
         valid_BS = valid_BS.to(self.valid.device)
-        self.valid[:, start:start + S] = valid_BS
-        mask = AttentionMask(q_slots=torch.arange(start, start + S, device=self.valid.device),
-                             valid=self.valid)
+        q_slots = torch.arange(start, start + S, device=self.valid.device)
+        entries = self._entries(start, S)
+        self.valid[:, entries] = valid_BS
+        if self.slots is not None:
+            self.slots[entries] = q_slots
+        mask = AttentionMask(q_slots=q_slots, valid=self.valid, k_slots=self.slots,
+                             window=self.window)
         positions_BS = self.positions[:, None] + default_positions(valid_BS)
         self.positions += valid_BS.sum(-1)
         self.index += S
         return self, mask, positions_BS
+
+    def write(self, layer: int, k_BKSH: torch.Tensor, v_BKSH: torch.Tensor) -> None:
+        """The keys and values of the S tokens reserved last, written into layer `layer` in
+        place: slots [index - S, index), or a rolling cache's entries for them."""
+        entries = self._entries(self.index - k_BKSH.shape[2], k_BKSH.shape[2])
+        self.k[layer][:, :, entries] = k_BKSH
+        self.v[layer][:, :, entries] = v_BKSH
+
+    def _entries(self, start: int, S: int):
+        """Where slots [start, start + S) live: that slice of a plain cache; entries slot % T of
+        a rolling one, an (S,) index."""
+        if self.slots is None:
+            return slice(start, start + S)
+        return torch.arange(start, start + S, device=self.valid.device) % self.length
 # --8<-- [end:kv_cache]
 
 
@@ -188,8 +231,8 @@ class Attention(nn.Module):
 
         mask: which key each query may attend (causal, padding, segments); None is plain causal
         attention over these S tokens (SDPA's is_causal: its flash attention). With a cache
-        (already reserved for these tokens), the new keys and values go into slots
-        [index - S, index) of `layer` and the queries read all T slots of that layer.
+        (already reserved for these tokens), the new keys and values go into the entries of slots
+        [index - S, index) of `layer` and the queries read all T entries of that layer.
         """
         c = self.config
         B, S, _ = x_BSD.shape
@@ -204,8 +247,7 @@ class Attention(nn.Module):
         # SDPA wants heads before sequence: (B, N, S, H) and (B, K, T, H).
         k_BKTH, v_BKTH = k_BSKH.transpose(1, 2), v_BSKH.transpose(1, 2)
         if cache is not None:
-            cache.k[layer, :, :, cache.index - S:cache.index] = k_BKTH
-            cache.v[layer, :, :, cache.index - S:cache.index] = v_BKTH
+            cache.write(layer, k_BKTH, v_BKTH)
             k_BKTH, v_BKTH = cache.k[layer], cache.v[layer]
         bias_B1ST = None if mask is None else mask.additive(k_BKTH.shape[2], q_BSNH.dtype)
         out_BNSH = F.scaled_dot_product_attention(
@@ -292,8 +334,11 @@ class Llama(nn.Module):
         positions, attention_mask, segment_ids, cache and lm_head as in jax_llama.Llama.run:
         positions (S,) or (B, S), by default counting only real tokens when attention_mask
         (B, S, 1 = real) is given and restarting at each segment (segment_ids (B, S), one id per
-        document of a packed row: a token attends only within its own); with a cache the S tokens go into slots [index, index + S) and attend to every
-        earlier valid slot; lm_head=False skips the vocabulary projection (logits None).
+        document of a packed row: a token attends only within its own); with a cache the S tokens
+        go into slots [index, index + S) and attend to every earlier valid slot; with
+        config.sliding_window W a query attends only the last W slots, its own included (always a
+        mask then: SDPA's is_causal knows no window); lm_head=False skips the vocabulary
+        projection (logits None).
         """
         c = self.config
         check_inputs(tokens_BS, c.vocab_size, positions, attention_mask, segment_ids)
@@ -311,10 +356,10 @@ class Llama(nn.Module):
                                   field="segment_ids")
             cache, mask, cached_positions = cache.reserve(valid_BS)
             positions = cached_positions if positions is None else positions
-        elif attention_mask is not None or segment_ids is not None:
+        elif attention_mask is not None or segment_ids is not None or c.sliding_window is not None:
             segments_BS = None if segment_ids is None else torch.as_tensor(segment_ids, device=device)
             mask = AttentionMask.causal(S, None if attention_mask is None else valid_BS,
-                                        segments_BS, device=device)
+                                        segments_BS, c.sliding_window, device=device)
             if positions is None:
                 positions = default_positions(valid_BS, segments_BS)
         if positions is None:
