@@ -285,8 +285,8 @@ class _Blocks:
     def geometry(self, mask):
         """(RoPE's angles (B, S, 1, h) as complex numbers, the additive attention bias
         (B, 1, S, T)) for `mask` (B, S): a token at position p (real tokens before it, counted)
-        attends to the real tokens at positions <= p of its row."""
-        return geometry(mask, self.inv_freq)
+        attends to the real tokens at positions <= p of its row (within the window)."""
+        return geometry(mask, self.inv_freq, self.config.sliding_window)
 
     def value_and_grad(self, weights: dict, inputs, targets):
         """(mean next-token cross-entropy, its gradients by canonical name) of `weights` (float64,
@@ -440,7 +440,7 @@ def forward(w: dict, config: LlamaConfig, inv_freq, tokens, mask, sublayers: boo
     {attention_norm, attention, ffn_norm, feed_forward} outputs, a third item."""
 
     c = config
-    angles, bias = geometry(mask, inv_freq)
+    angles, bias = geometry(mask, inv_freq, c.sliding_window)
     x = w["tok_embeddings.weight"][tokens]
     hidden, parts = [], []
     for i in range(c.n_layers):
@@ -452,15 +452,18 @@ def forward(w: dict, config: LlamaConfig, inv_freq, tokens, mask, sublayers: boo
     return (hidden, logits, parts) if sublayers else (hidden, logits)
 
 
-def geometry(mask, inv_freq):
+def geometry(mask, inv_freq, window: int | None = None):
     """(RoPE's angles (B, S, 1, h) as complex numbers, the additive attention bias (B, 1, S, T))
     for `mask` (B, S): a token at position p (real tokens before it, counted) attends to the
-    real tokens at positions <= p of its row."""
+    real tokens at positions <= p of its row, and with a sliding window only to those after
+    p - window."""
     import jax.numpy as jnp
 
     S = mask.shape[1]
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.float64)
     allowed = jnp.tril(jnp.ones((S, S), bool))[None] & (mask[:, None, :] > 0)
+    if window is not None:  # left padding is contiguous: columns apart are positions apart
+        allowed = allowed & ~jnp.tril(jnp.ones((S, S), bool), -window)[None]
     # A finite fill: a padding query sees no key, and its row (never compared) stays finite.
     bias = jnp.where(allowed, 0.0, -1e30)[:, None]
     return jnp.exp(1j * positions[:, :, None, None] * inv_freq), bias

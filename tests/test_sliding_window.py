@@ -204,3 +204,20 @@ def test_the_server_decodes_with_the_window(mistral):
         engine.close()
     for row, prompt in enumerate(prompts):
         assert heard[row] == hf_greedy(hf, prompt, 3 * W)
+
+
+def test_the_float64_reference_knows_the_window(mistral, tmp_path):
+    from bridge.formats import open_checkpoint
+    from llama_twins import float64
+
+    hf, model, params = mistral
+    hf.save_pretrained(tmp_path)
+    checkpoint = open_checkpoint(tmp_path)
+    tensors = dict(checkpoint)
+    mask = np.ones_like(TOKENS)
+    mask[1, :3] = 0  # left padding: its columns are no positions
+    got = float64.logits(tensors, checkpoint.config, TOKENS, mask)
+    close(got[0], hf_logits(hf, TOKENS[:1])[0])  # transformers in float32
+    close(got[1, 3:], hf_logits(hf, TOKENS[1:, 3:])[0])
+    unwindowed = float64.logits(tensors, checkpoint.config.replace(sliding_window=None), TOKENS)
+    far(unwindowed[:, W:], got[:, W:])
