@@ -182,7 +182,8 @@ def _resume(cache: KVCache | None, start: int, need: int, config, weight):
     started afresh (start 0) when it no longer holds the W - 1 slots before `start`; a plain cache
     too short for `need` is copied into a longer one (at least twice as long)."""
     if rolling_cache(config, config.max_seq_len) is not None:
-        if cache is not None and start - config.sliding_window + 1 < cache.index - cache.length:
+        first_needed = max(start - config.sliding_window + 1, 0)
+        if cache is not None and first_needed < cache.index - cache.length:
             cache = None  # the ring has overwritten slots the new tokens would attend
         if cache is None:
             cache, start = KVCache.create(config, 1, config.max_seq_len, weight.dtype,

@@ -407,7 +407,7 @@ class ChatSession:
         fresh cache (the conversation was cut back further than its window)."""
         config = self.model.config
         held_from = len(self.cached) - self.cache.length if self.cache is not None else 0
-        if start - config.sliding_window + 1 < held_from:
+        if max(start - config.sliding_window + 1, 0) < held_from:
             self.forget()
         if self.cache is None:
             self.cache = KVCache.create(config, 1, config.max_seq_len, self.model.dtype,
