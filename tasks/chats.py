@@ -36,7 +36,12 @@ def _turn_spans(template: ChatTemplate, tokenizer, messages: list[dict], text: s
                 ) -> list[tuple[int, int]]:
     """For a template without generation blocks: assistant turn i is the text that
     render(messages[:i+1]) adds to render(messages[:i], add_generation_prompt=True), provided each
-    rendering is a prefix of the next and of the whole."""
+    rendering is a prefix of the next and of the whole.
+
+    Some templates render the last assistant turn with more in front than the same turn gets
+    once the conversation goes on: Qwen3's puts an empty "<think>" block before a last reply and
+    strips the reasoning from earlier ones. There the turn, as the whole conversation renders it,
+    is the longest end of its rendering as the last turn that the text continues with."""
     spans = []
     turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     for k, i in enumerate(turns, 1):
@@ -45,10 +50,18 @@ def _turn_spans(template: ChatTemplate, tokenizer, messages: list[dict], text: s
             after, _ = template.render(messages[:i + 1], tokenizer)
         except BridgeError:
             before = after = None
-        if before is None or not (after.startswith(before) and text.startswith(after)):
+        if before is None or not (after.startswith(before) and text.startswith(before)):
             raise BridgeError(f"{where}: assistant turn {k} cannot be found in the rendered "
                               f"template ({template.name})")
-        spans.append((len(before), len(after)))
+        if text.startswith(after):
+            spans.append((len(before), len(after)))
+            continue
+        turn, rest = after[len(before):], text[len(before):]
+        shared = next((n for n in range(len(turn), 0, -1) if rest.startswith(turn[-n:])), 0)
+        if not shared:
+            raise BridgeError(f"{where}: assistant turn {k} cannot be found in the rendered "
+                              f"template ({template.name})")
+        spans.append((len(before), len(before) + shared))
     return spans
 
 

@@ -9,6 +9,7 @@ random models saved with `save_pretrained`, the byte-level tokenizer beside them
 from __future__ import annotations
 
 import json
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +169,58 @@ def test_adapters_go_both_ways_with_peft_on_transformers_class_and_merge_keeping
     _assert_close(_jax_logits(path, adapter=tmp_path / "theirs"), want)
     _assert_close(torch_logits(torch_llama.load(path, device="cpu", adapter=tmp_path / "theirs"),
                                TOKENS), want)
+
+
+# -- SFT masks in Qwen3's chat template ------------------------------------------------------------
+
+# The rule of Qwen3's chat template (Qwen/Qwen3-0.6B's tokenizer_config.json) for replies,
+# condensed: after the last user turn a reply gets its think block (an empty one when it is the
+# last turn); before it, a reply loses its reasoning.
+QWEN3_TEMPLATE = """
+{%- set ns = namespace(last_query=0) %}
+{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}
+{%- endfor %}
+{%- for m in messages %}
+{%- if m.role != 'assistant' %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
+{%- else %}
+{%- set reply = m.content.split('</think>')[-1].lstrip('\\n') %}
+{%- set thought = m.content.split('</think>')[0].split('<think>')[-1].strip('\\n')
+        if '</think>' in m.content else '' %}
+{%- if loop.index0 > ns.last_query and (loop.last or thought) %}
+{{- '<|im_start|>assistant\\n<think>\\n' + thought + '\\n</think>\\n\\n' + reply }}
+{%- else %}{{ '<|im_start|>assistant\\n' + reply }}{% endif %}{{ '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"""
+
+
+def test_qwen3s_template_trains_each_reply_as_the_conversation_renders_it():
+    """Rendered as the last turn, a Qwen3 reply has a think block in front that it loses once the
+    conversation goes on: each reply is marked as the whole conversation renders it (earlier
+    ones without their reasoning, the last with its think block), and a conversation of one
+    reply as before."""
+    from bridge.chat import ChatTemplate
+    from tasks.chats import encode_example
+
+    template, tokenizer = ChatTemplate(QWEN3_TEMPLATE, "qwen3.jinja"), ByteTokenizer()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+            {"role": "user", "content": "And 3+3?"},
+            {"role": "assistant", "content": "<think>add again</think>6"}]
+
+    def trained(messages):
+        example = encode_example(template, tokenizer, messages, "chats.jsonl:1")
+        runs = [list(group) for marked, group in groupby(
+            zip(example.ids.tolist(), example.trained.tolist()), key=lambda pair: pair[1])
+            if marked]
+        return [tokenizer.decode([i for i, _ in run]) for run in runs]
+
+    assert trained(chat) == ["Hello<|im_end|>\n", "4<|im_end|>\n",
+                             "<think>\nadd again\n</think>\n\n6<|im_end|>\n"]
+    assert trained(chat[:3]) == ["<think>\n\n</think>\n\nHello<|im_end|>\n"]
+    text, _ = template.render(chat, tokenizer)
+    assert "<|im_start|>assistant\n4<|im_end|>" in text  # the reasoning gone from history
 
 
 # -- the trainers ----------------------------------------------------------------------------------
