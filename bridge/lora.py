@@ -188,6 +188,19 @@ def _peft_module(target: str) -> str:
     return _hf_module(target).split(".")[-1]
 
 
+def _target_of(module) -> str | None:
+    """The projection a name in PEFT's target_modules adapts (q_proj -> wq), or None. PEFT also
+    writes the modules' full names there ("all-linear" resolved: model.layers.0.self_attn.q_proj,
+    one per layer); each of those names its projection by its end."""
+    if not isinstance(module, str):
+        return None
+    for target in TARGETS:
+        path = _hf_module(target)  # self_attn.q_proj
+        if module in (_peft_module(target), path) or module.endswith(f".{path}"):
+            return target
+    return None
+
+
 def _heads(config: LlamaConfig, target: str) -> int | None:
     return {"wq": config.n_heads, "wk": config.n_kv_heads}.get(target)
 
@@ -273,11 +286,10 @@ def read_peft(path: str | os.PathLike, config: LlamaConfig) -> Adapter:
     if isinstance(modules, str) or not isinstance(modules, list):
         raise BridgeError(f"{config_file}: target_modules must be a list of module names "
                           f"(got {modules!r})")
-    by_module = {_peft_module(t): t for t in TARGETS}
-    unknown = [m for m in modules if m not in by_module]
+    unknown = [m for m in modules if _target_of(m) is None]
     if unknown:
         raise BridgeError(f"{config_file}: target module {unknown[0]!r} is not a LLaMA projection "
-                          f"({', '.join(by_module)})")
+                          f"({', '.join(_peft_module(t) for t in TARGETS)})")
     saved = d.get("modules_to_save") or []
     if isinstance(saved, str) or not isinstance(saved, list):
         raise BridgeError(f"{config_file}: modules_to_save must be a list of module names "
@@ -289,7 +301,7 @@ def read_peft(path: str | os.PathLike, config: LlamaConfig) -> Adapter:
     try:
         lora = LoraConfig(rank=d.get("r"), alpha=d.get("lora_alpha"),
                           dropout=d.get("lora_dropout", 0.0) or 0.0,
-                          targets=tuple(by_module[m] for m in modules),
+                          targets=tuple(dict.fromkeys(_target_of(m) for m in modules)),
                           train_embeddings=bool(saved))
     except BridgeError as e:
         peft_key = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",

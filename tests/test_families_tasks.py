@@ -161,8 +161,7 @@ def test_adapters_go_both_ways_with_peft_on_transformers_class_and_merge_keeping
 
     theirs = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(path), PeftLoraConfig(
         r=4, lora_alpha=16, task_type="CAUSAL_LM", init_lora_weights=False,  # B random, not zero
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj"]))
+        target_modules="all-linear"))  # written as each layer's module names
     theirs.eval().save_pretrained(tmp_path / "theirs")
     want = _logits(theirs)
     assert np.abs(want - base_logits).max() > 1e-2
