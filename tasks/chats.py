@@ -41,7 +41,8 @@ def _turn_spans(template: ChatTemplate, tokenizer, messages: list[dict], text: s
     Some templates render the last assistant turn with more in front than the same turn gets
     once the conversation goes on: Qwen3's puts an empty "<think>" block before a last reply and
     strips the reasoning from earlier ones. There the turn, as the whole conversation renders it,
-    is the longest end of its rendering as the last turn that the text continues with."""
+    is the longest end of its rendering as the last turn that the text continues with, and must
+    hold the reply (its text after any "</think>")."""
     spans = []
     turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     for k, i in enumerate(turns, 1):
@@ -50,17 +51,18 @@ def _turn_spans(template: ChatTemplate, tokenizer, messages: list[dict], text: s
             after, _ = template.render(messages[:i + 1], tokenizer)
         except BridgeError:
             before = after = None
+        lost = BridgeError(f"{where}: assistant turn {k} cannot be found in the rendered "
+                           f"template ({template.name})")
         if before is None or not (after.startswith(before) and text.startswith(before)):
-            raise BridgeError(f"{where}: assistant turn {k} cannot be found in the rendered "
-                              f"template ({template.name})")
+            raise lost
         if text.startswith(after):
             spans.append((len(before), len(after)))
             continue
         turn, rest = after[len(before):], text[len(before):]
         shared = next((n for n in range(len(turn), 0, -1) if rest.startswith(turn[-n:])), 0)
-        if not shared:
-            raise BridgeError(f"{where}: assistant turn {k} cannot be found in the rendered "
-                              f"template ({template.name})")
+        reply = str(messages[i].get("content", "")).rsplit("</think>", 1)[-1].strip()
+        if not shared or reply not in rest[:shared]:  # the reply itself, its reasoning aside
+            raise lost
         spans.append((len(before), len(before) + shared))
     return spans
 

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import jax_llama  # noqa: E402
 import torch_llama  # noqa: E402
+from bridge.errors import BridgeError  # noqa: E402
 from bridge.formats import open_checkpoint  # noqa: E402
 from bridge.int4 import dequantize_int4  # noqa: E402
 from bridge.lora import LoraConfig  # noqa: E402
@@ -220,6 +221,14 @@ def test_qwen3s_template_trains_each_reply_as_the_conversation_renders_it():
     assert trained(chat[:3]) == ["<think>\n\n</think>\n\nHello<|im_end|>\n"]
     text, _ = template.render(chat, tokenizer)
     assert "<|im_start|>assistant\n4<|im_end|>" in text  # the reasoning gone from history
+    # a template that leaves earlier replies out: only their end marker would be shared; refused
+    elided = ChatTemplate(QWEN3_TEMPLATE.replace("{%- else %}{{ '<|im_start|>assistant\\n' + reply",
+                                                 "{%- else %}{{ '<|im_start|>assistant\\n' + ''"),
+                          "elided.jinja")
+    assert elided.source != QWEN3_TEMPLATE
+    with pytest.raises(BridgeError, match=r"^chats\.jsonl:1: assistant turn 1 cannot be found in "
+                                          r"the rendered template \(elided\.jinja\)$"):
+        encode_example(elided, tokenizer, chat, "chats.jsonl:1")
 
 
 # -- the trainers ----------------------------------------------------------------------------------
