@@ -37,6 +37,7 @@ from conftest import SDIST_DIR  # noqa: E402
 from test_families import BRIDGE, FAMILIES, SMALL, _error_lines, _hf_model  # noqa: E402
 from test_gguf import rewrite  # noqa: E402
 
+F32 = 0  # GGML_TYPE_F32
 QWEN_VOCAB = 151936  # Qwen2's ids, as ggml-vocab-qwen2.gguf pads them
 TOKENS = np.random.default_rng(1).integers(0, QWEN_VOCAB, (2, 9))
 LLAMA_CPP = "vendor/llama.cpp/"
@@ -311,3 +312,73 @@ def test_what_gguf_cannot_hold_is_refused_by_name(converted_by_family, tmp_path)
         with pytest.raises(BridgeError, match=word):
             write_gguf(tmp_path / "x.gguf", config, {}, ckpt.tensor)
         assert not (tmp_path / "x.gguf").exists()
+
+
+# -- llama.cpp itself (slow: needs `pip install llama-cpp-python`) ---------------------------------
+
+def _llama_cpp_logits(path: Path) -> np.ndarray:
+    """llama.cpp's float32 logits (B, S, V) of TOKENS, each row evaluated alone from position 0,
+    its KV cache in float32 (its default, float16, rounds keys and values by 2.7e-4 here)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from llama_twins.llama_cpp_reference import plain_cpu_kernels
+
+    with plain_cpu_kernels():
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=16, n_batch=16, logits_all=True,
+                              verbose=False, n_threads=2, type_k=F32, type_v=F32)
+    try:
+        rows = []
+        for row in TOKENS.tolist():
+            llm.reset()
+            llm.eval(row)
+            rows.append(np.array(llm.scores[:len(row)], np.float32))
+        return np.stack(rows)
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
+def test_llama_cpp_runs_our_export_and_its_own_file_as_transformers(exported):
+    """llama.cpp on its converter's file and on ours gives transformers' logits. Tolerance 1e-4
+    of the largest logit: ggml's float32 matmuls and its own RoPE and softmax, summed in other
+    orders (the twins' 1e-5 is the same sums in one order nearer transformers'). With a
+    delta's tensor changed (a bias or head norm negated), llama.cpp's logits part: the check can
+    fail."""
+    family, _, theirs, ours, want = exported
+    for path in (theirs, ours):
+        got = _llama_cpp_logits(path)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    delta = {"qwen2": "blk.0.attn_k.bias", "qwen3": "blk.0.attn_k_norm.weight"}.get(family)
+    if delta is not None:  # the delta's tensor changed in llama.cpp's file: llama.cpp parts
+        wrong = rewrite(theirs, theirs.with_name("changed.gguf"), arch=family,
+                        tensors={delta: lambda a: -a})
+        assert np.abs(_llama_cpp_logits(wrong) - want).max() > 100 * 1e-4 * np.abs(want).max()
+
+
+@pytest.mark.slow
+def test_llama_cpp_agrees_inside_the_window_it_does_not_have(llama_cpp, qwen_tokenizer, tmp_path):
+    """Mistral v0.1's window: llama.cpp's converter writes the file as plain LLaMA and llama.cpp
+    attends over every position, so it equals transformers' windowed model inside the first W
+    positions and parts from it after; the twins read the HF directory with its window and equal
+    transformers everywhere. Our GGUF export refuses the window by name."""
+    W = 4
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        **{**SMALL, "vocab_size": QWEN_VOCAB}, sliding_window=W)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    for f in qwen_tokenizer.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    out = tmp_path / "llama.cpp.gguf"
+    result = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"),
+                             str(tmp_path / "hf"), "--outfile", str(out), "--outtype", "f32"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        want = model(torch.as_tensor(TOKENS)).logits.float().numpy()
+    got = _llama_cpp_logits(out)
+    tolerance = 1e-4 * np.abs(want).max()
+    np.testing.assert_allclose(got[:, :W], want[:, :W], rtol=0, atol=tolerance)
+    assert np.abs(got[:, W:] - want[:, W:]).max() > 100 * tolerance
+    for twin in _logits(tmp_path / "hf"):
+        _assert_close(twin, want)
+    _refused(["convert", tmp_path / "hf", tmp_path / "ours.gguf", "--to", "gguf"],
+             "sliding_window")
