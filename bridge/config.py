@@ -263,6 +263,25 @@ PRESETS: dict[str, LlamaConfig] = {
     "smollm2-135m": LlamaConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
                                 vocab_size=49152, max_seq_len=8192, norm_eps=1e-5,
                                 rope_theta=100000.0, tie_embeddings=True, bos_id=1, eos_ids=(2,)),
+    # Mistral 7B: v0.1 attends within a window of 4,096 positions; v0.3 is LLaMA's block with a
+    # 32,768-token vocabulary (v0.2 the same shapes as v0.3 with a vocabulary of 32,000).
+    "mistral-7b-v0.1": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                                   vocab_size=32000, max_seq_len=32768, norm_eps=1e-5,
+                                   rope_theta=10000.0, bos_id=1, eos_ids=(2,), family="mistral",
+                                   sliding_window=4096),
+    "mistral-7b-v0.3": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                                   vocab_size=32768, max_seq_len=32768, norm_eps=1e-5,
+                                   rope_theta=1000000.0, bos_id=1, eos_ids=(2,), family="mistral"),
+    # Qwen2.5 0.5B (biases on q, k and v, tied head) and Qwen3 0.6B (head norms, H = 128 apart
+    # from D / N = 64), as their base releases' config.json give them.
+    "qwen2.5-0.5b": LlamaConfig(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864,
+                                vocab_size=151936, max_seq_len=32768, norm_eps=1e-6,
+                                rope_theta=1000000.0, tie_embeddings=True, bos_id=151643,
+                                eos_ids=(151643,), family="qwen2", qkv_bias=True),
+    "qwen3-0.6b": LlamaConfig(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+                              ffn_dim=3072, vocab_size=151936, max_seq_len=40960, norm_eps=1e-6,
+                              rope_theta=1000000.0, tie_embeddings=True, bos_id=151643,
+                              eos_ids=(151645,), family="qwen3", qk_norm=True),
     # Small enough to train and compile in seconds on a laptop CPU; GQA and untied so that the
     # demo and the tests exercise the general path.
     "tiny": LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=512,

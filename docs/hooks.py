@@ -86,12 +86,12 @@ def presets_page() -> str:
     def params(n: int) -> str:
         return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n:,}"
 
-    rows = [[f"`{name}`", f"{c.dim:,}", str(c.n_layers), str(c.n_heads), str(c.n_kv_heads),
+    rows = [[f"`{name}`", c.family + (f" ({', '.join(c.deltas)})" if c.deltas else ""), f"{c.dim:,}", str(c.n_layers), str(c.n_heads), str(c.n_kv_heads),
              str(c.head_dim), f"{c.ffn_dim:,}", f"{c.vocab_size:,}", f"{c.max_seq_len:,}",
              f"{c.rope_theta:g}" + (f" ({c.rope_scaling.type} scaling)" if c.rope_scaling else ""),
              "yes" if c.tie_embeddings else "no", params(count_params(c))]
             for name, c in PRESETS.items()]
-    table = markdown_table(rows, ["preset", "dim", "layers", "heads", "kv heads", "head dim",
+    table = markdown_table(rows, ["preset", "family (deltas)", "dim", "layers", "heads", "kv heads", "head dim",
                                   "ffn", "vocab", "max_seq_len", "rope_theta",
                                   "tied embeddings", "parameters"])
     return "\n".join([

@@ -72,6 +72,9 @@ def test_presets_round_trip_through_json(name):
     ("llama3.2-1b", 1_235_814_400), ("llama3.2-3b", 3_212_749_824),
     ("llama3.1-405b", 405_853_388_800), ("llama3-70b", 70_553_706_496),
     ("smollm2-135m", 134_515_008),
+    # transformers' num_parameters() of each (tied heads counted once)
+    ("mistral-7b-v0.1", 7_241_732_096), ("mistral-7b-v0.3", 7_248_023_552),
+    ("qwen2.5-0.5b", 494_032_768), ("qwen3-0.6b", 596_049_920),
 ])
 def test_preset_parameter_counts(name, expected):
     assert count_params(PRESETS[name]) == expected

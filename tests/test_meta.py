@@ -201,12 +201,14 @@ def test_chosen_ffn_params_reproduce_any_ffn_dim(ffn_dim):
     assert meta_ffn_dim(48, *ffn_params(48, ffn_dim)) == ffn_dim
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(n for n, c in PRESETS.items() if not c.deltas))
 def test_every_preset_survives_params_json(name):
+    """Every preset of LLaMA's decoder (params.json names no family: Mistral v0.3 reads back as
+    the LLaMA it is; the presets with deltas are refused by the Meta writer, test_families)."""
     preset = PRESETS[name]
     params = json.loads(json.dumps(params_json(preset)))
     config = config_from_params(params, "params.json", {}, [])
-    assert config == preset.replace(bos_id=None, eos_ids=(), tie_embeddings=False)
+    assert config == preset.replace(bos_id=None, eos_ids=(), tie_embeddings=False, family="llama")
 
 
 def test_configs_params_json_cannot_express_are_refused(tmp_path):
