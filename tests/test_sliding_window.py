@@ -221,3 +221,28 @@ def test_the_float64_reference_knows_the_window(mistral, tmp_path):
     close(got[1, 3:], hf_logits(hf, TOKENS[1:, 3:])[0])
     unwindowed = float64.logits(tensors, checkpoint.config.replace(sliding_window=None), TOKENS)
     far(unwindowed[:, W:], got[:, W:])
+
+
+def test_the_window_travels_through_an_hf_export_and_parity(mistral, tmp_path):
+    """`convert --to hf` writes sliding_window back (transformers reads the same class with the
+    same window and logits); `parity` passes on the windowed checkpoint with transformers as
+    its reference; `inspect` names the delta."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bridge = str(Path(sys.executable).with_name("llama-bridge"))
+    hf, model, params = mistral
+    hf.save_pretrained(tmp_path / "src")
+    run = lambda *args: subprocess.run([bridge, *map(str, args)], capture_output=True, text=True)
+    result = run("convert", tmp_path / "src", tmp_path / "out", "--to", "hf")
+    assert result.returncode == 0, result.stderr
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back).__name__ == "MistralForCausalLM" and back.config.sliding_window == W
+    close(hf_logits(back, TOKENS), hf_logits(hf, TOKENS))
+    inspected = json.loads(run("inspect", tmp_path / "out", "--json").stdout)
+    assert inspected["family"] == "mistral" and inspected["deltas"] == ["sliding_window"]
+    report = run("parity", tmp_path / "src", "--seq-len", 12, "--new-tokens", 3 * W,
+                 "--reference", "transformers", "--no-training", "--json")
+    assert report.returncode == 0, report.stdout[-2000:] + report.stderr[-2000:]
