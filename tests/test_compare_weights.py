@@ -1,0 +1,232 @@
+"""The weights section of `llama-bridge compare` (bridge.compare.weights): faithful conversions are
+the same (float) or the same within quantisation (Q8_0, Q4_0, each tensor against its own
+re-quantisation), and the classic broken tensors are caught and named: q/k rows in the other RoPE
+layout on a grouped-query model, a broken row in a float, Q8_0 or Q4_0 file, an untied head
+replaced by the embedding one row off, a tensor missing, a shape changed, another model."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bridge.compare import DIFFERENT, SAME, WITHIN
+from bridge.compare.weights import compare_weights
+from bridge.convert import convert
+from bridge.errors import BridgeError
+from bridge.formats import open_checkpoint
+from bridge.formats.base import Checkpoint
+from bridge.formats.hf import from_half_split, to_half_split, write_hf
+from bridge.gguf.write import write_gguf
+from conftest import small_config
+from test_gguf import save
+
+# Rows of 64 and 96: whole blocks of 32 for Q8_0 / Q4_0; head_dim 16; GQA: 4 query heads, 2 kv.
+CFG = small_config(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96)
+WK = "layers.1.attention.wk.weight"
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return save(tmp_path_factory.mktemp("cw") / "src", CFG)
+
+
+def planted(src: Path, dst: Path, to: str, changes: dict, dtype: str | None = None) -> Path:
+    """`src` written as `to` (hf or gguf, `dtype`) by the bridge's own writer, each tensor named
+    in `changes` passed through its function first: a converter's bug, planted."""
+    ckpt = open_checkpoint(src)
+
+    def fetch(name):
+        x = ckpt.tensor(name)
+        return changes[name](x) if name in changes else x
+    if to == "hf":
+        return write_hf(dst, ckpt.config, ckpt.specs, fetch)
+    return write_gguf(dst, ckpt.config, ckpt.specs, fetch, dtype=dtype, warn=lambda _: None)
+
+
+def scaled_row(row: int, by: float = 3.0):
+    def change(x):
+        x = x.copy()
+        x[row] *= by
+        return x
+    return change
+
+
+# -- faithful pairs ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("to, dtype, expected", [
+    ("hf", None, SAME), ("hf", "bfloat16", SAME), ("gguf", "f32", SAME), ("gguf", "bf16", SAME),
+    ("gguf", "f16", SAME), ("gguf", "q8_0", WITHIN), ("gguf", "q4_0", WITHIN)])
+def test_faithful_conversions_pass(tmp_path, src, to, dtype, expected):
+    out = convert(src, tmp_path / ("m.gguf" if to == "gguf" else "m"), to, dtype=dtype,
+                  progress=False)
+    calls = []
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out),
+                              progress=lambda i, n: calls.append((i, n)))
+    assert finding.verdict == expected, finding.lines
+    assert finding.section == "weights" and finding.cause is None
+    n = len(open_checkpoint(src).specs)
+    assert calls == [(i, n) for i in range(1, n + 1)]
+    figures = finding.figures
+    assert figures["tensors"] == n and figures["different"] == 0
+    if expected == SAME:
+        assert figures["same"] == n and not figures["types"]
+        limit = {None: 0.0, "bfloat16": 2.0 ** -8, "bf16": 2.0 ** -8, "f16": 2.0 ** -11,
+                 "f32": 0.0}[dtype]
+        assert figures["float"]["largest_relative_difference"] <= limit
+        if limit:  # rounded, not copied
+            assert figures["float"]["largest_relative_difference"] > 0
+    else:
+        qtype = dtype.upper()
+        t = figures["types"][qtype]
+        # the file holds gguf's own quantisation of A's tensors: exactly the reference's error
+        assert t["reference"] == [f"{qtype} re-quantised"]
+        assert t["median_ratio"] == pytest.approx(1.0) and t["max_row_ratio"] == pytest.approx(1.0)
+        assert t["rms_relative"] == pytest.approx(t["expected_relative_rms"], rel=0.3)
+        assert figures["within"] == t["tensors"] + figures["types"].get("Q8_0", {}).get(
+            "tensors", 0) * (qtype != "Q8_0")
+
+
+def test_a_quantised_a_against_a_float_b_is_judged_the_same_way(tmp_path, src):
+    out = convert(src, tmp_path / "m.gguf", "gguf", dtype="q4_0", progress=False)
+    finding = compare_weights(open_checkpoint(out), open_checkpoint(src))
+    assert finding.verdict == WITHIN
+    assert finding.figures["types"]["Q4_0"]["max_ratio"] == pytest.approx(1.0)
+
+
+def test_two_quantisations_of_one_checkpoint_are_within_the_coarser_types_cost(tmp_path, src):
+    q4 = open_checkpoint(convert(src, tmp_path / "q4.gguf", "gguf", dtype="q4_0", progress=False))
+    q8 = open_checkpoint(convert(src, tmp_path / "q8.gguf", "gguf", dtype="q8_0", progress=False))
+    for a, b in ((q4, q8), (q8, q4)):
+        finding = compare_weights(a, b)
+        assert finding.verdict == WITHIN, finding.lines
+        assert finding.figures["types"]["Q4_0"]["max_ratio"] < 1.1
+
+
+def test_smollm2_q4_1_against_its_exports(tmp_path, smollm2):
+    """The Q4_1 file against its float32 HF export: the same numbers (the export is the file's
+    dequantisation). Against a Q8_0 re-export of that: within Q8_0's cost, tensor by tensor."""
+    hf = convert(smollm2, tmp_path / "hf", "hf", dtype="float32", progress=False)
+    finding = compare_weights(open_checkpoint(smollm2), open_checkpoint(hf))
+    assert finding.verdict == SAME, finding.lines
+    assert finding.figures["float"]["largest_relative_difference"] == 0.0
+    q8 = convert(hf, tmp_path / "q8.gguf", "gguf", dtype="q8_0", progress=False)
+    finding = compare_weights(open_checkpoint(smollm2), open_checkpoint(q8))
+    assert finding.verdict == WITHIN, finding.lines
+    t = finding.figures["types"]["Q8_0"]
+    assert t["tensors"] == 211 and t["max_ratio"] == pytest.approx(1.0)
+
+
+# -- planted bugs: caught and named ----------------------------------------------------------------
+
+@pytest.mark.parametrize("permute, words", [
+    (lambda x: to_half_split(x, CFG.n_kv_heads), "other RoPE layout (to_half_split"),
+    (lambda x: from_half_split(x, CFG.n_kv_heads), "other RoPE layout (from_half_split"),
+    # the grouped-query bug: wk permuted with n_heads (4) where n_kv_heads (2) was due
+    (lambda x: from_half_split(to_half_split(x, CFG.n_heads), CFG.n_kv_heads),
+     "half-split RoPE layout with 4 heads and back with 2")])
+def test_qk_rows_in_the_other_rope_layout(tmp_path, src, permute, words):
+    out = planted(src, tmp_path / "m", "hf", {WK: permute})
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert finding.verdict == DIFFERENT
+    assert finding.cause.startswith(f"tensor {WK}: ")
+    assert words in finding.cause and "RoPE permutation" in finding.cause, finding.cause
+    assert "n_kv_heads" in finding.check_next or "half-split" in finding.check_next
+    assert finding.figures["different"] == 1  # every other tensor is A's
+
+
+@pytest.mark.parametrize("to, dtype, qtype", [("hf", None, None), ("gguf", "q8_0", "Q8_0"),
+                                              ("gguf", "q4_0", "Q4_0")])
+def test_a_broken_row(tmp_path, src, to, dtype, qtype):
+    name = "layers.0.feed_forward.w2.weight"
+    out = planted(src, tmp_path / ("m.gguf" if to == "gguf" else "m"), to,
+                  {name: scaled_row(5)}, dtype=dtype)
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert finding.verdict == DIFFERENT
+    # row 5 is 3x A's: it differs by 200% of itself (less what Q4_0's rounding happens to undo)
+    assert re.match(rf"tensor {name}: row 5 differs by (19\d|200)%", finding.cause), finding.cause
+    assert "1 of 64 rows broken" in finding.cause
+    assert [d["tensor"] for d in finding.figures["different_tensors"]] == [name]
+    if qtype:  # the rest of the file is within its type's cost
+        assert finding.figures["types"][qtype]["max_ratio"] > 1.0  # the broken tensor's
+        assert finding.figures["within"] == finding.figures["tensors"] - 1 - finding.figures["same"]
+
+
+def test_a_row_scaled_by_a_third_inside_q4_0_is_caught(tmp_path, src):
+    name = "layers.1.attention.wo.weight"
+    out = planted(src, tmp_path / "m.gguf", "gguf", {name: scaled_row(7, 1.35)}, dtype="q4_0")
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert finding.verdict == DIFFERENT and finding.cause.startswith(f"tensor {name}: row 7 ")
+
+
+def test_an_untied_head_replaced_by_the_embedding_one_row_off(tmp_path, src):
+    emb = open_checkpoint(src).tensor("tok_embeddings.weight")
+    out = planted(src, tmp_path / "m", "hf", {"output.weight": lambda x: np.roll(emb, 1, axis=0)})
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert finding.verdict == DIFFERENT
+    assert finding.cause.startswith("tensor output.weight: ")
+    assert "A's token embedding one row down" in finding.cause
+    assert "LM head" in finding.check_next
+    # the embedding itself, not shifted
+    out = planted(src, tmp_path / "m2", "hf", {"output.weight": lambda x: emb})
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert "B's LM head is A's token embedding" in finding.cause
+
+
+def test_the_head_written_one_row_off_within_q8_0(tmp_path, src):
+    out = planted(src, tmp_path / "m.gguf", "gguf",
+                  {"output.weight": lambda x: np.roll(x, -1, axis=0)}, dtype="q8_0")
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert "B's rows are A's one row up" in finding.cause
+
+
+def test_a_norm_with_a_one_plus_w_offset_and_a_scaled_matrix(tmp_path, src):
+    out = planted(src, tmp_path / "m", "hf", {"layers.0.ffn_norm.weight": lambda x: x - 1.0,
+                                              "layers.1.feed_forward.w1.weight": lambda x: 2 * x})
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert finding.cause.startswith("tensor layers.0.ffn_norm.weight: ")
+    assert "B is A - 1" in finding.cause
+    assert any("layers.1.feed_forward.w1.weight" in line and "B is A times 2" in line
+               for line in finding.lines)
+
+
+class Dropped(Checkpoint):
+    """A checkpoint without one tensor (what no reader opens, but a compare must still say)."""
+
+    def __init__(self, inner, name):
+        self.inner, self.path, self.config = inner, inner.path, inner.config
+        self.specs = {n: s for n, s in inner.specs.items() if n != name}
+
+    def tensor(self, name):
+        return self.inner.tensor(name)
+
+
+def test_a_missing_tensor_another_shape_and_another_model(tmp_path, src):
+    a = open_checkpoint(src)
+    finding = compare_weights(a, Dropped(a, "layers.1.feed_forward.w3.weight"))
+    assert finding.verdict == DIFFERENT
+    assert finding.cause.startswith("tensor layers.1.feed_forward.w3.weight is in A only")
+
+    other = open_checkpoint(save(tmp_path / "v", CFG.replace(vocab_size=98)))
+    finding = compare_weights(a, other)
+    assert finding.cause == "tensor tok_embeddings.weight: shape (97, 64) in A, (98, 64) in B"
+
+    other = open_checkpoint(save(tmp_path / "seed", CFG, seed=1))
+    finding = compare_weights(a, other)
+    assert finding.verdict == DIFFERENT and finding.cause.startswith("tensor tok_embeddings")
+    assert "the whole tensor differs" in finding.cause
+    assert finding.figures["different"] == len(a.specs) - 5  # the norms are all ones in both
+
+
+def test_a_tied_head_against_an_untied_one(tmp_path):
+    tied = open_checkpoint(save(tmp_path / "t", CFG.replace(tie_embeddings=True)))
+    untied = open_checkpoint(planted(tied.path, tmp_path / "u", "hf", {}))
+    assert compare_weights(tied, untied).verdict == SAME  # sanity: the same writer, tied
+    finding = compare_weights(open_checkpoint(save(tmp_path / "x", CFG)), tied)
+    assert finding.verdict == DIFFERENT
+
+
+def test_native_int8_is_refused_in_one_line(tmp_path, src):
+    q = convert(src, tmp_path / "q", "native", quantize="int8", progress=False)
+    with pytest.raises(BridgeError, match="int8-quantised native weights"):
+        compare_weights(open_checkpoint(src), open_checkpoint(q))
