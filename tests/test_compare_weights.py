@@ -5,6 +5,7 @@ layout on a grouped-query model, a broken row in a float, Q8_0 or Q4_0 file, an 
 replaced by the embedding one row off, a tensor missing, a shape changed, another model."""
 
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,6 @@ import pytest
 from bridge.compare import DIFFERENT, SAME, WITHIN
 from bridge.compare.weights import compare_weights
 from bridge.convert import convert
-from bridge.errors import BridgeError
 from bridge.formats import open_checkpoint
 from bridge.formats.base import Checkpoint
 from bridge.formats.hf import from_half_split, to_half_split, write_hf
@@ -226,7 +226,46 @@ def test_a_tied_head_against_an_untied_one(tmp_path):
     assert finding.verdict == DIFFERENT
 
 
-def test_native_int8_is_refused_in_one_line(tmp_path, src):
-    q = convert(src, tmp_path / "q", "native", quantize="int8", progress=False)
-    with pytest.raises(BridgeError, match="int8-quantised native weights"):
-        compare_weights(open_checkpoint(src), open_checkpoint(q))
+@pytest.mark.parametrize("quantize, group_size, qtype", [
+    ("int8", None, "int8"), ("int8", 32, "int8-g32"), ("int4", None, "int4")])
+def test_native_int8_and_int4_against_their_float_source(tmp_path, src, quantize, group_size,
+                                                         qtype):
+    q = convert(src, tmp_path / "q", "native", quantize=quantize, group_size=group_size,
+                progress=False)
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(q))
+    assert finding.verdict == WITHIN, finding.lines
+    t = finding.figures["types"][qtype]
+    assert t["tensors"] == 7 * CFG.n_layers + 1  # the projections and the (untied) head
+    assert t["reference"] == [f"{qtype} re-quantised"] and t["max_ratio"] == pytest.approx(1.0)
+
+    # a broken row, quantised by the same quantiser
+    name = "layers.0.attention.wv.weight"
+    broken = tmp_path / "broken"
+    planted(src, broken, "hf", {name: scaled_row(3, 1.5)})
+    q = convert(broken, tmp_path / "qb", "native", quantize=quantize, group_size=group_size,
+                progress=False)
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(q))
+    assert finding.verdict == DIFFERENT and finding.cause.startswith(f"tensor {name}: row 3 ")
+
+
+@pytest.mark.slow
+def test_smollm2_q4_k_m_by_llama_cpp(tmp_path, smollm2):
+    """llama.cpp's own Q4_K_M of SmolLM2's float32 export: within what each type costs (its Q4_K
+    and Q6_K against the table, the Q5_0 / Q8_0 it falls back to re-quantised); a row broken
+    before quantising is still caught through llama.cpp's quantiser."""
+    pytest.importorskip("llama_cpp")
+    hf = convert(smollm2, tmp_path / "hf", "hf", dtype="float32", progress=False)
+    q = convert(hf, tmp_path / "q.gguf", "gguf", dtype="q4_k_m", progress=False)
+    finding = compare_weights(open_checkpoint(hf), open_checkpoint(q))
+    assert finding.verdict == WITHIN, finding.lines
+    types = finding.figures["types"]
+    assert types["Q4_K"]["reference"] == ["Q4_K table"]
+    assert types["Q5_0"]["reference"] == ["Q5_0 re-quantised"]
+
+    name = "layers.3.feed_forward.w2.weight"  # rows of 1536: whole K-quant blocks
+    broken = planted(hf, tmp_path / "broken", "hf", {name: scaled_row(9, 1.5)})
+    for f in open_checkpoint(hf).extra_files:
+        shutil.copy(f, broken)
+    q = convert(broken, tmp_path / "qb.gguf", "gguf", dtype="q4_k_m", progress=False)
+    finding = compare_weights(open_checkpoint(hf), open_checkpoint(q))
+    assert finding.verdict == DIFFERENT and finding.cause.startswith(f"tensor {name}: row 9 ")
