@@ -186,8 +186,9 @@ def test_another_pre_tokenizer_is_named_with_the_text_around_it(exports, tmp_pat
 
 def test_a_pre_tokenizer_rewritten_but_splitting_alike_is_the_same(exports, tmp_path):
     b = planted(exports, tmp_path)
-    # SmolLM2's vocabulary has no token of two digits: its digit split changes no text's ids
-    edit_json(b / "tokenizer.json", lambda t: _set_pre_tokenizer(t, lambda ps: ps.pop(0)))
+    # the same pre-tokenizer inside a Sequence of one: another form, the same splits
+    edit_json(b / "tokenizer.json", lambda t: t.update(pre_tokenizer={
+        "type": "Sequence", "pretokenizers": [t["pre_tokenizer"]]}))
     found = compare_tokenizers(open_checkpoint(exports["gguf"]), open_checkpoint(b), TEXT)
     assert found.verdict == SAME
     assert any(line.startswith("tokenizer.json's pre_tokenizer is written differently")
@@ -256,6 +257,28 @@ def test_bos_added_in_one_only_is_named_for_hf_and_gguf(exports, tmp_path):
     assert "added in B (the GGUF file's tokenizer.ggml.add_bos_token" in found.cause
 
 
+def test_a_flipped_add_bos_token_key_is_named_though_the_post_processors_agree(exports,
+                                                                              tmp_path):
+    b = planted(exports, tmp_path)
+    edit_json(b / "tokenizer_config.json", lambda c: c.update(add_bos_token=True))
+    found = compare_tokenizers(open_checkpoint(exports["gguf"]), open_checkpoint(b), TEXT)
+    assert found.verdict == DIFFERENT
+    assert found.cause == ("tokenizer: tokenizer_config.json's add_bos_token is false in A, true "
+                           "in B (the post-processors agree: BOS not added)")
+    assert "llama.cpp's converter" in found.check_next
+    assert found.figures["add_bos"] == [False, False]  # what transformers 5 and we add: the same
+
+
+def test_a_normalizer_added_is_caught_by_the_probes(exports, tmp_path):
+    b = planted(exports, tmp_path)
+    edit_json(b / "tokenizer.json", lambda t: t.update(normalizer={"type": "NFKC"}))
+    found = compare_tokenizers(open_checkpoint(exports["hf"]), open_checkpoint(b), TEXT)
+    assert found.verdict == DIFFERENT
+    assert found.cause == "tokenizer: the probe 'ﬁne ＡＢＣ x² ½ Ⅻ' splits differently from token 0"
+    assert any(line.startswith("tokenizer.json's normalizer is written differently")
+               for line in found.lines)
+
+
 def test_a_checkpoint_without_a_tokenizer_is_skipped(exports, tmp_path):
     b = planted(exports, tmp_path)
     (b / "tokenizer.json").unlink()
@@ -284,6 +307,30 @@ def test_a_retyped_template_is_named_at_its_first_differing_character(exports, t
                                   f"character {at}: ")
     assert "re-typed" in found.check_next
     assert found.figures["prompt"]["first_difference"] == at
+
+
+def test_a_retyped_default_system_prompt_is_found_without_a_system_turn(exports, tmp_path):
+    b = planted(exports, tmp_path)
+    source = (b / "chat_template.jinja").read_text(encoding="utf-8")
+    (b / "chat_template.jinja").write_text(source.replace("named SmolLM", "named SmolLm"),
+                                           encoding="utf-8")
+    found = compare_templates(open_checkpoint(exports["gguf"]), open_checkpoint(b))
+    at = len("<|im_start|>system\nYou are a helpful AI assistant named SmolL")
+    assert found.cause.startswith(f"template: the conversation without its system turn renders "
+                                  f"differently from character {at}: ")
+    assert found.figures["conversation"]["first_difference"] is None  # a system turn hides it
+    assert found.figures["no_system_prompt"]["first_difference"] == at
+
+
+def test_a_template_written_differently_but_rendering_alike_is_the_same(exports, tmp_path):
+    b = planted(exports, tmp_path)
+    source = (b / "chat_template.jinja").read_text(encoding="utf-8")
+    (b / "chat_template.jinja").write_text("{#- SmolLM2 -#}" + source, encoding="utf-8")
+    found = compare_templates(open_checkpoint(exports["gguf"]), open_checkpoint(b))
+    assert found.verdict == SAME and not found.figures["same_source"]
+    assert any(line.startswith("the template texts differ from character 1 ") and
+               line.endswith("but render these conversations alike: not judged")
+               for line in found.lines)
 
 
 def test_a_dropped_template_is_a_difference_and_none_on_both_sides_is_skipped(exports, tmp_path):

@@ -117,7 +117,7 @@ def compare_config(a, b) -> Finding:
                        f"{ca.dim}, {ca.n_heads} heads / {ca.n_kv_heads} kv heads, rope_theta "
                        f"{ca.rope_theta:g}, norm_eps {ca.norm_eps:g})", lines, figures=figures)
     name, x, y = differs[0]
-    family = f" ({ca.family} in A, {cb.family} in B)" if ca.family != cb.family else ""
+    family = f" ({ca.family} in A, {cb.family} in B)" if ca.deltas != cb.deltas and ca.family != cb.family else ""
     cause = f"config: {name} {_show(x)} in A, {_show(y)} in B{family}"
     base = name.split(".")[0]
     summary = (f"{len(differs)} field{'s' * (len(differs) > 1)} differ: "

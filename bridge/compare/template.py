@@ -3,10 +3,12 @@
 A fixed conversation (system, user, assistant, user, assistant) is rendered with each checkpoint's
 own template (bridge.chat.own_template: a directory's chat_template.jinja or tokenizer_config.json,
 a GGUF's tokenizer.chat_template), as the SFT data sees it (the whole conversation) and as a
-prompt to answer (the last reply left out, add_generation_prompt on), each side with its own
-tokenizer's BOS and EOS text. The first character where the renderings part is shown with the
-text around it. A template on one side only is a difference: the commands would fall back to a
-built-in template for the other, and a chat would read differently to the model.
+prompt to answer (the last reply left out, add_generation_prompt on), with its system turn and
+without it (where a template writes its own default), each side with its own tokenizer's BOS and
+EOS text. The first character where the renderings part is shown with the text around it;
+templates written differently that render all four alike are reported, not judged. A template on
+one side only is a difference: the commands would fall back to a built-in template for the other,
+and a chat would read differently to the model.
 """
 
 from __future__ import annotations
@@ -30,12 +32,22 @@ _NO_TOKENIZER = SimpleNamespace(special_tokens={}, bos_id=None, eos_id=None)
 _CONTEXT = 30  # characters shown either side of the first difference
 
 
-def _render(template: ChatTemplate, tokenizer, generation_prompt: bool) -> str:
-    """The conversation rendered (without its last reply and with add_generation_prompt, for a
-    prompt); a template that refuses to render it gives its error, compared like a rendering."""
-    messages = list(CONVERSATION[:-1] if generation_prompt else CONVERSATION)
+# The renderings compared: (label, figures key, with the system turn, as a prompt). A template
+# often writes a default system prompt where the conversation has none: the second pair reaches it.
+RENDERINGS = (("the whole conversation", "conversation", True, False),
+              ("the conversation as a prompt", "prompt", True, True),
+              ("the conversation without its system turn", "no_system", False, False),
+              ("the prompt without its system turn", "no_system_prompt", False, True))
+
+
+def _render(template: ChatTemplate, tokenizer, system: bool, prompt: bool) -> str:
+    """The conversation rendered, from its first user turn unless `system`, and for a `prompt`
+    without its last reply and with add_generation_prompt; a template that refuses to render it
+    gives its error, compared like a rendering."""
+    messages = list(CONVERSATION if system else CONVERSATION[1:])
     try:
-        return template.render(messages, tokenizer, add_generation_prompt=generation_prompt)[0]
+        return template.render(messages[:-1] if prompt else messages, tokenizer,
+                               add_generation_prompt=prompt)[0]
     except BridgeError as e:
         return f"<does not render: {str(e).split(': ', 1)[-1]}>"
 
@@ -71,17 +83,17 @@ def compare_templates(a, b) -> Finding:
         lines.append(f"the same template text ({len(ta.source)} characters)")
     for side, template, tok in (("A", ta, toks[0]), ("B", tb, toks[1])):
         bos = {i: name for name, i in tok.special_tokens.items()}.get(tok.bos_id)
-        if getattr(tok, "add_bos", False) and bos and _render(template, tok, True).startswith(bos):
+        if getattr(tok, "add_bos", False) and bos and \
+                _render(template, tok, True, True).startswith(bos):
             lines.append(f"{side}'s template writes BOS itself and its tokenizer adds BOS to a "
                          f"text: a caller that encodes the rendering as a text gets BOS twice "
                          f"(llama.cpp PR #7332); the commands here encode it as the template "
                          f"wrote it")
     figures, parted = {"same_source": ta.source == tb.source}, None
-    for prompt, label in ((False, "the whole conversation"), (True, "as a prompt")):
-        x, y = _render(ta, toks[0], prompt), _render(tb, toks[1], prompt)
+    for label, key, system, prompt in RENDERINGS:
+        x, y = _render(ta, toks[0], system, prompt), _render(tb, toks[1], system, prompt)
         at = first_difference(x, y)
-        figures["prompt" if prompt else "conversation"] = {"chars": [len(x), len(y)],
-                                                           "first_difference": at}
+        figures[key] = {"chars": [len(x), len(y)], "first_difference": at}
         if at is None:
             lines.append(f"{label}: the same {len(x)} characters")
             continue
@@ -89,8 +101,14 @@ def compare_templates(a, b) -> Finding:
                    f"{len(y)} (B):"), f"  A: {_around(x, at)}", f"  B: {_around(y, at)}"]
         parted = parted or (label, at, x, y)
     if parted is None:
+        if ta.source != tb.source:
+            at = first_difference(ta.source, tb.source)
+            lines.append(f"the template texts differ from character {at} (A: "
+                         f"{_around(ta.source, at)}; B: {_around(tb.source, at)}), but render "
+                         f"these conversations alike: not judged")
         return Finding("template", SAME, f"the same rendering of a {len(CONVERSATION)}-turn "
-                       f"conversation, whole and as a prompt", lines, figures=figures)
+                       f"conversation, with and without its system turn, whole and as a prompt",
+                       lines, figures=figures)
     label, at, x, y = parted
     cause = (f"template: {label} renders differently from character {at}: "
              f"{_around(x, at)} in A, {_around(y, at)} in B")

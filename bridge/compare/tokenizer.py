@@ -27,7 +27,8 @@ PROBES = ("Hello world", " Hello world", "hello", "The year 2024 had 366 days; p
           "I'm sure they'll say we've done it, isn't it? DON'T", "a  b   c\n\nd\t\te \n",
           "x=foo(bar[1],  {'k': -2})  # comment", "naïve café, Straße, ÆØÅ",
           "日本語のテキストです。中文文本。", "Ünïcödé and emoji 🙂👍🏽!",
-          "<|im_start|>user\nhi<|im_end|>", "<s>[INST] hi [/INST]", "1234567890 12 123 1234")
+          "<|im_start|>user\nhi<|im_end|>", "<s>[INST] hi [/INST]", "1234567890 12 123 1234",
+          "ﬁne ＡＢＣ x² ½ Ⅻ")  # changed only by a normalizer (NFKC)
 _GGUF_PRE = "gguf_tokenizer_pre"  # bridge.gguf.tokenizer's key for the GGUF's tokenizer.ggml.pre
 _PREFIX_MARKS = " \u2581\u0120"     # a space as SentencePiece and byte-level BPE write it
 _FOUND: WeakKeyDictionary = WeakKeyDictionary()  # checkpoint -> checkpoint_tokenizer's answer
@@ -91,6 +92,15 @@ def _encode(tok: Tokenizer, text: str) -> list[int]:
     """text's ids as the commands encode a plain text (BOS and EOS as the files decide)."""
     return tok.encode(text, bos=tok.add_bos and tok.bos_id is not None,
                       eos=tok.add_eos and tok.eos_id is not None)
+
+
+def _said_flag(tok: Tokenizer, name: str, decided: bool) -> tuple[bool, str]:
+    """(what a reader of tokenizer_config.json's add_<name>_token key takes, in words): the key
+    where it is a boolean, else the tokenizer's own decision."""
+    key = getattr(tok, "_config", {}).get(f"add_{name}_token")
+    if isinstance(key, bool):
+        return key, str(key).lower()
+    return decided, f"not given ({name.upper()} {'added' if decided else 'not added'})"
 
 
 def first_difference(x: Sequence, y: Sequence) -> int | None:
@@ -178,6 +188,16 @@ def compare_tokenizers(a, b, text: str) -> Finding:
                    f"add_{name.lower()}_token, a GGUF's tokenizer.ggml.add_{name.lower()}_token")
     lines.append(f"BOS {'added' if ta.add_bos else 'not added'}, EOS "
                  f"{'added' if ta.add_eos else 'not added'} in A ({ta.decided_by})")
+    for name, x, y in (("bos", ta.add_bos, tb.add_bos), ("eos", ta.add_eos, tb.add_eos)):
+        said = _said_flag(ta, name, x), _said_flag(tb, name, y)
+        if x == y and said[0][0] != said[1][0]:
+            differ(f"tokenizer_config.json's add_{name}_token is {said[0][1]} in A, "
+                   f"{said[1][1]} in B (the post-processors agree: {name.upper()} "
+                   f"{'added' if x else 'not added'})",
+                   f"the add_{name}_token key was changed: transformers 5 reads tokenizer.json's "
+                   f"post-processor (which agrees), but llama.cpp's converter and transformers "
+                   f"4's fast tokenizers read the key, so there the two differ on "
+                   f"{name.upper()} (llama.cpp PR #7332)")
     # The pre-tokenizer: a GGUF's name for it, and tokenizer.json's form of it.
     pre_a, pre_b = (getattr(t, "_config", {}).get(_GGUF_PRE) for t in (ta, tb))
     if pre_a and pre_b and pre_a != pre_b:
