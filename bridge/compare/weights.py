@@ -32,7 +32,7 @@ import numpy as np
 
 from ..formats.base import Checkpoint
 from ..formats.hf import _heads_to_permute, from_half_split, to_half_split
-from ..int4 import dequantize_int4, quantize_int4
+from ..int4 import bits_per_weight, dequantize_int4, quantize_int4
 from ..quantize import (MIN_SUFFIX, SCALE_SUFFIX, dequantize_weight, int4_names, quantize_weight,
                         quantized_names)
 from ..tensors import canonical_shapes
@@ -48,8 +48,9 @@ from .report import DIFFERENT, SAME, WITHIN, Finding
 TYPE_COST = {"Q2_K": 0.296, "Q3_K": 0.151, "Q4_K": 0.0713, "Q5_K": 0.0361, "Q6_K": 0.0177,
              "Q4_0": 0.0860, "Q4_1": 0.0782, "Q5_0": 0.0427, "Q5_1": 0.0378, "Q8_0": 0.00535,
              "MXFP4": 0.115, "int8": 0.00697, "int4": 0.0782}
-# A type in neither table (the IQ and TQ types): judged against this relative RMS error, a little
-# above Q2_K's, the coarsest type measured, and its rows against the tensor's own median row.
+# A type the table does not hold (the IQ and TQ types): 2 * 2^-bits a weight, the table's own rule
+# of thumb (Q8_0 1.95 * 2^-8.5, Q6_K 1.67 * 2^-6.56, Q4_0 1.95 * 2^-4.5, Q2_K 1.83 * 2^-2.625), an
+# upper bound for the IQ types' codebooks; UNKNOWN_COST where gguf does not know the type's size.
 UNKNOWN_COST = 0.35
 # The types gguf.quants quantises as llama.cpp does, bit for bit (bridge.gguf.write uses it); the
 # native format's int8 and int4 are re-quantised by the bridge's own quantisers.
@@ -76,7 +77,7 @@ ROW_LIMIT = {"re-quantised": 3.0, "table": 5.0}
 FLOAT_ROUNDING = {np.dtype(np.float64): (1e-7, 0.0), np.dtype(np.float32): (1e-7, 0.0),
                   np.dtype(np.float16): (2.0 ** -11, 2.0 ** -25),
                   np.dtype(ml_dtypes.bfloat16): (2.0 ** -8, 0.0)}
-# Elements per chunk of rows (float64 temporaries of a few tens of MB whatever the tensor).
+# Elements per chunk of rows (temporaries of a few MB whatever the tensor's size).
 CHUNK = 1 << 20
 # Differing tensors listed in the report's lines (all are counted).
 LISTED = 10
@@ -158,7 +159,13 @@ def _stored_type(ckpt, name: str) -> str | None:
 
 
 def _cost(qtype: str | None) -> float:
-    return 0.0 if qtype is None else TYPE_COST.get(_family(qtype), UNKNOWN_COST)
+    """The type's relative RMS error on gaussian rows: TYPE_COST's, else by its bits a weight."""
+    if qtype is None:
+        return 0.0
+    if _family(qtype) in TYPE_COST:
+        return TYPE_COST[_family(qtype)]
+    bits = bits_per_weight(qtype)
+    return UNKNOWN_COST if bits is None else 2.0 * 2.0 ** -bits
 
 
 def _family(qtype: str) -> str:
@@ -237,18 +244,11 @@ def _judge(name: str, x: np.ndarray, y: np.ndarray, qtype: str | None, true: np.
     if qtype is None:
         return {**result, "verdict": DIFFERENT, "bad_rows": np.flatnonzero(over).tolist()}
     how = "re-quantised" if reference is not None else "table"
-    if reference is not None:
-        expected = ref2
-    elif _family(qtype) in TYPE_COST:
-        expected = _cost(qtype) ** 2 * true2
-    else:  # a type measured nowhere: the tensor's own typical row, and a loose bound on the whole
-        expected = np.full(n_rows, np.median(err2))
-    result["reference"] = (f"{qtype} {how}" if _family(qtype) in TYPE_COST or reference
-                           else f"{qtype} own median row")
+    expected = ref2 if reference is not None else _cost(qtype) ** 2 * true2
+    result["reference"] = f"{qtype} {how}" if reference is not None or _family(qtype) in \
+        TYPE_COST else f"{qtype} by its bits a weight"
     floor = 0.25 * expected.mean()
     ratio = float(np.sqrt(err2.sum() / expected.sum())) if expected.sum() else np.inf
-    if _family(qtype) not in TYPE_COST and reference is None:
-        ratio = result["rms_rel"] / UNKNOWN_COST
     row_ratios = np.sqrt(err2 / np.maximum(expected, floor)) if floor else np.where(err2 > 0,
                                                                                     np.inf, 0.0)
     bad = np.flatnonzero(row_ratios > ROW_LIMIT[how])
@@ -320,13 +320,14 @@ RESHUFFLED = ("the converter's tensor names and the layer order; whether B was w
 def _diagnose(a, name: str, x: np.ndarray, y: np.ndarray, result: dict) -> tuple[str, str]:
     """(what B's tensor is, in words, what to check next) for a tensor that differs: the classic
     ways a converter writes a tensor wrong, tried one by one on A's tensor `x` and B's `y`."""
-    cost = _cost(result["type"])
-    near = max(0.01, 2.0 * cost)  # a relative RMS this close is "the same numbers"
+    near = max(0.01, 2.0 * _cost(result["type"]))  # a relative RMS this close: the same numbers
+    x, y = (np.asarray(m, np.float32) for m in (x, y))  # float32: one temporary of each size
 
     def same(u: np.ndarray, v: np.ndarray) -> bool:
-        scale = np.sqrt(np.mean(np.square(v, dtype=np.float64)))
-        return u.shape == v.shape and bool(
-            np.sqrt(np.mean(np.square(u - v, dtype=np.float64))) <= near * max(scale, 1e-30))
+        if u.shape != v.shape:
+            return False
+        d, v = (u - v).ravel(), v.ravel()
+        return float(np.dot(d, d)) <= near ** 2 * max(float(np.dot(v, v)), 1e-60)
 
     heads = _heads_to_permute(name, a.config)
     if heads is not None:
@@ -371,9 +372,9 @@ def _diagnose(a, name: str, x: np.ndarray, y: np.ndarray, result: dict) -> tuple
                                                "1 + w against LLaMA's w)")
     if not np.any(y):
         return "B's tensor is all zeros", "whether the writer wrote this tensor's data at all"
-    dot = float(np.vdot(x.astype(np.float64), x.astype(np.float64)))
+    dot = float(np.dot(x.ravel(), x.ravel()))
     if dot:
-        c = float(np.vdot(x.astype(np.float64), y.astype(np.float64))) / dot
+        c = float(np.dot(x.ravel(), y.ravel())) / dot
         if abs(c - 1.0) > near and same(c * x, y):
             return f"B is A times {c:.4g}", ("a scale the writer applied: a norm's (1 + w) "
                                               "convention, a multiplier folded in")
@@ -392,7 +393,8 @@ def _head_pattern(a, name: str, x: np.ndarray, y: np.ndarray, same) -> str | Non
         return None
     sources = [("A's", x)]
     if name == "output.weight" and "output.weight" in a.specs:
-        sources.append(("A's token embedding", a.tensor("tok_embeddings.weight")))
+        sources.append(("A's token embedding",
+                        np.asarray(a.tensor("tok_embeddings.weight"), np.float32)))
         if same(sources[-1][1], y):
             return "B's LM head is A's token embedding (a head tied where A's is its own)"
     for label, source in sources:
@@ -443,7 +445,7 @@ def _finding(results: list[dict], types: dict, floats: dict, lines: list[str]) -
         ratios = [r["ratio"] for r in rs if r["ratio"] is not None]
         rows = [r["row_ratio"] for r in rs if r["row_ratio"] is not None]
         figures["types"][qtype] = {
-            "tensors": len(rs), "expected_relative_rms": TYPE_COST.get(qtype, UNKNOWN_COST),
+            "tensors": len(rs), "expected_relative_rms": round(_cost(qtype), 5),
             "reference": sorted({r["reference"] for r in rs if r["reference"]}),
             "median_ratio": float(np.median(ratios)) if ratios else None,
             "max_ratio": max(ratios) if ratios else None,
