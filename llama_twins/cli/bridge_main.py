@@ -155,6 +155,29 @@ def cmd_parity(args) -> int:
     return EXIT_OK if report["passed"] else EXIT_CHECK_FAILED
 
 
+def cmd_compare(args) -> int:
+    """Is B still A? (llama_twins.compare): exit 0 same or same within quantisation, 1
+    different."""
+    from ..compare import DIFFERENT, compare, end_line, format_report  # runs the models
+
+    text = None
+    if args.text is not None:
+        try:
+            text = Path(args.text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise BridgeError(f"{args.text}: cannot read the text ({e.__class__.__name__})",
+                              field="text") from None
+    result, findings = compare(args.a, args.b, adapter=args.adapter, text=text,
+                               progress=(lambda message: print(message, file=sys.stderr))
+                               if args.progress else None)
+    if args.json:
+        print(json.dumps({"verdict": result, "end": end_line(result, findings),
+                          "sections": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        print(format_report(result, findings))
+    return EXIT_CHECK_FAILED if result == DIFFERENT else EXIT_OK
+
+
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of the commands that write a checkpoint, streaming (convert, merge-lora)."""
     p.add_argument("--to", choices=FORMATS, default="native", help="output format (default native)")
@@ -256,6 +279,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the trajectory shrinks with it, as rounding's growth does")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_progress_argument(p, lines="stage lines (what each stage does, as it starts)")
+
+    p = add_command(sub, "compare", cmd_compare,
+                    help="is B still A? compare two checkpoints section by section: config, "
+                         "tokenizer, chat template, weights, outputs on real text, and where "
+                         "they part")
+    p.add_argument("a", help="the checkpoint B came from, any format the bridge reads, or a "
+                             "model's name (`models` lists them)")
+    p.add_argument("b", help="the converted, quantised or merged checkpoint")
+    p.add_argument("--adapter", help="a PEFT LoRA adapter directory applied to A (compare an "
+                                     "adapter with its merge)")
+    p.add_argument("--text", help="a UTF-8 text file to run both models on (default: an essay "
+                                  "of about 3,000 tokens shipped with the package)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_progress_argument(p, lines="stage lines (what each section does, as it starts)")
     models.add_commands(sub)
     return parser
 

@@ -1,0 +1,177 @@
+"""`llama-bridge compare`'s sections that run the models (llama_twins.compare): the outputs on
+real text judged against the pair's storage type, where two models part, and the command's
+report and exit codes.
+
+SmolLM2's Q4_1 file against its float32 export and a Q8_0 re-export: same within quantisation;
+its export with rope_theta changed: different, parting at block 0's attention. A small random
+model: an adapter against its merge is the same; a broken row in one layer's w2 is found in that
+layer's feed-forward."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax_llama
+from bridge.chat import find_template
+from bridge.compare.report import DIFFERENT, SAME, WITHIN
+from bridge.convert import convert
+from bridge.formats import open_checkpoint
+from bridge.formats.native import write_native
+from bridge.lora import Adapter, LoraConfig, adapter_shapes, write_peft
+from bridge.tokenizer import load_tokenizer
+from llama_twins.cli.bridge_main import main
+from llama_twins.compare import compare, default_text, end_line
+from llama_twins.compare.blocks import where_they_part
+from llama_twins.compare.outputs import compare_outputs, judge, windows
+
+from conftest import small_config
+
+# One window of about 250 tokens of the default text, its second half scored.
+TEXT = default_text()[:1200]
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory, smollm2) -> dict[str, Path]:
+    """SmolLM2's Q4_1 file, its float32 HF export, a Q8_0 re-export of that, and the export with
+    rope_theta changed in config.json (its weights hard-linked, not copied)."""
+    root = tmp_path_factory.mktemp("compare-smol")
+    hf = convert(smollm2, root / "hf32", "hf", dtype="float32", progress=False)
+    q8 = convert(hf, root / "q8.gguf", "gguf", dtype="q8_0", progress=False)
+    rope = root / "rope"
+    rope.mkdir()
+    for file in Path(hf).iterdir():
+        (os.link if file.suffix == ".safetensors" else shutil.copy)(file, rope / file.name)
+    config = json.loads((rope / "config.json").read_text())
+    config["rope_theta"] = config["rope_theta"] / 10
+    (rope / "config.json").write_text(json.dumps(config))
+    return {"q4_1": Path(smollm2), "hf32": Path(hf), "q8": Path(q8), "rope": rope}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm2) -> dict[str, Path]:
+    """A random 3-layer model with SmolLM2's vocabulary (native), a random LoRA adapter of it
+    and its merge, and a copy with row 5 of layers.1.feed_forward.w2.weight broken."""
+    root = tmp_path_factory.mktemp("compare-tiny")
+    config = small_config(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                          vocab_size=49152, max_seq_len=1024, bos_id=1, eos_ids=(2,))
+    native = root / "native"
+    jax_llama.save(native, config, jax_llama.init(config, seed=0)[1])
+    tokenizer = load_tokenizer(smollm2)
+    tokenizer.save(native)
+    find_template(smollm2, tokenizer).save(native)
+    lora = LoraConfig(rank=4, alpha=8)
+    rng = np.random.default_rng(0)
+    adapter = write_peft(root / "adapter", config, Adapter(lora, {
+        name: rng.normal(0, 0.05, shape).astype(np.float32)
+        for name, shape in adapter_shapes(config, lora).items()}))
+    merged = root / "merged"
+    assert main(["merge-lora", str(native), str(adapter), str(merged), "--no-progress"]) == 0
+    ckpt = open_checkpoint(native)
+    broken_name = "layers.1.feed_forward.w2.weight"
+
+    def fetch(name):
+        t = ckpt.tensor(name)
+        if name == broken_name:
+            t[5] = 3.0
+        return t
+    broken = write_native(root / "broken", config, ckpt.specs, fetch, extra_files=ckpt.extra_files)
+    return {"native": native, "adapter": Path(adapter), "merged": merged, "broken": Path(broken)}
+
+
+def test_windows_are_llama_perplexitys():
+    ids = list(range(10, 1300))
+    cut = windows(ids, bos=1, size=512)
+    assert [len(w) for w in cut] == [512, 512]  # whole windows only, the rest left out
+    assert cut[0][0] == cut[1][0] == 1 and cut[1][1] == 10 + 511
+    assert [len(w) for w in windows(ids[:100], bos=None)] == [100]  # shorter: one window
+
+
+def test_judge_thresholds():
+    base = dict(tokens=256, windows=1, p99_kl=0.0, max_kl=0.0, same_top1=100.0, ppl_a=9.0,
+                ppl_b=9.0)
+    assert judge(dict(base, mean_kl=1e-8, max_kl=1e-7), "float32", "float32").verdict == SAME
+    assert judge(dict(base, mean_kl=1e-3), "float32", "float32").verdict == DIFFERENT
+    within = judge(dict(base, mean_kl=0.1), "float32", "Q4_0")
+    assert within.verdict == WITHIN and within.figures["reference"]["mean_kl"] == 0.071940
+    assert judge(dict(base, mean_kl=0.5), "float32", "Q4_0").verdict == DIFFERENT
+    assert judge(dict(base, mean_kl=0.001, same_top1=80.0), "F32", "Q8_0").verdict == DIFFERENT
+
+
+def test_q4_1_as_stored_against_its_float32_export_is_within_quantisation(smol):
+    """The export holds the Q4_1 file's own values, dequantised: what is left is the 4-bit
+    kernels' arithmetic against float32's, far below Q4_1's own cost."""
+    f = compare_outputs(open_checkpoint(smol["q4_1"]), open_checkpoint(smol["hf32"]), TEXT)
+    assert f.verdict == WITHIN, f.lines
+    assert f.figures["windows"] == 1 and f.figures["mean_kl"] < 0.01
+    assert f.figures["same_top1"] > 95 and abs(f.figures["ppl_a"] / f.figures["ppl_b"] - 1) < 0.02
+
+
+@pytest.mark.slow  # 40 s on 2 cores: the Q4_1 test above runs the same path
+def test_q8_0_re_export_is_within_quantisation(smol):
+    f = compare_outputs(open_checkpoint(smol["hf32"]), open_checkpoint(smol["q8"]), TEXT)
+    assert f.verdict == WITHIN, f.lines
+    assert f.figures["reference"]["type"] == "Q8_0" and 1e-4 < f.figures["mean_kl"] < 0.02
+
+
+def test_changed_rope_theta_differs_and_parts_at_block_0s_attention(smol):
+    a, b = open_checkpoint(smol["hf32"]), open_checkpoint(smol["rope"])
+    f = compare_outputs(a, b, TEXT)
+    assert f.verdict == DIFFERENT and f.figures["mean_kl"] > 0.01, f.lines
+    ids = load_tokenizer(smol["hf32"]).encode(TEXT[:600])
+    part = where_they_part(a, b, ids)
+    assert part.verdict == DIFFERENT
+    assert (part.figures["block"], part.figures["sublayer"]) == (0, "attention")
+    assert "rope_theta" in part.check_next
+
+
+def test_an_adapter_is_the_same_as_its_merge(tiny):
+    f = compare_outputs(open_checkpoint(tiny["native"]), open_checkpoint(tiny["merged"]), TEXT,
+                        adapter=tiny["adapter"])
+    assert f.verdict == SAME, f.lines
+    # and the adapter changes the model: without it, A is not its merge
+    g = compare_outputs(open_checkpoint(tiny["native"]), open_checkpoint(tiny["merged"]), TEXT)
+    assert g.verdict == DIFFERENT and g.figures["mean_kl"] > 1e-4
+
+
+def test_a_broken_row_is_found_in_its_layers_feed_forward(tiny):
+    a, b = open_checkpoint(tiny["native"]), open_checkpoint(tiny["broken"])
+    assert compare_outputs(a, b, TEXT).verdict == DIFFERENT
+    part = where_they_part(a, b, load_tokenizer(tiny["native"]).encode(TEXT[:600]))
+    assert (part.figures["block"], part.figures["sublayer"]) == (1, "feed_forward")
+    assert "layers.1.feed_forward.w2.weight" in part.check_next
+    assert part.figures["blocks"][0]["feed_forward"] == 0  # block 0 untouched, fed A's input
+
+
+def test_compare_runs_the_blocks_only_when_outputs_differ(tiny):
+    result, findings = compare(str(tiny["native"]), str(tiny["broken"]), text=TEXT)
+    assert result == DIFFERENT and [f.section for f in findings][-2:] == ["outputs", "blocks"]
+    assert findings[-1].figures["block"] == 1 and findings[-1].figures["sublayer"] == "feed_forward"
+    # the first cause found is named: the weights section's broken row where it is built
+    assert "layers.1.feed_forward" in end_line(result, findings)
+    result, findings = compare(str(tiny["native"]), str(tiny["native"]), text=TEXT)
+    assert result == SAME and findings[-1].section == "outputs"
+
+
+def test_cli_exit_codes(tiny, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    assert main(["compare", str(tiny["native"]), str(tiny["native"]), "--text", str(text),
+                 "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "same"
+    assert main(["compare", str(tiny["native"]), str(tiny["broken"]), "--text", str(text),
+                 "--json", "--no-progress"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == DIFFERENT and report["sections"][-1]["section"] == "blocks"
+    assert report["sections"][-1]["figures"]["block"] == 1
+    assert main(["compare", str(tmp_path / "missing"), str(tiny["native"])]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "missing" in err
+    assert main(["compare", str(tiny["native"]), str(tiny["native"]), "--text",
+                 str(tmp_path / "none.txt")]) == 2
+    assert "none.txt" in capsys.readouterr().err
