@@ -136,6 +136,13 @@ def test_rope_scaling_dropped_or_changed_is_named(exports, tmp_path):
     assert compare_config(a, open_checkpoint(scaled)).verdict == SAME  # negative case
 
 
+def test_a_window_no_shorter_than_the_context_is_not_a_difference(exports):
+    a = open_checkpoint(exports["hf"])
+    found = compare_config(a, changed(a, sliding_window=8192))
+    assert found.verdict == SAME
+    assert "sliding_window: none in A, 8192 in B; not a difference" in "\n".join(found.lines)
+
+
 def test_family_max_seq_len_and_special_ids_are_shown_not_judged(exports):
     a = open_checkpoint(exports["hf"])
     b = changed(a, family="mistral", max_seq_len=2048, bos_id=0)
@@ -274,9 +281,20 @@ def test_a_normalizer_added_is_caught_by_the_probes(exports, tmp_path):
     edit_json(b / "tokenizer.json", lambda t: t.update(normalizer={"type": "NFKC"}))
     found = compare_tokenizers(open_checkpoint(exports["hf"]), open_checkpoint(b), TEXT)
     assert found.verdict == DIFFERENT
-    assert found.cause == "tokenizer: the probe 'ﬁne ＡＢＣ x² ½ Ⅻ' splits differently from token 0"
+    assert found.cause == ("tokenizer: the probe 'ﬁne ＡＢＣ x² ½ Ⅻ' splits differently from "
+                           "token 0")
     assert any(line.startswith("tokenizer.json's normalizer is written differently")
                for line in found.lines)
+
+
+def test_a_changed_eos_token_is_named(exports, tmp_path):
+    b = planted(exports, tmp_path)
+    edit_json(b / "tokenizer_config.json", lambda c: c.update(eos_token="<|endoftext|>"))
+    found = compare_tokenizers(open_checkpoint(exports["gguf"]), open_checkpoint(b), TEXT)
+    assert found.cause == "tokenizer: EOS token 2 '<|im_end|>' in A, 0 '<|endoftext|>' in B"
+    # llama.cpp's rule stops at both either way (<|endoftext|> by its name): shown, not a cause
+    assert set(found.figures["stop_ids"][0]) == set(found.figures["stop_ids"][1]) == {0, 2, 4}
+    assert "a generation stops at 2 '<|im_end|>', 0 '<|endoftext|>', 4 '<reponame>'" in found.lines
 
 
 def test_a_checkpoint_without_a_tokenizer_is_skipped(exports, tmp_path):

@@ -71,9 +71,18 @@ def _differences(a: LlamaConfig, b: LlamaConfig) -> list[tuple[str, Any, Any]]:
             found += [(f"rope_scaling.{sub}", getattr(x, sub), getattr(y, sub))
                       for sub in _ROPE_SUBFIELDS
                       if not _same_value(getattr(x, sub), getattr(y, sub))]
+        elif name == "sliding_window" and _window_reaches(a, b):
+            continue
         elif not _same_value(x, y):
             found.append((name, x, y))
     return found
+
+
+def _window_reaches(a: LlamaConfig, b: LlamaConfig) -> bool:
+    """Whether each side's sliding window (none: unbounded) covers both sides' max_seq_len, so
+    that no query within them attends differently."""
+    longest = max(a.max_seq_len, b.max_seq_len)
+    return all(c.sliding_window is None or c.sliding_window >= longest for c in (a, b))
 
 
 def _as_dict(config: LlamaConfig) -> dict[str, Any]:
@@ -99,6 +108,10 @@ def compare_config(a, b) -> Finding:
     agreeing = [n for n in FIELDS if not any(d[0].split(".")[0] == n for d in differs)]
     lines.append("the same in both: " + ", ".join(
         f"{n} {_show(getattr(ca, n))}" for n in agreeing))
+    if ca.sliding_window != cb.sliding_window and _window_reaches(ca, cb):
+        lines.append(f"sliding_window: {_show(ca.sliding_window)} in A, "
+                     f"{_show(cb.sliding_window)} in B; not a difference: no window is shorter "
+                     f"than max_seq_len {max(ca.max_seq_len, cb.max_seq_len)}")
     if ca.max_seq_len != cb.max_seq_len:
         lines.append(f"max_seq_len: {ca.max_seq_len} in A, {cb.max_seq_len} in B; shown, not "
                      f"judged: formats disagree on the length they write, and the model "
@@ -117,7 +130,8 @@ def compare_config(a, b) -> Finding:
                        f"{ca.dim}, {ca.n_heads} heads / {ca.n_kv_heads} kv heads, rope_theta "
                        f"{ca.rope_theta:g}, norm_eps {ca.norm_eps:g})", lines, figures=figures)
     name, x, y = differs[0]
-    family = f" ({ca.family} in A, {cb.family} in B)" if ca.deltas != cb.deltas and ca.family != cb.family else ""
+    family = (f" ({ca.family} in A, {cb.family} in B)"
+              if ca.deltas != cb.deltas and ca.family != cb.family else "")
     cause = f"config: {name} {_show(x)} in A, {_show(y)} in B{family}"
     base = name.split(".")[0]
     summary = (f"{len(differs)} field{'s' * (len(differs) > 1)} differ: "

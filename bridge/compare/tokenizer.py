@@ -179,6 +179,15 @@ def compare_tokenizers(a, b, text: str) -> Finding:
         only_a = sorted(set(ta.special_tokens.items()) - set(tb.special_tokens.items()))
         only_b = sorted(set(tb.special_tokens.items()) - set(ta.special_tokens.items()))
         lines.append(f"special tokens only in A: {only_a[:5]}, only in B: {only_b[:5]}")
+    stops = [", ".join(_token(t, i, p) for i in t.stop_ids) or "none"
+             for t, p in ((ta, pa), (tb, pb))]
+    if set(ta.stop_ids) != set(tb.stop_ids):
+        differ(f"a generation stops at {stops[0]} in A, at {stops[1]} in B",
+               "the end-of-text or end-of-turn tokens changed (tokenizer_config.json eos_token, "
+               "a GGUF's tokenizer.ggml.eos_token_id / eot_token_id): replies end early or run "
+               "on")
+    else:
+        lines.append(f"a generation stops at {stops[0]}")
     for name, x, y in (("BOS", ta.add_bos, tb.add_bos), ("EOS", ta.add_eos, tb.add_eos)):
         if x != y:
             differ(f"{name} is {'added' if x else 'not added'} to a text in A "
@@ -214,7 +223,9 @@ def compare_tokenizers(a, b, text: str) -> Finding:
                          f" in B")
     # The ids.
     figures = {"vocab_size": [ta.vocab_size, tb.vocab_size], "bos_id": [ta.bos_id, tb.bos_id],
-               "eos_id": [ta.eos_id, tb.eos_id], "add_bos": [ta.add_bos, tb.add_bos],
+               "eos_id": [ta.eos_id, tb.eos_id], "stop_ids": [list(ta.stop_ids),
+                                                               list(tb.stop_ids)],
+               "add_bos": [ta.add_bos, tb.add_bos],
                "add_eos": [ta.add_eos, tb.add_eos]}
     ids_a, ids_b = _encode(ta, text), _encode(tb, text)
     figures["text_tokens"] = [len(ids_a), len(ids_b)]
