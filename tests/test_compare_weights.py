@@ -4,6 +4,7 @@ re-quantisation), and the classic broken tensors are caught and named: q/k rows 
 layout on a grouped-query model, a broken row in a float, Q8_0 or Q4_0 file, an untied head
 replaced by the embedding one row off, a tensor missing, a shape changed, another model."""
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -65,6 +66,7 @@ def test_faithful_conversions_pass(tmp_path, src, to, dtype, expected):
                               progress=lambda i, n: calls.append((i, n)))
     assert finding.verdict == expected, finding.lines
     assert finding.section == "weights" and finding.cause is None
+    json.dumps(finding.to_dict(), allow_nan=False)  # --json's figures: plain numbers
     n = len(open_checkpoint(src).specs)
     assert calls == [(i, n) for i in range(1, n + 1)]
     figures = finding.figures
@@ -129,6 +131,7 @@ def test_qk_rows_in_the_other_rope_layout(tmp_path, src, permute, words):
     out = planted(src, tmp_path / "m", "hf", {WK: permute})
     finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
     assert finding.verdict == DIFFERENT
+    json.dumps(finding.to_dict(), allow_nan=False)  # --json's figures: plain numbers
     assert finding.cause.startswith(f"tensor {WK}: ")
     assert words in finding.cause and "RoPE permutation" in finding.cause, finding.cause
     assert "n_kv_heads" in finding.check_next or "half-split" in finding.check_next
@@ -218,12 +221,34 @@ def test_a_missing_tensor_another_shape_and_another_model(tmp_path, src):
     assert finding.figures["different"] == len(a.specs) - 5  # the norms are all ones in both
 
 
+class Untied(Checkpoint):
+    """A tied checkpoint written out untied: its output.weight is `head` (default the embedding)."""
+
+    def __init__(self, inner, head=None):
+        self.inner, self.path, self.head = inner, inner.path, head
+        self.config = inner.config.replace(tie_embeddings=False)
+        self.specs = {**inner.specs, "output.weight": inner.specs["tok_embeddings.weight"]}
+
+    def tensor(self, name):
+        if name == "output.weight":
+            return self.inner.tensor("tok_embeddings.weight") if self.head is None else self.head
+        return self.inner.tensor(name)
+
+
 def test_a_tied_head_against_an_untied_one(tmp_path):
+    """A tied head is its embedding: an untied copy of it is the same; a lost tie, where the
+    head written is not the embedding, is named."""
     tied = open_checkpoint(save(tmp_path / "t", CFG.replace(tie_embeddings=True)))
-    untied = open_checkpoint(planted(tied.path, tmp_path / "u", "hf", {}))
-    assert compare_weights(tied, untied).verdict == SAME  # sanity: the same writer, tied
-    finding = compare_weights(open_checkpoint(save(tmp_path / "x", CFG)), tied)
-    assert finding.verdict == DIFFERENT
+    for a, b in ((tied, Untied(tied)), (Untied(tied), tied)):
+        finding = compare_weights(a, b)
+        assert finding.verdict == SAME, finding.lines
+        assert finding.figures["tensors"] == len(tied.specs) + 1
+        side = "A" if a is tied else "B"
+        assert f"{side}'s LM head is tied (its token embedding): compared as output.weight" in \
+            finding.lines
+    other = open_checkpoint(save(tmp_path / "x", CFG)).tensor("output.weight")
+    finding = compare_weights(tied, Untied(tied, head=other))
+    assert finding.verdict == DIFFERENT and finding.cause.startswith("tensor output.weight: ")
 
 
 @pytest.mark.parametrize("quantize, group_size, qtype", [

@@ -429,6 +429,11 @@ def _describe(r: dict) -> str:
     return line + (f" ({r['pattern']})" if r.get("pattern") else "")
 
 
+def _finite(value: float | None) -> float | None:
+    """A figure for --json: None for a ratio over a reference error of 0 (infinite)."""
+    return value if value is None or np.isfinite(value) else None
+
+
 def _finding(results: list[dict], types: dict, floats: dict, lines: list[str]) -> Finding:
     """The section's Finding over every tensor's result."""
     differing = [r for r in results if r["verdict"] == DIFFERENT]
@@ -448,8 +453,8 @@ def _finding(results: list[dict], types: dict, floats: dict, lines: list[str]) -
             "tensors": len(rs), "expected_relative_rms": round(_cost(qtype), 5),
             "reference": sorted({r["reference"] for r in rs if r["reference"]}),
             "median_ratio": float(np.median(ratios)) if ratios else None,
-            "max_ratio": max(ratios) if ratios else None,
-            "max_row_ratio": max(rows) if rows else None,
+            "max_ratio": _finite(max(ratios)) if ratios else None,
+            "max_row_ratio": _finite(max(rows)) if rows else None,
             "rms_relative": float(np.median([r["rms_rel"] for r in rs]))}
         t = figures["types"][qtype]
         lines.append(f"{qtype}: {len(rs)} tensors, relative RMS error {t['rms_relative']:.3g} "
@@ -459,7 +464,7 @@ def _finding(results: list[dict], types: dict, floats: dict, lines: list[str]) -
                         f"{t['max_row_ratio']:.3g}x" if ratios else ", equal to A's"))
     figures["different_tensors"] = [
         {"tensor": r["name"], "type": r["type"], "rows": len(r["bad_rows"]),
-         "max_rel": r["max_rel"], "rms_rel": r["rms_rel"], "ratio": r["ratio"],
+         "max_rel": r["max_rel"], "rms_rel": r["rms_rel"], "ratio": _finite(r["ratio"]),
          "pattern": r.get("pattern")} for r in differing]
     lines += [_describe(r) for r in differing[:LISTED]]
     if len(differing) > LISTED:
