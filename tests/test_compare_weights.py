@@ -193,6 +193,21 @@ def test_a_norm_with_a_one_plus_w_offset_and_a_scaled_matrix(tmp_path, src):
                for line in finding.lines)
 
 
+def test_gate_and_up_swapped_and_layers_one_off(tmp_path, src):
+    a = open_checkpoint(src)
+    out = planted(src, tmp_path / "m", "hf", {
+        "layers.0.feed_forward.w1.weight": lambda x: a.tensor("layers.0.feed_forward.w3.weight"),
+        "layers.0.feed_forward.w3.weight": lambda x: a.tensor("layers.0.feed_forward.w1.weight"),
+        "layers.1.attention.wo.weight": lambda x: a.tensor("layers.0.attention.wo.weight")})
+    finding = compare_weights(a, open_checkpoint(out))
+    assert finding.cause.startswith("tensor layers.0.feed_forward.w1.weight: ")
+    assert "B's tensor is A's layers.0.feed_forward.w3.weight" in finding.cause
+    assert "w1 is the gate" in finding.check_next
+    assert any(line.startswith("tensor layers.1.attention.wo.weight: ") and
+               "B's tensor is A's layers.0.attention.wo.weight" in line for line in finding.lines)
+    assert finding.figures["different"] == 3
+
+
 class Dropped(Checkpoint):
     """A checkpoint without one tensor (what no reader opens, but a compare must still say)."""
 

@@ -20,7 +20,7 @@ both sides are quantised, B's type is judged against A, then A's against B (_mea
 A tensor that differs is named, with the rows that differ, and the classic ways a converter gets
 a tensor wrong are tried on it (_diagnose): q/k rows in the other RoPE layout, a head written one
 row off or replaced by the embedding, a transposed or scaled matrix, a norm with a (1 + w)
-offset, a few broken rows.
+offset, two tensors swapped or the layers one off, a few broken rows.
 """
 
 from __future__ import annotations
@@ -384,7 +384,27 @@ def _diagnose(a, name: str, x: np.ndarray, y: np.ndarray, result: dict) -> tuple
                 f"{'float rounding' if result['type'] is None else 'quantisation'}",
                 "the file's blocks at those rows (a bad write, a corrupted download: compare "
                 "the file's checksum) or the tool that wrote them")
+    other = _another_tensor(a, name, y, same)
+    if other:
+        return (f"B's tensor is A's {other} (two tensors swapped, or the layers one off)",
+                "the converter's name table (w1 is the gate, w3 the up projection) and its "
+                "layer numbering")
     return "the whole tensor differs", RESHUFFLED
+
+
+def _another_tensor(a, name: str, y: np.ndarray, same) -> str | None:
+    """The name of another of A's tensors that B's `y` is: one of the same shape in the same
+    layer (the gate and up projections swapped), or this one of the layer before or after."""
+    if not name.startswith("layers."):
+        return None
+    _, layer, suffix = name.split(".", 2)
+    siblings = [n for n in a.specs if n.startswith(f"layers.{layer}.") and n != name
+                and a.specs[n][0] == a.specs[name][0]]
+    neighbours = [f"layers.{int(layer) + d}.{suffix}" for d in (-1, 1)]
+    for other in siblings + [n for n in neighbours if n in a.specs]:
+        if same(np.asarray(a.tensor(other), np.float32), y):
+            return other
+    return None
 
 
 def _head_pattern(a, name: str, x: np.ndarray, y: np.ndarray, same) -> str | None:
