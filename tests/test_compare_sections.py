@@ -183,7 +183,8 @@ def test_another_pre_tokenizer_is_named_with_the_text_around_it(exports, tmp_pat
     found = compare_tokenizers(open_checkpoint(exports["gguf"]), open_checkpoint(b), TEXT)
     assert found.verdict == DIFFERENT
     # SmolLM2 keeps the space before a word with the newlines; LLaMA 3's split gives it alone
-    assert found.cause == ("tokenizer: the text's ids part at position 20: \"'t\" ' it' '?' "
+    assert found.cause == ("tokenizer: the pre-tokenizer differs: the text's ids part at "
+                           "position 20: \"'t\" ' it' '?' "
                            "['\\n\\n '] ' Ind' 'ented' ' code' in A, \"'t\" ' it' '?' "
                            "['\\n\\n'] ' ' ' Ind' 'ented' in B")
     assert "llama.cpp #7724" in found.check_next
@@ -281,8 +282,8 @@ def test_a_normalizer_added_is_caught_by_the_probes(exports, tmp_path):
     edit_json(b / "tokenizer.json", lambda t: t.update(normalizer={"type": "NFKC"}))
     found = compare_tokenizers(open_checkpoint(exports["hf"]), open_checkpoint(b), TEXT)
     assert found.verdict == DIFFERENT
-    assert found.cause == ("tokenizer: the probe 'ﬁne ＡＢＣ x² ½ Ⅻ' splits differently from "
-                           "token 0")
+    assert found.cause == ("tokenizer: the normalizer differs: the probe 'ﬁne ＡＢＣ x² ½ Ⅻ' "
+                           "splits differently from token 0")
     assert any(line.startswith("tokenizer.json's normalizer is written differently")
                for line in found.lines)
 

@@ -148,9 +148,10 @@ def compare_tokenizers(a, b, text: str) -> Finding:
     lines = [f"A: a {ta.kind} tokenizer from {from_a}", f"B: a {tb.kind} tokenizer from {from_b}"]
     causes: list[tuple[str, str]] = []  # (cause, check next), the first one named
 
-    def differ(what: str, check_next: str) -> None:
+    def differ(what: str, check_next: str, shown: bool = False) -> None:
         causes.append((f"tokenizer: {what}", check_next))
-        lines.append(f"{what}  <- differs")
+        if not shown:  # (the ids are shown where they part already)
+            lines.append(f"{what}  <- differs")
 
     # The vocabulary.
     if ta.vocab_size != tb.vocab_size:
@@ -213,9 +214,11 @@ def compare_tokenizers(a, b, text: str) -> Finding:
         differ(f"the pre-tokenizer is {pre_a!r} in A, {pre_b!r} in B (a GGUF's "
                f"tokenizer.ggml.pre)", "the converter named another pre-tokenizer "
                "(llama.cpp #7724): the text splits into words differently")
+    rewritten = []  # the tokenizer.json parts written differently
     for part in ("pre_tokenizer", "normalizer", "decoder"):
         ja, jb = _json_part(ta, part), _json_part(tb, part)
         if ja != jb:
+            rewritten.append(part.replace("_", "-"))
             ja, jb = str(ja), str(jb)
             at = next((i for i, (p, q) in enumerate(zip(ja, jb)) if p != q), min(len(ja), len(jb)))
             lines.append(f"tokenizer.json's {part} is written differently in A and B, from "
@@ -261,9 +264,11 @@ def compare_tokenizers(a, b, text: str) -> Finding:
         else:
             probe, x, y, where = parted[0]
             what = f"the probe {probe!r} splits differently from token {where}"
+        if rewritten and not split_by:
+            what = f"the {' and '.join(rewritten)} differ{'s' * (len(rewritten) == 1)}: {what}"
         differ(what, "the pre-tokenizer or its prefix space was changed (llama.cpp #7724, "
                "ollama #17698): compare tokenizer.json's pre_tokenizer and normalizer, a "
-               "GGUF's tokenizer.ggml.pre and add_space_prefix")
+               "GGUF's tokenizer.ggml.pre and add_space_prefix", shown=not split_by)
     if not causes:
         return Finding("tokenizer", SAME, f"the same ids for the text ({len(ids_a)} tokens) and "
                        f"{len(PROBES)} probes; the same vocabulary, special tokens and BOS/EOS "
