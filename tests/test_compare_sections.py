@@ -16,11 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import real_tokenizer
 
 from bridge.compare import DIFFERENT, SAME, SKIPPED
 from bridge.compare.config import compare_config
 from bridge.compare.template import CONVERSATION, compare_templates
 from bridge.compare.tokenizer import PROBES, compare_tokenizers
+from bridge.config import LlamaConfig
 from bridge.convert import convert
 from bridge.formats import open_checkpoint
 
@@ -257,12 +259,47 @@ def test_bos_added_in_one_only_is_named_for_hf_and_gguf(exports, tmp_path):
     template = compare_templates(open_checkpoint(exports["gguf"]), open_checkpoint(b))
     assert template.verdict == SAME
     assert [line[:2] for line in template.lines if "gets BOS twice" in line] == ["B'"]
-    # the same decision written into a GGUF (tokenizer.ggml.add_bos_token true) reads back so
-    gguf = convert(b, tmp_path / "bos" / "b.gguf", "gguf", dtype="bfloat16", progress=False)
-    found = compare_tokenizers(open_checkpoint(exports["f32.gguf"]), open_checkpoint(gguf), TEXT)
-    assert found.cause.startswith("tokenizer: BOS is not added to a text in A (the GGUF file's "
+
+
+@pytest.fixture(scope="module")
+def sentencepiece(tmp_path_factory) -> Path:
+    """A one-layer native checkpoint with LLaMA 2's tokenizer.model beside it (BOS added: the
+    rule for a tokenizer.model, written as add_bos_token true)."""
+    from bridge.formats import write_checkpoint
+    from bridge.tensors import canonical_shapes
+
+    tokenizer = real_tokenizer("llama2")
+    config = LlamaConfig(dim=48, n_layers=1, n_heads=6, n_kv_heads=2, ffn_dim=64,
+                         vocab_size=tokenizer.vocab_size, max_seq_len=64, rope_theta=10000.0)
+    shapes, rng = canonical_shapes(config), np.random.default_rng(0)
+    path = write_checkpoint("native", tmp_path_factory.mktemp("sp") / "native", config,
+                            {name: (shape, np.dtype(np.float32)) for name, shape in shapes.items()},
+                            lambda name: rng.standard_normal(shapes[name], dtype=np.float32))
+    tokenizer.save(path)
+    return path
+
+
+def test_a_sentencepiece_tokenizer_and_its_gguf_and_a_flipped_bos(sentencepiece, tmp_path):
+    gguf = convert(sentencepiece, tmp_path / "sp.gguf", "gguf", progress=False)
+    a = open_checkpoint(sentencepiece)
+    same = compare_tokenizers(a, open_checkpoint(gguf), TEXT)
+    assert same.verdict == SAME, same.cause
+    assert same.figures["add_bos"] == [True, True] and same.lines[1].startswith("B: a llama2")
+    # add_bos_token false beside the tokenizer.model: BOS is no longer added
+    flipped = tmp_path / "flipped"
+    shutil.copytree(sentencepiece, flipped)
+    edit_json(flipped / "tokenizer_config.json", lambda c: c.update(add_bos_token=False))
+    found = compare_tokenizers(a, open_checkpoint(flipped), TEXT)
+    assert found.cause == ("tokenizer: BOS is added to a text in A (tokenizer_config.json: "
+                           "add_bos_token true, add_eos_token false), not added in B "
+                           "(tokenizer_config.json: add_bos_token false, add_eos_token false)")
+    assert found.figures["text_first_difference"] == 0
+    # and the same decision carried into a GGUF: its tokenizer.ggml.add_bos_token false
+    flipped_gguf = convert(flipped, tmp_path / "flipped.gguf", "gguf", progress=False)
+    found = compare_tokenizers(open_checkpoint(gguf), open_checkpoint(flipped_gguf), TEXT)
+    assert found.cause.startswith("tokenizer: BOS is added to a text in A (the GGUF file's "
                                   "tokenizer.ggml.add_bos_token")
-    assert "added in B (the GGUF file's tokenizer.ggml.add_bos_token" in found.cause
+    assert "not added in B (the GGUF file's tokenizer.ggml.add_bos_token" in found.cause
 
 
 def test_a_flipped_add_bos_token_key_is_named_though_the_post_processors_agree(exports,
