@@ -89,6 +89,24 @@ def test_faithful_conversions_pass(tmp_path, src, to, dtype, expected):
             "tensors", 0) * (qtype != "Q8_0")
 
 
+@pytest.mark.parametrize("dtype, expected", [("f32", SAME), ("q8_0", WITHIN)])
+def test_a_chain_through_bfloat16(tmp_path, src, dtype, expected):
+    """float32 -> an HF bfloat16 export -> GGUF: the norms come back float32 but hold bfloat16's
+    numbers, and round as bfloat16 did; the matrices are Q8_0 of bfloat16's numbers, a little
+    further from A's than A's own re-quantisation."""
+    rng = np.random.default_rng(0)  # norms that are not all ones, which bfloat16 holds exactly
+    norms = {n: lambda x: x + rng.normal(0, 0.1, x.shape).astype(np.float32)
+             for n in open_checkpoint(src).specs if n.endswith("norm.weight")}
+    a = planted(src, tmp_path / "a", "hf", norms)
+    bf16 = convert(a, tmp_path / "bf16", "hf", dtype="bfloat16", progress=False)
+    out = convert(bf16, tmp_path / "m.gguf", "gguf", dtype=dtype, progress=False)
+    finding = compare_weights(open_checkpoint(a), open_checkpoint(out))
+    assert finding.verdict == expected, finding.lines
+    assert 0 < finding.figures["float"]["largest_relative_difference"] <= 2.0 ** -8
+    if dtype == "q8_0":
+        assert 1.0 < finding.figures["types"]["Q8_0"]["max_ratio"] < 1.1
+
+
 def test_a_quantised_a_against_a_float_b_is_judged_the_same_way(tmp_path, src):
     out = convert(src, tmp_path / "m.gguf", "gguf", dtype="q4_0", progress=False)
     finding = compare_weights(open_checkpoint(out), open_checkpoint(src))
