@@ -173,6 +173,23 @@ def test_a_broken_row(tmp_path, src, to, dtype, qtype):
         assert finding.figures["within"] == finding.figures["tensors"] - 1 - finding.figures["same"]
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")  # gguf's
+@pytest.mark.parametrize("to, dtype", [("hf", None), ("gguf", "q8_0")])               # NaN block
+def test_a_nan_is_a_difference(tmp_path, src, to, dtype):
+    name = "layers.1.feed_forward.w3.weight"
+
+    def nan(x):
+        x = x.copy()
+        x[11, 3] = np.nan
+        return x
+    out = planted(src, tmp_path / ("m.gguf" if to == "gguf" else "m"), to, {name: nan},
+                  dtype=dtype)
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert finding.verdict == DIFFERENT
+    assert finding.cause.startswith(f"tensor {name}: row 11 holds a NaN or an infinity")
+    json.dumps(finding.to_dict(), allow_nan=False)
+
+
 def test_a_row_scaled_by_a_third_inside_q4_0_is_caught(tmp_path, src):
     name = "layers.1.attention.wo.weight"
     out = planted(src, tmp_path / "m.gguf", "gguf", {name: scaled_row(7, 1.35)}, dtype="q4_0")

@@ -260,19 +260,20 @@ def _judge(name: str, x: np.ndarray, y: np.ndarray, qtype: str | None, true: np.
     ratio = float(np.sqrt(err2.sum() / expected.sum())) if expected.sum() else np.inf
     row_ratios = np.sqrt(err2 / np.maximum(expected, floor)) if floor else np.where(err2 > 0,
                                                                                     np.inf, 0.0)
-    bad = np.flatnonzero(row_ratios > ROW_LIMIT[how])
-    result.update(ratio=ratio, row_ratio=float(row_ratios.max()))
+    bad = np.flatnonzero(~(row_ratios <= ROW_LIMIT[how]))  # a NaN row too
+    result.update(ratio=ratio, row_ratio=float(np.max(row_ratios)))
     if ratio <= TENSOR_LIMIT[how] and not len(bad):
         return {**result, "verdict": WITHIN, "bad_rows": []}
     if not len(bad):  # too far off as a whole, no row alone: the rows above the tensor's limit
-        bad = np.flatnonzero(row_ratios > TENSOR_LIMIT[how])
+        bad = np.flatnonzero(~(row_ratios <= TENSOR_LIMIT[how]))
     return {**result, "verdict": DIFFERENT, "bad_rows": bad.tolist()}
 
 
 def _beyond(cx: np.ndarray, cy: np.ndarray, diff: np.ndarray, rel: float, absolute: float
             ) -> np.ndarray:
-    """Per row, the elements that differ by more than the rounding (rel, absolute) allows."""
-    return (np.abs(diff) > rel * np.maximum(np.abs(cx), np.abs(cy)) + absolute).sum(axis=1)
+    """Per row, the elements that differ by more than the rounding (rel, absolute) allows; a NaN
+    or an infinity on either side always does."""
+    return (~(np.abs(diff) <= rel * np.maximum(np.abs(cx), np.abs(cy)) + absolute)).sum(axis=1)
 
 
 def _held_as(rows: np.ndarray) -> np.dtype | None:
@@ -468,18 +469,26 @@ def _rows(indices: list[int]) -> str:
 def _describe(r: dict) -> str:
     """One differing tensor in a line: its rows, by how much, and what it looks like."""
     rows = r["bad_rows"] or list(range(r["row_rel"].size))
-    worst = float(r["row_rel"][rows].max())
-    line = (f"tensor {r['name']}: {_rows(rows)} differ{'s' if len(rows) == 1 else ''} by "
-            f"{100 * worst:.3g}%")
+    worst, one = float(r["row_rel"][rows].max()), len(rows) == 1
+    line = (f"tensor {r['name']}: {_rows(rows)} differ{'s' if one else ''} by {100 * worst:.3g}%"
+            if np.isfinite(worst) else
+            f"tensor {r['name']}: {_rows(rows)} hold{'s' if one else ''} a NaN or an infinity")
     if r["type"] is not None and r["ratio"] is not None:
         line += (f" ({r['ratio']:.3g}x the {r['reference']} error as a whole, worst row "
                  f"{r['row_ratio']:.3g}x)")
     return line + (f" ({r['pattern']})" if r.get("pattern") else "")
 
 
-def _finite(value: float | None) -> float | None:
-    """A figure for --json: None for a ratio over a reference error of 0 (infinite)."""
-    return value if value is None or np.isfinite(value) else None
+def _plain(figures):
+    """The figures for --json: plain floats, None for a ratio over a reference error of 0
+    (infinite) or a figure a NaN in a tensor made NaN."""
+    if isinstance(figures, dict):
+        return {k: _plain(v) for k, v in figures.items()}
+    if isinstance(figures, list):
+        return [_plain(v) for v in figures]
+    if isinstance(figures, float):
+        return float(figures) if np.isfinite(figures) else None
+    return figures
 
 
 def _finding(results: list[dict], types: dict, floats: dict, lines: list[str]) -> Finding:
@@ -501,8 +510,8 @@ def _finding(results: list[dict], types: dict, floats: dict, lines: list[str]) -
             "tensors": len(rs), "expected_relative_rms": round(_cost(qtype), 5),
             "reference": sorted({r["reference"] for r in rs if r["reference"]}),
             "median_ratio": float(np.median(ratios)) if ratios else None,
-            "max_ratio": _finite(max(ratios)) if ratios else None,
-            "max_row_ratio": _finite(max(rows)) if rows else None,
+            "max_ratio": max(ratios) if ratios else None,
+            "max_row_ratio": max(rows) if rows else None,
             "rms_relative": float(np.median([r["rms_rel"] for r in rs]))}
         t = figures["types"][qtype]
         lines.append(f"{qtype}: {len(rs)} tensors, relative RMS error {t['rms_relative']:.3g} "
@@ -512,8 +521,9 @@ def _finding(results: list[dict], types: dict, floats: dict, lines: list[str]) -
                         f"{t['max_row_ratio']:.3g}x" if ratios else ", equal to A's"))
     figures["different_tensors"] = [
         {"tensor": r["name"], "type": r["type"], "rows": len(r["bad_rows"]),
-         "max_rel": r["max_rel"], "rms_rel": r["rms_rel"], "ratio": _finite(r["ratio"]),
+         "max_rel": r["max_rel"], "rms_rel": r["rms_rel"], "ratio": r["ratio"],
          "pattern": r.get("pattern")} for r in differing]
+    figures = _plain(figures)
     lines += [_describe(r) for r in differing[:LISTED]]
     if len(differing) > LISTED:
         lines.append(f"... and {len(differing) - LISTED} more tensors differ")
