@@ -1,8 +1,11 @@
 """The weights section of `llama-bridge compare` (bridge.compare.weights): faithful conversions are
-the same (float) or the same within quantisation (Q8_0, Q4_0, each tensor against its own
-re-quantisation), and the classic broken tensors are caught and named: q/k rows in the other RoPE
-layout on a grouped-query model, a broken row in a float, Q8_0 or Q4_0 file, an untied head
-replaced by the embedding one row off, a tensor missing, a shape changed, another model."""
+the same (float, bfloat16, float16, a chain through bfloat16) or the same within quantisation
+(GGUF Q8_0 / Q4_0 and native int8 / int4, each tensor against its own re-quantisation; llama.cpp's
+Q4_K_M against the type's measured cost, slow), and the classic broken tensors are caught and
+named: q/k rows in the other RoPE layout on a grouped-query model, a broken row or a NaN in a
+float, Q8_0, Q4_0, int8 or int4 file, an untied head replaced by the embedding one row off, the
+gate and up projections swapped, a norm's (1 + w) offset, a tensor missing, a shape changed,
+another model."""
 
 import json
 import re
@@ -173,8 +176,9 @@ def test_a_broken_row(tmp_path, src, to, dtype, qtype):
         assert finding.figures["within"] == finding.figures["tensors"] - 1 - finding.figures["same"]
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")  # gguf's
-@pytest.mark.parametrize("to, dtype", [("hf", None), ("gguf", "q8_0")])               # NaN block
+# gguf.quants warns as it quantises the planted NaN's block
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("to, dtype", [("hf", None), ("gguf", "q8_0")])
 def test_a_nan_is_a_difference(tmp_path, src, to, dtype):
     name = "layers.1.feed_forward.w3.weight"
 
