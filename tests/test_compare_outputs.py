@@ -56,7 +56,8 @@ def smol(tmp_path_factory, smollm2) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, smollm2) -> dict[str, Path]:
     """A random 3-layer model with SmolLM2's vocabulary (native), a random LoRA adapter of it
-    and its merge, and a copy with row 5 of layers.1.feed_forward.w2.weight broken."""
+    and its merge, a copy with row 5 of layers.1.feed_forward.w2.weight broken, and one with
+    its output head one row off."""
     root = tmp_path_factory.mktemp("compare-tiny")
     config = small_config(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=128,
                           vocab_size=49152, max_seq_len=1024, bos_id=1, eos_ids=(2,))
@@ -81,7 +82,14 @@ def tiny(tmp_path_factory, smollm2) -> dict[str, Path]:
             t[5] = 3.0
         return t
     broken = write_native(root / "broken", config, ckpt.specs, fetch, extra_files=ckpt.extra_files)
-    return {"native": native, "adapter": Path(adapter), "merged": merged, "broken": Path(broken)}
+
+    def one_row_off(name):  # the head written one row off (llama.cpp #12567)
+        t = ckpt.tensor(name)
+        return np.roll(t, 1, axis=0) if name == "output.weight" else t
+    head = write_native(root / "head", config, ckpt.specs, one_row_off,
+                        extra_files=ckpt.extra_files)
+    return {"native": native, "adapter": Path(adapter), "merged": merged, "broken": Path(broken),
+            "head": Path(head)}
 
 
 def test_windows_are_llama_perplexitys():
@@ -146,6 +154,13 @@ def test_a_broken_row_is_found_in_its_layers_feed_forward(tiny):
     assert (part.figures["block"], part.figures["sublayer"]) == (1, "feed_forward")
     assert "layers.1.feed_forward.w2.weight" in part.check_next
     assert part.figures["blocks"][0]["feed_forward"] == 0  # block 0 untouched, fed A's input
+
+
+def test_a_head_one_row_off_is_found_at_the_head(tiny):
+    part = where_they_part(open_checkpoint(tiny["native"]), open_checkpoint(tiny["head"]),
+                           load_tokenizer(tiny["native"]).encode(TEXT))
+    assert part.verdict == DIFFERENT and part.figures["sublayer"] == "head", part.lines
+    assert all(v == 0 for block in part.figures["blocks"] for v in block.values())
 
 
 def test_compare_runs_the_blocks_only_when_outputs_differ(tiny):

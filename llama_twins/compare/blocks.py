@@ -6,7 +6,7 @@ input to that sub-layer, so that a fault is found where it acts, not where it fi
 It runs in float64 block by block (llama_twins.float64: one block's weights of each model in
 memory at a time, each model with its own config, so that a changed RoPE theta or norm epsilon
 acts), on the first TOKENS tokens of the text, after the embedding rows and before the head,
-which are compared too.
+which are compared too (the head in slices of HEAD_ROWS vocabulary entries in float64).
 
 Each part's difference is max |B - A| over a token's features, relative to the largest |A| of
 the stream it lands in (a norm's own output; an attention's x + attention; a feed-forward's the
@@ -27,7 +27,7 @@ import numpy as np
 
 from bridge.compare.report import DIFFERENT, SAME, SKIPPED, Finding
 
-from ..float64 import _block_weights, _Blocks
+from ..float64 import HEAD_ROWS, _block_weights, _Blocks
 from ..parity.forward import SUBLAYERS, TENSORS
 
 TOKENS = 128
@@ -92,7 +92,9 @@ def part_differences(a, b, tokens: np.ndarray, adapter=None,
         logits = []
         for ckpt, get, h in ((a, get_a, h_a), (b, get_b, h_b)):
             head = get("tok_embeddings.weight" if ckpt.config.tie_embeddings else "output.weight")
-            logits.append(np.asarray(h) @ np.asarray(head, np.float64).T)
+            logits.append(np.concatenate([np.asarray(h) @ np.asarray(head[k:k + HEAD_ROWS],
+                                                                     np.float64).T
+                                          for k in range(0, head.shape[0], HEAD_ROWS)], axis=-1))
             del head
         found["head"] = _relative(logits[0], logits[1], logits[0])
     return found

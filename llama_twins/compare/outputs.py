@@ -43,9 +43,9 @@ REFERENCE = {"F16": (0.000551, None), "Q8_0": (0.001355, 97.674), "Q6_K": (0.005
 # Q8_0's rounding with one scale a row.
 AS_TYPE = {"bfloat16": "Q8_0", "float16": "F16", "int8": "Q8_0", "int4": "Q4_1"}
 # How far beyond llama.cpp's 8B figure a faithful pair may be: a small model is hurt more by the
-# same rounding, and a short text's mean is noisier than Wikitext's. SmolLM2-135M's Q8_0
-# re-export of its float32 weights measures 3.5x Q8_0's figure on the default text
-# (docs/how-to/compare.md), with same top-1 95% against 97.7%.
+# same rounding, and a short text's mean is noisier than Wikitext's. On the default text,
+# SmolLM2-135M's float32 export re-exported as Q8_0 measures 3.5x Q8_0's figure (same top-1 95%
+# against 97.7%), as Q4_0 3.6x Q4_0's (docs/how-to/compare.md).
 MARGIN, TOP1_MARGIN = 5.0, 3.0
 # Same within float rounding: two float32 runs of the same weights differ in the order of their
 # sums at most, logits by ~1e-5, and KL ~ (difference)^2 / 2 ~ 1e-10 per token; any changed
