@@ -147,6 +147,15 @@ def test_an_adapter_is_the_same_as_its_merge(tiny):
     assert g.verdict == DIFFERENT and g.figures["mean_kl"] > 1e-4
 
 
+def test_compare_an_adapter_with_its_merge_is_the_same_in_every_section(tiny):
+    """The read sections see A with the adapter merged (the weights included), not A alone."""
+    result, findings = compare(str(tiny["native"]), str(tiny["merged"]),
+                               adapter=str(tiny["adapter"]), text=TEXT)
+    assert result == SAME, [(f.section, f.verdict, f.summary) for f in findings]
+    result, findings = compare(str(tiny["native"]), str(tiny["merged"]), text=TEXT)
+    assert result == DIFFERENT
+
+
 def test_a_broken_row_is_found_in_its_layers_feed_forward(tiny):
     a, b = open_checkpoint(tiny["native"]), open_checkpoint(tiny["broken"])
     assert compare_outputs(a, b, TEXT).verdict == DIFFERENT

@@ -47,6 +47,39 @@ def _section(name: str, module: str, function: str):
         return None
 
 
+class WithAdapter:
+    """An opened checkpoint as the read sections see it with a LoRA adapter merged: each tensor
+    the adapter trains comes merged (bridge.lora: what `merge-lora` writes and jax_llama.load
+    with adapter= runs), as a float tensor; everything else is the checkpoint's."""
+
+    def __init__(self, ckpt, adapter):
+        from bridge.lora import read_peft
+
+        self._ckpt, self._lora = ckpt, read_peft(adapter, ckpt.config)
+
+    def __getattr__(self, name):
+        return getattr(self._ckpt, name)
+
+    def _trains(self, name: str) -> bool:
+        lora = self._lora.tensors
+        return name.replace(".weight", ".lora_A.weight") in lora or name in lora
+
+    def tensor(self, name: str):
+        return self._lora.merged(name, self._ckpt.tensor(name))
+
+    def tensor_slice(self, name: str, index):
+        return self.tensor(name)[index].copy()
+
+    def stored_type(self, name: str):
+        return None if self._trains(name) else self._ckpt.stored_type(name)
+
+    def int4_tensor(self, name: str):
+        return None if self._trains(name) else self._ckpt.int4_tensor(name)
+
+    def int4_rounded(self, name: str):
+        return None if self._trains(name) else self._ckpt.int4_rounded(name)
+
+
 def compare(a: str, b: str, adapter: str | None = None, text: str | None = None,
             progress: Callable[[str], object] | None = None) -> tuple[str, list[Finding]]:
     """(verdict, findings) of B against A (paths or model names; `adapter` a PEFT directory
@@ -58,18 +91,21 @@ def compare(a: str, b: str, adapter: str | None = None, text: str | None = None,
     text = default_text() if text is None else text
     if not text.strip():
         raise BridgeError("the text to compare on is empty", field="text")
+    read_a = ckpt_a if adapter is None else WithAdapter(ckpt_a, adapter)
     findings = []
     for name, module, function in READ_SECTIONS:
         section = _section(name, module, function)
-        heard(f"{name}")
+        heard(f"{name}: comparing")
         if section is None:
             findings.append(Finding(name, SKIPPED, "not built"))
         elif name == "tokenizer":
-            findings.append(section(ckpt_a, ckpt_b, text))
+            findings.append(section(read_a, ckpt_b, text))
         elif name == "weights":
-            findings.append(section(ckpt_a, ckpt_b, progress=progress))
+            findings.append(section(read_a, ckpt_b, progress=None if progress is None else (
+                lambda i, n: heard(f"weights: {i} of {n} tensors")
+                if i % 50 == 0 or i == n else None)))
         else:
-            findings.append(section(ckpt_a, ckpt_b))
+            findings.append(section(read_a, ckpt_b))
     outputs = compare_outputs(ckpt_a, ckpt_b, text, adapter=adapter, progress=progress)
     findings.append(outputs)
     if outputs.verdict == DIFFERENT:
