@@ -127,6 +127,16 @@ def test_q8_0_re_export_is_within_quantisation(smol):
     assert f.figures["reference"]["type"] == "Q8_0" and 1e-4 < f.figures["mean_kl"] < 0.02
 
 
+@pytest.mark.slow
+def test_llama_cpps_q4_k_m_is_within_quantisation(smol, tmp_path):
+    """llama.cpp's own quantiser: SmolLM2's 576-wide rows fall back to Q5_0 and Q8_0 beside its
+    Q4_K and Q6_K tensors; the pair is judged by Q4_K's figure, the coarsest it holds."""
+    pytest.importorskip("llama_cpp")
+    q4km = convert(smol["hf32"], tmp_path / "q4_k_m.gguf", "gguf", dtype="q4_k_m", progress=False)
+    f = compare_outputs(open_checkpoint(smol["hf32"]), open_checkpoint(q4km), TEXT)
+    assert f.verdict == WITHIN and f.figures["reference"]["type"] == "Q4_K", f.lines
+
+
 def test_changed_rope_theta_differs_and_parts_at_block_0s_attention(smol):
     a, b = open_checkpoint(smol["hf32"]), open_checkpoint(smol["rope"])
     f = compare_outputs(a, b, TEXT)

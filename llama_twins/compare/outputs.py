@@ -55,13 +55,15 @@ SAME_MEAN_KL, SAME_MAX_KL = 1e-6, 1e-4
 
 
 def storage_type(ckpt) -> str:
-    """The coarsest storage of a checkpoint's weights, as the tables above name it: a GGUF's most
-    common quantised type (Q4_K for Q4_K_M's mix), "int8" / "int4" for a native quantised
-    checkpoint, else its float dtype."""
-    quantised = [kind for kind in (ckpt.tensor_types or {}) if not kind.upper().startswith(
-        ("F32", "F16", "BF16", "F64"))]
+    """The coarsest storage of a checkpoint's weights, as the tables above name it: of a GGUF's
+    quantised types, the one with the largest reference (Q4_K for Q4_K_M's mix of Q4_K and Q6_K,
+    and for SmolLM2's, whose 576-wide rows fall back to Q5_0 and Q8_0), else its most common;
+    "int8" / "int4" for a native quantised checkpoint; else its float dtype."""
+    quantised = [kind.upper() for kind in (ckpt.tensor_types or {})
+                 if not kind.upper().startswith(("F32", "F16", "BF16", "F64"))]
     if quantised:
-        return quantised[0].upper()
+        known = [kind for kind in quantised if kind in REFERENCE]
+        return max(known, key=lambda k: REFERENCE[k][0]) if known else quantised[0]
     if ckpt.quantization is not None:
         return ckpt.quantization.method
     if ckpt.tensor_types and "F16" in ckpt.tensor_types:
