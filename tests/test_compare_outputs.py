@@ -9,6 +9,7 @@ layer's feed-forward."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -180,6 +181,34 @@ def test_a_head_one_row_off_is_found_at_the_head(tiny):
                            load_tokenizer(tiny["native"]).encode(TEXT))
     assert part.verdict == DIFFERENT and part.figures["sublayer"] == "head", part.lines
     assert all(v == 0 for block in part.figures["blocks"] for v in block.values())
+
+
+def _halves(t: np.ndarray, heads: int) -> np.ndarray:
+    """q/k rows of each head from the interleaved RoPE layout into halves: the other
+    convention, what a converter that permutes twice (or never) leaves."""
+    d = t.shape[0] // heads
+    return t.reshape(heads, d // 2, 2, -1).transpose(0, 2, 1, 3).reshape(t.shape)
+
+
+@pytest.mark.parametrize("bug, part, advice", [
+    ("norm_eps", ("attention_norm", "ffn_norm"), "norm_eps"),
+    ("qk_layout", ("attention",), "RoPE layout")])
+def test_a_cause_every_block_shares_is_named_where_it_acts(tiny, tmp_path, bug, part, advice):
+    """Norm epsilon written with a library's default; q/k rows left in the other RoPE layout on
+    a grouped-query model (4 heads, 2 kv heads): every block parts alike, first in block 0."""
+    ckpt = open_checkpoint(tiny["native"])
+    config, fetch = ckpt.config, ckpt.tensor
+    if bug == "norm_eps":
+        config = dataclasses.replace(config, norm_eps=1e-6)
+    else:
+        def fetch(name):
+            t = ckpt.tensor(name)
+            heads = {"wq": config.n_heads, "wk": config.n_kv_heads}.get(name.split(".")[-2])
+            return t if heads is None else _halves(t, heads)
+    b = write_native(tmp_path / bug, config, ckpt.specs, fetch, extra_files=ckpt.extra_files)
+    found = where_they_part(ckpt, open_checkpoint(b), load_tokenizer(tiny["native"]).encode(TEXT))
+    assert found.verdict == DIFFERENT and found.figures["block"] == 0, found.lines
+    assert found.figures["sublayer"] in part and advice in found.check_next
 
 
 def test_compare_runs_the_blocks_only_when_outputs_differ(tiny):
