@@ -20,7 +20,7 @@ import pytest
 
 import jax_llama
 from bridge.chat import find_template
-from bridge.compare.report import DIFFERENT, SAME, WITHIN
+from bridge.compare.report import DIFFERENT, SAME, SKIPPED, WITHIN
 from bridge.convert import convert
 from bridge.formats import open_checkpoint
 from bridge.formats.native import write_native
@@ -110,6 +110,18 @@ def test_judge_thresholds():
     assert within.verdict == WITHIN and within.figures["reference"]["mean_kl"] == 0.071940
     assert judge(dict(base, mean_kl=0.5), "float32", "Q4_0").verdict == DIFFERENT
     assert judge(dict(base, mean_kl=0.001, same_top1=80.0), "F32", "Q8_0").verdict == DIFFERENT
+
+
+def test_outputs_are_skipped_without_a_tokenizer_or_with_another_vocabulary(tiny, tmp_path):
+    ckpt = open_checkpoint(tiny["native"])
+    bare = write_native(tmp_path / "bare", ckpt.config, ckpt.specs, ckpt.tensor)  # no tokenizer
+    f = compare_outputs(open_checkpoint(bare), ckpt, TEXT)
+    assert f.verdict == SKIPPED and "cannot be tokenised" in f.summary
+    config = small_config(vocab_size=97)
+    other = tmp_path / "other"
+    jax_llama.save(other, config, jax_llama.init(config, seed=0)[1])
+    f = compare_outputs(ckpt, open_checkpoint(other), TEXT)
+    assert f.verdict == SKIPPED and "49152 in A, 97 in B" in f.summary
 
 
 def test_q4_1_as_stored_against_its_float32_export_is_within_quantisation(smol):

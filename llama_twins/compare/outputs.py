@@ -25,7 +25,8 @@ from typing import Callable
 
 import numpy as np
 
-from bridge.compare.report import DIFFERENT, SAME, WITHIN, Finding
+from bridge.compare.report import DIFFERENT, SAME, SKIPPED, WITHIN, Finding
+from bridge.errors import BridgeError
 
 WINDOW = 512
 
@@ -128,7 +129,13 @@ def compare_outputs(a, b, text: str, adapter=None,
     from bridge.tokenizer import find_tokenizer
 
     heard = progress or (lambda message: None)
-    tokenizer = find_tokenizer(a)
+    if a.config.vocab_size != b.config.vocab_size:
+        return Finding("outputs", SKIPPED, f"not run: the vocabularies differ in size "
+                       f"({a.config.vocab_size} in A, {b.config.vocab_size} in B)")
+    try:
+        tokenizer = find_tokenizer(a)
+    except BridgeError as e:
+        return Finding("outputs", SKIPPED, f"not run: A's text cannot be tokenised ({e})")
     ids = tokenizer.encode(text)
     cut = windows(ids, tokenizer.bos_id if tokenizer.add_bos else None)
     targets = [w[max(len(w) // 2, 1):] for w in cut]
