@@ -275,6 +275,7 @@ def _refused(args: list, *words: str) -> None:
         assert word in errors[0], (word, errors[0])
 
 
+@pytest.mark.slow  # a whole 152k-vocabulary file rewritten (10 s)
 def test_a_missing_delta_tensor_is_named(qwen, tmp_path):
     family, _, gg, _ = qwen
     name = "blk.1.attn_k.bias" if family == "qwen2" else "blk.1.attn_k_norm.weight"
@@ -295,6 +296,8 @@ def test_a_missing_delta_tensor_is_named(qwen, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a whole 152k-vocabulary file rewritten (10 s); tests/test_gguf.py refuses
+# an unread architecture on a small file by default
 def test_an_architecture_not_read_is_named(qwen, tmp_path):
     _, _, gg, _ = qwen
     gemma = rewrite(gg, tmp_path / "gemma.gguf", arch="gemma")
