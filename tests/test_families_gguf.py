@@ -73,6 +73,21 @@ def qwen_tokenizer(llama_cpp_vocab, tmp_path_factory) -> Path:
     return out
 
 
+def _converted(model, root: Path, llama_cpp: Path, tokenizer: Path) -> tuple[Path, np.ndarray]:
+    """`model` saved in root/hf with the Qwen tokenizer, and converted to an f32 GGUF by
+    llama.cpp's converter -> (the GGUF, transformers' logits of TOKENS)."""
+    model.save_pretrained(root / "hf")
+    for f in tokenizer.iterdir():
+        (root / "hf" / f.name).write_bytes(f.read_bytes())
+    out = root / "llama.cpp.gguf"
+    result = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"),
+                             str(root / "hf"), "--outfile", str(out), "--outtype", "f32"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        return out, model(torch.as_tensor(TOKENS)).logits.float().numpy()
+
+
 @pytest.fixture(scope="module")
 def converted_by_family(llama_cpp, qwen_tokenizer, tmp_path_factory):
     """family -> (its HF directory with the Qwen tokenizer, the f32 GGUF llama.cpp's converter
@@ -83,17 +98,7 @@ def converted_by_family(llama_cpp, qwen_tokenizer, tmp_path_factory):
         if family not in made:
             model = _hf_model(family, vocab_size=QWEN_VOCAB)
             root = tmp_path_factory.mktemp(family)
-            model.save_pretrained(root / "hf")
-            for f in qwen_tokenizer.iterdir():
-                (root / "hf" / f.name).write_bytes(f.read_bytes())
-            out = root / "llama.cpp.gguf"
-            result = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"),
-                                     str(root / "hf"), "--outfile", str(out), "--outtype", "f32"],
-                                    capture_output=True, text=True)
-            assert result.returncode == 0, result.stderr[-3000:]
-            with torch.no_grad():
-                want = model(torch.as_tensor(TOKENS)).logits.float().numpy()
-            made[family] = root / "hf", out, want
+            made[family] = (root / "hf", *_converted(model, root, llama_cpp, qwen_tokenizer))
         return made[family]
     return convert
 
@@ -369,16 +374,7 @@ def test_llama_cpp_agrees_inside_the_window_it_does_not_have(llama_cpp, qwen_tok
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(transformers.MistralConfig(
         **{**SMALL, "vocab_size": QWEN_VOCAB}, sliding_window=W)).eval()
-    model.save_pretrained(tmp_path / "hf")
-    for f in qwen_tokenizer.iterdir():
-        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
-    out = tmp_path / "llama.cpp.gguf"
-    result = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"),
-                             str(tmp_path / "hf"), "--outfile", str(out), "--outtype", "f32"],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-3000:]
-    with torch.no_grad():
-        want = model(torch.as_tensor(TOKENS)).logits.float().numpy()
+    out, want = _converted(model, tmp_path, llama_cpp, qwen_tokenizer)
     got = _llama_cpp_logits(out)
     tolerance = 1e-4 * np.abs(want).max()
     np.testing.assert_allclose(got[:, :W], want[:, :W], rtol=0, atol=tolerance)
