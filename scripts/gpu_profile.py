@@ -67,3 +67,10 @@ def pack_profiles(path: Path, limit: int = 15 * 2**20) -> None:
                     tar.add(f, arcname=str(f.relative_to(root)))
         if path.stat().st_size <= limit:
             return
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) != 3:
+        sys.exit("usage: python scripts/gpu_profile.py TRACE_DIR STEPS")
+    print(json.dumps(summarise_trace(Path(sys.argv[1]), int(sys.argv[2]))["per_step"], indent=1))
