@@ -73,4 +73,8 @@ if __name__ == "__main__":
     import sys
     if len(sys.argv) != 3:
         sys.exit("usage: python scripts/gpu_profile.py TRACE_DIR STEPS")
-    print(json.dumps(summarise_trace(Path(sys.argv[1]), int(sys.argv[2]))["per_step"], indent=1))
+    summary = summarise_trace(Path(sys.argv[1]), int(sys.argv[2]))
+    if "error" in summary:
+        print(f"gpu_profile: {summary['error']}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(summary["per_step"], indent=1))
