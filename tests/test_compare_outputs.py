@@ -179,6 +179,30 @@ def test_compare_an_adapter_with_its_merge_is_the_same_in_every_section(tiny):
     assert result == DIFFERENT
 
 
+def test_a_merge_with_another_lora_scale_is_named_with_its_scale(tiny, tmp_path):
+    """A merge that scaled the adapter's update by alpha / r with another alpha (unsloth
+    #2142's class): the weights name the factor; the merge with the adapter's own scale is the
+    same (the test above)."""
+    from bridge.lora import read_peft
+    config = open_checkpoint(tiny["native"]).config
+    adapter = read_peft(tiny["adapter"], config)
+    doubled = write_peft(tmp_path / "doubled", config, Adapter(
+        dataclasses.replace(adapter.lora, alpha=2 * adapter.lora.alpha), adapter.tensors))
+    merged = tmp_path / "merged"
+    assert main(["merge-lora", str(tiny["native"]), str(doubled), str(merged),
+                 "--no-progress"]) == 0
+    result, findings = compare(str(tiny["native"]), str(merged), adapter=str(tiny["adapter"]),
+                               text=TEXT[:400])
+    weights = next(f for f in findings if f.section == "weights")
+    assert result == DIFFERENT and "plus 2 x the adapter's update" in weights.cause, weights.cause
+    assert "lora_alpha" in weights.check_next
+    # the base model handed back as the "merge": not merged is named as such
+    result, findings = compare(str(tiny["native"]), str(tiny["native"]),
+                               adapter=str(tiny["adapter"]), text=TEXT[:400])
+    weights = next(f for f in findings if f.section == "weights")
+    assert "without the adapter's update (not merged)" in weights.cause, weights.cause
+
+
 def test_a_broken_row_is_found_in_its_layers_feed_forward(tiny):
     a, b = open_checkpoint(tiny["native"]), open_checkpoint(tiny["broken"])
     assert compare_outputs(a, b, TEXT).verdict == DIFFERENT

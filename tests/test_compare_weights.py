@@ -247,6 +247,35 @@ def test_gate_and_up_swapped_and_layers_one_off(tmp_path, src):
     assert finding.figures["different"] == 3
 
 
+def test_a_whole_tensor_scaled_by_a_thousandth_is_named_as_a_scale(tmp_path, src):
+    """0.1% is far past float32's rounding and far inside Q8_0's: named as a scale in float32."""
+    name = "layers.1.attention.wv.weight"
+    out = planted(src, tmp_path / "m", "hf", {name: lambda x: x * np.float32(1.001)})
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert finding.cause.startswith(f"tensor {name}: ") and "B is A times 1.001" in finding.cause
+    # negative: the same tensor with noise of the same size is no scale
+    rng = np.random.default_rng(0)
+    out = planted(src, tmp_path / "n", "hf",
+                  {name: lambda x: x * (1 + 0.001 * rng.standard_normal(x.shape)).astype(x.dtype)})
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert finding.verdict == DIFFERENT and "times" not in finding.cause
+
+
+def test_embedding_rows_swapped_are_named_with_the_rows_they_came_from(tmp_path, src):
+    """Token ids renumbered by a conversion: B's rows 3 and 9 are A's 9 and 3."""
+    order = np.arange(CFG.vocab_size)
+    order[[3, 9]] = order[[9, 3]]
+    out = planted(src, tmp_path / "m", "hf", {"tok_embeddings.weight": lambda x: x[order]})
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert "2 rows moved among themselves: B's row 3 is A's row 9, row 9 is A's row 3" \
+        in finding.cause, finding.cause
+    assert "vocabulary's order" in finding.check_next
+    # negative: two rows overwritten, not swapped, are broken rows
+    out = planted(src, tmp_path / "n", "hf", {"tok_embeddings.weight": scaled_row(3)})
+    finding = compare_weights(open_checkpoint(src), open_checkpoint(out))
+    assert "moved" not in finding.cause and "1 of" in finding.cause
+
+
 class Dropped(Checkpoint):
     """A checkpoint without one tensor (what no reader opens, but a compare must still say)."""
 

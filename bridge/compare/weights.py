@@ -18,7 +18,7 @@ and with no row beyond ROW_LIMIT of its reference row, is "the same within quant
 both sides are quantised, B's type is judged against A, then A's against B (_measure).
 
 A tensor that differs is named, with the rows that differ, and the classic ways a converter gets
-a tensor wrong are tried on it (_diagnose): q/k rows in the other RoPE layout, a head written one
+a tensor wrong are tried on it (patterns.diagnose): q/k rows in the other RoPE layout, a head written one
 row off or replaced by the embedding, a transposed or scaled matrix, a norm with a (1 + w)
 offset, two tensors swapped or the layers one off, a few broken rows.
 """
@@ -31,11 +31,12 @@ import ml_dtypes
 import numpy as np
 
 from ..formats.base import Checkpoint
-from ..formats.hf import _heads_to_permute, from_half_split, to_half_split
 from ..int4 import bits_per_weight, dequantize_int4, quantize_int4
 from ..quantize import (MIN_SUFFIX, SCALE_SUFFIX, dequantize_weight, int4_names, quantize_weight,
                         quantized_names)
 from ..tensors import canonical_shapes
+from . import patterns
+from .patterns import RESHUFFLED
 from .report import DIFFERENT, SAME, WITHIN, Finding
 
 # Relative RMS error, sqrt(sum (q - x)^2 / sum x^2), of each type on rows of standard gaussian
@@ -182,7 +183,10 @@ def _compare_tensor(a, b, name: str, diagnose: bool = True) -> dict:
     result = _measure(a, b, name)
     if result["verdict"] == DIFFERENT and diagnose:
         x, y = result.pop("arrays")
-        result.update(zip(("pattern", "check_next"), _diagnose(a, name, x, y, result)))
+        near = max(0.01, 2.0 * _cost(result["type"]))  # a relative RMS this close: the same
+        result.update(zip(("pattern", "check_next"), patterns.diagnose(
+            a, name, x, y, near, result["bad_rows"], result["row_rel"].size,
+            "float rounding" if result["type"] is None else "quantisation")))
     result.pop("arrays", None)
     return result
 
@@ -338,120 +342,6 @@ class Dequantised(Checkpoint):
 
     def stored_type(self, name: str) -> str | None:
         return self._types.get(name)
-
-
-# -- what a differing tensor looks like ------------------------------------------------------------
-
-RESHUFFLED = ("the converter's tensor names and the layer order; whether B was written from "
-              "another checkpoint")
-
-
-def _diagnose(a, name: str, x: np.ndarray, y: np.ndarray, result: dict) -> tuple[str, str]:
-    """(what B's tensor is, in words, what to check next) for a tensor that differs: the classic
-    ways a converter writes a tensor wrong, tried one by one on A's tensor `x` and B's `y`."""
-    near = max(0.01, 2.0 * _cost(result["type"]))  # a relative RMS this close: the same numbers
-    x, y = (np.asarray(m, np.float32) for m in (x, y))  # float32: one temporary of each size
-
-    def same(u: np.ndarray, v: np.ndarray) -> bool:
-        if u.shape != v.shape:
-            return False
-        d, v = (u - v).ravel(), v.ravel()
-        return float(np.dot(d, d)) <= near ** 2 * max(float(np.dot(v, v)), 1e-60)
-
-    heads = _heads_to_permute(name, a.config)
-    if heads is not None:
-        tried = dict.fromkeys((heads, a.config.n_heads, a.config.n_kv_heads, 1))
-        # a wrong count's permutation undone with the right one (the reader's) is tried first
-        for h in tried:
-            if x.shape[0] % (2 * h):
-                continue
-            for permute in (to_half_split, from_half_split):
-                if same(permute(x, h), y):
-                    how = "" if h == heads else (f" with {h} heads where {heads} are due (a "
-                                                 f"grouped-query model's n_kv_heads)")
-                    return (f"B's rows are A's in the other RoPE layout ({permute.__name__}"
-                            f"{how}: a q/k RoPE permutation)",
-                            "the converter's q/k permutation: Hugging Face's half-split rows "
-                            "against the interleaved ones of Meta and GGUF, applied the wrong "
-                            "way, twice, or with n_heads for wk on a grouped-query model "
-                            "(llama.cpp #2376, #3364)")
-        pairs = sorted(((h1, h2) for h1 in tried for h2 in tried if h1 != h2),
-                       key=lambda pair: pair[1] != heads)
-        for h1, h2 in pairs:  # permuted to Hugging Face's layout with one count, back with another
-            if not x.shape[0] % (2 * h1) and not x.shape[0] % (2 * h2) and \
-                    same(from_half_split(to_half_split(x, h1), h2), y):
-                return (f"B's rows are A's permuted to the half-split RoPE layout with {h1} "
-                        f"heads and back with {h2} (a q/k RoPE permutation with the wrong head "
-                        f"count)",
-                        "the head count the converter permuted wq/wk with: n_kv_heads for wk on "
-                        "a grouped-query model (llama.cpp #3364, transformers #31788)")
-    if x.ndim == 2:
-        pattern = _head_pattern(a, name, x, y, same)
-        if pattern:
-            return pattern, ("the LM head: whether the model ties it to the embedding, and the "
-                             "row offset the writer used (a BOS or padding row added or dropped: "
-                             "llama.cpp #12567)")
-        if x.shape[0] == x.shape[1] and same(x.T, y):
-            return "B is A transposed", "the writer's (out, in) against (in, out) layout"
-    if x.ndim == 1 or name.endswith("norm.weight"):
-        for offset in (1.0, -1.0):
-            if same(x + offset, y):
-                return (f"B is A {'+' if offset > 0 else '-'} 1 (a norm's (1 + w) convention "
-                        f"applied or undone)", "how the writer stores norm weights (Gemma's "
-                                               "1 + w against LLaMA's w)")
-    if not np.any(y):
-        return "B's tensor is all zeros", "whether the writer wrote this tensor's data at all"
-    dot = float(np.dot(x.ravel(), x.ravel()))
-    if dot:
-        c = float(np.dot(x.ravel(), y.ravel())) / dot
-        if abs(c - 1.0) > near and same(c * x, y):
-            return f"B is A times {c:.4g}", ("a scale the writer applied: a norm's (1 + w) "
-                                              "convention, a multiplier folded in")
-    bad, rows = result["bad_rows"], result["row_rel"].size
-    if bad and len(bad) <= max(1, rows // 10):
-        return (f"{len(bad)} of {rows} rows broken, the rest the same within "
-                f"{'float rounding' if result['type'] is None else 'quantisation'}",
-                "the file's blocks at those rows (a bad write, a corrupted download: compare "
-                "the file's checksum) or the tool that wrote them")
-    other = _another_tensor(a, name, y, same)
-    if other:
-        return (f"B's tensor is A's {other} (two tensors swapped, or the layers one off)",
-                "the converter's name table (w1 is the gate, w3 the up projection) and its "
-                "layer numbering")
-    return "the whole tensor differs", RESHUFFLED
-
-
-def _another_tensor(a, name: str, y: np.ndarray, same) -> str | None:
-    """The name of another of A's tensors that B's `y` is: one of the same shape in the same
-    layer (the gate and up projections swapped), or this one of the layer before or after."""
-    if not name.startswith("layers."):
-        return None
-    _, layer, suffix = name.split(".", 2)
-    siblings = [n for n in a.specs if n.startswith(f"layers.{layer}.") and n != name
-                and a.specs[n][0] == a.specs[name][0]]
-    neighbours = [f"layers.{int(layer) + d}.{suffix}" for d in (-1, 1)]
-    for other in siblings + [n for n in neighbours if n in a.specs]:
-        if same(np.asarray(a.tensor(other), np.float32), y):
-            return other
-    return None
-
-
-def _head_pattern(a, name: str, x: np.ndarray, y: np.ndarray, same) -> str | None:
-    """For the LM head or the embedding: B's is one row off from A's, or is A's embedding."""
-    if name not in ("output.weight", "tok_embeddings.weight"):
-        return None
-    sources = [("A's", x)]
-    if name == "output.weight" and "output.weight" in a.specs:
-        sources.append(("A's token embedding",
-                        np.asarray(a.tensor("tok_embeddings.weight"), np.float32)))
-        if same(sources[-1][1], y):
-            return "B's LM head is A's token embedding (a head tied where A's is its own)"
-    for label, source in sources:
-        if same(source[:-1], y[1:]):
-            return f"B's rows are {label} one row down (row i holds A's row i-1)"
-        if same(source[1:], y[:-1]):
-            return f"B's rows are {label} one row up (row i holds A's row i+1)"
-    return None
 
 
 def _rows(indices: list[int]) -> str:

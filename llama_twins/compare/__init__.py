@@ -67,6 +67,14 @@ class WithAdapter:
     def tensor(self, name: str):
         return self._lora.merged(name, self._ckpt.tensor(name))
 
+    def adapter_update(self, name: str):
+        """(A's own tensor, the adapter's update of it) for a tensor the adapter trains, else
+        None: what the weights section measures a merge against (bridge.compare.patterns)."""
+        if not self._trains(name):
+            return None
+        base = self._ckpt.tensor(name)
+        return base, self._lora.merged(name, base) - base
+
     def tensor_slice(self, name: str, index):
         return self.tensor(name)[index].copy()
 
