@@ -2,7 +2,7 @@
 
     python -m llama_twins.bench.worker JOB --spec JSON [--benches forward,train,decode] [--depths 4,32]
 
-JOB is an implementation (jax-llama, torch_llama, transformers, or llama.cpp for decode: it runs each bench's
+JOB is an implementation (jax-llama, torch_llama, transformers, or llama.cpp for decode and llama-bench: it runs each bench's
 measure(impl, spec) in turn, in this one process), `machine` (the CPU, JAX's device and versions,
 and this machine's matmul peak and read bandwidth measured through JAX), `compile` (train-step
 compile times at two depths), `lora` and `lora-full` (llama_twins.bench.lora: the LoRA step's
@@ -18,11 +18,12 @@ import os
 import platform
 import sys
 
-from . import decode, forward, long, lora, train
+from . import decode, forward, llama_bench, long, lora, train
 from .common import IMPLEMENTATIONS, LLAMA_CPP, Spec, cpu_model
 
 MEASURE = {"forward": forward.measure, "train": train.measure,
-           "train-lora": train.measure_lora, "decode": decode.measure}
+           "train-lora": train.measure_lora, "decode": decode.measure,
+           llama_bench.BENCH: llama_bench.measure}
 
 
 def machine(spec: Spec) -> dict:

@@ -9,7 +9,61 @@ def cmd_bench(args) -> int:
     from ..bench import common, suite
 
     common.SHOW_PROGRESS = args.progress
+    if args.llama_bench:
+        return _llama_bench(args)
     return suite.run_command(args)
+
+
+def _llama_bench(args) -> int:
+    """--llama-bench FILE: pp and tg for ours and llama.cpp on FILE (llama_twins.bench.llama_bench)."""
+    import sys
+    from pathlib import Path
+
+    from bridge.errors import BridgeError
+    from ..bench import llama_bench
+
+    path = Path(args.llama_bench)
+    for value, flag in ((args.n_prompt, "--n-prompt"), (args.n_gen, "--n-gen"),
+                        (args.rounds, "--rounds"), (args.repeats, "--repeats")):
+        if value is not None and value < 1:
+            print(f"error: {flag}: must be at least 1 (got {value})", file=sys.stderr)
+            return 2
+    if not path.is_file():
+        print(f"error: {path}: no such file", file=sys.stderr)
+        return 2
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            print(f"error: {path}: not a GGUF file (llama-bench compares on a GGUF llama.cpp "
+                  f"reads)", file=sys.stderr)
+            return 2
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"error: --out: {out} exists and is not a directory", file=sys.stderr)
+        return 2
+    prompt_len, new_tokens = args.n_prompt or llama_bench.PP, args.n_gen or llama_bench.TG
+    try:
+        from bridge.formats import open_checkpoint
+        longest = open_checkpoint(path).config.max_seq_len
+    except BridgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # pp: the prompt and the token picked after it; tg: a 1-token prompt, then n_gen + 1 tokens
+    for flag, tokens in (("--n-prompt", prompt_len + 1), ("--n-gen", new_tokens + 2)):
+        if tokens > longest:
+            print(f"error: {flag}: its test needs {tokens} positions, more than the model's "
+                  f"max_seq_len {longest}", file=sys.stderr)
+            return 2
+    try:
+        result = llama_bench.run(str(path), rounds=args.rounds or 2, repeats=args.repeats or 3,
+                                 prompt_len=prompt_len, new_tokens=new_tokens,
+                                 quantize=args.quantize)
+    except BridgeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    md, js = llama_bench.write(result, args.out)
+    print("\n".join(llama_bench.markdown(result)))
+    print(f"\nwritten: {md}, {js}", file=sys.stderr)
+    return 0
 
 
 def add_commands(sub) -> None:
@@ -45,4 +99,15 @@ def add_commands(sub) -> None:
                    help="directory for bench.md and bench.json (default: the current directory)")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, short runs, smaller depths: a smoke run in well under a minute")
+    p.add_argument("--llama-bench", metavar="FILE",
+                   help="instead: llama-bench's pp512 and tg128 on a GGUF FILE, jax-llama (loaded "
+                        "as the commands load it) and llama.cpp (llama-cpp-python, where it "
+                        "imports) side by side, with the CPU; OUT/llama_bench.{md,json}")
+    p.add_argument("--n-prompt", type=int, help="with --llama-bench: prompt tokens of the pp test "
+                                                "(default 512)")
+    p.add_argument("--n-gen", type=int, help="with --llama-bench: generated tokens of the tg test "
+                                             "(default 128)")
+    p.add_argument("--quantize", choices=("auto", "stored", "int8", "int4", "float"),
+                   help="with --llama-bench: how ours holds the weights (default auto: as the "
+                        "commands load the file; float: float32)")
     add_progress_argument(p, lines="stage lines (each worker as it starts)")
