@@ -153,14 +153,19 @@ def provenance_line(data: dict) -> str:
     command = f"`{data['command']}`" if data.get("command") else "an unrecorded command"
     at = (f"commit {data['commit'][:12]}" if data.get("commit") else
           "no git commit" if "commit" in data else "an unrecorded commit")
-    c = data.get("cpu")
-    if c is None:
-        where = "an unrecorded CPU"
-    else:
-        c = c if isinstance(c, dict) else {"model_name": c}
-        where = c.get("model_name") or "an unknown CPU"
-        if c.get("vendor") is not None:
-            flags = c.get("flags")
-            where += (f" ({c['vendor']} family {c['family']} model {c['model']}; "
-                      f"{', '.join(flags) if flags else 'none of ' + '/'.join(FLAGS)})")
+    where = cpu_words(data.get("cpu"))
     return f"Measured by {command} at {at} on {where}, {data.get('date') or 'date unrecorded'}."
+
+
+def cpu_words(c: dict | str | None) -> str:
+    """A CPU as cpu() records it, in words: 'AMD EPYC (AuthenticAMD family 25 model 17; avx2,
+    avx512f, avx512_bf16)'; a model name alone for a result that recorded only that."""
+    if c is None:
+        return "an unrecorded CPU"
+    c = c if isinstance(c, dict) else {"model_name": c}
+    where = c.get("model_name") or "an unknown CPU"
+    if c.get("vendor") is not None:
+        flags = c.get("flags")
+        where += (f" ({c['vendor']} family {c['family']} model {c['model']}; "
+                  f"{', '.join(flags) if flags else 'none of ' + '/'.join(FLAGS)})")
+    return where

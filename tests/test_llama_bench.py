@@ -29,8 +29,10 @@ def result(with_llama_cpp: bool) -> dict:
     if with_llama_cpp:
         rows[LLAMA_CPP] = {"pp512": {"mean": 400.0, "std": 4.0, "runs": []},
                            "tg128": {"mean": 32.0, "std": 0.2, "runs": []}}
+    cpu = {"vendor": "GenuineIntel", "family": 6, "model": 143, "model_name": "Some CPU",
+           "flags": ["avx2", "avx512f"]}
     return {"file": "/x/model.Q4_0.gguf", "type": "Q4_0", "bytes": 3 * 2**30,
-            "params": 8_030_261_248, "cpu": "Some CPU", "cores": 2, "code_paths": {},
+            "params": 8_030_261_248, "cpu": cpu, "cores": 2, "code_paths": {},
             "layout": "auto", "llama_cpp": "CPU : AVX2 = 1" if with_llama_cpp else "no module",
             "rounds": 2, "repeats": 3, "rows": rows,
             "ratios": {"pp512": 0.75, "tg128": 1.25} if with_llama_cpp else {}}
@@ -38,7 +40,7 @@ def result(with_llama_cpp: bool) -> dict:
 
 def test_the_table_is_llama_benchs_with_ours_over_llama_cpps():
     lines = llama_bench.markdown(result(True))
-    assert lines[0] == "CPU: Some CPU, 2 cores."
+    assert lines[0] == "CPU: Some CPU (GenuineIntel family 6 model 143; avx2, avx512f), 2 cores."
     rows = [line for line in lines if line.startswith("| llama")]
     assert rows == [
         "| llama 8.03 B Q4_0 | 3.00 GiB | 8.03 B | jax-llama | 2 | pp512 | 300.00 ± 3.00 | 0.75x |",
@@ -91,7 +93,8 @@ def test_ours_alone_where_llama_cpp_does_not_import(tiny_gguf, tmp_path, capsys,
     assert report["type"] == "Q8_0" and report["cores"] >= 1
     for test in ("pp16", "tg4"):
         assert report["rows"][JAX][test]["mean"] > 0 and len(report["rows"][JAX][test]["runs"]) == 1
-    assert (tmp_path / "llama_bench.md").read_text().startswith("CPU: ")
+    markdown = (tmp_path / "llama_bench.md").read_text()
+    assert markdown.startswith("CPU: ") and "\nMeasured by `" in markdown  # the stamps
 
 
 @pytest.mark.slow

@@ -404,7 +404,11 @@ def _finding(results: list[dict], types: dict, floats: dict, lines: list[str]) -
             "max_row_ratio": max(rows) if rows else None,
             "rms_relative": float(np.median([r["rms_rel"] for r in rs]))}
         t = figures["types"][qtype]
-        lines.append(f"{qtype}: {len(rs)} tensors, relative RMS error {t['rms_relative']:.3g} "
+        exact = sum(r["verdict"] == SAME for r in rs)
+        t["same"] = exact
+        lines.append(f"{qtype}: {len(rs)} tensors"
+                     + (f" ({exact} of them equal to A's within float rounding)" if exact else "")
+                     + f", relative RMS error {t['rms_relative']:.3g} "
                      f"(median; the type's on gaussian rows {t['expected_relative_rms']})"
                      + (f", {t['median_ratio']:.3g}x (median) / {t['max_ratio']:.3g}x (max) "
                         f"its reference ({', '.join(t['reference'])}), worst row "

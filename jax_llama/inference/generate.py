@@ -153,13 +153,16 @@ def _prefill(params, tokens_BP, mask_BP, stop_ids, key, *, model, sampler, cache
 
 
 def _prefill_in_chunks(model, params, activations: str, tokens_BP, mask_BP, cache: KVCache):
-    """The left-padded prompts written into `cache` -> the LlamaOutput of their last tokens. A
+    """The left-padded prompts written into `cache` -> the LlamaOutput of their last tokens
+    (logits (B, 1, V): the head projects the last column alone, as llama.cpp's prompt does). A
     rolling cache (a sliding window) takes at most `cache.chunk` tokens a call: a longer prompt
     goes in chunks, padded further on the left to a whole number of them, one scanned step each."""
     B, P = tokens_BP.shape
     C = cache.chunk
+    last = jnp.full((B, 1), min(P, C or P) - 1)  # the logits of the last column only
     if C is None or P <= C:
-        return run_model(model, params, activations, tokens_BP, attention_mask=mask_BP, cache=cache)
+        return run_model(model, params, activations, tokens_BP, attention_mask=mask_BP, cache=cache,
+                         head_at=last)
     n = -(-P // C)
     pad = ((0, 0), (n * C - P, 0))
     tokens_BnC = jnp.pad(tokens_BP, pad).reshape(B, n, C)
@@ -174,7 +177,7 @@ def _prefill_in_chunks(model, params, activations: str, tokens_BP, mask_BP, cach
     cache, _ = jax.lax.scan(chunk, cache, (tokens_BnC[:, :-1].swapaxes(0, 1),
                                            mask_BnC[:, :-1].swapaxes(0, 1)))
     return run_model(model, params, activations, tokens_BnC[:, -1], attention_mask=mask_BnC[:, -1],
-                     cache=cache)
+                     cache=cache, head_at=last)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "sampler", "tempered", "activations"),

@@ -107,7 +107,8 @@ def _prefill_alone(params, tokens_1P, mask_1P, *, model, cache_len: int, activat
     """A left-padded prompt into a fresh one-row cache of cache_len slots, as generate's prefill
     does it -> (the cache, the last position's logits (1, V)). activations: as generate's."""
     cache = KVCache.create(model.config, 1, cache_len, model.dtype)
-    out = run_model(model, params, activations, tokens_1P, attention_mask=mask_1P, cache=cache)
+    out = run_model(model, params, activations, tokens_1P, attention_mask=mask_1P, cache=cache,
+                    head_at=jnp.full((1, 1), tokens_1P.shape[1] - 1))
     return out.cache, out.logits[:, -1]
 
 

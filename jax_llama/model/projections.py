@@ -251,6 +251,8 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     K = math.gcd(I, INT8_BLOCK_ROWS)  # rows per block: 64, or fewer where 64 does not divide I
     # by blocks on a CPU only: on a GPU each block would be a kernel of its own, per token
     if G == 1 and K >= INT8_BLOCK_ROWS // 4 and I > K and jax.default_backend() == "cpu":
+        if math.prod(x_MI.shape[:-1]) >= INT8_COLUMN_ROWS:  # a prompt, a training batch
+            return _int8_columns_matmul(x_MI, q_IO, scale_GO, K, dtype)
         return _int8_blocks_matmul(x_MI, q_IO, scale_GO, K, dtype)
     # The weight is made to depend on x, so that it is dequantised only once x exists, right
     # before its matmul. Independent of x it is a constant of any loop around the model (the
@@ -338,8 +340,51 @@ def _int8_blocks_bwd(K, dtype, saved, g_MO):
 _int8_blocks_matmul.defvjp(_int8_blocks_fwd, _int8_blocks_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _int8_columns_matmul(x_MI, q_IO, scale_GO, K: int, dtype):
+    """(x @ Q) * s for many rows of x (a prompt, a training batch) by blocks of Q's columns
+    (_int8_dot_by_columns); its gradient is _int8_blocks_matmul's (Q converted by blocks of K
+    rows again, no float copy kept)."""
+    return _int8_dot_by_columns(x_MI, q_IO, scale_GO, dtype)
+
+
+def _int8_columns_fwd(x_MI, q_IO, scale_GO, K, dtype):
+    return _int8_columns_matmul(x_MI, q_IO, scale_GO, K, dtype), (q_IO, scale_GO)
+
+
+_int8_columns_matmul.defvjp(_int8_columns_fwd, _int8_blocks_bwd)
+
+
 # Rows of an int8 weight converted at a time by _int8_dot_by_blocks (at most).
 INT8_BLOCK_ROWS = 64
+# From this many rows of x, an int8 weight is multiplied by blocks of its columns
+# (_int8_dot_by_columns): with many rows, the block loop's accumulator (rows x out, float32) is
+# read and written again for each of in / 64 blocks, and each product is only 64 deep - a
+# 512-token prompt through SmolLM2's int8 head rewrote 100 MB nine times.
+INT8_COLUMN_ROWS = 32
+# Bytes of float weights a column block converts at a time (its columns: this over 4 x in).
+INT8_COLUMN_BYTES = 8 << 20
+
+
+def _int8_dot_by_columns(x_MI, q_IO, scale_GO, dtype):
+    """(x @ Q.astype(dtype)) * s, C columns of Q at a time in a loop: each block converted
+    (I x C floats, about INT8_COLUMN_BYTES, in cache), multiplied over the whole depth of x and
+    written once into its columns of the output. The last block starts earlier where C does not
+    divide out, overlapping the one before it with the same numbers. Its conversion depends on
+    the loop index: no float copy of the whole weight exists, none is hoisted out of a loop."""
+    I, O = q_IO.shape
+    C = min(O, max(128, INT8_COLUMN_BYTES // (4 * I) // 128 * 128))
+    n = -(-O // C)
+    s_O = scale_GO[0].astype(dtype)
+
+    def block(i, out_MO):
+        start = jnp.minimum(i * C, O - C)
+        q_IC = jax.lax.dynamic_slice_in_dim(q_IO, start, C, axis=1).astype(dtype)
+        s_C = jax.lax.dynamic_slice_in_dim(s_O, start, C)
+        y_MC = jnp.dot(x_MI, q_IC, preferred_element_type=jnp.float32).astype(dtype) * s_C
+        return jax.lax.dynamic_update_slice_in_dim(out_MO, y_MC, start, axis=out_MO.ndim - 1)
+
+    return jax.lax.fori_loop(0, n, block, jnp.zeros((*x_MI.shape[:-1], O), dtype))
 
 
 def _int8_dot_by_blocks(x_MI, q_IO, K: int, dtype):

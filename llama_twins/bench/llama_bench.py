@@ -20,13 +20,13 @@ as `quantize` says; llama.cpp runs the file as it is, on every core, built as in
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from pathlib import Path
 
-from .common import (JAX, LLAMA_CPP, Spec, code_paths, code_paths_line, cpu_model,
-                     run_variant_rounds, say, timed)
+from .. import results
+from .common import (JAX, LLAMA_CPP, Spec, code_paths, code_paths_line, run_variant_rounds, say,
+                     timed)
 
 BENCH = "llama-bench"
 PP, TG = 512, 128
@@ -133,7 +133,7 @@ def run(path: str, rounds: int = 2, repeats: int = 3, prompt_len: int = PP,
                        for test, r in rates(times[label][BENCH], spec).items()}
     ratios = ({test: rows[JAX][test]["mean"] / rows[LLAMA_CPP][test]["mean"]
                for test in rows[JAX]} if LLAMA_CPP in rows else {})
-    return {**facts, "cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)),
+    return {**facts, "cpu": results.cpu(), "cores": len(os.sched_getaffinity(0)),
             "code_paths": code_paths(), "layout": quantize or "auto (as the commands load it)",
             "llama_cpp": missing or build_features(), "rounds": rounds, "repeats": repeats,
             "rows": rows, "ratios": ratios}
@@ -144,7 +144,8 @@ def markdown(result: dict) -> list[str]:
     r = result
     size = f"{r['bytes'] / 2**30:.2f} GiB"
     params = f"{r['params'] / 1e9:.2f} B" if r["params"] >= 1e9 else f"{r['params'] / 1e6:.0f} M"
-    lines = [f"CPU: {r['cpu']}, {r['cores']} cores.{code_paths_line(r['code_paths'])}",
+    lines = [f"CPU: {results.cpu_words(r['cpu'])}, {r['cores']} cores."
+             f"{code_paths_line(r['code_paths'])}",
              f"File: {Path(r['file']).name} ({r['type']}); ours loaded "
              f"{r['layout']}; llama.cpp: "
              + (r["llama_cpp"] if r["ratios"] or LLAMA_CPP in r["rows"] else
@@ -163,14 +164,11 @@ def markdown(result: dict) -> list[str]:
     return lines
 
 
-def write(result: dict, out: str) -> tuple[Path, Path]:
-    """OUT/llama_bench.md and OUT/llama_bench.json."""
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    md, js = folder / "llama_bench.md", folder / "llama_bench.json"
-    md.write_text("\n".join(markdown(result)) + "\n")
-    js.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    return md, js
+def write(result: dict, out: str) -> str:
+    """OUT/llama_bench.json (the figures, stamped: llama_twins.results) and OUT/llama_bench.md;
+    returns the markdown."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return results.write("llama_bench", result, markdown, out)
 
 
 __all__ = ["BENCH", "PP", "TG", "markdown", "measure", "rates", "run", "write"]

@@ -60,9 +60,8 @@ def _llama_bench(args) -> int:
     except BridgeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    md, js = llama_bench.write(result, args.out)
-    print("\n".join(llama_bench.markdown(result)))
-    print(f"\nwritten: {md}, {js}", file=sys.stderr)
+    print(llama_bench.write(result, args.out), end="")
+    print(f"written: {out / 'llama_bench.md'}, {out / 'llama_bench.json'}", file=sys.stderr)
     return 0
 
 
