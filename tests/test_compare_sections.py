@@ -335,6 +335,27 @@ def test_a_changed_eos_token_is_named(exports, tmp_path):
     assert "a generation stops at 2 '<|im_end|>', 0 '<|endoftext|>', 4 '<reponame>'" in found.lines
 
 
+def test_an_eos_id_rewritten_in_a_gguf_is_named(exports, tmp_path):
+    """The GGUF side alone: tokenizer.ggml.eos_token_id rewritten (what a converter that takes
+    the EOS from the wrong config writes); the weights, vocabulary and template are the file's."""
+    import gguf
+
+    from test_gguf import rewrite
+
+    def eos(writer):
+        writer.add_uint32("tokenizer.ggml.eos_token_id", 4)
+    b = rewrite(exports["gguf"], tmp_path / "eos.gguf", drop="tokenizer.ggml.eos_token_id",
+                add=eos)
+    assert gguf.GGUFReader(b).fields["tokenizer.ggml.eos_token_id"].contents() == 4
+    found = compare_tokenizers(open_checkpoint(exports["gguf"]), open_checkpoint(b), TEXT)
+    assert found.verdict == DIFFERENT
+    assert found.cause == "tokenizer: EOS token 2 '<|im_end|>' in A, 4 '<reponame>' in B"
+    # negative: the same rewrite keeping the id is the same file to the tokenizer section
+    same = rewrite(exports["gguf"], tmp_path / "same.gguf")
+    assert compare_tokenizers(open_checkpoint(exports["gguf"]), open_checkpoint(same),
+                              TEXT).verdict == SAME
+
+
 def test_a_checkpoint_without_a_tokenizer_is_skipped(exports, tmp_path):
     b = planted(exports, tmp_path)
     (b / "tokenizer.json").unlink()
