@@ -102,10 +102,9 @@ def add_commands(sub) -> None:
                    help="instead: llama-bench's pp512 and tg128 on a GGUF FILE, jax-llama (loaded "
                         "as the commands load it) and llama.cpp (llama-cpp-python, where it "
                         "imports) side by side, with the CPU; OUT/llama_bench.{md,json}")
-    p.add_argument("--n-prompt", type=int, help="with --llama-bench: prompt tokens of the pp test "
-                                                "(default 512)")
-    p.add_argument("--n-gen", type=int, help="with --llama-bench: generated tokens of the tg test "
-                                             "(default 128)")
+    for flag, tokens in (("--n-prompt", "prompt tokens of the pp test (default 512)"),
+                         ("--n-gen", "generated tokens of the tg test (default 128)")):
+        p.add_argument(flag, type=int, help=f"with --llama-bench: {tokens}")
     p.add_argument("--quantize", choices=("auto", "stored", "int8", "int4", "float"),
                    help="with --llama-bench: how ours holds the weights (default auto: as the "
                         "commands load the file; float: float32)")

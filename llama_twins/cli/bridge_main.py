@@ -284,9 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="is B still A? compare two checkpoints section by section: config, "
                          "tokenizer, chat template, weights, outputs on real text, and where "
                          "they part")
-    p.add_argument("a", help="the checkpoint B came from, any format the bridge reads, or a "
-                             "model's name (`models` lists them)")
-    p.add_argument("b", help="the converted, quantised or merged checkpoint")
+    for name, what in (("a", "the checkpoint B came from, any format the bridge reads, or a "
+                              "model's name (`models` lists them)"),
+                       ("b", "the converted, quantised or merged checkpoint")):
+        p.add_argument(name, help=what)
     p.add_argument("--adapter", help="a PEFT LoRA adapter directory applied to A (compare an "
                                      "adapter with its merge)")
     p.add_argument("--text", help="a UTF-8 text file to run both models on (default: an essay "
