@@ -335,6 +335,7 @@ def test_a_changed_eos_token_is_named(exports, tmp_path):
     assert "a generation stops at 2 '<|im_end|>', 0 '<|endoftext|>', 4 '<reponame>'" in found.lines
 
 
+@pytest.mark.slow  # 11 s: SmolLM2's file rewritten twice through gguf's reader and writer
 def test_an_eos_id_rewritten_in_a_gguf_is_named(exports, tmp_path):
     """The GGUF side alone: tokenizer.ggml.eos_token_id rewritten (what a converter that takes
     the EOS from the wrong config writes); the weights, vocabulary and template are the file's."""
