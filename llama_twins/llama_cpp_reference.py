@@ -73,6 +73,19 @@ def run(path, dtype: str, prompts: Sequence[Sequence[int]], new_tokens: int
     return logits, greedy
 
 
+def open_model(path, n_ctx: int, **options):
+    """llama_cpp.Llama on the GGUF at `path` as the benchmarks run it: on every core, quiet while
+    it loads, its weights repacked for this CPU where that is safe (repacks_safely) and not where
+    it is not; `options` are Llama's own (n_batch, n_ubatch, ...)."""
+    import llama_cpp
+
+    cores = len(os.sched_getaffinity(0))
+    kernels = contextlib.nullcontext() if repacks_safely() else plain_cpu_kernels()
+    with kernels, _quiet():
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, verbose=False,
+                               n_threads=cores, n_threads_batch=cores, **options)
+
+
 def last_logits(llm) -> np.ndarray:
     """The logits of the last token llm.eval evaluated (vocab,), float32. Without logits_all,
     llama-cpp-python (0.3) no longer copies them into llm.scores, which then holds whatever the

@@ -42,14 +42,10 @@ if sys.argv[3] == "cli":  # as the command-line tools start, where the tree has 
     except ImportError:
         pass
 if mode == "llama.cpp":  # llama.cpp's own load: the file mapped, its weights repacked where it does
-    import contextlib, os
-    import llama_cpp
-    from llama_twins.llama_cpp_reference import _quiet, plain_cpu_kernels, repacks_safely
-    kernels = contextlib.nullcontext() if repacks_safely() else plain_cpu_kernels()
+    import llama_cpp  # imported before the clock starts, as jax is for the other modes
+    from llama_twins.llama_cpp_reference import open_model
     t = time.perf_counter()
-    with kernels, _quiet():
-        llm = llama_cpp.Llama(model_path=path, n_ctx=512, verbose=False,
-                              n_threads=len(os.sched_getaffinity(0)))
+    llm = open_model(path, 512)
     leaves = []
 elif mode == "torch-nearest":
     import torch_llama

@@ -93,19 +93,12 @@ def llama_cpp_runner(spec: Spec):
     through its KV cache, each the argmax of its logits (as the greedy loop of every other row).
     All cores; where llama.cpp was built with AMX, without its weight repacking (it crashes
     there: llama_twins.llama_cpp_reference.repacks_safely)."""
-    import contextlib
-
     import numpy as np
 
-    import llama_cpp
-    from llama_twins.llama_cpp_reference import (_quiet, last_logits, plain_cpu_kernels,
-                                                 repacks_safely)
+    from llama_twins.llama_cpp_reference import last_logits, open_model
 
-    kernels = contextlib.nullcontext() if repacks_safely() else plain_cpu_kernels()
-    with kernels, _quiet():
-        llm = llama_cpp.Llama(model_path=spec.gguf, n_ctx=spec.prompt_len + spec.new_tokens,
-                              n_batch=spec.prompt_len + spec.new_tokens, verbose=False,
-                              n_threads=len(os.sched_getaffinity(0)))
+    llm = open_model(spec.gguf, spec.prompt_len + spec.new_tokens,
+                     n_batch=spec.prompt_len + spec.new_tokens)
 
     def run(batch, n):
         assert batch == 1, "llama.cpp rows decode one sequence"

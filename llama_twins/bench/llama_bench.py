@@ -54,20 +54,12 @@ def _ours(spec: Spec):
 def _llama_cpp(spec: Spec):
     """run(prompt, n): llama.cpp's eval of `prompt` from an empty cache, then n - 1 single-token
     evals, each token the argmax of the last logits (llama-cpp-python)."""
-    import contextlib
-
     import numpy as np
 
-    import llama_cpp
-    from llama_twins.llama_cpp_reference import (_quiet, last_logits, plain_cpu_kernels,
-                                                 repacks_safely)
+    from llama_twins.llama_cpp_reference import last_logits, open_model
 
-    kernels = contextlib.nullcontext() if repacks_safely() else plain_cpu_kernels()
-    with kernels, _quiet():
-        llm = llama_cpp.Llama(model_path=spec.gguf, n_ctx=spec.prompt_len + spec.new_tokens + 8,
-                              n_batch=spec.prompt_len, n_ubatch=spec.prompt_len, verbose=False,
-                              n_threads=len(os.sched_getaffinity(0)),
-                              n_threads_batch=len(os.sched_getaffinity(0)))
+    llm = open_model(spec.gguf, spec.prompt_len + spec.new_tokens + 8, n_batch=spec.prompt_len,
+                     n_ubatch=spec.prompt_len)
 
     def run(prompt, n):
         llm.reset()
