@@ -36,6 +36,7 @@ import numpy as np
 
 from .errors import BridgeError
 from .parallel import by_chunks
+from .resources import aligned_empty
 from .quantize import INT4_GROUP as GROUP  # inputs per scale and minimum
 from .quantize import MIN_SUFFIX, SCALE_SUFFIX  # <name>_scale, <name>_min beside <name>
 
@@ -258,6 +259,11 @@ class QuantisedReader:
                 self.rounded.setdefault(key, []).append(
                     float(np.sqrt(change / norm)) if norm > 0 else 0.0)
                 return tuple(held)
+        elif (rows := self.checkpoint.int8_rows(name)) is not None:  # straight from its blocks
+            q, scale, change, norm = rows
+            self.errors.setdefault(key, []).append(
+                float(np.sqrt(change / norm)) if norm > 0 else 0.0)
+            return q, scale
         return self._by_rows(name, key, layout)
 
     def _by_rows(self, name: str, key: str, layout: str):
@@ -273,11 +279,11 @@ class QuantisedReader:
         O, I = self.shapes[name]
         if layout == "int4":
             quantise, back = quantize_int4, dequantize_int4
-            out = (np.empty((O, I // 2), np.uint8), np.empty((O, I // GROUP), np.float16),
-                   np.empty((O, I // GROUP), np.float16))
+            out = (aligned_empty((O, I // 2), np.uint8), aligned_empty((O, I // GROUP), np.float16),
+                   aligned_empty((O, I // GROUP), np.float16))
         else:
             quantise, back = quantize_weight, dequantize_weight
-            out = (np.empty((O, I), np.int8), np.empty((O, 1), np.float32))
+            out = (aligned_empty((O, I), np.int8), aligned_empty((O, 1), np.float32))
         if self.rows is not None:
             def read(index):
                 return self.rows(name, index)

@@ -1012,3 +1012,64 @@ def test_the_generate_command_names_its_kernels_and_gives_the_same_text(tmp_path
                          "--kernels", "fast"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "error: --kernels: 'fast': expected one of auto, xla, kernels"]
+
+
+def _f16_bits(rng, n, low=-3.0, high=3.0):
+    """n finite float16 scales' bytes (2 a scale)."""
+    return rng.uniform(low, high, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_compiled_q4_repacking_gives_numpys_bytes(kind):
+    """The kernel library's from_q4_blocks (jax_llama.model.kernels.gguf_helpers, what
+    jax_llama.load hands the GGUF reader) writes numpy's bytes exactly, scales and minima
+    included (any float16 bits: NaN and infinity are copied, not computed), in arrays aligned for
+    XLA to hold as they are. Negative case: the blocks' own nibble order is not the layout's."""
+    from bridge.gguf.int4 import BLOCK_BYTES, from_q4_blocks
+    from bridge.gguf.native import using
+
+    rng = np.random.default_rng(7)
+    O, I = 37, 96
+    raw = rng.integers(0, 256, O * I // 32 * BLOCK_BYTES[kind], dtype=np.uint8)
+    if kind == "Q4_0":  # Q4_0's scales within 8188 (the reader refuses larger ones)
+        raw.reshape(-1, 18)[:, :2] = _f16_bits(rng, O * I // 32)
+    numpy_ = from_q4_blocks(raw, kind, (O, I), chunk_bytes=200)
+    with using(kernels.gguf_helpers()):
+        compiled = from_q4_blocks(raw, kind, (O, I), chunk_bytes=200)
+    for a, b in zip(numpy_, compiled):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert b.ctypes.data % 64 == 0
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    stored = raw.reshape(O, I // 32, -1)[..., -16:].reshape(O, I // 2)
+    assert not np.array_equal(stored, compiled[0])
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_compiled_int8_rows_give_numpys_bytes(kind):
+    """The kernel library's int8_rows makes a Q8_0 or Q4_0 tensor's int8 rows and scales straight
+    from its blocks with the bytes bridge.quantize.quantize_weight makes from the dequantised
+    rows (a row of zeros: scale 1), and the error's squared sums to float32 rounding (float64
+    sums in another order). Negative case: the weights truncated, not rounded, differ."""
+    from bridge.gguf.read import _dequantize_plain
+    from bridge.quantize import dequantize_weight, quantize_weight
+
+    rng = np.random.default_rng(3)
+    O, I = 41, 160
+    size = 34 if kind == "Q8_0" else 18
+    blocks = rng.integers(0, 256, (O, I // 32, size), dtype=np.uint8)
+    blocks[..., :2] = _f16_bits(rng, O * I // 32).reshape(O, I // 32, 2)
+    blocks[5, :, 2:] = 0 if kind == "Q8_0" else 0x88  # a row of zeros
+    raw = blocks.reshape(O, -1)
+    w = _dequantize_plain(raw, kind)
+    q_ref, s_ref = quantize_weight(w)
+    q, s = np.empty((O, I), np.int8), np.empty((O, 1), np.float32)
+    change, norm = kernels.gguf_helpers().int8_rows(raw, kind, q, s)
+    np.testing.assert_array_equal(q, q_ref)
+    np.testing.assert_array_equal(s.view(np.uint32), s_ref.view(np.uint32))
+    assert s[5, 0] == 1 and not q[5].any()
+    diff = dequantize_weight(q_ref, s_ref).astype(np.float64) - w
+    np.testing.assert_allclose([change, norm], [np.sum(diff * diff), np.sum(w.astype(np.float64) ** 2)],
+                               rtol=1e-5)
+    truncated = np.clip(np.trunc(w / s_ref), -127, 127).astype(np.int8)
+    assert not np.array_equal(truncated, q)

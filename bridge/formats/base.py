@@ -89,6 +89,14 @@ class Checkpoint:
         sums of the change and of the weights); None otherwise."""
         return None
 
+    def int8_rows(self, name: str):
+        """The tensor as int8 rows with one scale a row, made straight from the blocks the file
+        holds (bridge.quantize.quantize_weight's numbers on the dequantised rows) where a
+        compiled helper reads its type (a GGUF's Q8_0 or Q4_0, bridge.gguf.native): (q, scale,
+        the squared sums of the change and of the weights); None otherwise (the rows are then
+        dequantised and quantised by numpy)."""
+        return None
+
     def own_tokenizer(self) -> Tokenizer | None:
         """The vocabulary the checkpoint file itself holds (a GGUF file's), or None."""
         return None

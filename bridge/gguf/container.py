@@ -61,6 +61,21 @@ class GGUFFile:
         """The tensor's bytes, uint8 (n_bytes,), a read-only view of the file's memory map."""
         return np.frombuffer(self.data, np.uint8, count=t.n_bytes, offset=t.start)
 
+    def release(self, t: TensorInfo, first: int = 0, stop: int | None = None) -> None:
+        """Let go of the pages holding the tensor's bytes [first, stop) (default all of them) in
+        this process, once they have been read into an array of its own: the file stays in the
+        page cache, and a later read of them maps them again (madvise MADV_DONTNEED on a
+        read-only map of a file changes no byte). Pages read through the map count in the
+        process's memory (its RSS) until then: a load that turned LLaMA 3 8B's Q4_0 blocks into
+        weights of its own held the 4.6 GiB file beside them (9.8 GiB at its peak). Whole pages
+        only; a no-op where Python has no madvise."""
+        stop = t.n_bytes if stop is None else stop
+        page = mmap.PAGESIZE
+        begin = -(-(t.start + first) // page) * page
+        end = (t.start + stop) // page * page
+        if end > begin and hasattr(self.data, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self.data.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
 
 def is_gguf(path: str | Path) -> bool:
     """True for a file that starts with GGUF's magic (whatever its name); False for anything

@@ -19,6 +19,8 @@ import numpy as np
 from ..errors import BridgeError
 from ..int4 import GROUP
 from ..parallel import by_chunks
+from ..resources import aligned_empty
+from .native import helpers
 
 # bytes per block: the float16 fields, then the 16 bytes of nibbles
 BLOCK_BYTES = {"Q4_0": 2 + GROUP // 2, "Q4_1": 4 + GROUP // 2}
@@ -31,8 +33,11 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
     """The raw blocks of a Q4_0 or Q4_1 tensor of canonical `shape` (out, in) - uint8, one row of
     blocks per output row, as gguf reads them - -> (packed (out, in / 2) uint8, d (out, in / 32)
     float16, m (out, in / 32) float16, or None for Q4_0's -8 d) that
-    bridge.int4.dequantize_int4 turns into llama.cpp's numbers, bit for bit. Rows about chunk_bytes of blocks at a time, so that the temporaries
-    stay in cache, the chunks on the CPU's cores (bridge.parallel)."""
+    bridge.int4.dequantize_int4 turns into llama.cpp's numbers, bit for bit. Rows about
+    chunk_bytes of blocks at a time, so that the temporaries stay in cache, the chunks on the CPU's
+    cores (bridge.parallel), each by the compiled helper a twin handed over where it did
+    (bridge.gguf.native), else by numpy. The outputs are aligned for XLA to hold as they are
+    (bridge.resources.aligned_empty)."""
     if kind not in BLOCK_BYTES:
         raise BridgeError(f"tensor '{name}': {kind} is not a 4-bit type held exactly "
                           f"({', '.join(BLOCK_BYTES)})")
@@ -46,21 +51,31 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
                           f"{shape} needs {O * G * size}")
     blocks = raw.reshape(O, G, size)
     head = size - GROUP // 2  # the float16 fields' bytes
-    packed = np.empty((O, G, GROUP // 2), np.uint8)
-    fields = np.empty((O, G, head // 2), np.float16)
+    packed = aligned_empty((O, G, GROUP // 2), np.uint8)
+    d = aligned_empty((O, G), np.float16)
+    m = aligned_empty((O, G), np.float16) if kind == "Q4_1" else None
+    compiled = helpers().from_q4_blocks  # read here: the chunks run on other threads
 
-    def repack(start: int, stop: int) -> None:
+    def repack(start: int, stop: int) -> bool:  # whether the rows' Q4_0 scales all hold -8 d
         b = blocks[start:stop]
-        fields[start:stop] = b[..., :head].copy().view(np.float16)
-        _repacked(b[..., head:], out=packed[start:stop])
+        if compiled is not None:
+            compiled(b, packed[start:stop], d[start:stop], None if m is None else m[start:stop])
+        else:
+            fields = b[..., :head].copy().view(np.float16)  # (rows, G, 1 or 2)
+            d[start:stop] = fields[..., 0]
+            if m is not None:
+                m[start:stop] = fields[..., 1]
+            _repacked(b[..., head:], out=packed[start:stop])
+        if m is not None:
+            return True
+        # |d| beyond 8188 (and not NaN), on the bits: numpy's float16 arithmetic is slow
+        magnitude = d[start:stop].view(np.uint16) & np.uint16(0x7FFF)
+        return not np.any((magnitude > _F16_8188) & (magnitude <= _F16_INF))
 
-    by_chunks(repack, O, chunk_bytes // max(1, G * size))
-    d = np.ascontiguousarray(fields[..., 0])
+    held = by_chunks(repack, O, chunk_bytes // max(1, G * size))
     if kind == "Q4_1":
-        return packed.reshape(O, I // 2), d, np.ascontiguousarray(fields[..., 1])
-    # |d| beyond 8188 (and not NaN), on the bits: numpy's float16 arithmetic is slow
-    magnitude = d.view(np.uint16) & np.uint16(0x7FFF)
-    if np.any((magnitude > _F16_8188) & (magnitude <= _F16_INF)):
+        return packed.reshape(O, I // 2), d, m
+    if not all(held):
         raise BridgeError(f"tensor '{name}': a Q4_0 scale beyond 8188, whose minimum -8 d "
                           f"float16 cannot hold")
     return packed.reshape(O, I // 2), d, None
@@ -130,8 +145,8 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
         raise BridgeError(f"tensor '{name}': {raw.size} bytes of Q4_K blocks, its shape {shape} "
                           f"needs {O * n * Q4_K_BYTES}")
     blocks = raw.reshape(O, n, Q4_K_BYTES)
-    packed = np.empty((O, I // 2), np.uint8)
-    scale, low = (np.empty((O, n * 8), scale_dtype) for _ in range(2))
+    packed = aligned_empty((O, I // 2), np.uint8)
+    scale, low = (aligned_empty((O, n * 8), scale_dtype) for _ in range(2))
 
     def convert(start: int, stop: int) -> tuple[float, float, bool]:
         b = blocks[start:stop].reshape(-1, Q4_K_BYTES)

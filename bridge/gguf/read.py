@@ -29,6 +29,7 @@ from ..errors import BridgeError
 from ..formats.base import Checkpoint, check_specs
 from ..formats.hf import _heads_to_permute, from_half_split
 from ..parallel import by_chunks
+from ..resources import aligned_empty
 from ..tensors import LAYER_SUFFIXES, layer_shapes
 from ..tokenizer import Tokenizer
 from .container import GGUFFile, TensorInfo, read_gguf
@@ -151,6 +152,7 @@ class GGUFCheckpoint(Checkpoint):
         if qtype.name not in BLOCK_BYTES:
             return None
         blocks = from_q4_blocks(self._file.raw(t), qtype.name, tuple(t.shape), name)
+        self._file.release(t)
         return tuple(self._interleaved(name, rows) for rows in blocks)
 
     def int4_rounded(self, name: str):
@@ -165,7 +167,33 @@ class GGUFCheckpoint(Checkpoint):
         if qtype.name != "Q4_K" or len(t.shape) != 2:
             return None
         packed, scale, low, *sums = from_q4_k_blocks(self._file.raw(t), tuple(t.shape), name)
+        self._file.release(t)
         return (*(self._interleaved(name, rows) for rows in (packed, scale, low)), *sums)
+
+    def int8_rows(self, name: str):
+        """A Q8_0 or Q4_0 tensor as int8 rows with one scale a row, by the compiled helper an
+        enclosing bridge.gguf.native.using hands over, a chunk of rows at a time on the CPU's
+        cores: (q, scale, the squared sums of the change and of the weights); None for other
+        types, without the helper, or for a qwen file's q / k rows (reordered as read)."""
+        from .native import INT8_ROWS_KINDS, helpers
+
+        if name not in self._tensors:
+            raise BridgeError(f"{self.path}: no tensor {name!r}")
+        t, qtype = self._tensors[name]
+        compiled = helpers().int8_rows
+        if (compiled is None or qtype.name not in INT8_ROWS_KINDS or len(t.shape) != 2
+                or name in self._heads):
+            return None
+        O, I = t.shape
+        blocks = self._file.raw(t).reshape(O, -1)
+        q, scale = aligned_empty((O, I), np.int8), aligned_empty((O, 1), np.float32)
+
+        def rows(start: int, stop: int) -> tuple[float, float]:
+            return compiled(blocks[start:stop], qtype.name, q[start:stop], scale[start:stop])
+
+        sums = by_chunks(rows, O, _DEQUANT_CHUNK // I)
+        self._file.release(t)
+        return q, scale, sum(c for c, _ in sums), sum(n for _, n in sums)
 
     def own_tokenizer(self) -> Tokenizer:
         """The file's vocabulary, rebuilt to tokenize as llama.cpp does, from the keys read on
@@ -272,6 +300,8 @@ def _as_array(file: GGUFFile, t: TensorInfo, qtype, rows: tuple[int, int] | None
                            else gguf.quants.dequantize(chunk, qtype))
 
     by_chunks(dequantize, blocks.shape[0], _DEQUANT_CHUNK // row)
+    first = 0 if rows is None else rows[0] * blocks.shape[1]  # blocks' bytes, dequantised
+    file.release(t, first, first + blocks.size)
     return out.reshape(shape)
 
 

@@ -116,6 +116,48 @@ def lanes() -> int:
     return ctypes.cdll.LoadLibrary(str(_load()[1])).jax_llama_matvec_lanes()
 
 
+def gguf_helpers():
+    """The library's loading helpers as bridge.gguf.native.Helpers - llama.cpp's Q4_0 / Q4_1
+    blocks into the 4-bit layout (jax_llama_from_q4_blocks) and Q8_0 / Q4_0 blocks into int8
+    rows (jax_llama_int8_rows), each in one pass where numpy makes a dozen - or None where the
+    library does not load here. Host work: it serves a load for any backend."""
+    if _load()[0] is not None:
+        return None
+    from bridge.gguf.native import Helpers
+
+    lib = ctypes.cdll.LoadLibrary(str(_load()[1]))
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    repack = lib.jax_llama_from_q4_blocks
+    repack.argtypes, repack.restype = [pointer, size, size, pointer, pointer, pointer], None
+    rows = lib.jax_llama_int8_rows
+    rows.argtypes, rows.restype = [pointer, size, size, ctypes.c_int, pointer, pointer,
+                                   pointer], None
+
+    def from_q4_blocks(blocks, packed, d, m) -> None:
+        O, G, block = blocks.shape
+        _check_c_order(blocks, packed, d, m)
+        assert packed.shape == (O, G, 16) and d.shape == (O, G), (packed.shape, d.shape)
+        repack(blocks.ctypes.data, O * G, block, packed.ctypes.data, d.ctypes.data,
+               None if m is None else m.ctypes.data)
+
+    def int8_rows(blocks, kind, q, scale) -> tuple[float, float]:
+        (O, I), per_block = q.shape, {"Q8_0": 34, "Q4_0": 18}[kind]
+        _check_c_order(blocks, q, scale)
+        assert blocks.shape == (O, I // 32 * per_block) and scale.shape == (O, 1)
+        sums = (ctypes.c_double * 2)()
+        rows(blocks.ctypes.data, O, I, 0 if kind == "Q8_0" else 1, q.ctypes.data,
+             scale.ctypes.data, sums)
+        return sums[0], sums[1]
+    return Helpers(from_q4_blocks=from_q4_blocks, int8_rows=int8_rows)
+
+
+def _check_c_order(*arrays) -> None:
+    """The compiled helpers read and write whole C-ordered buffers."""
+    for a in arrays:
+        if a is not None and not a.flags.c_contiguous:
+            raise ValueError(f"expected a C-ordered array, got strides {a.strides}")
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run in this process (None when they can)."""
     if not enabled():

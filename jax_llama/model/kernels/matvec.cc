@@ -1849,3 +1849,99 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecF32Rows, MatvecF32Rows,
 
 // The vector width the library was built for (16, 8 or 1 lanes of float32).
 extern "C" int jax_llama_matvec_lanes() { return static_cast<int>(kLanes); }
+
+// Loading, not decoding: llama.cpp's plain 4-bit blocks (Q4_0: float16 d, 16 bytes of q; Q4_1:
+// float16 d and m, 16 bytes) -> this library's 4-bit layout, n blocks from `blocks` (each
+// block_bytes long) into packed (16 bytes a block), d and m (float16 bits, a block each; m null
+// for Q4_0). A block's byte j holds its q[j] and q[j + 16] (low nibble first); packed byte k < 8
+// holds q[2k] and q[2k + 1], byte 8 + k q[16 + 2k] and q[17 + 2k]: bridge/gguf/int4.py's
+// from_q4_blocks does the same in numpy (tests/test_kernels.py holds the two equal). Called by
+// jax_llama.model.kernels.repack_q4 on a chunk of rows, from bridge's threads (ctypes lets go of
+// Python's lock), so this runs on the calling thread alone.
+extern "C" void jax_llama_from_q4_blocks(const uint8_t* blocks, int64_t n, int64_t block_bytes,
+                                         uint8_t* packed, uint16_t* d, uint16_t* m) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* block = blocks + i * block_bytes;
+    const uint8_t* qs = block + block_bytes - 16;
+    uint8_t* out = packed + i * 16;
+    std::memcpy(d + i, block, 2);
+    if (m != nullptr) std::memcpy(m + i, block + 2, 2);
+#if defined(__SSSE3__)
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    const __m128i evens_lo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i evens_hi = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m128i odds_lo = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i odds_hi = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 1, 3, 5, 7, 9, 11, 13, 15);
+    // first weights of each pair (q[2k], q[16 + 2k]) and second ones, then a pair a byte
+    const __m128i first = _mm_or_si128(_mm_shuffle_epi8(lo, evens_lo), _mm_shuffle_epi8(hi, evens_hi));
+    const __m128i second = _mm_or_si128(_mm_shuffle_epi8(lo, odds_lo), _mm_shuffle_epi8(hi, odds_hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_or_si128(first, _mm_slli_epi16(second, 4)));  // second < 16: no carry
+#else
+    for (int k = 0; k < 8; ++k) {
+      const uint8_t a = qs[2 * k], b = qs[2 * k + 1];
+      out[k] = uint8_t((a & 0x0F) | ((b & 0x0F) << 4));
+      out[8 + k] = uint8_t((a >> 4) | (b & 0xF0));
+    }
+#endif
+  }
+}
+
+// Loading: rows of llama.cpp's Q8_0 blocks (float16 d, 32 int8 q: w = d q) or Q4_0 blocks
+// (w = d (q - 8), bytes as above) -> int8 rows with one float32 scale a row, as
+// bridge/quantize.py's quantize_weight makes them from the dequantised rows, bit for bit: each
+// weight d q (one float32 product, as bridge/gguf/read.py dequantises), s = max |w| / 127 (1 for
+// a row of zeros), q' = w / s rounded to even within +-127. sums[0] += the squared change
+// (q' s - w, in float32) and sums[1] += the squared weights, in double: the error
+// bridge.int4.QuantisedReader reports. kind: 0 Q8_0, 1 Q4_0. The embedding and the LM head of a
+// quantised GGUF, which the kernels read as int8 rows (matvec_int8_rows).
+extern "C" void jax_llama_int8_rows(const uint8_t* blocks, int64_t rows, int64_t cols, int kind,
+                                    int8_t* q, float* scale, double* sums) {
+  const int64_t block_bytes = kind == 0 ? 34 : 18, nblocks = cols / 32;
+  std::vector<float> w(cols);
+  double change = 0, norm = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = blocks + r * nblocks * block_bytes;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const uint8_t* block = row + b * block_bytes;
+      uint16_t bits;
+      std::memcpy(&bits, block, 2);
+      const float d = HalfToFloat(bits);
+      float* out = w.data() + b * 32;
+      if (kind == 0) {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
+        for (int j = 0; j < 32; ++j) out[j] = float(qs[j]) * d;
+      } else {
+        const uint8_t* qs = block + 2;
+        for (int j = 0; j < 16; ++j) {
+          out[j] = d * float(int(qs[j] & 0x0F) - 8);
+          out[j + 16] = d * float(int(qs[j] >> 4) - 8);
+        }
+      }
+    }
+    // in 16 lanes (cols is whole blocks of 32), which the compiler makes vectors
+    float lane_max[16] = {0};
+    for (int64_t j = 0; j < cols; j += 16)
+      for (int k = 0; k < 16; ++k) lane_max[k] = std::max(lane_max[k], std::fabs(w[j + k]));
+    float amax = 0;
+    for (int k = 0; k < 16; ++k) amax = std::max(amax, lane_max[k]);
+    const float s = amax > 0 ? amax / 127.0f : 1.0f;
+    const float even = 12582912.0f;  // 1.5 * 2^23: (x + even) - even rounds |x| < 2^22 to even
+    int8_t* qrow = q + r * cols;
+    double lane_change[16] = {0}, lane_norm[16] = {0};
+    for (int64_t j = 0; j < cols; j += 16)
+      for (int k = 0; k < 16; ++k) {
+        const float x = w[j + k];
+        const float v = std::min(127.0f, std::max(-127.0f, (x / s + even) - even));
+        qrow[j + k] = static_cast<int8_t>(v);
+        const float diff = v * s - x;
+        lane_change[k] += double(diff) * double(diff);
+        lane_norm[k] += double(x) * double(x);
+      }
+    for (int k = 0; k < 16; ++k) change += lane_change[k], norm += lane_norm[k];
+    scale[r] = s;
+  }
+  sums[0] += change, sums[1] += norm;
+}
