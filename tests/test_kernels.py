@@ -1045,23 +1045,36 @@ def test_compiled_q4_repacking_gives_numpys_bytes(kind):
     assert not np.array_equal(stored, compiled[0])
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q6_K", "Q4_K"])
 def test_compiled_int8_rows_give_numpys_bytes(kind):
     """The kernel library's int8_rows makes a Q8_0 or Q4_0 tensor's int8 rows and scales straight
     from its blocks with the bytes bridge.quantize.quantize_weight makes from the dequantised
     rows (a row of zeros: scale 1), and the error's squared sums to float32 rounding (float64
     sums in another order). Negative case: the weights truncated, not rounded, differ."""
-    from bridge.gguf.read import _dequantize_plain
+    from bridge.gguf.native import INT8_ROWS_KINDS
+    from bridge.gguf.read import _dequantize_plain, _dequantize_q4_k, _dequantize_q6_k
     from bridge.quantize import dequantize_weight, quantize_weight
 
     rng = np.random.default_rng(3)
-    O, I = 41, 160
-    size = 34 if kind == "Q8_0" else 18
-    blocks = rng.integers(0, 256, (O, I // 32, size), dtype=np.uint8)
-    blocks[..., :2] = _f16_bits(rng, O * I // 32).reshape(O, I // 32, 2)
-    blocks[5, :, 2:] = 0 if kind == "Q8_0" else 0x88  # a row of zeros
+    O, I = 41, 512
+    weights, size = INT8_ROWS_KINDS[kind]
+    blocks = rng.integers(0, 256, (O, I // weights, size), dtype=np.uint8)
+    fields = {"Q8_0": [0], "Q4_0": [0], "Q6_K": [208], "Q4_K": [0, 2]}[kind]
+    for at in fields:  # finite float16 scales
+        blocks[..., at:at + 2] = _f16_bits(rng, O * I // weights).reshape(O, I // weights, 2)
+    if kind in ("Q8_0", "Q4_0"):  # a row of zeros
+        blocks[5, :, 2:] = 0 if kind == "Q8_0" else 0x88
+    else:
+        blocks[5, :, fields[0]:fields[0] + 2] = 0
+        blocks[5, :, 2:4] = 0  # Q4_K's dmin
     raw = blocks.reshape(O, -1)
-    w = _dequantize_plain(raw, kind)
+    w = (_dequantize_plain(raw, kind) if kind in ("Q8_0", "Q4_0") else
+         _dequantize_q6_k(raw) if kind == "Q6_K" else _dequantize_q4_k(raw))
+    assert not w[5].any()
+    if kind in ("Q6_K", "Q4_K"):  # the numpy dequantisation is gguf's own, bit for bit
+        import gguf
+        np.testing.assert_array_equal(
+            w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(O, I))
     q_ref, s_ref = quantize_weight(w)
     q, s = np.empty((O, I), np.int8), np.empty((O, 1), np.float32)
     change, norm = kernels.gguf_helpers().int8_rows(raw, kind, q, s)
@@ -1073,3 +1086,40 @@ def test_compiled_int8_rows_give_numpys_bytes(kind):
                                rtol=1e-5)
     truncated = np.clip(np.trunc(w / s_ref), -127, 127).astype(np.int8)
     assert not np.array_equal(truncated, q)
+
+
+def test_compiled_q4_k_gives_numpys_bytes():
+    """The kernel library's from_q4_k_blocks writes bridge.gguf.int4.from_q4_k_blocks's bytes
+    (the q as stored, each scale d sc_j and minimum -dmin m_j rounded to float16, scales large
+    and small: float16's subnormals, a rounding to infinity refused the same way) and its error
+    sums to float64 rounding. Negative case: the 6-bit sc_j read from the wrong bytes (the
+    minima's) changes the scales."""
+    from bridge.errors import BridgeError
+    from bridge.gguf.int4 import Q4_K_BYTES, from_q4_k_blocks
+    from bridge.gguf.native import using
+
+    rng = np.random.default_rng(11)
+    O, I = 13, 512
+    blocks = rng.integers(0, 256, (O, I // 256, Q4_K_BYTES), dtype=np.uint8)
+    d = np.concatenate([rng.uniform(-1, 1, 12), rng.uniform(-3e-6, 3e-6, 14)])
+    blocks[..., 0:2] = d.astype(np.float16).view(np.uint8).reshape(O, I // 256, 2)
+    blocks[..., 2:4] = rng.uniform(-1, 1, O * I // 256).astype(np.float16).view(
+        np.uint8).reshape(O, I // 256, 2)
+    raw = blocks.reshape(-1)
+    numpy_ = from_q4_k_blocks(raw, (O, I), chunk_bytes=300)
+    with using(kernels.gguf_helpers()):
+        compiled = from_q4_k_blocks(raw, (O, I), chunk_bytes=300)
+    for a, b in zip(numpy_[:3], compiled[:3]):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    np.testing.assert_allclose(compiled[3:], numpy_[3:], rtol=1e-9)
+    assert np.any(numpy_[1].view(np.uint16) & 0x7C00 == 0)  # subnormal scales among them
+    swapped = blocks.copy()
+    swapped[..., 4:8], swapped[..., 8:12] = blocks[..., 8:12], blocks[..., 4:8]
+    with using(kernels.gguf_helpers()):
+        assert not np.array_equal(from_q4_k_blocks(swapped.reshape(-1), (O, I))[1], compiled[1])
+    huge = blocks.copy()
+    huge[0, 0, 0:2] = np.array([60000], np.float16).view(np.uint8)
+    huge[0, 0, 4] = 63  # sc_0 = 63: 60000 x 63 beyond float16
+    for helpers in (None, kernels.gguf_helpers()):
+        with using(helpers), pytest.raises(BridgeError, match="beyond float16"):
+            from_q4_k_blocks(huge.reshape(-1), (O, I))

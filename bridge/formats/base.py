@@ -92,9 +92,9 @@ class Checkpoint:
     def int8_rows(self, name: str):
         """The tensor as int8 rows with one scale a row, made straight from the blocks the file
         holds (bridge.quantize.quantize_weight's numbers on the dequantised rows) where a
-        compiled helper reads its type (a GGUF's Q8_0 or Q4_0, bridge.gguf.native): (q, scale,
-        the squared sums of the change and of the weights); None otherwise (the rows are then
-        dequantised and quantised by numpy)."""
+        compiled helper reads its type (a GGUF's Q8_0, Q4_0, Q6_K or Q4_K: bridge.gguf.native):
+        (q, scale, the squared sums of the change and of the weights); None otherwise (the rows
+        are then dequantised and quantised by numpy)."""
         return None
 
     def own_tokenizer(self) -> Tokenizer | None:

@@ -134,7 +134,8 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
     float32 (a float16 times six bits), where bridge.int4.dequantize_int4 gives llama.cpp's
     numbers bit for bit; rounded to float16 (the layout's scales) they change each weight by at
     most q |d sc_j| 2^-11 + |dmin m_j| 2^-11, and the sums say by how much in all. Rows about
-    chunk_bytes of blocks at a time, on the CPU's cores (bridge.parallel)."""
+    chunk_bytes of blocks at a time, on the CPU's cores (bridge.parallel), by the compiled helper
+    a twin handed over where it did (bridge.gguf.native; float16 scales), else by numpy."""
     O, I = shape
     if I % 256:
         raise BridgeError(f"tensor '{name}': {I} input columns are not whole Q4_K super-blocks "
@@ -148,7 +149,12 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
     packed = aligned_empty((O, I // 2), np.uint8)
     scale, low = (aligned_empty((O, n * 8), scale_dtype) for _ in range(2))
 
+    compiled = helpers().from_q4_k_blocks if scale_dtype == np.float16 else None
+
     def convert(start: int, stop: int) -> tuple[float, float, bool]:
+        if compiled is not None:
+            return compiled(blocks[start:stop], packed[start:stop], scale[start:stop],
+                            low[start:stop])
         b = blocks[start:stop].reshape(-1, Q4_K_BYTES)
         d_exact, m_exact = (a.astype(np.float64) for a in q4_k_groups(b))  # (blocks, 8)
         m_exact = -m_exact

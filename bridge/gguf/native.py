@@ -27,13 +27,19 @@ class Helpers:
     # float16 or None) -> None: Q4_0 / Q4_1 blocks into bridge.int4's layout
     # (bridge.gguf.int4.from_q4_blocks's numbers)
     from_q4_blocks: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None], None] | None = None
-    # (blocks (rows, bytes a row) uint8, kind "Q8_0" or "Q4_0", q (rows, I) int8, scale (rows, 1)
+    # (blocks (rows, bytes a row) uint8, kind (INT8_ROWS_KINDS), q (rows, I) int8, scale (rows, 1)
     # float32) -> (squared change, squared weights): int8 rows with one scale a row, as
     # bridge.quantize.quantize_weight makes them from the dequantised rows
     int8_rows: Callable[[np.ndarray, str, np.ndarray, np.ndarray], tuple[float, float]] | None = None
+    # (blocks (rows, n, 144) uint8, packed (rows, I / 2) uint8, scale, min (rows, 8 n) float16)
+    # -> (squared change, squared weights, all finite): Q4_K super-blocks into bridge.int4's
+    # layout, the scales and minima rounded to float16 (bridge.gguf.int4.from_q4_k_blocks's)
+    from_q4_k_blocks: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                               tuple[float, float, bool]] | None = None
 
 
-INT8_ROWS_KINDS = ("Q8_0", "Q4_0")  # the block types int8_rows reads
+# the block types int8_rows reads: (weights, bytes) a block
+INT8_ROWS_KINDS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q6_K": (256, 210), "Q4_K": (256, 144)}
 _HELPERS: ContextVar[Helpers] = ContextVar("gguf_helpers", default=Helpers())
 
 

@@ -118,12 +118,13 @@ def lanes() -> int:
 
 def gguf_helpers():
     """The library's loading helpers as bridge.gguf.native.Helpers - llama.cpp's Q4_0 / Q4_1
-    blocks into the 4-bit layout (jax_llama_from_q4_blocks) and Q8_0 / Q4_0 blocks into int8
-    rows (jax_llama_int8_rows), each in one pass where numpy makes a dozen - or None where the
+    blocks (jax_llama_from_q4_blocks) and Q4_K super-blocks (jax_llama_from_q4_k_blocks) into
+    the 4-bit layout, Q8_0, Q4_0, Q6_K and Q4_K blocks into int8 rows (jax_llama_int8_rows), each in one pass
+    where numpy makes a dozen - or None where the
     library does not load here. Host work: it serves a load for any backend."""
     if _load()[0] is not None:
         return None
-    from bridge.gguf.native import Helpers
+    from bridge.gguf.native import INT8_ROWS_KINDS, Helpers
 
     lib = ctypes.cdll.LoadLibrary(str(_load()[1]))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
@@ -133,6 +134,18 @@ def gguf_helpers():
     rows.argtypes, rows.restype = [pointer, size, size, ctypes.c_int, pointer, pointer,
                                    pointer], None
 
+    q4_k = lib.jax_llama_from_q4_k_blocks
+    q4_k.argtypes, q4_k.restype = [pointer, size, pointer, pointer, pointer, pointer], ctypes.c_int
+
+    def from_q4_k_blocks(blocks, packed, scale, low) -> tuple[float, float, bool]:
+        O, n, _ = blocks.shape
+        _check_c_order(blocks, packed, scale, low)
+        assert packed.shape == (O, n * 128) and scale.shape == low.shape == (O, n * 8)
+        sums = (ctypes.c_double * 2)()
+        finite = q4_k(blocks.ctypes.data, O * n, packed.ctypes.data, scale.ctypes.data,
+                      low.ctypes.data, sums)
+        return sums[0], sums[1], bool(finite)
+
     def from_q4_blocks(blocks, packed, d, m) -> None:
         O, G, block = blocks.shape
         _check_c_order(blocks, packed, d, m)
@@ -141,14 +154,16 @@ def gguf_helpers():
                None if m is None else m.ctypes.data)
 
     def int8_rows(blocks, kind, q, scale) -> tuple[float, float]:
-        (O, I), per_block = q.shape, {"Q8_0": 34, "Q4_0": 18}[kind]
+        (O, I) = q.shape
         _check_c_order(blocks, q, scale)
-        assert blocks.shape == (O, I // 32 * per_block) and scale.shape == (O, 1)
+        weights, size = INT8_ROWS_KINDS[kind]
+        assert blocks.shape == (O, I // weights * size) and scale.shape == (O, 1)
         sums = (ctypes.c_double * 2)()
-        rows(blocks.ctypes.data, O, I, 0 if kind == "Q8_0" else 1, q.ctypes.data,
+        rows(blocks.ctypes.data, O, I, list(INT8_ROWS_KINDS).index(kind), q.ctypes.data,
              scale.ctypes.data, sums)
         return sums[0], sums[1]
-    return Helpers(from_q4_blocks=from_q4_blocks, int8_rows=int8_rows)
+    return Helpers(from_q4_blocks=from_q4_blocks, int8_rows=int8_rows,
+                   from_q4_k_blocks=from_q4_k_blocks)
 
 
 def _check_c_order(*arrays) -> None:
