@@ -14,7 +14,6 @@ from bridge.config import LlamaConfig
 from bridge.errors import BridgeError
 from bridge.formats import Checkpoint, open_checkpoint, write_native
 from bridge.formats.base import check_specs
-from bridge.gguf.native import using as compiled_helpers
 from bridge.int4 import minima_implied
 from bridge.layout import decide_layout, held_as
 from bridge.lora import read_peft
@@ -24,7 +23,6 @@ from bridge.quantize import MIN_SUFFIX, checkpoint_shapes
 from bridge.tensors import canonical_shapes
 
 from .model.attention import choose
-from .model.kernels import gguf_helpers
 from .model.llama import Llama, resolve_dtype
 from .model.projections import choose as choose_projections, implementation
 from .params import (flax_path, four_bit, has_adapters, host_array, int8_only, is_scanned,
@@ -251,7 +249,7 @@ def load(path: str | os.PathLike | Checkpoint, dtype=None, *, scan_layers: bool 
     """
     choose(attention, 1, 1)
     implementation(kernels)  # a bad name, or kernels that cannot run here, refused as early
-    with gc_paused(), small_pages(), compiled_helpers(gguf_helpers()):
+    with gc_paused(), small_pages():
         return _load(path, dtype, scan_layers, remat, attention, adapter, mesh, kernels, progress,
                      quantize, group_size)
 

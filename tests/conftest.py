@@ -120,10 +120,12 @@ def decode_kernels_built():
     at once where they are there), so that the tests that decode run them: a model never compiles
     them itself. Without a C++ compiler nothing is built and models run XLA's matmul
     (tests/test_kernels.py then skips, saying why)."""
+    from bridge import native
     from jax_llama.model.kernels import library
 
     if library.compiler() is not None:
         library.build()
+        native.build()  # the loads' compiled passes (bridge/native)
 
 
 @pytest.fixture(scope="session")

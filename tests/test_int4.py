@@ -686,8 +686,7 @@ def test_int8_rows_are_read_and_quantised_a_chunk_of_rows_at_a_time_with_the_sam
                 ((slice(0, 1), slice(None)), (slice(None), slice(5, 9))) if whole.ndim == 2 else ()):
             np.testing.assert_array_equal(ckpt.tensor_slice(name, index), whole[index])
     monkeypatch.setattr(bridge.int4, "ROWS_CHUNK_ELEMENTS", 64 * 10)  # 10 rows a chunk
-    # numpy's reading, not the kernel library's helpers (tests/test_kernels.py holds them equal)
-    monkeypatch.setattr(jax_llama.checkpoint, "gguf_helpers", lambda: None)
+    monkeypatch.setenv("JAX_LLAMA_KERNELS", "0")  # numpy's reading (tests/test_native.py: the same)
     counted, totals = counting_bar(monkeypatch)
     sliced = recording_slices(monkeypatch)
     _, by_rows = jax_llama.load(gguf_files["q4_0"], quantize="stored")
@@ -790,8 +789,7 @@ def test_the_torch_twin_reads_rows_as_the_jax_twin_does_and_counts_every_tensor(
     from bridge.gguf.read import GGUFCheckpoint
 
     monkeypatch.setattr(bridge.int4, "ROWS_CHUNK_ELEMENTS", 64 * 10)  # 10 rows a chunk
-    # numpy's reading, not the kernel library's helpers (tests/test_kernels.py holds them equal)
-    monkeypatch.setattr(jax_llama.checkpoint, "gguf_helpers", lambda: None)
+    monkeypatch.setenv("JAX_LLAMA_KERNELS", "0")  # numpy's reading (tests/test_native.py: the same)
     counted, totals = counting_bar(monkeypatch)
     sliced = recording_slices(monkeypatch)
     path = gguf_files["q4_0"]
@@ -827,13 +825,14 @@ def test_the_torch_twin_reads_rows_as_the_jax_twin_does_and_counts_every_tensor(
 def test_a_stored_load_holds_the_readers_arrays_and_lets_go_of_the_files_pages(gguf_files):
     """jax_llama.load of a Q4_0 GGUF in the stored layout: each 4-bit weight's params are the very
     arrays the reader made (aligned to 64 bytes, XLA's CPU client holds them as they are: the
-    load's memory is the params once, not twice), with the same numbers whether the kernel
-    library's helpers read the blocks or numpy does; GGUFFile.release drops a tensor's pages
+    load's memory is the params once, not twice), with the same numbers whether bridge/native's
+    compiled passes read the blocks or numpy does, in both twins; GGUFFile.release drops a tensor's pages
     from the process and its bytes still read the same. Negative case: an array 16 bytes past
     the alignment (numpy's own big arrays are) is copied."""
     import mmap
 
     from bridge.gguf.container import read_gguf
+    from bridge.gguf.native import Helpers, using
     from bridge.resources import aligned_empty
 
     made = []
@@ -850,11 +849,17 @@ def test_a_stored_load_holds_the_readers_arrays_and_lets_go_of_the_files_pages(g
     host = next(v for v in made if v.dtype == np.uint8 and v.shape == kernel.shape
                 and np.array_equal(v, np.asarray(kernel)))
     assert host.ctypes.data % 64 == 0 and kernel.unsafe_buffer_pointer() == host.ctypes.data
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(jax_llama.checkpoint, "gguf_helpers", lambda: None)
+    with using(Helpers()):  # numpy's reading of the blocks
         _, by_numpy = jax_llama.load(gguf_files["q4_0"], quantize="stored")
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(by_numpy)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    import torch_llama  # the torch twin reads through the same passes
+    with using(Helpers()):
+        numpy_state = torch_llama.load(gguf_files["q4_0"], device="cpu", quantize="stored").state_dict()
+    state = torch_llama.load(gguf_files["q4_0"], device="cpu", quantize="stored").state_dict()
+    assert state.keys() == numpy_state.keys()
+    for key in state:
+        np.testing.assert_array_equal(state[key].numpy(), numpy_state[key].numpy())
 
     off = aligned_empty((1 << 16) + 16, np.uint8)[16:]
     off[:] = 1

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from bridge import native
 from jax_llama.model.kernels import library
 
 x86 = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 variants")
@@ -145,6 +146,9 @@ def test_a_models_first_use_compiles_nothing_and_runs_xla_with_one_line(tmp_path
     assert "`jax-llama kernels build` builds them" in message
 
 
+LOADING = "(bridge/native/loading.cc: a GGUF file's quantised tensors read in one pass each)"
+
+
 def test_the_command_builds_and_reports_without_a_real_compile(tmp_path, monkeypatch, capsys):
     """`jax-llama kernels build` with a stand-in compiler that writes its -o file: each variant
     this CPU runs is built into the cache under its keyed name, status then names the one this
@@ -165,12 +169,15 @@ def test_the_command_builds_and_reports_without_a_real_compile(tmp_path, monkeyp
                              "`jax-llama kernels build` builds them")
     assert main(["kernels", "build"]) == 0
     built = capsys.readouterr().out.splitlines()
-    assert built[:-1] == [f"  {name:<12} built" for name in runs]
+    assert built[:-1] == [f"  {name:<12} built" for name in runs] + [
+        f"  {'loading':<12} built {LOADING}"]  # the loads' compiled passes (bridge/native)
     assert built[-1].endswith(f"this CPU runs {runs[0]}")
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.so")) == sorted(
-        library.library_path(library.variant_named(n)).name for n in runs)
+        [library.library_path(library.variant_named(n)).name for n in runs]
+        + [native.library_path().name])
     assert main(["kernels", "build"]) == 0
-    assert capsys.readouterr().out.splitlines()[:-1] == [f"  {n:<12} built before" for n in runs]
+    assert capsys.readouterr().out.splitlines()[:-1] == [
+        f"  {n:<12} built before" for n in runs] + [f"  {'loading':<12} built before {LOADING}"]
     assert main(["kernels", "status"]) == 0
     status = capsys.readouterr().out.splitlines()
     assert status[0].endswith(f"this CPU runs {runs[0]}")
@@ -215,7 +222,9 @@ def test_the_command_with_a_failing_compiler_says_why_and_lets_the_set_up_go_on(
     runs = [v.name for v in library.VARIANTS if v.needs <= library.cpu_flags()]
     assert main(["kernels", "build"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.splitlines() == [f"  {n:<12} failed: false failed: exit code 1" for n in runs]
+    assert captured.out.splitlines() == [
+        f"  {n:<12} failed: false failed: exit code 1" for n in runs] + [
+        f"  {'loading':<12} failed: false failed: exit code 1 {LOADING}"]
     assert captured.err.splitlines() == [
         f"jax-llama kernels: not built for this CPU ({runs[0]}) in {tmp_path / 'cache'}: "
         "`jax-llama kernels build` builds them; until then models run XLA's matmul"]

@@ -1,24 +1,28 @@
-"""Compiled helpers a twin may hand the GGUF reader for the passes a load makes over every byte.
+"""The GGUF reader's passes over every byte of a quantised tensor, compiled or numpy's.
 
-The reader's own are numpy's, a dozen whole-array passes over each chunk of rows; a twin that has
-compiled code at hand (the jax twin's kernel library, jax_llama.model.kernels.gguf_helpers) hands
-over the same arithmetic done in one pass, for the length of its load:
+numpy's (bridge.gguf.int4, bridge.gguf.read, bridge.quantize) make a dozen whole-array passes over
+each chunk of rows; bridge/native/loading.cc does the same arithmetic in one, where `jax-llama
+kernels build` has built it (bridge.native). The reader asks `helpers()` for them: the compiled
+ones where the library is built and not turned off (JAX_LLAMA_KERNELS=0), else none (numpy's
+code). Each writes the very bytes numpy's code would (tests/test_native.py holds them equal) and is
+called on a chunk of rows from bridge.parallel's threads (ctypes lets go of Python's lock).
 
-    with using(helpers):           # Helpers(from_q4_blocks=..., int8_rows=...)
-        ...                        # bridge.gguf.int4.from_q4_blocks, GGUFCheckpoint.int8_rows
-
-Each helper writes the very bytes numpy's code would (tests/test_kernels.py holds them equal) and
-is called on a chunk of rows from bridge.parallel's threads (ctypes lets go of Python's lock).
+    with using(Helpers()):        # numpy's code within the block, whatever is built
+        ...
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from .. import native
 
 
 @dataclass(frozen=True)
@@ -40,19 +44,72 @@ class Helpers:
 
 # the block types int8_rows reads: (weights, bytes) a block
 INT8_ROWS_KINDS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q6_K": (256, 210), "Q4_K": (256, 144)}
-_HELPERS: ContextVar[Helpers] = ContextVar("gguf_helpers", default=Helpers())
+_CHOSEN: ContextVar[Helpers | None] = ContextVar("gguf_helpers", default=None)
 
 
 def helpers() -> Helpers:
-    """The helpers handed over by an enclosing `using`, else none (numpy's code)."""
-    return _HELPERS.get()
+    """An enclosing `using`'s helpers, else the compiled ones where bridge.native's library is
+    built and on, else none (numpy's code)."""
+    chosen = _CHOSEN.get()
+    if chosen is not None:
+        return chosen
+    lib = native.library()
+    return Helpers() if lib is None else _compiled(lib)
 
 
 @contextmanager
-def using(given: Helpers | None):
-    """Within this block, the GGUF reader runs `given`'s helpers (None: numpy's code)."""
-    token = _HELPERS.set(given or Helpers())
+def using(given: Helpers):
+    """Within this block, the GGUF reader runs `given`'s helpers (Helpers(): numpy's code)."""
+    token = _CHOSEN.set(given)
     try:
         yield
     finally:
-        _HELPERS.reset(token)
+        _CHOSEN.reset(token)
+
+
+@functools.cache
+def _compiled(lib: ctypes.CDLL) -> Helpers:
+    """loading.cc's functions as Helpers, each checking the buffers it is handed."""
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    repack = lib.bridge_from_q4_blocks
+    repack.argtypes, repack.restype = [pointer, size, size, pointer, pointer, pointer], None
+    rows = lib.bridge_int8_rows
+    rows.argtypes = [pointer, size, size, ctypes.c_int, pointer, pointer, pointer]
+    rows.restype = None
+    q4_k = lib.bridge_from_q4_k_blocks
+    q4_k.argtypes, q4_k.restype = [pointer, size, pointer, pointer, pointer, pointer], ctypes.c_int
+
+    def from_q4_blocks(blocks, packed, d, m) -> None:
+        O, G, block = blocks.shape
+        _check_c_order(blocks, packed, d, m)
+        assert packed.shape == (O, G, 16) and d.shape == (O, G), (packed.shape, d.shape)
+        repack(blocks.ctypes.data, O * G, block, packed.ctypes.data, d.ctypes.data,
+               None if m is None else m.ctypes.data)
+
+    def int8_rows(blocks, kind, q, scale) -> tuple[float, float]:
+        (O, I), (weights, size) = q.shape, INT8_ROWS_KINDS[kind]
+        _check_c_order(blocks, q, scale)
+        assert blocks.shape == (O, I // weights * size) and scale.shape == (O, 1)
+        sums = (ctypes.c_double * 2)()
+        rows(blocks.ctypes.data, O, I, list(INT8_ROWS_KINDS).index(kind), q.ctypes.data,
+             scale.ctypes.data, sums)
+        return sums[0], sums[1]
+
+    def from_q4_k_blocks(blocks, packed, scale, low) -> tuple[float, float, bool]:
+        O, n, _ = blocks.shape
+        _check_c_order(blocks, packed, scale, low)
+        assert packed.shape == (O, n * 128) and scale.shape == low.shape == (O, n * 8)
+        sums = (ctypes.c_double * 2)()
+        finite = q4_k(blocks.ctypes.data, O * n, packed.ctypes.data, scale.ctypes.data,
+                      low.ctypes.data, sums)
+        return sums[0], sums[1], bool(finite)
+
+    return Helpers(from_q4_blocks=from_q4_blocks, int8_rows=int8_rows,
+                   from_q4_k_blocks=from_q4_k_blocks)
+
+
+def _check_c_order(*arrays) -> None:
+    """The compiled helpers read and write whole C-ordered buffers."""
+    for a in arrays:
+        if a is not None and not a.flags.c_contiguous:
+            raise ValueError(f"expected a C-ordered array, got strides {a.strides}")

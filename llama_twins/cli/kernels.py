@@ -35,12 +35,17 @@ def _status(library) -> int:
 
     off = "" if enabled() else " (but JAX_LLAMA_KERNELS=0 turns them off here)"
     print(f"decode kernels in {library.cache_dir()} (jaxlib {jaxlib.__version__}): {runs}{off}")
+    from bridge import native
+
     for v in library.VARIANTS:
         built = "built" if library.library_path(v).is_file() else "not built"
         fits = "fits this CPU" if v.needs <= flags else "not for this CPU"
         mark = "  <- runs" if v == running else ""
         print(f"  {v.name:<12} {built:<10} {fits:<16} {' '.join(v.flags) or '(default target)'}"
               f"{mark}")
+    built = "built" if native.library_path().is_file() else "not built"
+    print(f"  {'loading':<12} {built:<10} {'fits this CPU':<16} {' '.join(native.flags()) or '(default target)'}"
+          f"  (a load's passes over a GGUF file's bytes; numpy's code where not built)")
     return EXIT_OK
 
 
@@ -57,13 +62,21 @@ def _build(library, args) -> int:
               "kernels are not built; models run XLA's matmul (install one and run "
               f"`{library.BUILD_COMMAND}`)", file=sys.stderr)
         return EXIT_OK
+    from bridge import native
+
     start = time.perf_counter()
     before = {v.name for v in library.VARIANTS if library.library_path(v).is_file()}
+    loading_before = native.library_path().is_file()
     results = library.build(chosen, force=args.force)
     for name, why in results.items():
         said = "failed: " + why if why else "built before" if name in before and not args.force \
             else "built"
         print(f"  {name:<12} {said}")
+    why = native.build(force=args.force)  # the loads' compiled passes: numpy's code without them
+    said = "failed: " + why if why else "built before" if loading_before and not args.force \
+        else "built"
+    print(f"  {'loading':<12} {said} (bridge/native/loading.cc: a GGUF file's quantised tensors "
+          f"read in one pass each)")
     try:
         variant, _ = library.choose()
         print(f"decode kernels in {library.cache_dir()} ({time.perf_counter() - start:.0f} s): "

@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from bridge.int4 import activations
+from bridge.native import enabled  # JAX_LLAMA_KERNELS=0 turns them off
 
 from . import library
 from .library import VARIANTS, NotBuilt, build, choose, cpu_flags, variant_for  # noqa: F401
@@ -87,11 +88,6 @@ TARGETS = {"jax_llama_matvec_f32": "JaxLlamaMatvecF32",
            "jax_llama_decode_attention": "JaxLlamaDecodeAttention"}
 
 
-def enabled() -> bool:
-    """False when JAX_LLAMA_KERNELS is 0 / false / off (on by default)."""
-    return os.environ.get("JAX_LLAMA_KERNELS", "1").strip().lower() not in ("0", "false", "off")
-
-
 @functools.cache
 def _load() -> tuple[str | None, Path | None]:
     """Load and register the library this CPU runs (library.choose), once a process: (None, its
@@ -114,63 +110,6 @@ def lanes() -> int:
     """float32 lanes of the loaded kernels' vectors: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (plain)."""
     _check()
     return ctypes.cdll.LoadLibrary(str(_load()[1])).jax_llama_matvec_lanes()
-
-
-def gguf_helpers():
-    """The library's loading helpers as bridge.gguf.native.Helpers - llama.cpp's Q4_0 / Q4_1
-    blocks (jax_llama_from_q4_blocks) and Q4_K super-blocks (jax_llama_from_q4_k_blocks) into
-    the 4-bit layout, Q8_0, Q4_0, Q6_K and Q4_K blocks into int8 rows (jax_llama_int8_rows), each in one pass
-    where numpy makes a dozen - or None where the
-    library does not load here. Host work: it serves a load for any backend."""
-    if _load()[0] is not None:
-        return None
-    from bridge.gguf.native import INT8_ROWS_KINDS, Helpers
-
-    lib = ctypes.cdll.LoadLibrary(str(_load()[1]))
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    repack = lib.jax_llama_from_q4_blocks
-    repack.argtypes, repack.restype = [pointer, size, size, pointer, pointer, pointer], None
-    rows = lib.jax_llama_int8_rows
-    rows.argtypes, rows.restype = [pointer, size, size, ctypes.c_int, pointer, pointer,
-                                   pointer], None
-
-    q4_k = lib.jax_llama_from_q4_k_blocks
-    q4_k.argtypes, q4_k.restype = [pointer, size, pointer, pointer, pointer, pointer], ctypes.c_int
-
-    def from_q4_k_blocks(blocks, packed, scale, low) -> tuple[float, float, bool]:
-        O, n, _ = blocks.shape
-        _check_c_order(blocks, packed, scale, low)
-        assert packed.shape == (O, n * 128) and scale.shape == low.shape == (O, n * 8)
-        sums = (ctypes.c_double * 2)()
-        finite = q4_k(blocks.ctypes.data, O * n, packed.ctypes.data, scale.ctypes.data,
-                      low.ctypes.data, sums)
-        return sums[0], sums[1], bool(finite)
-
-    def from_q4_blocks(blocks, packed, d, m) -> None:
-        O, G, block = blocks.shape
-        _check_c_order(blocks, packed, d, m)
-        assert packed.shape == (O, G, 16) and d.shape == (O, G), (packed.shape, d.shape)
-        repack(blocks.ctypes.data, O * G, block, packed.ctypes.data, d.ctypes.data,
-               None if m is None else m.ctypes.data)
-
-    def int8_rows(blocks, kind, q, scale) -> tuple[float, float]:
-        (O, I) = q.shape
-        _check_c_order(blocks, q, scale)
-        weights, size = INT8_ROWS_KINDS[kind]
-        assert blocks.shape == (O, I // weights * size) and scale.shape == (O, 1)
-        sums = (ctypes.c_double * 2)()
-        rows(blocks.ctypes.data, O, I, list(INT8_ROWS_KINDS).index(kind), q.ctypes.data,
-             scale.ctypes.data, sums)
-        return sums[0], sums[1]
-    return Helpers(from_q4_blocks=from_q4_blocks, int8_rows=int8_rows,
-                   from_q4_k_blocks=from_q4_k_blocks)
-
-
-def _check_c_order(*arrays) -> None:
-    """The compiled helpers read and write whole C-ordered buffers."""
-    for a in arrays:
-        if a is not None and not a.flags.c_contiguous:
-            raise ValueError(f"expected a C-ordered array, got strides {a.strides}")
 
 
 def unavailable_reason() -> str | None:

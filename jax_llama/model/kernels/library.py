@@ -21,17 +21,15 @@ jaxlib or an edited matvec.cc needs a new build, and until then the model runs X
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
+
+from bridge.native import cache_dir, compile_shared, compiler, cpu_flags, locked  # noqa: F401
 
 SOURCE = Path(__file__).with_name("matvec.cc")
 BUILD_COMMAND = "jax-llama kernels build"
@@ -78,18 +76,6 @@ class NotBuilt(RuntimeError):
     """No built library this process can run; the message says why and what to run."""
 
 
-def cpu_flags() -> frozenset[str]:
-    """This CPU's instruction-set flags as /proc/cpuinfo lists them; empty where there is none
-    (then only the plain variant fits)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def variant_for(flags: Iterable[str]) -> Variant:
     """The best variant a CPU with these flags runs (plain where no other fits)."""
     have = set(flags)
@@ -110,12 +96,6 @@ def requested() -> str | None:
     """The variant JAX_LLAMA_KERNEL_MARCH names, None when it is unset or "native" (this CPU's)."""
     name = os.environ.get("JAX_LLAMA_KERNEL_MARCH", "native").strip()
     return None if name in ("", "native") else name
-
-
-def cache_dir() -> Path:
-    """Where built libraries live: $JAX_LLAMA_KERNEL_CACHE, default ~/.cache/jax_llama/kernels."""
-    return Path(os.environ.get("JAX_LLAMA_KERNEL_CACHE")
-                or Path.home() / ".cache" / "jax_llama" / "kernels")
 
 
 def library_path(variant: Variant) -> Path:
@@ -152,55 +132,12 @@ def choose(flags: Iterable[str] | None = None) -> tuple[Variant, Path]:
                    f"`{BUILD_COMMAND}` builds them")
 
 
-def compiler() -> str | None:
-    """The C++ compiler builds use: $CXX, else c++, g++ or clang++ on PATH; None if none."""
-    return (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-            or shutil.which("clang++"))
-
-
 def compile_library(variant: Variant, out: Path) -> None:
-    """Compile matvec.cc for `variant` into `out` (written under a temporary name, then renamed,
-    so a half-written library is never loaded); raises RuntimeError with the compiler's first
-    error."""
+    """Compile matvec.cc for `variant` into `out` against jaxlib's XLA FFI headers
+    (bridge.native.compile_shared: atomic, RuntimeError with the compiler's first error)."""
     import jax
 
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    cmd = [cxx, "-O3", *variant.flags, *TUNE, "-std=c++17", "-shared", "-fPIC",
-           f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            said = done.stderr.strip().splitlines()
-            errors = [line for line in said if "error" in line]  # the first says why
-            raise RuntimeError(f"{Path(cxx).name} failed: "
-                               f"{(errors or said or [f'exit code {done.returncode}'])[0]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-@contextlib.contextmanager
-def _locked(directory: Path):
-    """Held by one build at a time in `directory` (two test workers, or a test and the command,
-    do not compile the same library twice)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".build.lock", "w") as f:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no lock, a duplicate build is only slower
-            yield
-            return
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    compile_shared(SOURCE, out, (*variant.flags, *TUNE), (jax.ffi.include_dir(),))
 
 
 def build(variants: Iterable[Variant] | None = None, force: bool = False
@@ -218,7 +155,7 @@ def build(variants: Iterable[Variant] | None = None, force: bool = False
             return str(e)
         return None
 
-    with _locked(cache_dir()):
+    with locked(cache_dir()):
         todo = [v for v in variants if force or not library_path(v).is_file()]
         with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
             done = dict(zip((v.name for v in todo), pool.map(one, todo)))

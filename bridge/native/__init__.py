@@ -1,0 +1,143 @@
+"""Compiled code, built ahead of its use and loaded where it is built: the pieces every build here
+shares (the CPU's flags, the compiler, the cache, an atomic compile), and the bridge's own
+library, loading.cc - the passes a load makes over every byte of a GGUF file's quantised tensors
+(bridge.gguf.native calls them), with no framework in it, so that both twins' loads and the
+converter run them.
+
+    built = build()          # None, or why not (a C++ compiler; `jax-llama kernels build`)
+    lib = library()          # the ctypes library, or None where it is not built (numpy then)
+
+A library is keyed by its source and its flags, in $JAX_LLAMA_KERNEL_CACHE (default
+~/.cache/jax_llama/kernels, beside the decode kernels, which jax_llama.model.kernels.library builds
+with these same pieces). JAX_LLAMA_KERNELS=0 turns it off as it turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("loading.cc")
+BUILD_COMMAND = "jax-llama kernels build"
+# SSSE3's byte shuffles and F16C's conversions where the CPU has them (x86-64-v3 has both)
+_X86_FLAGS = (("ssse3", "-mssse3"), ("f16c", "-mf16c"))
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags as /proc/cpuinfo lists them; empty where there is none
+    (then only plain builds fit)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: $JAX_LLAMA_KERNEL_CACHE, default ~/.cache/jax_llama/kernels."""
+    return Path(os.environ.get("JAX_LLAMA_KERNEL_CACHE")
+                or Path.home() / ".cache" / "jax_llama" / "kernels")
+
+
+def enabled() -> bool:
+    """False when JAX_LLAMA_KERNELS is 0 / false / off (on by default)."""
+    return os.environ.get("JAX_LLAMA_KERNELS", "1").strip().lower() not in ("0", "false", "off")
+
+
+def compiler() -> str | None:
+    """The C++ compiler builds use: $CXX, else c++, g++ or clang++ on PATH; None if none."""
+    return (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+            or shutil.which("clang++"))
+
+
+def compile_shared(source: Path, out: Path, flags: tuple[str, ...] = (),
+                   includes: tuple[str, ...] = ()) -> None:
+    """Compile `source` (C++17) into the shared library `out` with `flags` (written under a
+    temporary name, then renamed, so a half-written library is never loaded); raises RuntimeError
+    with the compiler's first error."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, "-O3", *flags, "-std=c++17", "-shared", "-fPIC",
+           *(f"-I{i}" for i in includes), str(source), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            said = done.stderr.strip().splitlines()
+            errors = [line for line in said if "error" in line]  # the first says why
+            raise RuntimeError(f"{Path(cxx).name} failed: "
+                               f"{(errors or said or [f'exit code {done.returncode}'])[0]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def locked(directory: Path):
+    """Held by one build at a time in `directory` (two test workers, or a test and the command,
+    do not compile the same library twice)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".build.lock", "w") as f:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no lock, a duplicate build is only slower
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def flags() -> tuple[str, ...]:
+    """The flags loading.cc is built with on this CPU."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    have = cpu_flags()
+    return tuple(flag for need, flag in _X86_FLAGS if need in have)
+
+
+def library_path() -> Path:
+    """Where loading.cc's library for this source and this CPU's flags lives (built or not)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode()).hexdigest()[:16]
+    return cache_dir() / f"loading-{key}.so"
+
+
+def build(force: bool = False) -> str | None:
+    """Build loading.cc's library for this CPU unless it is built (or with `force`): None when
+    it is there, else why it could not be built."""
+    try:
+        with locked(cache_dir()):
+            if force or not library_path().is_file():
+                compile_shared(SOURCE, library_path(), flags())
+    except Exception as e:  # noqa: BLE001 - said to the caller; loads then run numpy's code
+        return str(e)
+    return None
+
+
+def library() -> ctypes.CDLL | None:
+    """loading.cc's library where it is built for this CPU and not turned off, else None."""
+    if not enabled():
+        return None
+    path = library_path()
+    return _loaded(str(path)) if path.is_file() else None
+
+
+@functools.cache
+def _loaded(path: str) -> ctypes.CDLL:
+    return ctypes.cdll.LoadLibrary(path)

@@ -1,0 +1,255 @@
+// What a load does to every byte of a GGUF file's quantised tensors, in one pass each: numpy's
+// code (bridge/gguf/int4.py, bridge/gguf/read.py, bridge/quantize.py) makes a dozen. Plain C
+// functions with no framework: bridge/native built and loads this file (`jax-llama kernels
+// build` builds it beside the decode kernels), bridge/gguf/native.py calls it through ctypes on
+// chunks of rows from bridge.parallel's threads (ctypes lets go of Python's lock), and every
+// function writes the very bytes numpy's code writes (tests/test_native.py holds them equal).
+// Built with SSSE3 and F16C where the CPU has them (x86-64-v3), else plain C++.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+// float16 bits -> float32 (exact: every float16 is a float32)
+static inline float HalfToFloat(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: m 2^-24, normal in float32
+    const float v = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -v : v;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+// llama.cpp's plain 4-bit blocks (Q4_0: float16 d, 16 bytes of q; Q4_1:
+// float16 d and m, 16 bytes) -> bridge.int4's 4-bit layout, n blocks from `blocks` (each
+// block_bytes long) into packed (16 bytes a block), d and m (float16 bits, a block each; m null
+// for Q4_0). A block's byte j holds its q[j] and q[j + 16] (low nibble first); packed byte k < 8
+// holds q[2k] and q[2k + 1], byte 8 + k q[16 + 2k] and q[17 + 2k]: bridge/gguf/int4.py's
+// from_q4_blocks does the same in numpy.
+extern "C" void bridge_from_q4_blocks(const uint8_t* blocks, int64_t n, int64_t block_bytes,
+                                         uint8_t* packed, uint16_t* d, uint16_t* m) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* block = blocks + i * block_bytes;
+    const uint8_t* qs = block + block_bytes - 16;
+    uint8_t* out = packed + i * 16;
+    std::memcpy(d + i, block, 2);
+    if (m != nullptr) std::memcpy(m + i, block + 2, 2);
+#if defined(__SSSE3__)
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+    const __m128i evens_lo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i evens_hi = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 0, 2, 4, 6, 8, 10, 12, 14);
+    const __m128i odds_lo = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m128i odds_hi = _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 1, 3, 5, 7, 9, 11, 13, 15);
+    // first weights of each pair (q[2k], q[16 + 2k]) and second ones, then a pair a byte
+    const __m128i first = _mm_or_si128(_mm_shuffle_epi8(lo, evens_lo), _mm_shuffle_epi8(hi, evens_hi));
+    const __m128i second = _mm_or_si128(_mm_shuffle_epi8(lo, odds_lo), _mm_shuffle_epi8(hi, odds_hi));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_or_si128(first, _mm_slli_epi16(second, 4)));  // second < 16: no carry
+#else
+    for (int k = 0; k < 8; ++k) {
+      const uint8_t a = qs[2 * k], b = qs[2 * k + 1];
+      out[k] = uint8_t((a & 0x0F) | ((b & 0x0F) << 4));
+      out[8 + k] = uint8_t((a >> 4) | (b & 0xF0));
+    }
+#endif
+  }
+}
+
+// Loading: one row of a GGUF tensor's blocks -> its float32 weights, bridge/gguf/read.py's
+// dequantisation bit for bit (each product and difference rounded to float32 as there). kind: 0
+// Q8_0 (float16 d, 32 int8 q: d q), 1 Q4_0 (float16 d, 16 bytes: d (q - 8); byte j holds
+// weights j and j + 16), 2 Q6_K (256 weights: 128 bytes of low nibbles, 64 of 2-bit highs, 16
+// int8 scales, float16 d: (q - 32) (d sc_j), 16 weights a scale), 3 Q4_K (as
+// bridge_from_q4_k_blocks reads it: q (d sc_j) - dmin m_j).
+static void DequantizeRow(int kind, const uint8_t* row, int64_t cols, float* w) {
+  uint16_t bits;
+  if (kind == 0 || kind == 1) {
+    const int64_t block_bytes = kind == 0 ? 34 : 18;
+    for (int64_t b = 0; b < cols / 32; ++b) {
+      const uint8_t* block = row + b * block_bytes;
+      std::memcpy(&bits, block, 2);
+      const float d = HalfToFloat(bits);
+      float* out = w + b * 32;
+      if (kind == 0) {
+        const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
+        for (int j = 0; j < 32; ++j) out[j] = float(qs[j]) * d;
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          out[j] = d * float(int(block[2 + j] & 0x0F) - 8);
+          out[j + 16] = d * float(int(block[2 + j] >> 4) - 8);
+        }
+      }
+    }
+  } else if (kind == 2) {
+    for (int64_t b = 0; b < cols / 256; ++b) {
+      const uint8_t* block = row + b * 210;
+      std::memcpy(&bits, block + 208, 2);
+      const float d = HalfToFloat(bits);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+      for (int t = 0; t < 256; ++t) {
+        const int half = t / 128, u = t % 128;
+        const int lowbits = (block[half * 64 + u % 64] >> (4 * (u / 64))) & 0x0F;
+        const int highbits = (block[128 + half * 32 + u % 32] >> (2 * (u / 32))) & 3;
+        w[b * 256 + t] = float((lowbits | (highbits << 4)) - 32) * (d * float(sc[t / 16]));
+      }
+    }
+  } else {
+    for (int64_t b = 0; b < cols / 256; ++b) {
+      const uint8_t* block = row + b * 144;
+      uint16_t dd[2];
+      std::memcpy(dd, block, 4);
+      const float d = HalfToFloat(dd[0]), dmin = HalfToFloat(dd[1]);
+      const uint8_t* q6 = block + 4;
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        if (j < 4) {
+          sc = q6[j] & 63, m = q6[j + 4] & 63;
+        } else {
+          sc = (q6[j + 4] & 0x0F) | ((q6[j - 4] >> 6) << 4);
+          m = (q6[j + 4] >> 4) | ((q6[j] >> 6) << 4);
+        }
+        const float scale = d * float(sc), minimum = dmin * float(m);
+        const uint8_t* run = block + 16 + (j / 2) * 32;
+        for (int k = 0; k < 32; ++k) {
+          const float product = float((j & 1) ? run[k] >> 4 : run[k] & 0x0F) * scale;
+          w[b * 256 + j * 32 + k] = product - minimum;
+        }
+      }
+    }
+  }
+}
+
+// Loading: rows of a GGUF tensor's blocks (DequantizeRow's kinds) -> int8 rows with one float32
+// scale a row, as bridge/quantize.py's quantize_weight makes them from the dequantised rows, bit
+// for bit: s = max |w| / 127 (1 for a row of zeros), q' = w / s rounded to even within +-127.
+// sums[0] += the squared change (q' s - w, in float32) and sums[1] += the squared weights, in
+// double: the error bridge.int4.QuantisedReader reports. The embedding and the LM head of a
+// quantised GGUF, which the kernels read as int8 rows (matvec_int8_rows), and its 6- and 8-bit
+// projections.
+extern "C" void bridge_int8_rows(const uint8_t* blocks, int64_t rows, int64_t cols, int kind,
+                                    int8_t* q, float* scale, double* sums) {
+  const int64_t row_bytes = kind == 0 ? cols / 32 * 34 : kind == 1 ? cols / 32 * 18
+                          : kind == 2 ? cols / 256 * 210 : cols / 256 * 144;
+  std::vector<float> w(cols);
+  double change = 0, norm = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    DequantizeRow(kind, blocks + r * row_bytes, cols, w.data());
+    // in 16 lanes (cols is whole blocks of 32), which the compiler makes vectors
+    float lane_max[16] = {0};
+    for (int64_t j = 0; j < cols; j += 16)
+      for (int k = 0; k < 16; ++k) lane_max[k] = std::max(lane_max[k], std::fabs(w[j + k]));
+    float amax = 0;
+    for (int k = 0; k < 16; ++k) amax = std::max(amax, lane_max[k]);
+    const float s = amax > 0 ? amax / 127.0f : 1.0f;
+    const float even = 12582912.0f;  // 1.5 * 2^23: (x + even) - even rounds |x| < 2^22 to even
+    int8_t* qrow = q + r * cols;
+    double lane_change[16] = {0}, lane_norm[16] = {0};
+    for (int64_t j = 0; j < cols; j += 16)
+      for (int k = 0; k < 16; ++k) {
+        const float x = w[j + k];
+        const float v = std::min(127.0f, std::max(-127.0f, (x / s + even) - even));
+        qrow[j + k] = static_cast<int8_t>(v);
+        const float diff = v * s - x;
+        lane_change[k] += double(diff) * double(diff);
+        lane_norm[k] += double(x) * double(x);
+      }
+    for (int k = 0; k < 16; ++k) change += lane_change[k], norm += lane_norm[k];
+    scale[r] = s;
+  }
+  sums[0] += change, sums[1] += norm;
+}
+
+// float32 -> float16 bits, rounded to nearest even (numpy's astype(np.float16) of the same value)
+static inline uint16_t FloatToHalf(float f) {
+#if defined(__F16C__)
+  return static_cast<uint16_t>(_cvtss_sh(f, 0));
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000, mag = x & 0x7FFFFFFF;
+  if (mag > 0x7F800000) return uint16_t(sign | 0x7E00);         // NaN
+  if (mag >= 0x477FF000) return uint16_t(sign | 0x7C00);        // 65520 and up round to inf
+  if (mag < 0x38800000)                                         // below 2^-14: subnormal steps
+    return uint16_t(sign | uint32_t(std::nearbyint(std::fabs(f) * 16777216.0f)));
+  uint32_t h = (mag - 0x38000000) >> 13;
+  const uint32_t rest = mag & 0x1FFF;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h += 1;
+  return uint16_t(sign | h);
+#endif
+}
+
+// Loading: n of llama.cpp's Q4_K super-blocks (144 bytes: float16 d and dmin, 12 bytes of 6-bit
+// sc_j and m_j, 128 bytes of q; w = d sc_j q - dmin m_j over eight groups of 32) -> the 4-bit
+// layout with its q as stored and scale d sc_j, minimum -dmin m_j rounded to float16:
+// bridge/gguf/int4.py's from_q4_k_blocks with float16 scales, the same bytes. packed: 128 bytes
+// a super-block; scale, low: 8 float16 a super-block. sums[0] += the squared change the rounding
+// makes, sums[1] += the squared weights (from each group's sums of q and q^2, in double). Returns
+// 0 where a scale or minimum is not finite in float16, else 1.
+extern "C" int bridge_from_q4_k_blocks(const uint8_t* blocks, int64_t n, uint8_t* packed,
+                                          uint16_t* scale, uint16_t* low, double* sums) {
+  double change = 0, norm = 0;
+  int finite = 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* b = blocks + i * 144;
+    uint16_t bits[2];
+    std::memcpy(bits, b, 4);
+    const float d = HalfToFloat(bits[0]), dmin = HalfToFloat(bits[1]);
+    const uint8_t* q6 = b + 4;  // sc_j, m_j: llama.cpp's get_scale_min_k4
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      if (j < 4) {
+        sc = q6[j] & 63, m = q6[j + 4] & 63;
+      } else {
+        sc = (q6[j + 4] & 0x0F) | ((q6[j - 4] >> 6) << 4);
+        m = (q6[j + 4] >> 4) | ((q6[j] >> 6) << 4);
+      }
+      const float d_exact = d * float(sc), m_exact = -(dmin * float(m));  // exact in float32
+      const uint16_t dh = FloatToHalf(d_exact), mh = FloatToHalf(m_exact);
+      scale[i * 8 + j] = dh, low[i * 8 + j] = mh;
+      if ((dh & 0x7C00) == 0x7C00 || (mh & 0x7C00) == 0x7C00) finite = 0;
+      // group j's q: the low nibbles of run j / 2 for even j, its high ones for odd j
+      const uint8_t* run = b + 16 + (j / 2) * 32;
+      double s1 = 0, s2 = 0;
+      for (int k = 0; k < 32; ++k) {
+        const int q = (j & 1) ? run[k] >> 4 : run[k] & 0x0F;
+        s1 += q, s2 += q * q;
+      }
+      const double de = d_exact, me = m_exact;
+      const double dd = double(HalfToFloat(dh)) - de, dm = double(HalfToFloat(mh)) - me;
+      change += dd * dd * s2 + 2 * dd * dm * s1 + 32 * dm * dm;
+      norm += de * de * s2 + 2 * de * me * s1 + 32 * me * me;
+    }
+    for (int r = 0; r < 4; ++r) {  // each run of 32 bytes: 64 weights, two groups
+      const uint8_t* qs = b + 16 + r * 32;
+      uint8_t* out = packed + i * 128 + r * 32;
+      for (int k = 0; k < 16; ++k) {
+        const uint8_t a = qs[2 * k], c = qs[2 * k + 1];
+        out[k] = uint8_t((a & 0x0F) | ((c & 0x0F) << 4));
+        out[16 + k] = uint8_t((a >> 4) | (c & 0xF0));
+      }
+    }
+  }
+  if (finite) sums[0] += change, sums[1] += norm;
+  return finite;
+}
