@@ -84,7 +84,8 @@ def test_the_readers_give_the_same_bytes_on_one_core_and_on_several(kind, monkey
     monkeypatch.setattr(bridge.int4, "ROWS_CHUNK_ELEMENTS", 256 * 5)
 
     def everything():
-        file = type("File", (), {"raw": lambda self, t: raw.reshape(-1)})()
+        file = type("File", (), {"raw": lambda self, t: raw.reshape(-1),
+                                 "release": lambda self, t, first=0, stop=None: None})()
         tensor = type("T", (), {"shape": w.shape})()
         floats = read._as_array(file, tensor, qtype)
         reader = bridge.int4.QuantisedReader.__new__(bridge.int4.QuantisedReader)
