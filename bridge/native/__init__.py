@@ -27,8 +27,12 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("loading.cc")
 BUILD_COMMAND = "jax-llama kernels build"
-# SSSE3's byte shuffles and F16C's conversions where the CPU has them (x86-64-v3 has both)
+# x86-64-v3 (AVX2, F16C) where the CPU runs it, else SSSE3's byte shuffles and F16C's conversions
+# where it has them; never a fused multiply-add, which would round once where numpy rounds twice
+_X86_V3 = frozenset({"cx16", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2", "avx", "avx2", "bmi1",
+                     "bmi2", "f16c", "fma", "abm", "movbe"})
 _X86_FLAGS = (("ssse3", "-mssse3"), ("f16c", "-mf16c"))
+EXACT = ("-ffp-contract=off",)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -107,9 +111,11 @@ def locked(directory: Path):
 def flags() -> tuple[str, ...]:
     """The flags loading.cc is built with on this CPU."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return ()
+        return EXACT
     have = cpu_flags()
-    return tuple(flag for need, flag in _X86_FLAGS if need in have)
+    if _X86_V3 <= have:
+        return ("-march=x86-64-v3", *EXACT)
+    return (*(flag for need, flag in _X86_FLAGS if need in have), *EXACT)
 
 
 def library_path() -> Path:

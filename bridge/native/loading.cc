@@ -4,7 +4,8 @@
 // build` builds it beside the decode kernels), bridge/gguf/native.py calls it through ctypes on
 // chunks of rows from bridge.parallel's threads (ctypes lets go of Python's lock), and every
 // function writes the very bytes numpy's code writes (tests/test_native.py holds them equal).
-// Built with SSSE3 and F16C where the CPU has them (x86-64-v3), else plain C++.
+// Built for x86-64-v3 (AVX2, F16C) where the CPU runs it, else with what SSSE3 and F16C it has,
+// else plain C++; never with fused multiply-adds (-ffp-contract=off): numpy rounds each step.
 
 #include <algorithm>
 #include <cmath>
@@ -107,11 +108,21 @@ static void DequantizeRow(int kind, const uint8_t* row, int64_t cols, float* w) 
       std::memcpy(&bits, block + 208, 2);
       const float d = HalfToFloat(bits);
       const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
-      for (int t = 0; t < 256; ++t) {
-        const int half = t / 128, u = t % 128;
-        const int lowbits = (block[half * 64 + u % 64] >> (4 * (u / 64))) & 0x0F;
-        const int highbits = (block[128 + half * 32 + u % 32] >> (2 * (u / 32))) & 3;
-        w[b * 256 + t] = float((lowbits | (highbits << 4)) - 32) * (d * float(sc[t / 16]));
+      for (int half = 0; half < 2; ++half) {  // weight t of a half: ql[t % 64] >> 4 (t / 64),
+        const uint8_t* ql = block + half * 64;  // qh[t % 32] >> 2 (t / 32), scale t / 16
+        const uint8_t* qh = block + 128 + half * 32;
+        const int8_t* s = sc + half * 8;
+        float* y = w + b * 256 + half * 128;
+        for (int l = 0; l < 32; ++l) {
+          const int q1 = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+          const int q2 = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+          const int q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+          const int q4 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+          y[l] = float(q1 - 32) * (d * float(s[l / 16]));
+          y[l + 32] = float(q2 - 32) * (d * float(s[l / 16 + 2]));
+          y[l + 64] = float(q3 - 32) * (d * float(s[l / 16 + 4]));
+          y[l + 96] = float(q4 - 32) * (d * float(s[l / 16 + 6]));
+        }
       }
     }
   } else {
@@ -215,6 +226,55 @@ extern "C" int bridge_from_q4_k_blocks(const uint8_t* blocks, int64_t n, uint8_t
     uint16_t bits[2];
     std::memcpy(bits, b, 4);
     const float d = HalfToFloat(bits[0]), dmin = HalfToFloat(bits[1]);
+    // each run of 32 bytes: 64 weights, group 2r's q in the low nibbles and 2r + 1's in the
+    // high ones; repacked as Q4_0's 16 bytes are (the layout's byte k holds inputs 2k and 2k + 1),
+    // and each group's sums of q and q^2 taken on the way
+    int q_sums[8], q_squares[8];
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* qs = b + 16 + r * 32;
+      uint8_t* out = packed + i * 128 + r * 32;
+#if defined(__SSSE3__)
+      const __m128i low4 = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
+      const __m128i a_lo = _mm_and_si128(a, low4), a_hi = _mm_and_si128(_mm_srli_epi16(a, 4), low4);
+      const __m128i c_lo = _mm_and_si128(c, low4), c_hi = _mm_and_si128(_mm_srli_epi16(c, 4), low4);
+      // pairs of neighbours: even bytes | odd bytes << 4, the first 8 from each half's low
+      // nibbles, then from its high ones
+      const __m128i evens = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+      const __m128i odds = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+      auto pairs = [&](__m128i x) {  // 8 bytes: x[2k] | x[2k + 1] << 4
+        return _mm_or_si128(_mm_shuffle_epi8(x, evens), _mm_slli_epi16(_mm_shuffle_epi8(x, odds), 4));
+      };
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi64(pairs(a_lo), pairs(c_lo)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16),
+                       _mm_unpacklo_epi64(pairs(a_hi), pairs(c_hi)));
+      const __m128i ones = _mm_set1_epi16(1);
+      auto sum_of = [&](__m128i x, __m128i y) {  // the 32 bytes' sum
+        const __m128i s = _mm_add_epi64(_mm_sad_epu8(x, zero), _mm_sad_epu8(y, zero));
+        return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4);
+      };
+      auto squares_of = [&](__m128i x, __m128i y) {  // the 32 bytes' squares summed
+        const __m128i s = _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(x, x), _mm_maddubs_epi16(y, y)), ones);
+        const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+      };
+      q_sums[2 * r] = sum_of(a_lo, c_lo), q_squares[2 * r] = squares_of(a_lo, c_lo);
+      q_sums[2 * r + 1] = sum_of(a_hi, c_hi), q_squares[2 * r + 1] = squares_of(a_hi, c_hi);
+#else
+      q_sums[2 * r] = q_sums[2 * r + 1] = q_squares[2 * r] = q_squares[2 * r + 1] = 0;
+      for (int k = 0; k < 32; ++k) {
+        const int lo = qs[k] & 0x0F, hi = qs[k] >> 4;
+        q_sums[2 * r] += lo, q_squares[2 * r] += lo * lo;
+        q_sums[2 * r + 1] += hi, q_squares[2 * r + 1] += hi * hi;
+      }
+      for (int k = 0; k < 16; ++k) {
+        const uint8_t x = qs[2 * k], y = qs[2 * k + 1];
+        out[k] = uint8_t((x & 0x0F) | ((y & 0x0F) << 4));
+        out[16 + k] = uint8_t((x >> 4) | (y & 0xF0));
+      }
+#endif
+    }
     const uint8_t* q6 = b + 4;  // sc_j, m_j: llama.cpp's get_scale_min_k4
     for (int j = 0; j < 8; ++j) {
       int sc, m;
@@ -228,26 +288,11 @@ extern "C" int bridge_from_q4_k_blocks(const uint8_t* blocks, int64_t n, uint8_t
       const uint16_t dh = FloatToHalf(d_exact), mh = FloatToHalf(m_exact);
       scale[i * 8 + j] = dh, low[i * 8 + j] = mh;
       if ((dh & 0x7C00) == 0x7C00 || (mh & 0x7C00) == 0x7C00) finite = 0;
-      // group j's q: the low nibbles of run j / 2 for even j, its high ones for odd j
-      const uint8_t* run = b + 16 + (j / 2) * 32;
-      double s1 = 0, s2 = 0;
-      for (int k = 0; k < 32; ++k) {
-        const int q = (j & 1) ? run[k] >> 4 : run[k] & 0x0F;
-        s1 += q, s2 += q * q;
-      }
       const double de = d_exact, me = m_exact;
       const double dd = double(HalfToFloat(dh)) - de, dm = double(HalfToFloat(mh)) - me;
+      const double s1 = q_sums[j], s2 = q_squares[j];
       change += dd * dd * s2 + 2 * dd * dm * s1 + 32 * dm * dm;
       norm += de * de * s2 + 2 * de * me * s1 + 32 * me * me;
-    }
-    for (int r = 0; r < 4; ++r) {  // each run of 32 bytes: 64 weights, two groups
-      const uint8_t* qs = b + 16 + r * 32;
-      uint8_t* out = packed + i * 128 + r * 32;
-      for (int k = 0; k < 16; ++k) {
-        const uint8_t a = qs[2 * k], c = qs[2 * k + 1];
-        out[k] = uint8_t((a & 0x0F) | ((c & 0x0F) << 4));
-        out[16 + k] = uint8_t((a >> 4) | (c & 0xF0));
-      }
     }
   }
   if (finite) sums[0] += change, sums[1] += norm;
