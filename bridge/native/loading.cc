@@ -4,7 +4,7 @@
 // build` builds it beside the decode kernels), bridge/gguf/native.py calls it through ctypes on
 // chunks of rows from bridge.parallel's threads (ctypes lets go of Python's lock), and every
 // function writes the very bytes numpy's code writes (tests/test_native.py holds them equal).
-// Built for x86-64-v3 (AVX2, F16C) where the CPU runs it, else with what SSSE3 and F16C it has,
+// Built for x86-64-v4 or v3 where the CPU runs it, else with what SSSE3 and F16C it has,
 // else plain C++; never with fused multiply-adds (-ffp-contract=off): numpy rounds each step.
 
 #include <algorithm>
