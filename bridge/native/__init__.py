@@ -140,7 +140,8 @@ def library_path() -> Path:
 
 @functools.cache
 def _key(flags: tuple[str, ...]) -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    source = SOURCE.read_bytes() + SOURCE.with_name("half.h").read_bytes()
+    return hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
 
 
 def build(force: bool = False) -> str | None:

@@ -17,27 +17,17 @@
 #include <immintrin.h>
 #endif
 
-// float16 bits -> float32 (exact: every float16 is a float32)
-static inline float HalfToFloat(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-  uint32_t bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);  // inf, nan
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: m 2^-24, normal in float32
-    const float v = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign ? -v : v;
+#include "half.h"
+
+// A Q4_K super-block's 6-bit scale sc_j and minimum m_j of group j, from its 12 bytes q6
+// (llama.cpp's get_scale_min_k4; gguf's Q4_K.get_scale_min).
+static inline void ScaleMin(const uint8_t* q6, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q6[j] & 63, *m = q6[j + 4] & 63;
+  } else {
+    *sc = (q6[j + 4] & 0x0F) | ((q6[j - 4] >> 6) << 4);
+    *m = (q6[j + 4] >> 4) | ((q6[j] >> 6) << 4);
   }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
 }
 
 // llama.cpp's plain 4-bit blocks (Q4_0: float16 d, 16 bytes of q; Q4_1:
@@ -134,12 +124,7 @@ static void DequantizeRow(int kind, const uint8_t* row, int64_t cols, float* w) 
       const uint8_t* q6 = block + 4;
       for (int j = 0; j < 8; ++j) {
         int sc, m;
-        if (j < 4) {
-          sc = q6[j] & 63, m = q6[j + 4] & 63;
-        } else {
-          sc = (q6[j + 4] & 0x0F) | ((q6[j - 4] >> 6) << 4);
-          m = (q6[j + 4] >> 4) | ((q6[j] >> 6) << 4);
-        }
+        ScaleMin(q6, j, &sc, &m);
         const float scale = d * float(sc), minimum = dmin * float(m);
         const uint8_t* run = block + 16 + (j / 2) * 32;
         for (int k = 0; k < 32; ++k) {
@@ -278,12 +263,7 @@ extern "C" int bridge_from_q4_k_blocks(const uint8_t* blocks, int64_t n, uint8_t
     const uint8_t* q6 = b + 4;  // sc_j, m_j: llama.cpp's get_scale_min_k4
     for (int j = 0; j < 8; ++j) {
       int sc, m;
-      if (j < 4) {
-        sc = q6[j] & 63, m = q6[j + 4] & 63;
-      } else {
-        sc = (q6[j + 4] & 0x0F) | ((q6[j - 4] >> 6) << 4);
-        m = (q6[j + 4] >> 4) | ((q6[j] >> 6) << 4);
-      }
+      ScaleMin(q6, j, &sc, &m);
       const float d_exact = d * float(sc), m_exact = -(dmin * float(m));  // exact in float32
       const uint16_t dh = FloatToHalf(d_exact), mh = FloatToHalf(m_exact);
       scale[i * 8 + j] = dh, low[i * 8 + j] = mh;

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from bridge.native import SOURCE as native_source
 from bridge.native import cache_dir, compile_shared, compiler, cpu_flags, locked  # noqa: F401
 
 SOURCE = Path(__file__).with_name("matvec.cc")
+NATIVE = Path(native_source).parent  # bridge/native: half.h, which matvec.cc includes
 BUILD_COMMAND = "jax-llama kernels build"
 
 
@@ -102,7 +104,8 @@ def library_path(variant: Variant) -> Path:
     """Where the library of `variant` for this source and jaxlib lives (built or not)."""
     import jaxlib
 
-    key = hashlib.sha256(SOURCE.read_bytes() + jaxlib.__version__.encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + (NATIVE / "half.h").read_bytes()
+                         + jaxlib.__version__.encode()
                          + " ".join(variant.flags).encode()).hexdigest()[:16]
     return cache_dir() / f"matvec-{variant.name}-{key}.so"
 
@@ -137,7 +140,7 @@ def compile_library(variant: Variant, out: Path) -> None:
     (bridge.native.compile_shared: atomic, RuntimeError with the compiler's first error)."""
     import jax
 
-    compile_shared(SOURCE, out, (*variant.flags, *TUNE), (jax.ffi.include_dir(),))
+    compile_shared(SOURCE, out, (*variant.flags, *TUNE), (jax.ffi.include_dir(), str(NATIVE)))
 
 
 def build(variants: Iterable[Variant] | None = None, force: bool = False

@@ -66,6 +66,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "half.h"  // HalfToFloat, shared with the loads' passes (bridge/native/half.h)
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__)
@@ -724,24 +725,6 @@ struct Rows4Part {
   bool symmetric = false;
 };
 
-// float16 bits -> float32 (exact: every float16 is a float32)
-inline float HalfToFloat(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
-  uint32_t bits;
-  if (exponent == 0x1F) {
-    bits = sign | 0x7F800000u | (mantissa << 13);  // inf, nan
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: m 2^-24, normal in float32
-    float v = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign ? -v : v;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 void HalvesToFloats(const uint16_t* h, int64_t n, float* out) {
   int64_t i = 0;
