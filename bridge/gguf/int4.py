@@ -35,7 +35,7 @@ def from_q4_blocks(raw: np.ndarray, kind: str, shape: tuple[int, int], name: str
     float16, m (out, in / 32) float16, or None for Q4_0's -8 d) that
     bridge.int4.dequantize_int4 turns into llama.cpp's numbers, bit for bit. Rows about
     chunk_bytes of blocks at a time, so that the temporaries stay in cache, the chunks on the CPU's
-    cores (bridge.parallel), each by the compiled helper a twin handed over where it did
+    cores (bridge.parallel), each by bridge/native's compiled pass where it is built
     (bridge.gguf.native), else by numpy. The outputs are aligned for XLA to hold as they are
     (bridge.resources.aligned_empty)."""
     if kind not in BLOCK_BYTES:
@@ -135,7 +135,7 @@ def from_q4_k_blocks(raw: np.ndarray, shape: tuple[int, int], name: str = "weigh
     numbers bit for bit; rounded to float16 (the layout's scales) they change each weight by at
     most q |d sc_j| 2^-11 + |dmin m_j| 2^-11, and the sums say by how much in all. Rows about
     chunk_bytes of blocks at a time, on the CPU's cores (bridge.parallel), by the compiled helper
-    a twin handed over where it did (bridge.gguf.native; float16 scales), else by numpy."""
+    where it is built (bridge.gguf.native; float16 scales), else by numpy."""
     O, I = shape
     if I % 256:
         raise BridgeError(f"tensor '{name}': {I} input columns are not whole Q4_K super-blocks "

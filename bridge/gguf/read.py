@@ -172,7 +172,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def int8_rows(self, name: str):
         """A Q8_0, Q4_0, Q6_K or Q4_K tensor as int8 rows with one scale a row, by the compiled
-        helper an enclosing bridge.gguf.native.using hands over, a chunk of rows at a time on
+        pass bridge.gguf.native.helpers gives (bridge/native), a chunk of rows at a time on
         the CPU's cores: (q, scale, the squared sums of the change and of the weights); None for
         other types, without the helper, or for a qwen file's q / k rows (reordered as read)."""
         from .native import INT8_ROWS_KINDS, helpers
