@@ -256,13 +256,11 @@ class QuantisedReader:
             rounded = self.checkpoint.int4_rounded(name)
             if rounded is not None:  # its q kept, its scales rounded: the change measured
                 *held, change, norm = rounded
-                self.rounded.setdefault(key, []).append(
-                    float(np.sqrt(change / norm)) if norm > 0 else 0.0)
+                self.rounded.setdefault(key, []).append(_relative(change, norm))
                 return tuple(held)
         elif (rows := self.checkpoint.int8_rows(name)) is not None:  # straight from its blocks
             q, scale, change, norm = rows
-            self.errors.setdefault(key, []).append(
-                float(np.sqrt(change / norm)) if norm > 0 else 0.0)
+            self.errors.setdefault(key, []).append(_relative(change, norm))
             return q, scale
         return self._by_rows(name, key, layout)
 
@@ -308,7 +306,7 @@ class QuantisedReader:
 
         sums = by_chunks(chunk, O, ROWS_CHUNK_ELEMENTS // I)
         change, norm = sum(c for c, _ in sums), sum(n for _, n in sums)  # in chunk order
-        self.errors.setdefault(key, []).append(float(np.sqrt(change / norm)) if norm > 0 else 0.0)
+        self.errors.setdefault(key, []).append(_relative(change, norm))
         return out
 
     def summary(self) -> str | None:
@@ -323,6 +321,11 @@ class QuantisedReader:
             parts.append(f"{len(errors)} {key} quantised (error {np.median(errors):.2%} RMS of "
                          f"the weights, at most {max(errors):.2%})")
         return "; ".join(parts) or None
+
+
+def _relative(change: float, norm: float) -> float:
+    """The RMS of a change over the RMS of the weights, from their squared sums (0 for zeros)."""
+    return float(np.sqrt(change / norm)) if norm > 0 else 0.0
 
 
 def int4_reader(checkpoint, get, config) -> QuantisedReader:
