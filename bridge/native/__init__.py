@@ -116,13 +116,13 @@ def locked(directory: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def flags() -> tuple[str, ...]:
-    """The flags loading.cc is built with on this CPU; no higher than what JAX_LLAMA_KERNEL_MARCH
-    names where it names x86-64-v3 / avx2 or x86-64 / plain (the AVX2 switches,
-    llama_twins.bench.common.AVX2_ENV, run the loads' AVX2 code too)."""
+def flags(cap: str | None = None) -> tuple[str, ...]:
+    """The flags loading.cc is built with on this CPU; no higher than what `cap` (default
+    JAX_LLAMA_KERNEL_MARCH) names where it names x86-64-v3 / avx2 or x86-64 / plain (the AVX2
+    switches, llama_twins.bench.common.AVX2_ENV, run the loads' AVX2 code too)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return EXACT
-    cap = os.environ.get("JAX_LLAMA_KERNEL_MARCH", "").strip()
+    cap = os.environ.get("JAX_LLAMA_KERNEL_MARCH", "").strip() if cap is None else cap
     if cap in ("x86-64", "plain"):
         return EXACT
     have = _cpu_flags()
@@ -133,9 +133,10 @@ def flags() -> tuple[str, ...]:
     return (*(flag for need, flag in _X86_FLAGS if need in have), *EXACT)
 
 
-def library_path() -> Path:
-    """Where loading.cc's library for this source and this CPU's flags lives (built or not)."""
-    return cache_dir() / f"loading-{_key(flags())}.so"
+def library_path(cap: str | None = None) -> Path:
+    """Where loading.cc's library for this source and this CPU's flags (under `cap`, flags')
+    lives (built or not)."""
+    return cache_dir() / f"loading-{_key(flags(cap))}.so"
 
 
 @functools.cache
@@ -145,12 +146,15 @@ def _key(flags: tuple[str, ...]) -> str:
 
 
 def build(force: bool = False) -> str | None:
-    """Build loading.cc's library for this CPU unless it is built (or with `force`): None when
-    it is there, else why it could not be built."""
+    """Build loading.cc's libraries for this CPU - its best, and those the AVX2 and plain
+    switches choose (JAX_LLAMA_KERNEL_MARCH), as the kernels' build makes every variant the CPU
+    runs - unless built (or with `force`): None when they are there, else why not."""
     try:
         with locked(cache_dir()):
-            if force or not library_path().is_file():
-                compile_shared(SOURCE, library_path(), flags())
+            for level in dict.fromkeys(flags(cap) for cap in ("native", "x86-64-v3", "x86-64")):
+                out = cache_dir() / f"loading-{_key(level)}.so"
+                if force or not out.is_file():
+                    compile_shared(SOURCE, out, level)
     except Exception as e:  # noqa: BLE001 - said to the caller; loads then run numpy's code
         return str(e)
     return None
