@@ -324,6 +324,61 @@ def test_int4_with_bfloat16_activations_is_the_rounded_x_times_the_weight(M, I, 
     assert not np.all(np.abs(plain - want) <= limit)
 
 
+@pytest.mark.parametrize("M,I,O,minima", [(32, 96, 37, True), (37, 576, 100, True),
+                                           (130, 64, 200, False), (40, 2048, 48, False)])
+def test_a_prompt_of_4_bit_weights_is_the_rounded_x_times_the_weight(M, I, O, minima,
+                                                                     monkeypatch):
+    """From PROMPT_ROWS rows with bfloat16 activations (generation's prefill) the prompt kernel
+    multiplies bfloat16 pairs: within bound_bf16 of the float64 product of the rounded x and the
+    dequantised weight, with minima or without (Q4_0's -8 d: the weights held as q - 8),
+    float16 or float32 scales, several weights in one call equal each alone, and a row gets the
+    same bits in any prompt (5 rows later in another; the tail after the last tile of 4).
+    Negative cases: swapped nibbles and the unrounded x are outside the bound, and with float32
+    activations the prompt kernel is not what runs."""
+    if not kernels.prompt_bf16():
+        pytest.skip("the prompt kernel needs AVX512_BF16 (this library runs the decode kernel)")
+    rng = np.random.default_rng(M + I + O)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    x[0, :3] = [3e4, -1e-3, 0.0]
+    (packed, d, m), w = int4_weight(rng, I, O)
+    if not minima:
+        m = None
+        w = (unpack_rows(packed) - 8.0) * np.repeat(d.astype(np.float64), 32, axis=1)
+    xb = round_bf16(x)
+    want = xb @ w.T.astype(np.float64)
+    limit = bound_bf16(xb, packed, d, np.float16(-8) * d if m is None else m)
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "bfloat16")
+    weight = (packed, d, m)
+    assert M >= kernels.PROMPT_ROWS and kernels.usable(jnp.asarray(x), packed, d, m)
+    assert "jax_llama_prompt_int4_bf16" in str(jax.make_jaxpr(kernels.matvec_int4)(x, [weight]))
+    got = np.asarray(kernels.matvec_int4(x, [weight])[0])
+    assert np.all(np.abs(got - want) <= limit)
+    later = np.asarray(kernels.matvec_int4(np.vstack([x[-5:], x]), [weight])[0])
+    np.testing.assert_array_equal(later[5:], got)
+    scales32 = (packed, d.astype(np.float32), None if m is None else m.astype(np.float32))
+    (other, d2, m2), _ = int4_weight(rng, I, 40)
+    other = (other, d2, None if m is None else m2)
+    both = kernels.matvec_int4(x, [scales32, other])
+    np.testing.assert_array_equal(np.asarray(both[0]), got)
+    np.testing.assert_array_equal(np.asarray(both[1]),
+                                  np.asarray(kernels.matvec_int4(x, [other])[0]))
+    swapped = (packed >> 4) | (packed << 4)
+    wrong = np.asarray(kernels.matvec_int4(x, [(swapped, d, m)])[0], np.float64)
+    assert not np.all(np.abs(wrong - want) <= limit)
+    unrounded = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert not np.all(np.abs(unrounded - want) <= limit)
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
+    assert "jax_llama_prompt_int4_bf16" not in str(jax.make_jaxpr(kernels.matvec_int4)(x[:8],
+                                                                                       [weight]))
+    assert not kernels.usable(jnp.zeros((kernels.MAX_ROWS_INT4 + 1, I)), packed, d, m)
+
+
+def unpack_rows(packed):
+    """q (O, I) in float64 from the packed rows (bridge.int4.unpack)."""
+    from bridge.int4 import unpack
+    return unpack(packed).astype(np.float64)
+
+
 def test_every_variant_compiles():
     """Each instruction set's library compiles (built once into the kernel cache, at once where
     it is there): a CPU with AVX-512 but no AVX512_BF16 (Skylake to Cascade Lake), one with AVX2
@@ -848,9 +903,9 @@ def test_usable_only_for_what_the_kernels_serve():
 
 
 def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
-    """Greedy tokens of a small model, float32, int8 and 4-bit, batch 1 and 3, in two processes: one
-    with the kernels, one with JAX_LLAMA_KERNELS=0 (XLA's matmuls); and in each, the same model
-    with kernels="xla"."""
+    """Greedy tokens of a small model, float32, int8 and 4-bit, batch 1 and 3 (and 4-bit after a
+    40-token prompt: the prompt kernel's prefill), in two processes: one with the kernels, one
+    with JAX_LLAMA_KERNELS=0 (XLA's matmuls); and in each, the same model with kernels="xla"."""
     script = (
         "import dataclasses, json, jax_llama\n"
         "from bridge.config import PRESETS\n"
@@ -866,6 +921,9 @@ def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
         "        out[f'{name}/{batch}'] = generate(model, p, prompts, 12).tokens\n"
         "        xla = model.clone(projections=model.projections.replace(kernels='xla'))\n"
         "        out[f'{name}/{batch}/xla'] = generate(xla, p, prompts, 12).tokens\n"
+        "long = [[(7 * i) % 200 + 3 for i in range(40)]]  # past PROMPT_ROWS: the prompt kernel\n"
+        "out['int4/long'] = generate(model, p, long, 12).tokens\n"
+        "out['int4/long/xla'] = generate(xla, p, long, 12).tokens\n"
         "print(json.dumps(out))\n")
     runs = {}
     for flag in ("1", "0"):

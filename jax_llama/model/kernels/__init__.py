@@ -77,11 +77,19 @@ MAX_ROWS = 8
 # first run in 0.25 s against 1.0 s (XLA's first run of its dot fusions plans each of them; 2-core
 # AMD EPYC Zen 4).
 MAX_ROWS_INT4 = 64
+# With bfloat16 activations (generation's default) and a library that multiplies bfloat16 pairs
+# (AVX512_BF16: prompt_bf16), 4-bit weights meet this many rows or more through matvec.cc's prompt
+# kernel ("jax_llama_prompt_int4_bf16"), however many: a 512-token prompt through LLaMA 3 8B's
+# 4096 x 14336 weight took 200 ms against XLA's 390-430 ms, SmolLM2's 576 x 1536 3.6 against 6.0-7.4
+# ms; from 32 rows it is ahead of the decode kernel's chunks of 8 (SmolLM2 1.4-2.0x, LLaMA 3 8B's
+# 1.5-1.7x at 64), behind it at 8 (0.5-0.8x). 2-core AMD EPYC Zen 4, scripts/prompt_int4.py.
+PROMPT_ROWS = 32
 TARGETS = {"jax_llama_matvec_f32": "JaxLlamaMatvecF32",
            "jax_llama_matvec_int8": "JaxLlamaMatvecInt8",
            "jax_llama_matvec_int4": "JaxLlamaMatvecInt4",
            "jax_llama_matvec_int4_q8": "JaxLlamaMatvecInt4Q8",
            "jax_llama_matvec_int4_bf16": "JaxLlamaMatvecInt4Bf16",
+           "jax_llama_prompt_int4_bf16": "JaxLlamaPromptInt4Bf16",
            "jax_llama_matvec_int8_rows": "JaxLlamaMatvecInt8Rows",
            "jax_llama_matvec_f32_rows": "JaxLlamaMatvecF32Rows",
            "jax_llama_decode_attention": "JaxLlamaDecodeAttention"}
@@ -111,6 +119,23 @@ def lanes() -> int:
     return ctypes.cdll.LoadLibrary(str(_load()[1])).jax_llama_matvec_lanes()
 
 
+def prompt_bf16() -> bool:
+    """Whether the loaded kernels multiply a prompt's bfloat16 activations by 4-bit weights in
+    bfloat16 pairs (built with AVX512_BF16: Zen 4, Zen 5, Sapphire Rapids)."""
+    return unavailable_reason() is None and _prompt_bf16(_load()[1])
+
+
+@functools.cache
+def _prompt_bf16(path) -> bool:
+    return bool(ctypes.cdll.LoadLibrary(str(path)).jax_llama_prompt_bf16())
+
+
+def _prompt(x_MI) -> bool:
+    """Whether matvec_int4 takes x through the prompt kernel: PROMPT_ROWS rows or more, bfloat16
+    activations and a library that multiplies them in pairs."""
+    return x_MI.shape[0] >= PROMPT_ROWS and activations() == "bfloat16" and prompt_bf16()
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run in this process (None when they can)."""
     if not enabled():
@@ -127,10 +152,13 @@ def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
     int8 weight (I, O) (int8 with one scale per output column), or a 4-bit one stored a row per
     output (packed (O, I / 2) uint8 with scales (O, I / 32) and minima of the same shape and
     dtype, float16 or float32, or none: Q4_0's m = -8 scale; matvec_int4), and the kernels
-    loadable here. 4-bit weights are served up to MAX_ROWS_INT4 rows."""
+    loadable here. 4-bit weights are served up to MAX_ROWS_INT4 rows, and any number from
+    PROMPT_ROWS where their bfloat16 activations go through the prompt kernel (prompt_bf16)."""
     four = w_IO.dtype == jnp.uint8
     rows = MAX_ROWS_INT4 if four else MAX_ROWS
-    if x_MI.ndim != 2 or x_MI.shape[0] > rows or x_MI.dtype != jnp.float32:
+    if x_MI.ndim != 2 or x_MI.dtype != jnp.float32:
+        return False
+    if x_MI.shape[0] > rows and not (four and _prompt(x_MI)):
         return False
     if w_IO.ndim != 2:
         return False
@@ -356,11 +384,15 @@ def matvec_int4(x_MI, weights):
     "jax_llama_matvec_int4_q8"): x' @ W^T within float32 rounding, x' the dequantised x. With
     bfloat16, x' is x rounded to bfloat16 (round_to_bfloat16), multiplied in bfloat16 pairs where
     the CPU has AVX512_BF16 ("jax_llama_matvec_int4_bf16"); with AVX2 alone, d (x' . q) + m sum x'
-    group by group, each product x' q exact in float32. Call only where `usable` said True of
-    each."""
+    group by group, each product x' q exact in float32. From PROMPT_ROWS rows of bfloat16 x'
+    with AVX512_BF16, the prompt kernel ("jax_llama_prompt_int4_bf16": x' @ W^T within float32
+    rounding, each group's exact products summed apart and scaled into the output in input
+    order). Call only where `usable` said True of each."""
     _check()
     target = {"float32": "jax_llama_matvec_int4", "int8": "jax_llama_matvec_int4_q8",
               "bfloat16": "jax_llama_matvec_int4_bf16"}[activations()]
+    if _prompt(x_MI):
+        target = "jax_llama_prompt_int4_bf16"
     return list(_matvec_int4(x_MI, tuple(tuple(w) for w in weights), target))
 
 

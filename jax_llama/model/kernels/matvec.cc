@@ -1601,6 +1601,228 @@ ffi::Error MatvecInt4Bf16Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
   return Int4Rows(x, args, rets, Activations::kBfloat16);
 }
 
+// -- 4-bit weights times a prompt's rows, bfloat16 activations: "jax_llama_prompt_int4_bf16" ---
+//
+// y_k (M, O_k) = x' @ W_k^T for many rows of x (a prompt: tens to thousands), x' = x rounded to
+// bfloat16 (RoundBf16) and W = q d + m as "jax_llama_matvec_int4_bf16" takes them: the same
+// numbers to float32 rounding. There the rows of x are few and the weights stream from memory
+// once; here each weight is read M times, so the speed is the arithmetic's: a 2-core AMD EPYC
+// Zen 4's float32 multiply-adds top out near 180 GFLOP/s (XLA's dot), less than llama.cpp's
+// prompt on the same weights, and vdpbf16ps does twice their products.
+//
+// Work: the output rows are cut into units of kPromptRows (two vectors of 16 rows), shared with
+// the helpers. A unit takes the inputs kPromptDepth at a time: its 4-bit weights for those inputs
+// are expanded once into bfloat16 pairs (PackPromptPanel: a vector holds 16 rows' weights for two
+// adjacent inputs, q exactly, or q - 8 where m = -8 d), then every tile of kPromptTile rows of x
+// runs over them (PromptTile), x' broadcast two inputs at a time. Each group of 32 inputs is
+// summed apart (16 vdpbf16ps per lane, exact products), then scaled into the output:
+//   y = fma(sum_g, d_g, y), then fma(sum x'_g, m_g, y) where m is not -8 d,
+// group after group in input order, whatever the tile, the unit or the threads: a row of x gets
+// the same bits alone or in any prompt.
+#if defined(__AVX512BF16__)
+constexpr int kPromptVectors = 2;                  // vectors of 16 output rows in a unit
+constexpr int64_t kPromptRows = 16 * kPromptVectors;
+constexpr int kPromptTile = 4;                     // rows of x multiplied at a time
+constexpr int64_t kPromptDepth = 256;              // inputs a unit expands at a time (8 groups)
+
+struct PromptPart {
+  const uint8_t* q;
+  const float *d = nullptr, *m = nullptr;
+  const uint16_t *dh = nullptr, *mh = nullptr;
+  bool symmetric = false;
+  float* y;
+  int64_t O, first_unit;
+};
+
+struct PromptJob {
+  const uint16_t* xb;  // (M, I): x' as bfloat16 bits
+  const float* sx;     // (M, G): each group's sum of x' (asymmetric weights only)
+  int64_t M, I, units = 0;
+  std::vector<PromptPart> parts;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// bfloat16 bits of 16 small integers (exact: at most 8 significant bits)
+inline __m512i IntsToBf16(__m512i v) {
+  return _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(v)), 16);
+}
+
+// Rows [o, o + kPromptRows) of a part, inputs [i0, i0 + n): w (n / 2 pairs x kPromptVectors
+// vectors, lane l of vector v = row o + 16 v + l, its low word input 2 p, its high word 2 p + 1)
+// and the groups' scales and minima, ds and ms (n / 32 groups x kPromptRows); rows past O zero.
+void PackPromptPanel(const PromptPart& p, int64_t I, int64_t o, int64_t i0, int64_t n,
+                     uint32_t* w, float* ds, float* ms) {
+  const int64_t J = I / 2, G = I / kGroup4, g0 = i0 / kGroup4, groups = n / kGroup4;
+  const __m512i f = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(p.symmetric ? 8 : 0);
+  for (int v = 0; v < kPromptVectors; ++v) {
+    const int64_t rows = std::clamp<int64_t>(p.O - (o + 16 * v), 0, 16);
+    const __mmask16 in = static_cast<__mmask16>((1u << rows) - 1);
+    // lane l's byte offsets: row o + 16 v + l (rows past O: row o, masked)
+    alignas(64) int32_t at[16];
+    for (int l = 0; l < 16; ++l) at[l] = static_cast<int32_t>(l < rows ? (16 * v + l) * J : 0);
+    const __m512i offsets = _mm512_load_si512(at);
+    const uint8_t* base = p.q + o * J + i0 / 2;
+    for (int64_t b = 0; b < n / 2; ++b) {  // byte b: inputs i0 + 2 b (low nibble), + 1 (high)
+      const __m512i bytes = _mm512_and_si512(
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), in, offsets, base + b, 1),
+          _mm512_set1_epi32(0xFF));
+      const __m512i lo = IntsToBf16(_mm512_sub_epi32(_mm512_and_si512(bytes, f), eight));
+      const __m512i hi = IntsToBf16(_mm512_sub_epi32(_mm512_srli_epi32(bytes, 4), eight));
+      _mm512_storeu_si512(w + (b * kPromptVectors + v) * 16,
+                          _mm512_maskz_or_epi32(in, lo, _mm512_slli_epi32(hi, 16)));
+    }
+    for (int64_t g = 0; g < groups; ++g)
+      for (int l = 0; l < 16; ++l) {
+        const int64_t row = o + 16 * v + l, at_g = row * G + g0 + g;
+        float dv = 0.0f, mv = 0.0f;
+        if (l < rows) {
+          dv = p.dh != nullptr ? HalfToFloat(p.dh[at_g]) : p.d[at_g];
+          if (!p.symmetric) mv = p.mh != nullptr ? HalfToFloat(p.mh[at_g]) : p.m[at_g];
+        }
+        ds[g * kPromptRows + 16 * v + l] = dv, ms[g * kPromptRows + 16 * v + l] = mv;
+      }
+  }
+}
+
+// Rows [t0, t0 + T) of x over a packed panel (inputs [i0, i0 + n)) into y's rows
+// [o, o + kPromptRows): the first panel starts the sums, later ones load them back.
+template <int T>
+void PromptTile(const PromptJob& j, const PromptPart& p, int64_t o, int64_t t0, int64_t i0,
+                int64_t n, const uint32_t* w, const float* ds, const float* ms) {
+  constexpr int V = kPromptVectors;
+  const int64_t I = j.I, G = I / kGroup4, g0 = i0 / kGroup4;
+  __mmask16 keep[V];
+  for (int v = 0; v < V; ++v)
+    keep[v] = static_cast<__mmask16>((1u << std::clamp<int64_t>(p.O - (o + 16 * v), 0, 16)) - 1);
+  Vec y[T][V];
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < V; ++v)
+      y[t][v] = i0 == 0 ? Splat(0.0f)
+                        : _mm512_maskz_loadu_ps(keep[v], p.y + (t0 + t) * p.O + o + 16 * v);
+  for (int64_t g = 0; g < n / kGroup4; ++g) {
+    Vec s[T][V];
+    for (int t = 0; t < T; ++t)
+      for (int v = 0; v < V; ++v) s[t][v] = Splat(0.0f);
+    const uint32_t* wg = w + g * 16 * V * 16;
+    for (int pair = 0; pair < 16; ++pair) {
+      __m512i wv[V];
+      for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_si512(wg + (pair * V + v) * 16);
+      for (int t = 0; t < T; ++t) {
+        uint32_t two;
+        std::memcpy(&two, j.xb + (t0 + t) * I + i0 + g * kGroup4 + 2 * pair, sizeof(two));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(two));
+        for (int v = 0; v < V; ++v) s[t][v] = _mm512_dpbf16_ps(s[t][v], (__m512bh)wv[v], xv);
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      const Vec dv = Load(ds + g * kPromptRows + 16 * v);
+      for (int t = 0; t < T; ++t) y[t][v] = Fma(s[t][v], dv, y[t][v]);
+    }
+    if (!p.symmetric)
+      for (int v = 0; v < V; ++v) {
+        const Vec mv = Load(ms + g * kPromptRows + 16 * v);
+        for (int t = 0; t < T; ++t)
+          y[t][v] = Fma(Splat(j.sx[(t0 + t) * G + g0 + g]), mv, y[t][v]);
+      }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(p.y + (t0 + t) * p.O + o + 16 * v, keep[v], y[t][v]);
+}
+
+void RunUnit(const PromptJob& j, int64_t u) {
+  size_t k = 0;
+  while (k + 1 < j.parts.size() && u >= j.parts[k + 1].first_unit) ++k;
+  const PromptPart& p = j.parts[k];
+  const int64_t o = (u - p.first_unit) * kPromptRows;
+  thread_local std::vector<uint32_t> w(kPromptDepth / 2 * kPromptRows);
+  thread_local std::vector<float> ds(kPromptDepth / kGroup4 * kPromptRows),
+      ms(kPromptDepth / kGroup4 * kPromptRows);
+  for (int64_t i0 = 0; i0 < j.I; i0 += kPromptDepth) {
+    const int64_t n = std::min(kPromptDepth, j.I - i0);
+    PackPromptPanel(p, j.I, o, i0, n, w.data(), ds.data(), ms.data());
+    int64_t t0 = 0;
+    for (; t0 + kPromptTile <= j.M; t0 += kPromptTile)
+      PromptTile<kPromptTile>(j, p, o, t0, i0, n, w.data(), ds.data(), ms.data());
+    for (; t0 < j.M; ++t0) PromptTile<1>(j, p, o, t0, i0, n, w.data(), ds.data(), ms.data());
+  }
+}
+#endif
+
+ffi::Error PromptInt4Bf16(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets) {
+#if defined(__AVX512BF16__)
+  constexpr const char* kWhat =
+      "prompt_int4_bf16: expected x (M, I), then (q (O, I / 2) uint8, scale (O, I / 32) and min "
+      "(O, I / 32) or (0,): none, m = -8 scale; both float32 or both float16) per output y "
+      "(M, O); I a multiple of 32";
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[1] % kGroup4 || rets.size() == 0 || args.size() != 3 * rets.size())
+    return ffi::Error::InvalidArgument(kWhat);
+  auto job = std::make_shared<PromptJob>();
+  job->M = xd[0], job->I = xd[1];
+  const int64_t M = job->M, I = job->I, G = I / kGroup4;
+  bool asymmetric = false;
+  for (size_t k = 0; k < rets.size(); ++k) {
+    auto q = args.get<ffi::Buffer<ffi::U8>>(3 * k);
+    auto d = args.get<ffi::AnyBuffer>(3 * k + 1);
+    auto m = args.get<ffi::AnyBuffer>(3 * k + 2);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
+    if (!q.has_value() || !d.has_value() || !m.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument(kWhat);
+    const ffi::DataType kind = d->element_type();
+    if ((kind != ffi::DataType::F32 && kind != ffi::DataType::F16) || m->element_type() != kind)
+      return ffi::Error::InvalidArgument(kWhat);
+    auto qd = q->dimensions(), yd = (*y)->dimensions();
+    const int64_t O = qd.size() == 2 ? qd[0] : -1;
+    PromptPart part;
+    part.symmetric = m->element_count() == 0;
+    if (O < 0 || qd[1] * 2 != I || d->element_count() != O * G ||
+        (!part.symmetric && m->element_count() != O * G) || yd.size() != 2 || yd[0] != M ||
+        yd[1] != O)
+      return ffi::Error::InvalidArgument(kWhat);
+    part.q = q->typed_data(), part.y = (*y)->typed_data(), part.O = O;
+    part.first_unit = job->units;
+    if (kind == ffi::DataType::F32) {
+      part.d = static_cast<const float*>(d->untyped_data());
+      if (!part.symmetric) part.m = static_cast<const float*>(m->untyped_data());
+    } else {
+      part.dh = static_cast<const uint16_t*>(d->untyped_data());
+      if (!part.symmetric) part.mh = static_cast<const uint16_t*>(m->untyped_data());
+    }
+    asymmetric |= !part.symmetric;
+    if (M > 0 && I > 0) job->units += (O + kPromptRows - 1) / kPromptRows;
+    job->parts.push_back(part);
+  }
+  if (I == 0 || M == 0) {
+    for (auto& part : job->parts) std::fill(part.y, part.y + M * part.O, 0.0f);
+    return ffi::Error::Success();
+  }
+  // x' as bfloat16 bits, and each group's sum of x' (a fixed tree over its two vectors)
+  thread_local std::vector<float> rounded, sx;
+  thread_local std::vector<uint16_t> xb;
+  if (rounded.size() < size_t(M * I)) rounded.resize(M * I), xb.resize(M * I);
+  RoundBf16s(x.typed_data(), M * I, rounded.data());
+  for (int64_t i = 0; i < M * I; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &rounded[i], sizeof(u));
+    xb[i] = static_cast<uint16_t>(u >> 16);
+  }
+  if (asymmetric) {
+    sx.resize(M * G);
+    for (int64_t r = 0; r < M * G; ++r)
+      sx[r] = HorizontalSum(Add(Load(rounded.data() + r * kGroup4),
+                                Load(rounded.data() + r * kGroup4 + kLanes)));
+  }
+  job->xb = xb.data(), job->sx = sx.data();
+  RunUnits(job, true);
+  return ffi::Error::Success();
+#else
+  return Int4Rows(x, args, rets, Activations::kBfloat16);
+#endif
+}
+
 // -- attention of a few queries over a KV cache ------------------------------------------------
 //
 //   out (B, K, G, S, H) = softmax(q k^T / sqrt(H) + mask) v, reading keys and values of layer l
@@ -1807,6 +2029,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt4Bf16, MatvecInt4Bf16Rows,
                                   .RemainingArgs()
                                   .RemainingRets());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaPromptInt4Bf16, PromptInt4Bf16,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8Rows, MatvecInt8Rows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -1832,4 +2060,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecF32Rows, MatvecF32Rows,
 
 // The vector width the library was built for (16, 8 or 1 lanes of float32).
 extern "C" int jax_llama_matvec_lanes() { return static_cast<int>(kLanes); }
+
+// Whether "jax_llama_prompt_int4_bf16" multiplies bfloat16 pairs (AVX512_BF16); elsewhere it runs
+// "jax_llama_matvec_int4_bf16"'s kernel, slower on a prompt than XLA's dot.
+extern "C" int jax_llama_prompt_bf16() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
