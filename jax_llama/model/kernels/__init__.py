@@ -22,7 +22,10 @@ projection of up to 8 rows through it (a model's `kernels` allowing), float32 or
 v in one call, gate and up in another), a tied LM head through matvec_rows, and attention of a
 few float32 queries over the KV cache through attend_cache: one call a layer that reads the layer in place, where XLA ran a dozen small
 operations (the layer sliced and transposed, two batched matmuls, the softmax's passes).
-On SmolLM2 at batch 1 (a 2-core AMD EPYC, every row alternating with llama.cpp's;
+One prompt path too: 4-bit weights with bfloat16 activations (generation's prefill) meet
+PROMPT_ROWS rows or more in matvec.cc's prompt kernel, which multiplies bfloat16 pairs where the
+library has AVX512_BF16 (twice float32's products a cycle; a prompt is bound by arithmetic, not
+by reading weights). On SmolLM2 at batch 1 (a 2-core AMD EPYC, every row alternating with llama.cpp's;
 results/decode/generate_smollm2.md): float32 0.88x llama.cpp's F32 (XLA alone 0.65x), int8 1.05x its
 Q8_0 (XLA's int8 matmul 0.25x).
 
@@ -45,7 +48,8 @@ added in block order (the int8 scale multiplies the total); in matvec_rows an ou
 product in vector lanes added by a fixed tree; attend_cache computes each query alone (its
 scores, softmax and weighted sum in a fixed order). So results differ from XLA's by float32
 rounding only, and a row's bits depend neither on how many rows share the call nor on the
-threads; a gradient, where one is asked for, is XLA's (custom_vjp).
+threads (the prompt kernel's rows: the same bits in any call of PROMPT_ROWS rows or more); a
+gradient, where one is asked for, is XLA's (custom_vjp).
 """
 
 from __future__ import annotations

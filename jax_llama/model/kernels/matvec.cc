@@ -18,6 +18,8 @@
 //   (JAX_LLAMA_INT4_ACTIVATIONS=int8)                              "jax_llama_matvec_int4_q8"
 //   the same with x rounded to bfloat16 (JAX_LLAMA_INT4_ACTIVATIONS=bfloat16)
 //                                                                  "jax_llama_matvec_int4_bf16"
+//   the same for a prompt's many rows of x (bfloat16 pairs multiplied, AVX512_BF16)
+//                                                                  "jax_llama_prompt_int4_bf16"
 //   out = softmax(q k^T / sqrt(H) + mask) v        k, v: layer l of the cache, read in place
 //                                                                 "jax_llama_decode_attention"
 //
