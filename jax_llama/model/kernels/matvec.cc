@@ -1801,21 +1801,23 @@ ffi::Error PromptInt4Bf16(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
     for (auto& part : job->parts) std::fill(part.y, part.y + M * part.O, 0.0f);
     return ffi::Error::Success();
   }
-  // x' as bfloat16 bits, and each group's sum of x' (a fixed tree over its two vectors)
-  thread_local std::vector<float> rounded, sx;
-  thread_local std::vector<uint16_t> xb;
-  if (rounded.size() < size_t(M * I)) rounded.resize(M * I), xb.resize(M * I);
-  RoundBf16s(x.typed_data(), M * I, rounded.data());
-  for (int64_t i = 0; i < M * I; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &rounded[i], sizeof(u));
-    xb[i] = static_cast<uint16_t>(u >> 16);
-  }
-  if (asymmetric) {
-    sx.resize(M * G);
-    for (int64_t r = 0; r < M * G; ++r)
-      sx[r] = HorizontalSum(Add(Load(rounded.data() + r * kGroup4),
-                                Load(rounded.data() + r * kGroup4 + kLanes)));
+  // x' as bfloat16 bits, and each group's sum of x' (a fixed tree over its two vectors), a row
+  // at a time; held for this call only (a long prompt's x' is as big as a third of x)
+  std::vector<uint16_t> xb(M * I);
+  std::vector<float> sx(asymmetric ? M * G : 0);
+  thread_local std::vector<float> row;
+  row.resize(I);
+  for (int64_t r = 0; r < M; ++r) {
+    RoundBf16s(x.typed_data() + r * I, I, row.data());
+    for (int64_t i = 0; i < I; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &row[i], sizeof(u));
+      xb[r * I + i] = static_cast<uint16_t>(u >> 16);
+    }
+    if (asymmetric)
+      for (int64_t g = 0; g < G; ++g)
+        sx[r * G + g] = HorizontalSum(Add(Load(row.data() + g * kGroup4),
+                                          Load(row.data() + g * kGroup4 + kLanes)));
   }
   job->xb = xb.data(), job->sx = sx.data();
   RunUnits(job, true);
