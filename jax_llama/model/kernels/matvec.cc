@@ -1497,6 +1497,37 @@ void RunUnit(const Rows4Job& j, int64_t u) {
 // 8 bits per group ("jax_llama_matvec_int4_q8").
 enum class Activations { kFloat32, kInt8, kBfloat16 };
 
+// Weight k of a 4-bit call - q (O, I / 2) uint8, scale (O, I / 32) and min (O, I / 32) or (0,):
+// none, m = -8 scale; both float32 or both float16 - and its output y (M, O), into a part's
+// q, d / dh, m / mh, symmetric, y and O (Rows4Part, PromptPart); false where they are not so.
+template <typename Part>
+bool ReadInt4(ffi::RemainingArgs& args, ffi::RemainingRets& rets, size_t k, int64_t M, int64_t I,
+              Part& part) {
+  auto q = args.get<ffi::Buffer<ffi::U8>>(3 * k);
+  auto d = args.get<ffi::AnyBuffer>(3 * k + 1);
+  auto m = args.get<ffi::AnyBuffer>(3 * k + 2);
+  auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
+  if (!q.has_value() || !d.has_value() || !m.has_value() || !y.has_value()) return false;
+  const ffi::DataType kind = d->element_type();
+  if ((kind != ffi::DataType::F32 && kind != ffi::DataType::F16) || m->element_type() != kind)
+    return false;
+  auto qd = q->dimensions(), yd = (*y)->dimensions();
+  const int64_t O = qd.size() == 2 ? qd[0] : -1, G = I / kGroup4;
+  const bool symmetric = m->element_count() == 0;
+  if (O < 0 || qd[1] * 2 != I || d->element_count() != O * G ||
+      (!symmetric && m->element_count() != O * G) || yd.size() != 2 || yd[0] != M || yd[1] != O)
+    return false;
+  part.q = q->typed_data(), part.y = (*y)->typed_data(), part.O = O, part.symmetric = symmetric;
+  if (kind == ffi::DataType::F32) {
+    part.d = static_cast<const float*>(d->untyped_data());
+    if (!symmetric) part.m = static_cast<const float*>(m->untyped_data());
+  } else {
+    part.dh = static_cast<const uint16_t*>(d->untyped_data());
+    if (!symmetric) part.mh = static_cast<const uint16_t*>(m->untyped_data());
+  }
+  return true;
+}
+
 ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::RemainingRets rets,
                     Activations activations) {
   const bool q8 = activations == Activations::kInt8;
@@ -1549,36 +1580,14 @@ ffi::Error Int4Rows(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args, ffi::Remai
   const int64_t threads = 1 + GetHelpers()->threads;  // who may share the units
   size_t bytes = 0;
   for (size_t k = 0; k < rets.size(); ++k) {
-    auto q = args.get<ffi::Buffer<ffi::U8>>(3 * k);
-    auto d = args.get<ffi::AnyBuffer>(3 * k + 1);
-    auto m = args.get<ffi::AnyBuffer>(3 * k + 2);
-    auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
-    if (!q.has_value() || !d.has_value() || !m.has_value() || !y.has_value())
-      return ffi::Error::InvalidArgument(kWhat);
-    const ffi::DataType kind = d->element_type();
-    if ((kind != ffi::DataType::F32 && kind != ffi::DataType::F16) || m->element_type() != kind)
-      return ffi::Error::InvalidArgument(kWhat);
-    auto qd = q->dimensions(), yd = (*y)->dimensions();
-    const int64_t O = qd.size() == 2 ? qd[0] : -1;
-    const int64_t G = job->I / kGroup4;
-    const bool symmetric = m->element_count() == 0;
-    if (O < 0 || qd[1] * 2 != job->I || d->element_count() != O * G ||
-        (!symmetric && m->element_count() != O * G) || yd.size() != 2 || yd[0] != job->M ||
-        yd[1] != O)
-      return ffi::Error::InvalidArgument(kWhat);
-    Rows4Part part{q->typed_data(), nullptr, nullptr, (*y)->typed_data(), O, job->units,
-                   UnitRows4(O, job->I, threads)};
-    part.symmetric = symmetric;
-    if (kind == ffi::DataType::F32) {
-      part.d = static_cast<const float*>(d->untyped_data());
-      if (!symmetric) part.m = static_cast<const float*>(m->untyped_data());
-    } else {
-      part.dh = static_cast<const uint16_t*>(d->untyped_data());
-      if (!symmetric) part.mh = static_cast<const uint16_t*>(m->untyped_data());
-    }
+    Rows4Part part{};
+    if (!ReadInt4(args, rets, k, job->M, job->I, part)) return ffi::Error::InvalidArgument(kWhat);
+    const int64_t O = part.O, G = job->I / kGroup4;
+    const bool symmetric = part.symmetric;
+    part.first_unit = job->units, part.unit_rows = UnitRows4(O, job->I, threads);
     if (job->M > 0) job->units += (O + part.unit_rows - 1) / part.unit_rows;
     job->parts.push_back(part);
-    const size_t field = kind == ffi::DataType::F32 ? 4 : 2;  // a scale's or a minimum's bytes
+    const size_t field = part.d != nullptr ? 4 : 2;  // a scale's or a minimum's bytes
     bytes += size_t(O) * size_t(job->I) / 2 + size_t(O * G) * field * (symmetric ? 1 : 2);
   }
   if (job->I == 0)
@@ -1767,34 +1776,11 @@ ffi::Error PromptInt4Bf16(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
   const int64_t M = job->M, I = job->I, G = I / kGroup4;
   bool asymmetric = false;
   for (size_t k = 0; k < rets.size(); ++k) {
-    auto q = args.get<ffi::Buffer<ffi::U8>>(3 * k);
-    auto d = args.get<ffi::AnyBuffer>(3 * k + 1);
-    auto m = args.get<ffi::AnyBuffer>(3 * k + 2);
-    auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
-    if (!q.has_value() || !d.has_value() || !m.has_value() || !y.has_value())
-      return ffi::Error::InvalidArgument(kWhat);
-    const ffi::DataType kind = d->element_type();
-    if ((kind != ffi::DataType::F32 && kind != ffi::DataType::F16) || m->element_type() != kind)
-      return ffi::Error::InvalidArgument(kWhat);
-    auto qd = q->dimensions(), yd = (*y)->dimensions();
-    const int64_t O = qd.size() == 2 ? qd[0] : -1;
     PromptPart part;
-    part.symmetric = m->element_count() == 0;
-    if (O < 0 || qd[1] * 2 != I || d->element_count() != O * G ||
-        (!part.symmetric && m->element_count() != O * G) || yd.size() != 2 || yd[0] != M ||
-        yd[1] != O)
-      return ffi::Error::InvalidArgument(kWhat);
-    part.q = q->typed_data(), part.y = (*y)->typed_data(), part.O = O;
+    if (!ReadInt4(args, rets, k, M, I, part)) return ffi::Error::InvalidArgument(kWhat);
     part.first_unit = job->units;
-    if (kind == ffi::DataType::F32) {
-      part.d = static_cast<const float*>(d->untyped_data());
-      if (!part.symmetric) part.m = static_cast<const float*>(m->untyped_data());
-    } else {
-      part.dh = static_cast<const uint16_t*>(d->untyped_data());
-      if (!part.symmetric) part.mh = static_cast<const uint16_t*>(m->untyped_data());
-    }
     asymmetric |= !part.symmetric;
-    if (M > 0 && I > 0) job->units += (O + kPromptRows - 1) / kPromptRows;
+    if (M > 0 && I > 0) job->units += (part.O + kPromptRows - 1) / kPromptRows;
     job->parts.push_back(part);
   }
   if (I == 0 || M == 0) {
