@@ -170,6 +170,7 @@ def test_config_as_transformers_4_and_5_write_it():
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ({"model_type": "mixtral"}, "model_type 'mixtral' is not supported"),
+    ({"model_type": []}, r"model_type \[\] is not supported"),  # found by test_fuzz
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope type 'linear' is not supported"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config is not supported"),

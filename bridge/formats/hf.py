@@ -126,7 +126,7 @@ def config_from_hf(d: dict, where: Path | str) -> tuple[LlamaConfig, list[str]]:
     """LlamaConfig and notes from an HF config.json dict; unsupported settings refused by name."""
     notes = []
     family = d.get("model_type", "llama")
-    if family not in _ARCHITECTURES:
+    if not isinstance(family, str) or family not in _ARCHITECTURES:  # [] is unhashable
         raise BridgeError(f"{where}: model_type {family!r} is not supported (only "
                           f"{', '.join(map(repr, _ARCHITECTURES))})")
     for key, supported in _UNSUPPORTED.items():
