@@ -838,9 +838,9 @@ def test_a_stored_load_holds_the_readers_arrays_and_lets_go_of_the_files_pages(g
     made = []
     original = jax_llama.checkpoint._on_device
 
-    def on_device(value):
-        made.append(value)
-        return original(value)
+    def on_device(values):
+        made.extend(values)
+        return original(values)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(jax_llama.checkpoint, "_on_device", on_device)

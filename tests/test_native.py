@@ -140,3 +140,42 @@ def test_compiled_q4_k_gives_numpys_bytes(compiled):
     for helpers in (Helpers(), compiled):
         with using(helpers), pytest.raises(BridgeError, match="beyond float16"):
             from_q4_k_blocks(huge.reshape(-1), (O, I))
+
+
+def _gguf_with_strings(path, strings: list[bytes], claimed: int | None = None):
+    """A GGUF v3 file whose one key holds `strings` (raw bytes, each length-prefixed), its count
+    `claimed` (default their number) and a second key after it."""
+    import struct
+    body = b"".join(struct.pack("<Q", len(s)) + s for s in strings)
+    key = lambda name: struct.pack("<Q", len(name)) + name  # noqa: E731
+    data = (b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+            + key(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, claimed or len(strings))
+            + body + key(b"general.name") + struct.pack("<I", 8) + key(b"after"))
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("strings", [
+    [b"a", b"", "\u00e9t\u00e9 \u2581the".encode(), b"\n", "\U0001f600".encode()] * 50,
+    [b"zero\x00inside", b"b"],  # a zero byte: the strings are read one by one, the same
+])
+def test_a_string_array_reads_the_same_compiled_and_in_python(strings, compiled, tmp_path):
+    """A GGUF string array (a vocabulary) is walked by loading.cc's string_ends and decoded at
+    once: the same strings, and the key after it, as Python's loop reads them. Negative cases:
+    a string that is not UTF-8 and one that runs past the end are refused by name both ways."""
+    from bridge.errors import BridgeError
+    from bridge.gguf.container import read_gguf
+    from bridge.gguf.native import Helpers, using
+
+    path = _gguf_with_strings(tmp_path / "v.gguf", strings)
+    fast = read_gguf(path).fields
+    with using(Helpers()):
+        slow = read_gguf(path).fields
+    assert fast == slow and fast["tokenizer.ggml.tokens"] == [s.decode() for s in strings]
+    assert fast["general.name"] == "after"
+    for name, bad, claimed in (("not UTF-8", [b"ok", b"\xe2\x82", b"\xac"], None),
+                               ("past the end", [b"ok"], 1000)):
+        path = _gguf_with_strings(tmp_path / f"{name}.gguf", bad, claimed)
+        for chosen in (compiled, Helpers()):
+            with using(chosen), pytest.raises(BridgeError, match="truncated or corrupt"):
+                read_gguf(path)

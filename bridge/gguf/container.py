@@ -113,6 +113,31 @@ def read_gguf(path: str | Path) -> GGUFFile:
         raise
 
 
+def _strings(data: mmap.mmap, at: int, n: int) -> tuple[list[str], int] | None:
+    """n length-prefixed strings from `at` (a GGUF string array) and the offset past them, where
+    bridge/native's string_ends is built: the array's bytes with each 8-byte length zeroed,
+    decoded at once and split at those runs of 8 zeros. None where it is not built, a string runs
+    past the end, one is not UTF-8 or one holds a zero byte: the caller's loop then reads them
+    (and says which fault)."""
+    from .native import helpers
+
+    walk = helpers().string_ends
+    raw = np.frombuffer(data, np.uint8)
+    ends = None if walk is None or n == 0 else walk(raw, at, n)
+    if ends is None:
+        return None
+    region = raw[at:ends[-1]].copy()
+    lengths_at = np.concatenate([[0], ends[:-1] - at])  # each length's first byte in region
+    region[(lengths_at[:, None] + np.arange(8)).ravel()] = 0
+    if np.count_nonzero(region == 0) != 8 * n:  # a zero byte within a string
+        return None
+    try:
+        parts = region.tobytes().decode("utf-8").split("\0" * 8)
+    except UnicodeDecodeError:
+        return None
+    return (parts[1:], int(ends[-1])) if len(parts) == n + 1 and not parts[0] else None
+
+
 def _parse(path: Path, data: mmap.mmap, gguf) -> GGUFFile:
     size = len(data)
     (version,) = struct.unpack_from("<I", data, 4)
@@ -143,6 +168,8 @@ def _parse(path: Path, data: mmap.mmap, gguf) -> GGUFFile:
             fmt = f"<{n}{SCALARS[item]}"
             return list(struct.unpack_from(fmt, data, at)), at + struct.calcsize(fmt)
         out = []
+        if item == STRING and (found := _strings(data, at, n)) is not None:
+            return found
         if item == STRING:  # a vocabulary: inlined, it is most of the reading
             for _ in range(n):
                 length = int.from_bytes(data[at:at + 8], "little")

@@ -40,6 +40,9 @@ class Helpers:
     # layout, the scales and minima rounded to float16 (bridge.gguf.int4.from_q4_k_blocks's)
     from_q4_k_blocks: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
                                tuple[float, float, bool]] | None = None
+    # (data (the file's bytes) uint8, at, n) -> ends (n,) int64, or None where a string runs past
+    # the end: where each of the n length-prefixed strings from `at` ends (a GGUF string array)
+    string_ends: Callable[[np.ndarray, int, int], np.ndarray | None] | None = None
 
 
 # the block types int8_rows reads: (weights, bytes) a block
@@ -78,6 +81,8 @@ def _compiled(lib: ctypes.CDLL) -> Helpers:
     rows.restype = None
     q4_k = lib.bridge_from_q4_k_blocks
     q4_k.argtypes, q4_k.restype = [pointer, size, pointer, pointer, pointer, pointer], ctypes.c_int
+    walk = lib.bridge_string_ends
+    walk.argtypes, walk.restype = [pointer, size, size, size, pointer], ctypes.c_int
 
     def from_q4_blocks(blocks, packed, d, m) -> None:
         O, G, block = blocks.shape
@@ -104,8 +109,13 @@ def _compiled(lib: ctypes.CDLL) -> Helpers:
                       low.ctypes.data, sums)
         return sums[0], sums[1], bool(finite)
 
+    def string_ends(data, at, n) -> np.ndarray | None:
+        assert data.dtype == np.uint8 and data.ndim == 1
+        ends = np.empty(n, np.int64)
+        return ends if walk(data.ctypes.data, data.size, at, n, ends.ctypes.data) == 0 else None
+
     return Helpers(from_q4_blocks=from_q4_blocks, int8_rows=int8_rows,
-                   from_q4_k_blocks=from_q4_k_blocks)
+                   from_q4_k_blocks=from_q4_k_blocks, string_ends=string_ends)
 
 
 def _check_c_order(*arrays) -> None:
