@@ -65,7 +65,7 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
     shapes = canonical_shapes(config) if shapes is None else shapes
     params: dict = {}
     pending: list = []  # (node, leaf, host array, transposed), put on the device together
-    held = [0]  # their bytes
+    held = 0  # their bytes
 
     def module(path) -> dict:  # the params of the module `path` ends in, made as needed
         node = params
@@ -74,15 +74,17 @@ def params_from_tensors(get: Callable[[str], np.ndarray], config: LlamaConfig, *
         return node
 
     def flush():
+        nonlocal held
         for (node, leaf, _, flip), value in zip(pending, _on_device([v for _, _, v, _ in pending])):
             node[leaf] = _transposed(value) if flip else value
         pending.clear()
-        held[0] = 0
+        held = 0
 
     def later(node, leaf, value, flip=False):
+        nonlocal held
         pending.append((node, leaf, value, flip))
-        held[0] += value.nbytes
-        if held[0] >= PUT_TOGETHER_BYTES:
+        held += value.nbytes
+        if held >= PUT_TOGETHER_BYTES:
             flush()
 
     def put(path, value):

@@ -335,6 +335,7 @@ def test_a_prompt_of_4_bit_weights_is_the_rounded_x_times_the_weight(M, I, O, mi
     same bits in any prompt (5 rows later in another; the tail after the last tile of 4).
     Negative cases: swapped nibbles and the unrounded x are outside the bound, and with float32
     activations the prompt kernel is not what runs."""
+    from bridge.int4 import unpack
     if not kernels.prompt_bf16():
         pytest.skip("the prompt kernel needs AVX512_BF16 (this library runs the decode kernel)")
     rng = np.random.default_rng(M + I + O)
@@ -343,7 +344,7 @@ def test_a_prompt_of_4_bit_weights_is_the_rounded_x_times_the_weight(M, I, O, mi
     (packed, d, m), w = int4_weight(rng, I, O)
     if not minima:
         m = None
-        w = (unpack_rows(packed) - 8.0) * np.repeat(d.astype(np.float64), 32, axis=1)
+        w = (unpack(packed) - 8.0) * np.repeat(d.astype(np.float64), 32, axis=1)
     xb = round_bf16(x)
     want = xb @ w.T.astype(np.float64)
     limit = bound_bf16(xb, packed, d, np.float16(-8) * d if m is None else m)
@@ -371,12 +372,6 @@ def test_a_prompt_of_4_bit_weights_is_the_rounded_x_times_the_weight(M, I, O, mi
     assert "jax_llama_prompt_int4_bf16" not in str(jax.make_jaxpr(kernels.matvec_int4)(x[:8],
                                                                                        [weight]))
     assert not kernels.usable(jnp.zeros((kernels.MAX_ROWS_INT4 + 1, I)), packed, d, m)
-
-
-def unpack_rows(packed):
-    """q (O, I) in float64 from the packed rows (bridge.int4.unpack)."""
-    from bridge.int4 import unpack
-    return unpack(packed).astype(np.float64)
 
 
 def test_every_variant_compiles():
