@@ -139,7 +139,10 @@ def activations() -> str:
     matvec.cc; what llama.cpp's Q4 dot products do to x, its Q8 activations) or "bfloat16"
     (each input rounded to the nearest bfloat16, ties to even, the gradient passing straight
     through; the decode kernel multiplies bfloat16 pairs where the CPU has AVX512_BF16, and
-    factors each group's scale out of its exact products x' q with AVX2 alone).
+    factors each group's scale out of its exact products x' q with AVX2 alone). int8 weights
+    (the projections; not a tied head) take x rounded to bfloat16 where that is the choice, so
+    that a prompt meets them in bfloat16 pairs too, and as it is otherwise: 8-bit x is the
+    4-bit kernels' alone (jax_llama.model.projections.int8_input).
 
     $JAX_LLAMA_INT4_ACTIVATIONS, where set, decides; else an enclosing using_activations; else
     float32 (generation: GENERATION_DEFAULT, generation_activations). Read when a program is

@@ -47,15 +47,6 @@ def with_activations(kind: str, run):
             os.environ[ACTIVATIONS_ENV] = before
 
 
-def windows(tokenizer, n: int, size: int) -> list[list[int]]:
-    lines = (ROOT.parent / "shared" / "data" / "sst" / "dev.txt").read_text().splitlines()
-    text = "\n".join(line.split("|||", 1)[1].strip() for line in lines if "|||" in line)
-    ids = tokenizer.encode(text)
-    if len(ids) < n * size:
-        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {n} windows of {size}")
-    return [ids[k * size:(k + 1) * size] for k in range(n)]
-
-
 def nll_jax(model, params, chunks) -> float:
     import jax
     import jax.numpy as jnp
@@ -101,11 +92,11 @@ def main(argv=None) -> int:
     from bridge.tokenizer import find_tokenizer
     from jax_llama.quantize import quantize
     from llama_twins import results
-    from llama_twins.bench.common import cpu_model, given_or_smollm2
+    from llama_twins.bench.common import cpu_model, given_or_smollm2, sst_windows
 
     source = given_or_smollm2(None)
     tokenizer = find_tokenizer(source)
-    chunks = windows(tokenizer, args.windows, args.window)
+    chunks = sst_windows(tokenizer, args.windows, args.window)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="int4-ppl-") as tmp:
         files = {t: convert(source, Path(tmp) / f"smollm2-{t}.gguf", to="gguf", dtype=t,

@@ -1,16 +1,19 @@
-"""A prompt's rows through 4-bit weights: the prompt kernel against XLA's product.
+"""A prompt's rows through 4-bit or int8 weights: the prompt kernel against XLA's product.
 
-    python scripts/prompt_int4.py [--shapes smollm2,llama3-8b] [--rows 512] [--rounds 7]
-        [--out results/kernels]
+    python scripts/prompt_int4.py [--weights int4|int8] [--shapes smollm2,llama3-8b]
+        [--rows 512] [--rounds 7] [--out results/kernels]
 
 For each model's projections (fused q/k/v, o, fused gate/up, down, as
-jax_llama.model.projections calls them) with random 4-bit weights (Q4_0's form: float16 scales,
-no minima), `--rows` rows of x (a prompt) with bfloat16 activations (generation's default) go
-through both implementations in alternating calls: "xla" (projections.int4_matmul: x rounded to
-bfloat16, the weight dequantised to float32 and multiplied by XLA's dot, what a prefill ran
-before the prompt kernel) and "kernel" (kernels.matvec_int4, which takes PROMPT_ROWS rows or more
-to "jax_llama_prompt_int4_bf16" where the library has AVX512_BF16). Reports the medians, GFLOP/s
-and xla / kernel, with the CPU; writes OUT/prompt_int4.{json,md}.
+jax_llama.model.projections calls them) with random weights, `--rows` rows of x (a prompt) with
+bfloat16 activations (generation's default) go through both implementations in alternating
+calls: "xla", what a prefill ran before the prompt kernels (int4: projections.int4_matmul, x
+rounded to bfloat16, the weight dequantised to float32 and multiplied by XLA's dot; int8:
+projections.int8_matmul on the rounded x, XLA's float32 product by blocks of columns), and
+"kernel" (kernels.matvec_int4 or matvec_int8, which take PROMPT_ROWS rows or more to
+"jax_llama_prompt_int4_bf16" / "jax_llama_prompt_int8_bf16" where the library has AVX512_BF16).
+The 4-bit weights are Q4_0's form (float16 scales, no minima), the int8 ones have one float32
+scale an output (a Q8_0 or Q6_K file's int8 rows). Reports the medians, GFLOP/s and xla /
+kernel, with the CPU; writes OUT/prompt_<weights>.{json,md}.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ SHAPES = {"smollm2": (576, 1536, 192), "llama3.2-1b": (2048, 8192, 512),
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--weights", choices=("int4", "int8"), default="int4")
     ap.add_argument("--shapes", default="smollm2,llama3-8b")
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=7)
@@ -39,7 +43,7 @@ def main() -> None:
 
     from bridge.int4 import using_activations
     from jax_llama.model import kernels
-    from jax_llama.model.projections import int4_matmul
+    from jax_llama.model.projections import int4_matmul, int8_input, int8_matmul
     from llama_twins.bench.common import code_paths, code_paths_line, cpu_model
 
     if not kernels.prompt_bf16():
@@ -50,14 +54,24 @@ def main() -> None:
     for name in args.shapes.split(","):
         D, F, KV = SHAPES[name]
         for I, outs in ((D, [D, KV, KV]), (D, [D]), (D, [F, F]), (F, [D])):
-            ws = [(jnp.asarray(rng.integers(0, 256, (O, I // 2), dtype=np.uint8)),
-                   jnp.asarray((rng.random((O, I // 32)) * 0.01 + 1e-3).astype(np.float16)),
-                   None) for O in outs]
+            if args.weights == "int4":
+                ws = [(jnp.asarray(rng.integers(0, 256, (O, I // 2), dtype=np.uint8)),
+                       jnp.asarray((rng.random((O, I // 32)) * 0.01 + 1e-3).astype(np.float16)),
+                       None) for O in outs]
+            else:
+                ws = [(jnp.asarray(rng.integers(-127, 128, (I, O), dtype=np.int8)),
+                       jnp.asarray((rng.random((1, O)) * 0.01 + 1e-4).astype(np.float32)))
+                      for O in outs]
             x = jnp.asarray(rng.standard_normal((args.rows, I)).astype(np.float32))
             with using_activations("bfloat16"):
-                xla = jax.jit(lambda x, ws: [int4_matmul(x, q, d, m, jnp.float32)
-                                             for q, d, m in ws])
-                kernel = jax.jit(kernels.matvec_int4)
+                if args.weights == "int4":
+                    xla = jax.jit(lambda x, ws: [int4_matmul(x, q, d, m, jnp.float32)
+                                                 for q, d, m in ws])
+                    kernel = jax.jit(kernels.matvec_int4)
+                else:
+                    xla = jax.jit(lambda x, ws: [int8_matmul(int8_input(x), q, s, jnp.float32)
+                                                 for q, s in ws])
+                    kernel = jax.jit(lambda x, ws: kernels.matvec_int8(int8_input(x), ws))
                 a, b = xla(x, ws), kernel(x, ws)
             err = max(float(jnp.abs(u - v).max() / jnp.abs(u).max()) for u, v in zip(a, b))
             times = {"xla": [], "kernel": []}
@@ -82,17 +96,18 @@ def main() -> None:
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "prompt_int4.json").write_text(json.dumps(dict(command=command, machine=machine,
+    (out / f"prompt_{args.weights}.json").write_text(json.dumps(dict(command=command, machine=machine,
                                                           rows=rows), indent=1) + "\n")
-    lines = [f"# {args.rows} prompt rows through 4-bit weights: the prompt kernel against XLA",
+    kind = "4-bit" if args.weights == "int4" else "int8"
+    lines = [f"# {args.rows} prompt rows through {kind} weights: the prompt kernel against XLA",
              "", f"`{command}`; {machine}; medians of {args.rounds} alternating calls.", "",
              "| model | call (in -> outs) | xla ms | kernel ms | xla GFLOP/s | kernel GFLOP/s "
              "| xla / kernel |", "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['model']} | {r['call']} | {r['xla_ms']:.1f} | {r['kernel_ms']:.1f} | "
               f"{r['xla_gflops']:.0f} | {r['kernel_gflops']:.0f} | {r['ratio']:.2f}x |"
               for r in rows]
-    (out / "prompt_int4.md").write_text("\n".join(lines) + "\n")
-    print(f"written: {out / 'prompt_int4.md'}, {out / 'prompt_int4.json'}")
+    (out / f"prompt_{args.weights}.md").write_text("\n".join(lines) + "\n")
+    print(f"written: {out / f'prompt_{args.weights}.md'}, {out / f'prompt_{args.weights}.json'}")
 
 
 if __name__ == "__main__":

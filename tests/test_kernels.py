@@ -374,6 +374,46 @@ def test_a_prompt_of_4_bit_weights_is_the_rounded_x_times_the_weight(M, I, O, mi
     assert not kernels.usable(jnp.zeros((kernels.MAX_ROWS_INT4 + 1, I)), packed, d, m)
 
 
+@pytest.mark.parametrize("M,I,O", [(32, 96, 37), (37, 576, 100), (130, 64, 200),
+                                   (40, 2048, 48)])
+def test_a_prompt_of_int8_weights_is_the_rounded_x_times_the_weight(M, I, O, monkeypatch):
+    """int8 weights (I, O) with one scale an output meet PROMPT_ROWS rows of bfloat16
+    activations in the prompt kernel: within the float32 bound of the float64 product of the
+    rounded x and Q times s (`bound`, with I / 16 + 64 additions in a chain: each group's
+    vdpbf16ps sums, then the groups scaled into the output), several weights in one call equal
+    each alone, and a row gets the same bits in another prompt 5 rows later. Negative cases: the
+    weight's rows shifted by one input and the unrounded x fall outside the bound, float32
+    activations and I not a multiple of 32 do not take the prompt kernel."""
+    if not kernels.prompt_bf16():
+        pytest.skip("the prompt kernels need AVX512_BF16")
+    rng = np.random.default_rng(M + I + O + 8)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    x[0, :3] = [3e4, -1e-3, 0.0]
+    q = rng.integers(-127, 128, (I, O)).astype(np.int8)
+    s = (rng.random((1, O)) * 0.01 + 1e-4).astype(np.float32)
+    xb = round_bf16(x)
+    want = xb @ (q.astype(np.float64) * s.astype(np.float64))
+    limit = (I / 16 + 64) / I * bound(xb, q, s[0])  # bound's I additions -> the chain's
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "bfloat16")
+    assert kernels.usable(jnp.asarray(x), q, s)
+    assert "jax_llama_prompt_int8_bf16" in str(jax.make_jaxpr(kernels.matvec_int8)(x, [(q, s)]))
+    got = np.asarray(kernels.matvec_int8(x, [(q, s)])[0])
+    assert np.all(np.abs(got - want) <= limit)
+    later = np.asarray(kernels.matvec_int8(np.vstack([x[-5:], x]), [(q, s)])[0])
+    np.testing.assert_array_equal(later[5:], got)
+    other = (rng.integers(-127, 128, (I, 40)).astype(np.int8), np.full((1, 40), 0.5, np.float32))
+    both = kernels.matvec_int8(x, [(q, s), other])
+    np.testing.assert_array_equal(np.asarray(both[0]), got)
+    np.testing.assert_array_equal(np.asarray(both[1]), np.asarray(kernels.matvec_int8(x, [other])[0]))
+    shifted = np.asarray(kernels.matvec_int8(x, [(np.roll(q, 1, axis=0), s)])[0], np.float64)
+    assert not np.all(np.abs(shifted - want) <= limit)
+    unrounded = x.astype(np.float64) @ (q.astype(np.float64) * s.astype(np.float64))
+    assert not np.all(np.abs(unrounded - want) <= limit)
+    assert not kernels.usable(jnp.zeros((M, I + 1)), np.zeros((I + 1, O), np.int8), s)
+    monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
+    assert not kernels.usable(jnp.asarray(x), q, s)
+
+
 def test_every_variant_compiles():
     """Each instruction set's library compiles (built once into the kernel cache, at once where
     it is there): a CPU with AVX-512 but no AVX512_BF16 (Skylake to Cascade Lake), one with AVX2

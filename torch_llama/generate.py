@@ -3,8 +3,8 @@ then one decode step per new token. The same semantics as jax_llama.generate, so
 decoding agrees token for token between the twins.
 
 Sampling is a few free functions over logits (B, V); the model knows only how to run a step with
-a cache. Axis letters as in torch_llama.model. 4-bit projections take the activations chosen for
-generation (bridge.int4.generation_activations), as in jax_llama.generate.
+a cache. Axis letters as in torch_llama.model. Quantised projections take the activations chosen
+for generation (bridge.int4.generation_activations), as in jax_llama.generate.
 """
 
 from __future__ import annotations

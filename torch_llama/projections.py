@@ -117,7 +117,10 @@ class Linear(Int8Weight, nn.Linear):
         if self.weight.dtype == torch.uint8:
             y = int4_linear(x, self.weight, self.weight_scale, getattr(self, "weight_min", None))
         elif self.weight.dtype == torch.int8:
-            y = int8_linear(x, self.weight, self.weight_scale, self._scale_in(x.dtype))
+            # x rounded to bfloat16 where those are the activations chosen (generation's
+            # default): jax_llama.model.projections.int8_input's twin; the tied head takes x as is
+            xq = round_to_bfloat16(x) if activations() == "bfloat16" else x
+            y = int8_linear(xq, self.weight, self.weight_scale, self._scale_in(x.dtype))
         else:
             y = super().forward(x)  # x W^T (+ bias)
         if self.bias is not None and not self.weight.is_floating_point():

@@ -11,9 +11,10 @@ one token per call.
 Sampling is a few pure functions of (logits, PRNG key) under a bridge.sampling.Sampler:
 temperature (0 = greedy), top-k, top-p; the torch twin implements the same rules.
 
-4-bit projections take the activations chosen for generation (bridge.int4.generation_activations:
-the environment's, a caller's using_activations, else bfloat16): each program takes the choice as
-a static argument, so it is compiled for the one it runs.
+Quantised projections take the activations chosen for generation (bridge.int4.generation_activations:
+the environment's, a caller's using_activations, else bfloat16; int8 weights take bfloat16 or
+float32 x, projections.int8_input): each program takes the choice as a static argument, so it is
+compiled for the one it runs.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ class Linear(nn.Module):
                 out = int4_matmul(x_MD, kernel, scale, low, self.dtype)
         elif self.has_variable("params", "scale"):  # int8 weights (jax_llama.quantize)
             kernel, scale = (self.get_variable("params", n) for n in ("kernel", "scale"))
+            x_MD = int8_input(x_MD)
             if _kernels_on(self.kernels) and decode_kernels.usable(x_MD, kernel, scale):
                 out = decode_kernels.matvec(x_MD, kernel, scale).astype(self.dtype)
             else:
@@ -165,8 +166,8 @@ class Projections:
             if all(s is None for _, s, _ in weights):
                 return decode_kernels.matvec_f32(x, [w for w, _, _ in weights])
             if all(w.dtype == jnp.int8 for w, _, _ in weights):
-                return [y.astype(module.dtype)
-                        for y in decode_kernels.matvec_int8(x, [(w, s) for w, s, _ in weights])]
+                return [y.astype(module.dtype) for y in decode_kernels.matvec_int8(
+                    int8_input(x), [(w, s) for w, s, _ in weights])]
             if all(w.dtype == jnp.uint8 for w, _, _ in weights):  # 4-bit, with minima or not
                 return decode_kernels.matvec_int4(x, weights)
         return [Linear(f, dtype=module.dtype, param_dtype=module.param_dtype,
@@ -238,6 +239,15 @@ class Embed(nn.Embed):
             return decode_kernels.matvec_rows(x_MD, self.embedding, self.scale_VG).astype(
                 self.dtype)
         return int8_matmul(x_MD, self.embedding.T, self.scale_VG.T, self.dtype)
+
+
+def int8_input(x_MI):
+    """x as an int8 projection takes it: rounded to bfloat16 where the activations chosen are
+    bfloat16 (bridge.int4.activations: generation's default), so that a prompt's rows can meet
+    the weights in bfloat16 pairs (jax_llama.model.kernels' prompt kernel) and its decode steps
+    take the same x'; as it is otherwise (8-bit activations are the 4-bit kernels' alone). The
+    tied LM head (Embed.attend) takes x as it is. torch_llama.projections.Linear's twin."""
+    return decode_kernels.round_to_bfloat16(x_MI) if activations() == "bfloat16" else x_MI
 
 
 def int8_matmul(x_MI, q_IO, scale_GO, dtype):

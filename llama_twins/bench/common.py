@@ -393,3 +393,16 @@ def write_results(name: str, lines: list[str], data: dict, directory: str = ".")
     from ..results import write
 
     print(write(name, data, lines, directory), end="")
+
+
+def sst_windows(tokenizer, n: int, size: int) -> list[list[int]]:
+    """n windows of `size` token ids of held-out text, one after another: ../shared/data/sst/
+    dev.txt's sentences (labels dropped) joined by newlines, tokenized by `tokenizer` (the
+    quality scripts' text: int4_perplexity.py, activation_kl.py)."""
+    shared = Path(__file__).resolve().parents[2].parent / "shared"
+    lines = (shared / "data" / "sst" / "dev.txt").read_text().splitlines()
+    text = "\n".join(line.split("|||", 1)[1].strip() for line in lines if "|||" in line)
+    ids = tokenizer.encode(text)
+    if len(ids) < n * size:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than {n} windows of {size}")
+    return [ids[k * size:(k + 1) * size] for k in range(n)]

@@ -22,10 +22,10 @@ projection of up to 8 rows through it (a model's `kernels` allowing), float32 or
 v in one call, gate and up in another), a tied LM head through matvec_rows, and attention of a
 few float32 queries over the KV cache through attend_cache: one call a layer that reads the layer in place, where XLA ran a dozen small
 operations (the layer sliced and transposed, two batched matmuls, the softmax's passes).
-One prompt path too: 4-bit weights with bfloat16 activations (generation's prefill) meet
-PROMPT_ROWS rows or more in matvec.cc's prompt kernel, which multiplies bfloat16 pairs where the
-library has AVX512_BF16 (twice float32's products a cycle; a prompt is bound by arithmetic, not
-by reading weights). On SmolLM2 at batch 1 (a 2-core AMD EPYC, every row alternating with llama.cpp's;
+One prompt path too: 4-bit and int8 weights with bfloat16 activations (generation's prefill)
+meet PROMPT_ROWS rows or more in matvec.cc's prompt kernels, which multiply bfloat16 pairs where
+the library has AVX512_BF16 (twice float32's products a cycle; a prompt is bound by arithmetic,
+not by reading weights). On SmolLM2 at batch 1 (a 2-core AMD EPYC, every row alternating with llama.cpp's;
 results/decode/generate_smollm2.md): float32 0.88x llama.cpp's F32 (XLA alone 0.65x), int8 1.05x its
 Q8_0 (XLA's int8 matmul 0.25x).
 
@@ -87,6 +87,9 @@ MAX_ROWS_INT4 = 64
 # 4096 x 14336 weight took 200 ms against XLA's 390-430 ms, SmolLM2's 576 x 1536 3.6 against 6.0-7.4
 # ms; from 32 rows it is ahead of the decode kernel's chunks of 8 (SmolLM2 1.4-2.0x, LLaMA 3 8B's
 # 1.5-1.7x at 64), behind it at 8 (0.5-0.8x). 2-core AMD EPYC Zen 4, scripts/prompt_int4.py.
+# int8 weights (one scale an output) too, from this many rows ("jax_llama_prompt_int8_bf16"):
+# LLaMA 3 8B's shapes 1.7-1.8x XLA's float32 product (about 300 against 178 GFLOP/s), SmolLM2's
+# 1.1-2.6x (scripts/prompt_int4.py --weights int8, the same CPU).
 PROMPT_ROWS = 32
 TARGETS = {"jax_llama_matvec_f32": "JaxLlamaMatvecF32",
            "jax_llama_matvec_int8": "JaxLlamaMatvecInt8",
@@ -94,6 +97,7 @@ TARGETS = {"jax_llama_matvec_f32": "JaxLlamaMatvecF32",
            "jax_llama_matvec_int4_q8": "JaxLlamaMatvecInt4Q8",
            "jax_llama_matvec_int4_bf16": "JaxLlamaMatvecInt4Bf16",
            "jax_llama_prompt_int4_bf16": "JaxLlamaPromptInt4Bf16",
+           "jax_llama_prompt_int8_bf16": "JaxLlamaPromptInt8Bf16",
            "jax_llama_matvec_int8_rows": "JaxLlamaMatvecInt8Rows",
            "jax_llama_matvec_f32_rows": "JaxLlamaMatvecF32Rows",
            "jax_llama_decode_attention": "JaxLlamaDecodeAttention"}
@@ -124,8 +128,8 @@ def lanes() -> int:
 
 
 def prompt_bf16() -> bool:
-    """Whether the loaded kernels multiply a prompt's bfloat16 activations by 4-bit weights in
-    bfloat16 pairs (built with AVX512_BF16: Zen 4, Zen 5, Sapphire Rapids)."""
+    """Whether the loaded kernels multiply a prompt's bfloat16 activations by 4-bit or int8
+    weights in bfloat16 pairs (built with AVX512_BF16: Zen 4, Zen 5, Sapphire Rapids)."""
     return unavailable_reason() is None and _prompt_bf16(_load()[1])
 
 
@@ -135,8 +139,8 @@ def _prompt_bf16(path) -> bool:
 
 
 def _prompt(x_MI) -> bool:
-    """Whether matvec_int4 takes x through the prompt kernel: PROMPT_ROWS rows or more, bfloat16
-    activations and a library that multiplies them in pairs."""
+    """Whether matvec_int4 and matvec_int8 take x through a prompt kernel: PROMPT_ROWS rows or
+    more, bfloat16 activations and a library that multiplies them in pairs."""
     return x_MI.shape[0] >= PROMPT_ROWS and activations() == "bfloat16" and prompt_bf16()
 
 
@@ -156,13 +160,15 @@ def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
     int8 weight (I, O) (int8 with one scale per output column), or a 4-bit one stored a row per
     output (packed (O, I / 2) uint8 with scales (O, I / 32) and minima of the same shape and
     dtype, float16 or float32, or none: Q4_0's m = -8 scale; matvec_int4), and the kernels
-    loadable here. 4-bit weights are served up to MAX_ROWS_INT4 rows, and any number from
-    PROMPT_ROWS where their bfloat16 activations go through the prompt kernel (prompt_bf16)."""
+    loadable here. 4-bit weights are served up to MAX_ROWS_INT4 rows; 4-bit and int8 ones any
+    number from PROMPT_ROWS where their bfloat16 activations go through a prompt kernel
+    (prompt_bf16; int8: I a multiple of 32)."""
     four = w_IO.dtype == jnp.uint8
     rows = MAX_ROWS_INT4 if four else MAX_ROWS
     if x_MI.ndim != 2 or x_MI.dtype != jnp.float32:
         return False
-    if x_MI.shape[0] > rows and not (four and _prompt(x_MI)):
+    if x_MI.shape[0] > rows and not (
+            (four or (w_IO.dtype == jnp.int8 and x_MI.shape[1] % 32 == 0)) and _prompt(x_MI)):
         return False
     if w_IO.ndim != 2:
         return False
@@ -201,10 +207,10 @@ def _f32_call(x_MI, ws_IO):
     return jax.ffi.ffi_call("jax_llama_matvec_f32", outs, vmap_method="sequential")(x_MI, *ws_IO)
 
 
-def _int8_call(x_MI, qs_IO, scales_O):
+def _int8_call(x_MI, qs_IO, scales_O, target="jax_llama_matvec_int8"):
     outs = tuple(jax.ShapeDtypeStruct((x_MI.shape[0], q.shape[1]), jnp.float32) for q in qs_IO)
     args = [a for pair in zip(qs_IO, scales_O) for a in pair]
-    return jax.ffi.ffi_call("jax_llama_matvec_int8", outs, vmap_method="sequential")(x_MI, *args)
+    return jax.ffi.ffi_call(target, outs, vmap_method="sequential")(x_MI, *args)
 
 
 def quantise_activations(x_MI):
@@ -255,16 +261,16 @@ def _f32_bwd(res, gs_MO):
 _matvec_f32.defvjp(_f32_fwd, _f32_bwd)
 
 
-@jax.custom_vjp
-def _matvec_int8(x_MI, qs_IO, scales_O):
-    return _int8_call(x_MI, qs_IO, scales_O)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matvec_int8(x_MI, qs_IO, scales_O, target):
+    return _int8_call(x_MI, qs_IO, scales_O, target)
 
 
-def _int8_fwd(x_MI, qs_IO, scales_O):
-    return _int8_call(x_MI, qs_IO, scales_O), (qs_IO, scales_O)
+def _int8_fwd(x_MI, qs_IO, scales_O, target):
+    return _int8_call(x_MI, qs_IO, scales_O, target), (qs_IO, scales_O)
 
 
-def _int8_bwd(res, gs_MO):
+def _int8_bwd(target, res, gs_MO):
     qs_IO, scales_O = res  # int8 weights and their scales are constants: no cotangent
     dx_MI = sum((g_MO * s_O) @ q_IO.T.astype(jnp.float32)
                 for g_MO, q_IO, s_O in zip(gs_MO, qs_IO, scales_O))
@@ -356,11 +362,15 @@ def matvec_f32(x_MI, ws_IO):
 def matvec_int8(x_MI, weights):
     """[x @ q * scale for each (q (I, O) int8, scale (1, O)) of `weights`]: projections that read
     the same x (q, k and v; gate and up) in one call, their units shared by the same threads.
-    Call only where `usable` said True of each."""
+    From PROMPT_ROWS rows of bfloat16 x' with AVX512_BF16 (_prompt), the prompt kernel
+    ("jax_llama_prompt_int8_bf16": x' @ q * scale within float32 rounding, x' = x rounded to
+    bfloat16, as the caller's activations rounded it already). Call only where `usable` said
+    True of each."""
     _check()
     qs = tuple(q for q, _ in weights)
     scales = tuple(s.reshape(-1) for _, s in weights)
-    return list(_matvec_int8(x_MI, qs, scales))
+    target = "jax_llama_prompt_int8_bf16" if _prompt(x_MI) else "jax_llama_matvec_int8"
+    return list(_matvec_int8(x_MI, qs, scales, target))
 
 
 def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):

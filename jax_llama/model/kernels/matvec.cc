@@ -1637,7 +1637,9 @@ constexpr int kPromptTile = 4;                     // rows of x multiplied at a 
 constexpr int64_t kPromptDepth = 256;              // inputs a unit expands at a time (8 groups)
 
 struct PromptPart {
-  const uint8_t* q;
+  const uint8_t* q = nullptr;  // 4-bit rows (O, I / 2); or, for int8 weights:
+  const int8_t* q8 = nullptr;  // int8 (I, O), as "jax_llama_matvec_int8" takes them, and
+  const float* s8 = nullptr;   // their per-output scales (O,)
   const float *d = nullptr, *m = nullptr;
   const uint16_t *dh = nullptr, *mh = nullptr;
   bool symmetric = false;
@@ -1693,6 +1695,28 @@ void PackPromptPanel(const PromptPart& p, int64_t I, int64_t o, int64_t i0, int6
         }
         ds[g * kPromptRows + 16 * v + l] = dv, ms[g * kPromptRows + 16 * v + l] = mv;
       }
+  }
+}
+
+// PackPromptPanel's w and ds for int8 weights Q (I, O) and scales s: lane l of vector v holds
+// Q[i0 + 2 p, o + 16 v + l] and Q[i0 + 2 p + 1, ...] (bfloat16, exact), every group's scale is
+// the output's s; two strided loads of 16 bytes a pair (a prompt's time is its products).
+void PackPromptPanel8(const PromptPart& p, int64_t o, int64_t i0, int64_t n, uint32_t* w,
+                      float* ds) {
+  const int64_t O = p.O;
+  for (int v = 0; v < kPromptVectors; ++v) {
+    const int64_t rows = std::clamp<int64_t>(O - (o + 16 * v), 0, 16);
+    const __mmask16 in = static_cast<__mmask16>((1u << rows) - 1);
+    const int8_t* column = p.q8 + o + 16 * v;
+    for (int64_t b = 0; b < n / 2; ++b) {
+      const int8_t* at = column + (i0 + 2 * b) * O;
+      const __m512i lo = IntsToBf16(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(in, at)));
+      const __m512i hi = IntsToBf16(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(in, at + O)));
+      _mm512_storeu_si512(w + (b * kPromptVectors + v) * 16,
+                          _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    const Vec s = _mm512_maskz_loadu_ps(in, p.s8 + o + 16 * v);
+    for (int64_t g = 0; g < n / kGroup4; ++g) _mm512_storeu_ps(ds + g * kPromptRows + 16 * v, s);
   }
 }
 
@@ -1752,12 +1776,46 @@ void RunUnit(const PromptJob& j, int64_t u) {
       ms(kPromptDepth / kGroup4 * kPromptRows);
   for (int64_t i0 = 0; i0 < j.I; i0 += kPromptDepth) {
     const int64_t n = std::min(kPromptDepth, j.I - i0);
-    PackPromptPanel(p, j.I, o, i0, n, w.data(), ds.data(), ms.data());
+    if (p.q8 != nullptr)
+      PackPromptPanel8(p, o, i0, n, w.data(), ds.data());
+    else
+      PackPromptPanel(p, j.I, o, i0, n, w.data(), ds.data(), ms.data());
     int64_t t0 = 0;
     for (; t0 + kPromptTile <= j.M; t0 += kPromptTile)
       PromptTile<kPromptTile>(j, p, o, t0, i0, n, w.data(), ds.data(), ms.data());
     for (; t0 < j.M; ++t0) PromptTile<1>(j, p, o, t0, i0, n, w.data(), ds.data(), ms.data());
   }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// x' as bfloat16 bits, and each group's sum of x' where a part has minima (a fixed tree over
+// its two vectors), a row at a time; held for this call only (a long prompt's x' is as big as a
+// third of x); then the units, shared with the helpers.
+void RunPrompt(const std::shared_ptr<PromptJob>& job, const float* x, bool asymmetric) {
+  const int64_t M = job->M, I = job->I, G = I / kGroup4;
+  if (I == 0 || M == 0) {
+    for (auto& part : job->parts) std::fill(part.y, part.y + M * part.O, 0.0f);
+    return;
+  }
+  std::vector<uint16_t> xb(M * I);
+  std::vector<float> sx(asymmetric ? M * G : 0);
+  thread_local std::vector<float> row;
+  row.resize(I);
+  for (int64_t r = 0; r < M; ++r) {
+    RoundBf16s(x + r * I, I, row.data());
+    for (int64_t i = 0; i < I; ++i) {
+      uint32_t u;
+      std::memcpy(&u, &row[i], sizeof(u));
+      xb[r * I + i] = static_cast<uint16_t>(u >> 16);
+    }
+    if (asymmetric)
+      for (int64_t g = 0; g < G; ++g)
+        sx[r * G + g] = HorizontalSum(Add(Load(row.data() + g * kGroup4),
+                                          Load(row.data() + g * kGroup4 + kLanes)));
+  }
+  job->xb = xb.data(), job->sx = sx.data();
+  RunUnits(job, true);
 }
 #endif
 
@@ -1773,43 +1831,60 @@ ffi::Error PromptInt4Bf16(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
     return ffi::Error::InvalidArgument(kWhat);
   auto job = std::make_shared<PromptJob>();
   job->M = xd[0], job->I = xd[1];
-  const int64_t M = job->M, I = job->I, G = I / kGroup4;
   bool asymmetric = false;
   for (size_t k = 0; k < rets.size(); ++k) {
     PromptPart part;
-    if (!ReadInt4(args, rets, k, M, I, part)) return ffi::Error::InvalidArgument(kWhat);
+    if (!ReadInt4(args, rets, k, job->M, job->I, part)) return ffi::Error::InvalidArgument(kWhat);
     part.first_unit = job->units;
     asymmetric |= !part.symmetric;
-    if (M > 0 && I > 0) job->units += (part.O + kPromptRows - 1) / kPromptRows;
+    job->units += (part.O + kPromptRows - 1) / kPromptRows;
     job->parts.push_back(part);
   }
-  if (I == 0 || M == 0) {
-    for (auto& part : job->parts) std::fill(part.y, part.y + M * part.O, 0.0f);
-    return ffi::Error::Success();
-  }
-  // x' as bfloat16 bits, and each group's sum of x' (a fixed tree over its two vectors), a row
-  // at a time; held for this call only (a long prompt's x' is as big as a third of x)
-  std::vector<uint16_t> xb(M * I);
-  std::vector<float> sx(asymmetric ? M * G : 0);
-  thread_local std::vector<float> row;
-  row.resize(I);
-  for (int64_t r = 0; r < M; ++r) {
-    RoundBf16s(x.typed_data() + r * I, I, row.data());
-    for (int64_t i = 0; i < I; ++i) {
-      uint32_t u;
-      std::memcpy(&u, &row[i], sizeof(u));
-      xb[r * I + i] = static_cast<uint16_t>(u >> 16);
-    }
-    if (asymmetric)
-      for (int64_t g = 0; g < G; ++g)
-        sx[r * G + g] = HorizontalSum(Add(Load(row.data() + g * kGroup4),
-                                          Load(row.data() + g * kGroup4 + kLanes)));
-  }
-  job->xb = xb.data(), job->sx = sx.data();
-  RunUnits(job, true);
+  RunPrompt(job, x.typed_data(), asymmetric);
   return ffi::Error::Success();
 #else
   return Int4Rows(x, args, rets, Activations::kBfloat16);
+#endif
+}
+
+// -- int8 weights times a prompt's rows, bfloat16 activations: "jax_llama_prompt_int8_bf16" ----
+//
+// y_k (M, O_k) = x' @ Q_k * s_k for int8 Q (I, O) with one scale per output (as
+// "jax_llama_matvec_int8" takes them), x' = x rounded to bfloat16: the 4-bit prompt kernel's
+// units and tiles, each pair of Q's rows expanded to bfloat16 (exact: at most 8 significant
+// bits) and every group's exact sum scaled by the output's s into y, in input order. Libraries
+// without bfloat16 products refuse it (kernels.prompt_bf16 says which).
+ffi::Error PromptInt8Bf16(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets) {
+  constexpr const char* kWhat =
+      "prompt_int8_bf16: expected x (M, I), then (q (I, O) int8, scale (O,) float32) per output "
+      "y (M, O); I a multiple of 32; a library built with AVX512_BF16";
+#if defined(__AVX512BF16__)
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[1] % kGroup4 || rets.size() == 0 || args.size() != 2 * rets.size())
+    return ffi::Error::InvalidArgument(kWhat);
+  auto job = std::make_shared<PromptJob>();
+  job->M = xd[0], job->I = xd[1];
+  for (size_t k = 0; k < rets.size(); ++k) {
+    auto q = args.get<ffi::Buffer<ffi::S8>>(2 * k);
+    auto s = args.get<ffi::Buffer<ffi::F32>>(2 * k + 1);
+    auto y = rets.get<ffi::Buffer<ffi::F32>>(k);
+    if (!q.has_value() || !s.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument(kWhat);
+    auto qd = q->dimensions(), yd = (*y)->dimensions();
+    if (qd.size() != 2 || qd[0] != job->I || s->element_count() != qd[1] || yd.size() != 2 ||
+        yd[0] != job->M || yd[1] != qd[1])
+      return ffi::Error::InvalidArgument(kWhat);
+    PromptPart part;
+    part.q8 = q->typed_data(), part.s8 = s->typed_data(), part.symmetric = true;
+    part.y = (*y)->typed_data(), part.O = qd[1], part.first_unit = job->units;
+    job->units += (part.O + kPromptRows - 1) / kPromptRows;
+    job->parts.push_back(part);
+  }
+  RunPrompt(job, x.typed_data(), false);
+  return ffi::Error::Success();
+#else
+  return ffi::Error::InvalidArgument(kWhat);
 #endif
 }
 
@@ -2025,6 +2100,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaPromptInt4Bf16, PromptInt4Bf16,
                                   .RemainingArgs()
                                   .RemainingRets());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaPromptInt8Bf16, PromptInt8Bf16,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecInt8Rows, MatvecInt8Rows,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -2051,8 +2132,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxLlamaMatvecF32Rows, MatvecF32Rows,
 // The vector width the library was built for (16, 8 or 1 lanes of float32).
 extern "C" int jax_llama_matvec_lanes() { return static_cast<int>(kLanes); }
 
-// Whether "jax_llama_prompt_int4_bf16" multiplies bfloat16 pairs (AVX512_BF16); elsewhere it runs
-// "jax_llama_matvec_int4_bf16"'s kernel, slower on a prompt than XLA's dot.
+// Whether "jax_llama_prompt_int4_bf16" and "jax_llama_prompt_int8_bf16" multiply bfloat16 pairs
+// (AVX512_BF16); elsewhere the first runs "jax_llama_matvec_int4_bf16"'s kernel, slower on a
+// prompt than XLA's dot, and the second refuses.
 extern "C" int jax_llama_prompt_bf16() {
 #if defined(__AVX512BF16__)
   return 1;
