@@ -167,6 +167,10 @@ def activations() -> str:
 # its answers; bfloat16 keeps 8 bits of every input). Perplexity on SmolLM2's Q4_0 weights rises
 # +23.00% over float32 with bfloat16 x, +22.96% with float32 x, +23.09% with 8-bit x (llama.cpp
 # +23.11%), and with AVX512_BF16 its decode is 1.2x float32's (results/decode/generate_int4_bf16).
+# int8 projections take it too (bfloat16 x; jax_llama.model.projections.int8_input): on SmolLM2's
+# Q8_0 file the per-token KL from the float path goes from 6.93e-3 to 7.04e-3 (scripts/
+# activation_kl.py), and a prompt meets int8 weights in bfloat16 pairs (LLaMA 3 8B's layout as
+# Q8_0: pp512 0.87x -> 1.54x llama.cpp's, 2-core AMD EPYC Zen 4).
 # The forward's default (activations) stays float32: training, evaluation and parity.
 GENERATION_DEFAULT = "bfloat16"
 

@@ -519,3 +519,49 @@ def test_the_int8_block_matmuls_gradient_keeps_no_float_copy_of_the_weight():
     np.testing.assert_allclose(jax.grad(loss)(x), want, rtol=0, atol=1e-5)
     kept = [aval for aval, _ in saved_residuals(loss, x)]
     assert not [a for a in kept if a.dtype == jnp.float32 and a.size >= 64 * 40]
+
+
+@pytest.mark.parametrize("rows", [6, 40])
+def test_int8_projections_take_the_bfloat16_activations_generation_chooses_in_both_twins(
+        rows, monkeypatch):
+    """With bfloat16 activations chosen (generation's default, bridge.int4.activations) an int8
+    Linear takes x rounded to bfloat16 in both twins - on XLA's path and on the kernels' (a decode
+    step's 6 rows, a prompt's 40: the prompt kernel where the library has AVX512_BF16) - within
+    1e-5 of the sum of |terms| of the float64 product of the rounded x and Q * s; with float32
+    activations (training's, evaluation's) x is taken as it is, outside that bound of the
+    rounded product. 8-bit activations are the 4-bit kernels' alone: int8 weights take x as it
+    is then."""
+    import jax.numpy as jnp
+
+    from bridge.int4 import using_activations
+    from jax_llama.model.projections import Linear
+    from torch_llama.projections import Linear as TorchLinear
+
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    q, s = quantize_weight(rng.standard_normal((48, 64)).astype(np.float32) * 0.05)
+    params = {"params": {"kernel": jnp.asarray(q.T), "scale": jnp.asarray(s.T)}}
+    theirs = TorchLinear(64, 48)
+    theirs.make_int8(1)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.from_numpy(q))
+        theirs.weight_scale.copy_(torch.from_numpy(s))
+    w = q.astype(np.float64) * s.astype(np.float64)
+    xb = x.astype(jnp.bfloat16).astype(np.float64)
+    want, scale = xb @ w.T, np.abs(xb) @ np.abs(w).T
+    monkeypatch.delenv("JAX_LLAMA_INT4_ACTIVATIONS", raising=False)
+
+    def outputs(kind):
+        with using_activations(kind):
+            ours = {k: np.asarray(Linear(48, kernels=k).apply(params, jnp.asarray(x)))
+                    for k in ("xla", "auto")}
+            with torch.no_grad():
+                ours["torch"] = theirs(torch.from_numpy(x)).numpy()
+        return ours
+
+    for path, y in outputs("bfloat16").items():
+        assert np.all(np.abs(y - want) <= 1e-5 * scale), path
+    for kind in ("float32", "int8"):
+        for path, y in outputs(kind).items():
+            assert not np.all(np.abs(y - want) <= 1e-5 * scale), (kind, path)
+            np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, atol=1e-5, err_msg=path)
