@@ -109,11 +109,11 @@ class Linear(nn.Module):
                 out = int4_matmul(x_MD, kernel, scale, low, self.dtype)
         elif self.has_variable("params", "scale"):  # int8 weights (jax_llama.quantize)
             kernel, scale = (self.get_variable("params", n) for n in ("kernel", "scale"))
-            x_MD = int8_input(x_MD)
-            if _kernels_on(self.kernels) and decode_kernels.usable(x_MD, kernel, scale):
-                out = decode_kernels.matvec(x_MD, kernel, scale).astype(self.dtype)
+            x_q = int8_input(x_MD)  # the adapter below takes x as it is, in both twins
+            if _kernels_on(self.kernels) and decode_kernels.usable(x_q, kernel, scale):
+                out = decode_kernels.matvec(x_q, kernel, scale).astype(self.dtype)
             else:
-                out = int8_matmul(x_MD, kernel, scale, self.dtype)
+                out = int8_matmul(x_q, kernel, scale, self.dtype)
         else:
             kernel = self.param("kernel", self.kernel_init, (x_MD.shape[-1], self.features),
                                 self.param_dtype)
