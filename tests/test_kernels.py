@@ -938,9 +938,10 @@ def test_usable_only_for_what_the_kernels_serve():
 
 
 def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
-    """Greedy tokens of a small model, float32, int8 and 4-bit, batch 1 and 3 (and 4-bit after a
-    40-token prompt: the prompt kernel's prefill), in two processes: one with the kernels, one
-    with JAX_LLAMA_KERNELS=0 (XLA's matmuls); and in each, the same model with kernels="xla"."""
+    """Greedy tokens of a small model, float32, int8 and 4-bit, batch 1 and 3 (and int8 and
+    4-bit after a 40-token prompt: the prompt kernels' prefill), in two processes: one with the
+    kernels, one with JAX_LLAMA_KERNELS=0 (XLA's matmuls); and in each, the same model with
+    kernels="xla"."""
     script = (
         "import dataclasses, json, jax_llama\n"
         "from bridge.config import PRESETS\n"
@@ -957,8 +958,10 @@ def test_decoding_gives_the_same_tokens_with_and_without_the_kernels(tmp_path):
         "        xla = model.clone(projections=model.projections.replace(kernels='xla'))\n"
         "        out[f'{name}/{batch}/xla'] = generate(xla, p, prompts, 12).tokens\n"
         "long = [[(7 * i) % 200 + 3 for i in range(40)]]  # past PROMPT_ROWS: the prompt kernel\n"
-        "out['int4/long'] = generate(model, p, long, 12).tokens\n"
-        "out['int4/long/xla'] = generate(xla, p, long, 12).tokens\n"
+        "for name, p in (('int8', jax_llama.quantize(params)),\n"
+        "                ('int4', jax_llama.quantize(params, method='int4'))):\n"
+        "    out[f'{name}/long'] = generate(model, p, long, 12).tokens\n"
+        "    out[f'{name}/long/xla'] = generate(xla, p, long, 12).tokens\n"
         "print(json.dumps(out))\n")
     runs = {}
     for flag in ("1", "0"):
