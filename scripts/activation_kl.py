@@ -19,7 +19,6 @@ OUT/activation_kl.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +79,7 @@ def main() -> None:
     float_path, files = args.quantised[1], [args.quantised[0], *args.quantised[2:]]
 
     from bridge.tokenizer import find_tokenizer
-    from llama_twins.bench.common import cpu_model, sst_windows
+    from llama_twins.bench.common import cpu_model, sst_windows, write_results
     from llama_twins.llama_cpp_reference import unavailable
 
     chunks = sst_windows(find_tokenizer(float_path), args.windows, args.window)
@@ -101,20 +100,15 @@ def main() -> None:
     command = "python scripts/activation_kl.py " + " ".join(
         [Path(p).name for p in args.quantised]
         + [f"--{k} {v}" for k, v in vars(args).items() if k != "quantised"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "activation_kl.json").write_text(json.dumps(
-        dict(command=command, machine=cpu_model(), float_path=Path(float_path).name, rows=rows),
-        indent=1) + "\n")
     lines = ["# Per-token KL from the float path: our default layout's activations beside "
              "llama.cpp", "", f"`{command}`; {cpu_model()}; the float path: "
              f"{Path(float_path).name} as float32 in jax_llama.", "",
              "| file | row | tokens | mean KL | max KL | same top-1 |", "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['file']} | {r['row']} | {r['tokens']} | {r['mean_kl']:.2e} | "
               f"{r['max_kl']:.2e} | {r['same_top1']:.1f}% |" for r in rows]
-    (out / "activation_kl.md").write_text("\n".join(lines) + "\n")
-    print(f"written: {out / 'activation_kl.md'}")
-
+    write_results("activation_kl", lines, dict(command=command, machine=cpu_model(),
+                                               float_path=Path(float_path).name, rows=rows),
+                  args.out)
 
 if __name__ == "__main__":
     main()

@@ -82,6 +82,32 @@ def test_int8_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O):
         assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= bound(x, q, scale))
 
 
+@pytest.mark.parametrize("M,I,O,G", [(1, 576, 576, 18), (2, 96, 1536, 3), (3, 1536, 72, 48),
+                                     (8, 256, 64, 2), (4, 130, 7, 5), (2, 2048, 2048, 64)])
+def test_int8_matvec_with_grouped_scales_is_the_product_to_float32_rounding(M, I, O, G):
+    """int8 weights with a row of scales per group of I / G inputs (scale (G, O); a Q8_0
+    file's layout at G = I / 32): each group's sums scaled into its block's, within the float32
+    bound of the float64 product of x and Q times its group's scales; a row alone gets the same
+    bits. Negative cases: every group taking the first group's scales, and the groups' scales
+    shifted by one group, fall outside the bound."""
+    rng = np.random.default_rng(M * 1000 + O + G)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    q = rng.integers(-127, 128, (I, O)).astype(np.int8)
+    s = (rng.random((G, O)) * 0.01 + 1e-4).astype(np.float32)
+
+    def weight(scales):
+        return q.astype(np.float64) * np.repeat(scales.astype(np.float64), I // G, axis=0)
+    assert kernels.usable(jnp.asarray(x), q, s)
+    got = np.asarray(jax.jit(kernels.matvec)(x, q, s), np.float64)
+    want, limit = x.astype(np.float64) @ weight(s), bound(x, weight(s))
+    assert np.all(np.abs(got - want) <= limit)
+    np.testing.assert_array_equal(np.asarray(kernels.matvec(x[-1:], q, s))[0], got[-1])
+    for wrong in (np.repeat(s[:1], G, axis=0), np.roll(s, 1, axis=0)):
+        assert not np.all(np.abs(np.asarray(kernels.matvec(x, q, wrong), np.float64) - want)
+                          <= limit)
+    assert not kernels.usable(jnp.asarray(x), q, np.ones((G, O + 1), np.float32))
+
+
 # The rows kernel (int8 q stored (O, I): a tied LM head): I = 70 and 17 leave a vector tail, O not
 # a multiple of the rows done at once leaves a row tail, and 8192 x 576 (4.5 MB of int8) is shared
 # with the helper threads
@@ -374,26 +400,28 @@ def test_a_prompt_of_4_bit_weights_is_the_rounded_x_times_the_weight(M, I, O, mi
     assert not kernels.usable(jnp.zeros((kernels.MAX_ROWS_INT4 + 1, I)), packed, d, m)
 
 
-@pytest.mark.parametrize("M,I,O", [(32, 96, 37), (37, 576, 100), (130, 64, 200),
-                                   (40, 2048, 48)])
-def test_a_prompt_of_int8_weights_is_the_rounded_x_times_the_weight(M, I, O, monkeypatch):
-    """int8 weights (I, O) with one scale an output meet PROMPT_ROWS rows of bfloat16
-    activations in the prompt kernel: within the float32 bound of the float64 product of the
-    rounded x and Q times s (`bound`, with I / 16 + 64 additions in a chain: each group's
-    vdpbf16ps sums, then the groups scaled into the output), several weights in one call equal
-    each alone, and a row gets the same bits in another prompt 5 rows later. Negative cases: the
-    weight's rows shifted by one input and the unrounded x fall outside the bound, float32
-    activations and I not a multiple of 32 do not take the prompt kernel."""
+@pytest.mark.parametrize("M,I,O,G", [(32, 96, 37, 3), (37, 576, 100, 1), (130, 64, 200, 1),
+                                     (40, 2048, 48, 16)])
+def test_a_prompt_of_int8_weights_is_the_rounded_x_times_the_weight(M, I, O, G, monkeypatch):
+    """int8 weights (I, O) with one scale an output (G = 1) or a row of scales per group of
+    I / G inputs meet PROMPT_ROWS rows of bfloat16 activations in the prompt kernel: within the
+    float32 bound of the float64 product of the rounded x and Q times s (`bound`, with I / 16 + 64
+    additions in a chain: each group's vdpbf16ps sums, then the groups scaled into the output),
+    several weights in one call equal each alone, and a row gets the same bits in another prompt
+    5 rows later. Negative cases: the weight's rows shifted by one input and the unrounded x
+    fall outside the bound, float32 activations, I not a multiple of 32 and groups of 16 inputs
+    do not take the prompt kernel."""
     if not kernels.prompt_bf16():
         pytest.skip("the prompt kernels need AVX512_BF16")
     rng = np.random.default_rng(M + I + O + 8)
     x = rng.standard_normal((M, I)).astype(np.float32)
     x[0, :3] = [3e4, -1e-3, 0.0]
     q = rng.integers(-127, 128, (I, O)).astype(np.int8)
-    s = (rng.random((1, O)) * 0.01 + 1e-4).astype(np.float32)
+    s = (rng.random((G, O)) * 0.01 + 1e-4).astype(np.float32)
+    w = q.astype(np.float64) * np.repeat(s.astype(np.float64), I // G, axis=0)
     xb = round_bf16(x)
-    want = xb @ (q.astype(np.float64) * s.astype(np.float64))
-    limit = (I / 16 + 64) / I * bound(xb, q, s[0])  # bound's I additions -> the chain's
+    want = xb @ w
+    limit = (I / 16 + 64) / I * bound(xb, w)  # bound's I additions -> the chain's
     monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "bfloat16")
     assert kernels.usable(jnp.asarray(x), q, s)
     assert "jax_llama_prompt_int8_bf16" in str(jax.make_jaxpr(kernels.matvec_int8)(x, [(q, s)]))
@@ -407,9 +435,10 @@ def test_a_prompt_of_int8_weights_is_the_rounded_x_times_the_weight(M, I, O, mon
     np.testing.assert_array_equal(np.asarray(both[1]), np.asarray(kernels.matvec_int8(x, [other])[0]))
     shifted = np.asarray(kernels.matvec_int8(x, [(np.roll(q, 1, axis=0), s)])[0], np.float64)
     assert not np.all(np.abs(shifted - want) <= limit)
-    unrounded = x.astype(np.float64) @ (q.astype(np.float64) * s.astype(np.float64))
+    unrounded = x.astype(np.float64) @ w
     assert not np.all(np.abs(unrounded - want) <= limit)
-    assert not kernels.usable(jnp.zeros((M, I + 1)), np.zeros((I + 1, O), np.int8), s)
+    assert not kernels.usable(jnp.zeros((M, I + 1)), np.zeros((I + 1, O), np.int8), s[:1])
+    assert not kernels.usable(jnp.asarray(x), q, np.ones((I // 16, O), np.float32))
     monkeypatch.setenv("JAX_LLAMA_INT4_ACTIVATIONS", "float32")
     assert not kernels.usable(jnp.asarray(x), q, s)
 
@@ -548,6 +577,32 @@ def test_int8_rows_matvec_equals_the_scaled_product_to_float32_rounding(M, I, O)
         assert not np.all(np.abs(np.roll(got, 1, axis=1) - want) <= limit)
 
 
+@pytest.mark.parametrize("M,I,O,G", [(1, 576, 1000, 18), (3, 64, 33, 4), (8, 576, 8192, 18),
+                                     (2, 96, 7, 3)])
+def test_int8_rows_with_grouped_scales_are_the_product_to_float32_rounding(M, I, O, G):
+    """A tied head held as int8 with a scale per group of I / G inputs (O, G): each group's lanes
+    summed apart and scaled into the row's, within the float32 bound of the float64 product; a
+    row alone the same bits. Negative cases: every group taking the first group's scale, and the
+    scales shifted by one group, fall outside the bound; groups of 8 inputs (not whole vectors of
+    every build) are not served."""
+    rng = np.random.default_rng(M * 1000 + O + G)
+    x = rng.standard_normal((M, I)).astype(np.float32)
+    q = rng.integers(-127, 128, (O, I)).astype(np.int8)
+    scale = (rng.random((O, G)) / 127).astype(np.float32)
+
+    def weight(s):
+        return q.astype(np.float64) * np.repeat(s.astype(np.float64), I // G, axis=1)
+    assert kernels.usable_rows(x, q, scale)
+    got = np.asarray(jax.jit(kernels.matvec_rows)(x, q, scale), np.float64)
+    want, limit = x.astype(np.float64) @ weight(scale).T, bound(x, weight(scale).T)
+    assert np.all(np.abs(got - want) <= limit)
+    np.testing.assert_array_equal(np.asarray(kernels.matvec_rows(x[-1:], q, scale))[0], got[-1])
+    for wrong in (np.repeat(scale[:, :1], G, axis=1), np.roll(scale, 1, axis=1)):
+        assert not np.all(np.abs(np.asarray(kernels.matvec_rows(x, q, wrong), np.float64) - want)
+                          <= limit)
+    assert not kernels.usable_rows(x, q, np.ones((O, I // 8), np.float32))
+
+
 @pytest.mark.parametrize("M,I,O", ROWS_SHAPES)
 def test_float32_rows_matvec_equals_the_product_to_float32_rounding(M, I, O):
     """The rows kernel on a float32 table (a tied float32 LM head): x @ w^T, w stored (O, I)."""
@@ -581,8 +636,9 @@ def test_rows_kernel_rows_do_not_depend_on_how_many_rows_share_the_call(I, O):
 
 def test_rows_kernel_refuses_shapes_it_does_not_serve():
     x, q, s = jnp.zeros((2, 16)), jnp.zeros((8, 16), jnp.int8), jnp.ones((8,))
-    with pytest.raises(Exception, match=r"expected x \(M, I\), q \(O, I\), s \(O,\)"):
-        jax.block_until_ready(kernels._rows_call(x, q, jnp.ones((7,))))
+    for scales in (7, 8 * 4):  # not a multiple of the rows; groups of 4 inputs, not vectors
+        with pytest.raises(Exception, match=r"expected x \(M, I\), q \(O, I\), s \(O \* G,\)"):
+            jax.block_until_ready(kernels._rows_call(x, q, jnp.ones((scales,))))
     with pytest.raises(Exception, match=r"expected x \(M, I\), q \(O, I\)"):
         jax.block_until_ready(kernels._rows_call(jnp.zeros((2, 15)), q, s))
     with pytest.raises(Exception, match="at most 8 rows"):
@@ -914,10 +970,12 @@ def test_usable_only_for_what_the_kernels_serve():
     assert kernels.usable_rows(x8, jnp.zeros((8, 16), jnp.int8), jnp.ones((8, 1)))
     assert not kernels.usable(jnp.zeros((kernels.MAX_ROWS + 1, 16)), jnp.zeros((16, 8)))
     assert not kernels.usable(x.astype(jnp.bfloat16), jnp.zeros((16, 8), jnp.bfloat16))
-    assert not kernels.usable(x, jnp.zeros((16, 8), jnp.int8), jnp.ones((2, 8)))  # group-wise
+    assert kernels.usable(x, jnp.zeros((16, 8), jnp.int8), jnp.ones((2, 8)))  # group-wise
+    assert not kernels.usable(x, jnp.zeros((16, 8), jnp.int8), jnp.ones((3, 8)))  # 3 does not divide 16
+    assert not kernels.usable(x, jnp.zeros((16, 8), jnp.int8), jnp.ones((2, 7)))
     q_OI, scale_O1 = jnp.zeros((8, 16), jnp.int8), jnp.ones((8, 1))
     assert kernels.usable_rows(x, q_OI, scale_O1)
-    assert not kernels.usable_rows(x, q_OI, jnp.ones((8, 2)))  # group-wise
+    assert not kernels.usable_rows(x, q_OI, jnp.ones((8, 2)))  # groups of 8: not whole vectors
     assert not kernels.usable_rows(jnp.zeros((kernels.MAX_ROWS + 1, 16)), q_OI, scale_O1)
     assert not kernels.usable_rows(x.astype(jnp.float16), q_OI, scale_O1)
     assert not kernels.usable_rows(x, q_OI.astype(jnp.float32), scale_O1)  # scales: int8 only

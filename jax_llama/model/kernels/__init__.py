@@ -44,7 +44,8 @@ AVX2 one on an AVX-512 machine), `JAX_LLAMA_KERNEL_CACHE` where they are built.
 may use (the caller and N - 1 helpers; default: the CPUs this process may run on, at most 8).
 
 Within each block of 64 inputs an output is one float32 sum in order, and the block sums are
-added in block order (the int8 scale multiplies the total); in matvec_rows an output is a dot
+added in block order (the int8 scale multiplies the total; grouped int8 scales, one row per
+group of inputs, scale each group's sum into its block's in order); in matvec_rows an output is a dot
 product in vector lanes added by a fixed tree; attend_cache computes each query alone (its
 scores, softmax and weighted sum in a fixed order). So results differ from XLA's by float32
 rounding only, and a row's bits depend neither on how many rows share the call nor on the
@@ -157,20 +158,22 @@ def unavailable_reason() -> str | None:
 
 def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
     """Whether matvec serves this matmul: float32 x of at most MAX_ROWS rows, a 2-D float32 or
-    int8 weight (I, O) (int8 with one scale per output column), or a 4-bit one stored a row per
+    int8 weight (I, O) (int8 with scales (G, O): a row per group of I / G inputs, G = 1 one
+    scale per output column), or a 4-bit one stored a row per
     output (packed (O, I / 2) uint8 with scales (O, I / 32) and minima of the same shape and
     dtype, float16 or float32, or none: Q4_0's m = -8 scale; matvec_int4), and the kernels
     loadable here. 4-bit weights are served up to MAX_ROWS_INT4 rows; 4-bit and int8 ones any
     number from PROMPT_ROWS where their bfloat16 activations go through a prompt kernel
-    (prompt_bf16; int8: I a multiple of 32)."""
+    (prompt_bf16; int8: groups of a multiple of 32 inputs)."""
     four = w_IO.dtype == jnp.uint8
     rows = MAX_ROWS_INT4 if four else MAX_ROWS
-    if x_MI.ndim != 2 or x_MI.dtype != jnp.float32:
+    if x_MI.ndim != 2 or x_MI.dtype != jnp.float32 or w_IO.ndim != 2:
         return False
+    I = x_MI.shape[1]
+    int8 = w_IO.dtype == jnp.int8 and scale_GO is not None and scale_GO.ndim == 2
     if x_MI.shape[0] > rows and not (
-            (four or (w_IO.dtype == jnp.int8 and x_MI.shape[1] % 32 == 0)) and _prompt(x_MI)):
-        return False
-    if w_IO.ndim != 2:
+            (four or (int8 and I % scale_GO.shape[0] == 0 and I // scale_GO.shape[0] % 32 == 0))
+            and _prompt(x_MI)):
         return False
     if four:
         I, O = x_MI.shape[1], w_IO.shape[0]
@@ -182,15 +185,17 @@ def usable(x_MI, w_IO, scale_GO=None, min_GO=None) -> bool:
         ok = False
     elif scale_GO is None:
         ok = w_IO.dtype == jnp.float32
-    else:
-        ok = w_IO.dtype == jnp.int8 and scale_GO.shape[0] == 1
+    else:  # int8: a row of scales per group of I / G inputs (G = 1: per output)
+        ok = (int8 and scale_GO.shape[1] == w_IO.shape[1] and scale_GO.shape[0] > 0
+              and I % scale_GO.shape[0] == 0)
     return ok and unavailable_reason() is None
 
 
 def usable_rows(x_MI, q_OI, scale_OG=None) -> bool:
     """Whether matvec_rows serves this product: float32 x of at most MAX_ROWS rows, a 2-D q
-    (O, I), float32 without scales or int8 with one scale per row (O, 1) (group-wise scales are
-    not served), and the kernels loadable here."""
+    (O, I), float32 without scales or int8 with one scale per row (O, 1) or per group of I / G
+    inputs (O, G; I / G a multiple of 16, whole vectors of every build), and the kernels
+    loadable here."""
     if x_MI.ndim != 2 or x_MI.shape[0] > MAX_ROWS or x_MI.dtype != jnp.float32:
         return False
     if q_OI.ndim != 2 or x_MI.shape[1] != q_OI.shape[1]:
@@ -198,7 +203,10 @@ def usable_rows(x_MI, q_OI, scale_OG=None) -> bool:
     if scale_OG is None:
         ok = q_OI.dtype == jnp.float32
     else:
-        ok = q_OI.dtype == jnp.int8 and tuple(scale_OG.shape) == (q_OI.shape[0], 1)
+        O, I = q_OI.shape
+        G = scale_OG.shape[-1] if scale_OG.ndim == 2 else 0
+        ok = (q_OI.dtype == jnp.int8 and tuple(scale_OG.shape) == (O, G) and G > 0
+              and I % G == 0 and (G == 1 or (I // G) % 16 == 0))
     return ok and unavailable_reason() is None
 
 
@@ -272,8 +280,12 @@ def _int8_fwd(x_MI, qs_IO, scales_O, target):
 
 def _int8_bwd(target, res, gs_MO):
     qs_IO, scales_O = res  # int8 weights and their scales are constants: no cotangent
-    dx_MI = sum((g_MO * s_O) @ q_IO.T.astype(jnp.float32)
-                for g_MO, q_IO, s_O in zip(gs_MO, qs_IO, scales_O))
+
+    def weight(q_IO, s):  # Q * s (I, O), s flattened from (G, O)
+        I, O = q_IO.shape
+        G = s.size // O
+        return (q_IO.reshape(G, I // G, O).astype(jnp.float32) * s.reshape(G, 1, O)).reshape(I, O)
+    dx_MI = sum(g_MO @ weight(q_IO, s).T for g_MO, q_IO, s in zip(gs_MO, qs_IO, scales_O))
     return dx_MI, None, None
 
 
@@ -315,8 +327,11 @@ def _rows_fwd(x_MI, q_OI, scale_O):
 
 
 def _rows_bwd(res, g_MO):
-    q_OI, scale_O = res  # constants, as in _int8_bwd
-    return (g_MO * scale_O) @ q_OI.astype(jnp.float32), None, None
+    q_OI, scale = res  # constants, as in _int8_bwd; scale (O * G,) flattened from (O, G)
+    O, I = q_OI.shape
+    G = scale.size // O
+    w_OI = (q_OI.reshape(O, G, I // G).astype(jnp.float32) * scale.reshape(O, G, 1)).reshape(O, I)
+    return g_MO @ w_OI, None, None
 
 
 _matvec_rows.defvjp(_rows_fwd, _rows_bwd)
@@ -345,8 +360,8 @@ _matvec_f32_rows.defvjp(_f32_rows_fwd, _f32_rows_bwd)
 
 
 def matvec(x_MI, w_IO, scale_GO=None):
-    """x (M, I) float32 @ w (I, O) -> (M, O) float32; with int8 w and scales (1, O), the
-    product times the scales. Call only where `usable` said True."""
+    """x (M, I) float32 @ w (I, O) -> (M, O) float32; with int8 w and scales (G, O), x @ (w
+    times each group's scales). Call only where `usable` said True."""
     if scale_GO is None:
         return matvec_f32(x_MI, [w_IO])[0]
     return matvec_int8(x_MI, [(w_IO, scale_GO)])[0]
@@ -360,8 +375,11 @@ def matvec_f32(x_MI, ws_IO):
 
 
 def matvec_int8(x_MI, weights):
-    """[x @ q * scale for each (q (I, O) int8, scale (1, O)) of `weights`]: projections that read
-    the same x (q, k and v; gate and up) in one call, their units shared by the same threads.
+    """[x @ (q * scale) for each (q (I, O) int8, scale (G, O): a row per group of I / G inputs)
+    of `weights`]: projections that read the same x (q, k and v; gate and up) in one call, their
+    units shared by the same threads. With one scale an output (G = 1) each output's block sums
+    are added and then scaled; with G > 1 each group's sums are scaled into the block's in
+    input order.
     From PROMPT_ROWS rows of bfloat16 x' with AVX512_BF16 (_prompt), the prompt kernel
     ("jax_llama_prompt_int8_bf16": x' @ q * scale within float32 rounding, x' = x rounded to
     bfloat16, as the caller's activations rounded it already). Call only where `usable` said
@@ -412,8 +430,9 @@ def matvec_int4(x_MI, weights):
 
 def matvec_rows(x_MI, q_OI, scale_OG=None):
     """x (M, I) float32 @ q.T -> (M, O) float32 for q (O, I) float32, or int8 times its scales
-    (O, 1): each output a dot product over a row of q (a tied LM head: the embedding table).
-    Call only where `usable_rows` said True."""
+    (O, 1), or (O, G): each group's lanes summed apart and scaled into the row's: each output a
+    dot product over a row of q (a tied LM head: the embedding table). Call only where
+    `usable_rows` said True."""
     _check()
     if scale_OG is None:
         return _matvec_f32_rows(x_MI, q_OI)

@@ -168,6 +168,10 @@ struct Part {
   float* y;
   float* partial;
   int64_t O, block_rows, blocks, panels, first_unit;
+  // int8 with a scale per group of group_rows inputs (scale (I / group_rows, O)): each group's
+  // sums scaled into the block's in the unit (GroupedUnit); 0: one scale per output, which
+  // multiplies the block sums' total (Reduce)
+  int64_t group_rows = 0;
 };
 
 // x (M, I) times every part's weight; units numbered part after part.
@@ -281,12 +285,11 @@ template <typename W>
 constexpr bool PassAhead(int M) { return !WideFloatPass<W>(M); }
 constexpr int kPassMaxRows = 2;
 
+// Rows [i0, i1) of W, columns [o0, o1), into M rows of sums at acc (acc[m, o] = x[m, i0] w[i0,
+// o], then fma(x[m, i], w[i, o], acc[m, o]) for each later row in order).
 template <int M, typename W>
-void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
-  int64_t b = u / p.panels, c = u % p.panels;
-  int64_t i0 = b * p.block_rows, i1 = std::min(j.I, i0 + p.block_rows);
-  int64_t o0 = c * kPanel, o1 = std::min(p.O, o0 + kPanel);
-  float* acc = p.partial + b * j.M * p.O;
+void Sums(const Job<W>& j, const Part<W>& p, int64_t i0, int64_t i1, int64_t o0, int64_t o1,
+          float* acc) {
   const int64_t vectors_end = o0 + (o1 - o0) / kLanes * kLanes;
   if constexpr (M <= kPassMaxRows) {
     constexpr int R = PassRows<W>(M);
@@ -311,6 +314,34 @@ void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
         *a = i == i0 ? j.x[m * j.I + i] * wo : std::fma(j.x[m * j.I + i], wo, *a);
       }
     }
+}
+
+// A unit: its block's sums (Sums); with grouped scales, each group's sums apart (in this thread's
+// scratch) scaled into the block's, group after group in input order:
+//   acc = sums_g0 * s_g0, then fma(sums_g, s_g, acc)
+// so a block sum is already scaled, and an output's arithmetic depends on neither M nor the threads.
+template <int M, typename W>
+void Unit(const Job<W>& j, const Part<W>& p, int64_t u) {
+  int64_t b = u / p.panels, c = u % p.panels;
+  int64_t i0 = b * p.block_rows, i1 = std::min(j.I, i0 + p.block_rows);
+  int64_t o0 = c * kPanel, o1 = std::min(p.O, o0 + kPanel);
+  float* acc = p.partial + b * j.M * p.O;
+  if (p.group_rows == 0) return Sums<M>(j, p, i0, i1, o0, o1, acc);
+  thread_local std::vector<float> group;
+  if (group.size() < size_t(M * p.O)) group.resize(M * p.O);
+  for (int64_t g0 = i0; g0 < i1; g0 += p.group_rows) {
+    Sums<M>(j, p, g0, std::min(i1, g0 + p.group_rows), o0, o1, group.data());
+    const float* s = p.scale + g0 / p.group_rows * p.O;
+    for (int m = 0; m < M; ++m) {
+      float* a = acc + m * p.O;
+      const float* t = group.data() + m * p.O;
+      int64_t o = o0;
+      for (; o + kLanes <= o1; o += kLanes)
+        Store(a + o, g0 == i0 ? Mul(Load(t + o), Load(s + o))
+                              : Fma(Load(t + o), Load(s + o), Load(a + o)));
+      for (; o < o1; ++o) a[o] = g0 == i0 ? t[o] * s[o] : std::fma(t[o], s[o], a[o]);
+    }
+  }
 }
 
 template <typename W>
@@ -456,7 +487,8 @@ void RunUnits(const std::shared_ptr<J>& job, bool share) {
   while (job->done.load(std::memory_order_acquire) < job->units) std::this_thread::yield();
 }
 
-// A part's output: its block sums added in block order, times its scale (when it has one).
+// A part's output: its block sums added in block order, times its scale (when it has one per
+// output; grouped scales were applied in the units).
 template <typename W>
 void Reduce(const Part<W>& p, int64_t M) {
   const int64_t O = p.O;
@@ -467,12 +499,12 @@ void Reduce(const Part<W>& p, int64_t M) {
     for (; o + kLanes <= O; o += kLanes) {
       Vec s = Load(first + o);
       for (int64_t b = 1; b < p.blocks; ++b) s = Add(s, Load(first + b * M * O + o));
-      Store(out + o, p.scale ? Mul(s, Load(p.scale + o)) : s);
+      Store(out + o, p.scale && !p.group_rows ? Mul(s, Load(p.scale + o)) : s);
     }
     for (; o < O; ++o) {
       float s = first[o];
       for (int64_t b = 1; b < p.blocks; ++b) s = s + first[b * M * O + o];
-      out[o] = p.scale ? s * p.scale[o] : s;
+      out[o] = p.scale && !p.group_rows ? s * p.scale[o] : s;
     }
   }
 }
@@ -504,8 +536,12 @@ ffi::Error Run(std::shared_ptr<Job<W>> job) {
 }
 
 template <typename W>
-Part<W> MakePart(const W* w, const float* scale, float* y, int64_t I, int64_t O) {
+Part<W> MakePart(const W* w, const float* scale, float* y, int64_t I, int64_t O,
+                 int64_t group_rows = 0) {
   Part<W> p{w, scale, y, nullptr, O, BlockRows(I, O), 0, 0, 0};
+  p.group_rows = group_rows;
+  if (group_rows > 0)  // whole groups a block
+    p.block_rows = (p.block_rows + group_rows - 1) / group_rows * group_rows;
   p.blocks = (I + p.block_rows - 1) / p.block_rows;
   p.panels = (O + kPanel - 1) / kPanel;
   return p;
@@ -538,15 +574,20 @@ ffi::Error MatvecMany(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
     if (!Matches(x.dimensions(), w->dimensions(), (*y)->dimensions()))
       return ffi::Error::InvalidArgument("matvec: expected x (M, I), w (I, O) and y (M, O)");
     const float* scale = nullptr;
+    int64_t group_rows = 0;
     if constexpr (kScaled) {
       auto s = args.get<ffi::Buffer<ffi::F32>>(kArgs * k + 1);
       if (!s.has_value()) return ffi::Error::InvalidArgument("matvec: float32 scales");
-      if (s->element_count() != w->dimensions()[1])
-        return ffi::Error::InvalidArgument("matvec: int8 scale must hold one value per column");
+      const int64_t O = w->dimensions()[1], n = s->element_count();
+      const int64_t G = O > 0 ? n / O : 0;  // groups of inputs, each with a row of scales
+      if (O == 0 ? n != 0 : (n % O != 0 || G == 0 || job->I % G != 0))
+        return ffi::Error::InvalidArgument(
+            "matvec: int8 scales must be (G, O), G dividing the inputs: one row per group");
+      if (G > 1) group_rows = job->I / G;
       scale = s->typed_data();
     }
     job->parts.push_back(MakePart(w->typed_data(), scale, (*y)->typed_data(), job->I,
-                                  w->dimensions()[1]));
+                                  w->dimensions()[1], group_rows));
   }
   return Run(job);
 }
@@ -577,6 +618,8 @@ struct RowsJob {
   const float* scale;  // nullptr for float32 weights
   float* y;
   int64_t M, I, O, units = 0;
+  // int8 with scales (O, I / group): inputs per scale, a multiple of kLanes; 0: one a row
+  int64_t group = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
@@ -597,22 +640,40 @@ inline void Dots(const RowsJob<W>& j, int64_t o) {
   const char* base = reinterpret_cast<const char*>(j.q);
   constexpr int64_t kSize = sizeof(W);
   const int64_t ahead = o * I * kSize + kPrefetchBytes, last = j.O * I * kSize - 1;
-  int64_t i = 0;
-  for (; i + kLanes <= I; i += kLanes) {
-    for (int64_t b = 0; b < R * kLanes * kSize; b += kCacheLine)
-      __builtin_prefetch(base + std::min(ahead + R * i * kSize + b, last));
-    Vec wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = Load(q + r * I + i);
-    for (int m = 0; m < M; ++m) {
-      Vec xv = Load(x + m * I + i);
-      for (int r = 0; r < R; ++r) acc[r][m] = Fma(xv, wv[r], acc[r][m]);
+  // the lanes' sums of inputs [i0, i1) into acc (or, grouped, into t, then scaled into acc)
+  auto run = [&](int64_t i0, int64_t i1, Vec (&into)[R][M]) {
+    for (int64_t i = i0; i < i1; i += kLanes) {
+      for (int64_t b = 0; b < R * kLanes * kSize; b += kCacheLine)
+        __builtin_prefetch(base + std::min(ahead + R * i * kSize + b, last));
+      Vec wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = Load(q + r * I + i);
+      for (int m = 0; m < M; ++m) {
+        Vec xv = Load(x + m * I + i);
+        for (int r = 0; r < R; ++r) into[r][m] = Fma(xv, wv[r], into[r][m]);
+      }
+    }
+  };
+  const int64_t i = j.group ? I : I / kLanes * kLanes;  // grouped: whole vectors (usable_rows)
+  if (j.group == 0) {
+    run(0, i, acc);
+  } else {  // each group's lanes summed apart, then times its scale: acc = fma(t, s_g, acc)
+    const int64_t G = I / j.group;
+    for (int64_t g = 0; g < G; ++g) {
+      Vec t[R][M];
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) t[r][m] = Splat(0.0f);
+      run(g * j.group, (g + 1) * j.group, t);
+      for (int r = 0; r < R; ++r) {
+        const Vec sg = Splat(j.scale[(o + r) * G + g]);
+        for (int m = 0; m < M; ++m) acc[r][m] = Fma(t[r][m], sg, acc[r][m]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       float sum = HorizontalSum(acc[r][m]);
       for (int64_t k = i; k < I; ++k) sum = std::fma(x[m * I + k], LoadS(q + r * I + k), sum);
-      j.y[m * j.O + o + r] = j.scale ? sum * j.scale[o + r] : sum;
+      j.y[m * j.O + o + r] = j.scale && !j.group ? sum * j.scale[o + r] : sum;
     }
 }
 
@@ -638,10 +699,11 @@ void RunUnit(const RowsJob<W>& j, int64_t u) {
   }
 }
 
-// y = x @ Q^T (times s): Q (O, I) int8 with s (O,), or float32 without.
+// y = x @ Q^T (times s): Q (O, I) int8 with s (O,) or (O, I / group), or float32 without.
 template <typename W>
 ffi::Error MatvecRows(ffi::Buffer<ffi::F32> x, const W* q,
-                      ffi::Span<const int64_t> qd, const float* scale, ffi::Buffer<ffi::F32>& y) {
+                      ffi::Span<const int64_t> qd, const float* scale, ffi::Buffer<ffi::F32>& y,
+                      int64_t group = 0) {
   auto xd = x.dimensions(), yd = y.dimensions();
   if (xd.size() != 2 || qd.size() != 2 || yd.size() != 2 || xd[1] != qd[1] || yd[0] != xd[0] ||
       yd[1] != qd[0])
@@ -649,7 +711,7 @@ ffi::Error MatvecRows(ffi::Buffer<ffi::F32> x, const W* q,
   if (xd[0] > 8) return ffi::Error::InvalidArgument("matvec_rows: at most 8 rows");
   auto job = std::make_shared<RowsJob<W>>();
   job->x = x.typed_data(), job->q = q, job->scale = scale;
-  job->y = y.typed_data(), job->M = xd[0], job->I = xd[1], job->O = qd[0];
+  job->y = y.typed_data(), job->M = xd[0], job->I = xd[1], job->O = qd[0], job->group = group;
   if (job->M > 0) job->units = (job->O + kUnitRows - 1) / kUnitRows;
   RunUnits(job, size_t(job->O) * size_t(job->I) * sizeof(W) >= kShareBytes);
   return ffi::Error::Success();
@@ -657,11 +719,15 @@ ffi::Error MatvecRows(ffi::Buffer<ffi::F32> x, const W* q,
 
 ffi::Error MatvecInt8Rows(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                           ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
-  if (s.dimensions().size() != 1 || q.dimensions().size() != 2 ||
-      s.dimensions()[0] != q.dimensions()[0])
+  const auto qd = q.dimensions();
+  const int64_t O = qd.size() == 2 ? qd[0] : -1, I = qd.size() == 2 ? qd[1] : 0;
+  const int64_t G = O > 0 ? s.element_count() / O : 1;  // scales a row
+  if (s.dimensions().size() != 1 || O < 0 || s.element_count() != O * G || G < 1 ||
+      (G > 1 && (I % G != 0 || (I / G) % kLanes != 0)))
     return ffi::Error::InvalidArgument(
-        "matvec_rows: expected x (M, I), q (O, I), s (O,) and y (M, O)");
-  return MatvecRows(x, q.typed_data(), q.dimensions(), s.typed_data(), *y);
+        "matvec_rows: expected x (M, I), q (O, I), s (O * G,): G scales a row, each over I / G "
+        "inputs (a multiple of the vector's lanes), and y (M, O)");
+  return MatvecRows(x, q.typed_data(), qd, s.typed_data(), *y, G > 1 ? I / G : 0);
 }
 
 ffi::Error MatvecF32Rows(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -1639,7 +1705,8 @@ constexpr int64_t kPromptDepth = 256;              // inputs a unit expands at a
 struct PromptPart {
   const uint8_t* q = nullptr;  // 4-bit rows (O, I / 2); or, for int8 weights:
   const int8_t* q8 = nullptr;  // int8 (I, O), as "jax_llama_matvec_int8" takes them, and
-  const float* s8 = nullptr;   // their per-output scales (O,)
+  const float* s8 = nullptr;   // their scales (G, O): a row per rows8 inputs (G = 1: per output)
+  int64_t rows8 = 0;
   const float *d = nullptr, *m = nullptr;
   const uint16_t *dh = nullptr, *mh = nullptr;
   bool symmetric = false;
@@ -1699,8 +1766,9 @@ void PackPromptPanel(const PromptPart& p, int64_t I, int64_t o, int64_t i0, int6
 }
 
 // PackPromptPanel's w and ds for int8 weights Q (I, O) and scales s: lane l of vector v holds
-// Q[i0 + 2 p, o + 16 v + l] and Q[i0 + 2 p + 1, ...] (bfloat16, exact), every group's scale is
-// the output's s; two strided loads of 16 bytes a pair (a prompt's time is its products).
+// Q[i0 + 2 p, o + 16 v + l] and Q[i0 + 2 p + 1, ...] (bfloat16, exact), a group's scales the
+// row of s its inputs belong to; two strided loads of 16 bytes a pair (a prompt's time is its
+// products).
 void PackPromptPanel8(const PromptPart& p, int64_t o, int64_t i0, int64_t n, uint32_t* w,
                       float* ds) {
   const int64_t O = p.O;
@@ -1715,8 +1783,9 @@ void PackPromptPanel8(const PromptPart& p, int64_t o, int64_t i0, int64_t n, uin
       _mm512_storeu_si512(w + (b * kPromptVectors + v) * 16,
                           _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
-    const Vec s = _mm512_maskz_loadu_ps(in, p.s8 + o + 16 * v);
-    for (int64_t g = 0; g < n / kGroup4; ++g) _mm512_storeu_ps(ds + g * kPromptRows + 16 * v, s);
+    for (int64_t g = 0; g < n / kGroup4; ++g)
+      _mm512_storeu_ps(ds + g * kPromptRows + 16 * v,
+                       _mm512_maskz_loadu_ps(in, p.s8 + (i0 + g * kGroup4) / p.rows8 * O + o + 16 * v));
   }
 }
 
@@ -1849,16 +1918,17 @@ ffi::Error PromptInt4Bf16(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
 
 // -- int8 weights times a prompt's rows, bfloat16 activations: "jax_llama_prompt_int8_bf16" ----
 //
-// y_k (M, O_k) = x' @ Q_k * s_k for int8 Q (I, O) with one scale per output (as
-// "jax_llama_matvec_int8" takes them), x' = x rounded to bfloat16: the 4-bit prompt kernel's
-// units and tiles, each pair of Q's rows expanded to bfloat16 (exact: at most 8 significant
-// bits) and every group's exact sum scaled by the output's s into y, in input order. Libraries
-// without bfloat16 products refuse it (kernels.prompt_bf16 says which).
+// y_k (M, O_k) = x' @ (Q_k * s_k) for int8 Q (I, O) with scales (G, O), one row per I / G
+// inputs (G = 1: one scale an output; as "jax_llama_matvec_int8" takes them), x' = x rounded to
+// bfloat16: the 4-bit prompt kernel's units and tiles, each pair of Q's rows expanded to
+// bfloat16 (exact: at most 8 significant bits) and every group of 32 inputs' exact sum scaled
+// by its scale into y, in input order. Libraries without bfloat16 products refuse it
+// (kernels.prompt_bf16 says which).
 ffi::Error PromptInt8Bf16(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
                           ffi::RemainingRets rets) {
   constexpr const char* kWhat =
-      "prompt_int8_bf16: expected x (M, I), then (q (I, O) int8, scale (O,) float32) per output "
-      "y (M, O); I a multiple of 32; a library built with AVX512_BF16";
+      "prompt_int8_bf16: expected x (M, I), then (q (I, O) int8, scale (G, O) float32, I / G a "
+      "multiple of 32) per output y (M, O); a library built with AVX512_BF16";
 #if defined(__AVX512BF16__)
   auto xd = x.dimensions();
   if (xd.size() != 2 || xd[1] % kGroup4 || rets.size() == 0 || args.size() != 2 * rets.size())
@@ -1872,11 +1942,15 @@ ffi::Error PromptInt8Bf16(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
     if (!q.has_value() || !s.has_value() || !y.has_value())
       return ffi::Error::InvalidArgument(kWhat);
     auto qd = q->dimensions(), yd = (*y)->dimensions();
-    if (qd.size() != 2 || qd[0] != job->I || s->element_count() != qd[1] || yd.size() != 2 ||
-        yd[0] != job->M || yd[1] != qd[1])
+    if (qd.size() != 2 || qd[0] != job->I || yd.size() != 2 || yd[0] != job->M ||
+        yd[1] != qd[1])
+      return ffi::Error::InvalidArgument(kWhat);
+    const int64_t O = qd[1], n = s->element_count(), G = O > 0 ? n / O : 1;
+    if (O == 0 ? n != 0 : (n % O != 0 || G == 0 || job->I % G != 0 || job->I / G % kGroup4))
       return ffi::Error::InvalidArgument(kWhat);
     PromptPart part;
     part.q8 = q->typed_data(), part.s8 = s->typed_data(), part.symmetric = true;
+    part.rows8 = std::max<int64_t>(1, job->I / G);
     part.y = (*y)->typed_data(), part.O = qd[1], part.first_unit = job->units;
     job->units += (part.O + kPromptRows - 1) / kPromptRows;
     job->parts.push_back(part);
