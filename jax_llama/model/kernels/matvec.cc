@@ -5,10 +5,11 @@
 //   y_k (M, O_k) = x (M, I) @ W_k (I, O_k)          W_k float32, k = 1.. (several weights that
 //                                                   read the same x, one call)
 //                                                                      "jax_llama_matvec_f32"
-//   y_k (M, O_k) = (x @ Q_k (I, O_k)) * s_k (O_k)   Q_k int8, s_k float32, k = 1..
+//   y_k (M, O_k) = (x @ Q_k (I, O_k)) * s_k (O_k)   Q_k int8, s_k float32, k = 1.. (or s_k
+//                                                   (G, O_k): a row per group of I / G inputs)
 //                                                                      "jax_llama_matvec_int8"
 //   y (M, O) = (x (M, I) @ Q (O, I)^T) * s (O)     Q int8 stored a row per output, s float32
-//                                                   (a tied LM head: the embedding table)
+//                                                   (or (O, G)); a tied LM head: the embedding
 //                                                                 "jax_llama_matvec_int8_rows"
 //   y (M, O) = x (M, I) @ W (O, I)^T               the same, float32 "jax_llama_matvec_f32_rows"
 //   y_k (M, O_k) = x @ (q_k * d_k + m_k)^T          4-bit q_k stored (O_k, I / 2), two weights a
@@ -20,6 +21,8 @@
 //                                                                  "jax_llama_matvec_int4_bf16"
 //   the same for a prompt's many rows of x (bfloat16 pairs multiplied, AVX512_BF16)
 //                                                                  "jax_llama_prompt_int4_bf16"
+//   the int8 product for a prompt's rows of x rounded to bfloat16 (AVX512_BF16)
+//                                                                  "jax_llama_prompt_int8_bf16"
 //   out = softmax(q k^T / sqrt(H) + mask) v        k, v: layer l of the cache, read in place
 //                                                                 "jax_llama_decode_attention"
 //
@@ -39,7 +42,8 @@
 // Arithmetic: within a block, each output is a float32 sum over the block's rows in order, one
 // fused multiply-add per term; the block sums are then added in block order (what
 // jax_llama.model._int8_dot_by_blocks does with XLA's dots), and the int8 scale multiplies the
-// total. Nothing in that order depends on M or on the number of threads, so a row decodes to the
+// total (grouped scales: each group's sums are scaled into its block's in order, Unit). Nothing
+// in that order depends on M or on the number of threads, so a row decodes to the
 // same bits alone or beside others, on any machine with the same instruction set.
 //
 // Rows of Q (O, I) ("_rows"): each output is a dot product over one row of Q, read in order.
