@@ -89,7 +89,7 @@ def test_int8_matvec_with_grouped_scales_is_the_product_to_float32_rounding(M, I
     file's layout at G = I / 32): each group's sums scaled into its block's, within the float32
     bound of the float64 product of x and Q times its group's scales; a row alone gets the same
     bits. Negative cases: every group taking the first group's scales, and the groups' scales
-    shifted by one group, fall outside the bound."""
+    shifted by one group, fall outside the bound. The gradient in x is XLA's on Q times s."""
     rng = np.random.default_rng(M * 1000 + O + G)
     x = rng.standard_normal((M, I)).astype(np.float32)
     q = rng.integers(-127, 128, (I, O)).astype(np.int8)
@@ -106,6 +106,11 @@ def test_int8_matvec_with_grouped_scales_is_the_product_to_float32_rounding(M, I
         assert not np.all(np.abs(np.asarray(kernels.matvec(x, q, wrong), np.float64) - want)
                           <= limit)
     assert not kernels.usable(jnp.asarray(x), q, np.ones((G, O + 1), np.float32))
+    w = kernels.dequantize_int8(jnp.asarray(q), jnp.asarray(s))  # the gradient: XLA's on Q * s
+    np.testing.assert_allclose(  # two float32 sums of O terms: within O eps of sum |w_i.|
+        jax.grad(lambda x: kernels.matvec(x, q, s).sum())(jnp.asarray(x)),
+        jax.grad(lambda x: (x @ w).sum())(jnp.asarray(x)), rtol=0,
+        atol=2 * O * EPS32 * float(jnp.abs(w).sum(axis=1).max()))
 
 
 # The rows kernel (int8 q stored (O, I): a tied LM head): I = 70 and 17 leave a vector tail, O not
@@ -584,7 +589,7 @@ def test_int8_rows_with_grouped_scales_are_the_product_to_float32_rounding(M, I,
     summed apart and scaled into the row's, within the float32 bound of the float64 product; a
     row alone the same bits. Negative cases: every group taking the first group's scale, and the
     scales shifted by one group, fall outside the bound; groups of 8 inputs (not whole vectors of
-    every build) are not served."""
+    every build) are not served. The gradient in x is XLA's on Q times s."""
     rng = np.random.default_rng(M * 1000 + O + G)
     x = rng.standard_normal((M, I)).astype(np.float32)
     q = rng.integers(-127, 128, (O, I)).astype(np.int8)
@@ -601,6 +606,11 @@ def test_int8_rows_with_grouped_scales_are_the_product_to_float32_rounding(M, I,
         assert not np.all(np.abs(np.asarray(kernels.matvec_rows(x, q, wrong), np.float64) - want)
                           <= limit)
     assert not kernels.usable_rows(x, q, np.ones((O, I // 8), np.float32))
+    w = kernels.dequantize_int8(jnp.asarray(q).T, jnp.asarray(scale).T)  # (I, O)
+    np.testing.assert_allclose(
+        jax.grad(lambda x: kernels.matvec_rows(x, q, scale).sum())(jnp.asarray(x)),
+        jax.grad(lambda x: (x @ w).sum())(jnp.asarray(x)), rtol=0,
+        atol=2 * O * EPS32 * float(jnp.abs(w).sum(axis=1).max()))
 
 
 @pytest.mark.parametrize("M,I,O", ROWS_SHAPES)

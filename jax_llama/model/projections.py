@@ -43,7 +43,7 @@ from bridge.int4 import activations
 from bridge.lora import LoraConfig
 
 from . import kernels as decode_kernels
-from .kernels import dequantize_int4
+from .kernels import dequantize_int4, dequantize_int8
 from .attention import AttentionMask, attend
 from .attention import choose as choose_attention
 
@@ -273,8 +273,7 @@ def int8_matmul(x_MI, q_IO, scale_GO, dtype):
     q_IO = jnp.where(jnp.isnan(x_MI[0, 0]), jnp.zeros((), q_IO.dtype), q_IO)
     if G == 1:
         return jnp.dot(x_MI, q_IO.astype(dtype)) * scale_GO[0].astype(dtype)
-    w_GiO = q_IO.reshape(G, I // G, O).astype(jnp.float32) * scale_GO[:, None, :]
-    return jnp.dot(x_MI, w_GiO.reshape(I, O).astype(dtype))
+    return jnp.dot(x_MI, dequantize_int8(q_IO, scale_GO).astype(dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -280,12 +280,8 @@ def _int8_fwd(x_MI, qs_IO, scales_O, target):
 
 def _int8_bwd(target, res, gs_MO):
     qs_IO, scales_O = res  # int8 weights and their scales are constants: no cotangent
-
-    def weight(q_IO, s):  # Q * s (I, O), s flattened from (G, O)
-        I, O = q_IO.shape
-        G = s.size // O
-        return (q_IO.reshape(G, I // G, O).astype(jnp.float32) * s.reshape(G, 1, O)).reshape(I, O)
-    dx_MI = sum(g_MO @ weight(q_IO, s).T for g_MO, q_IO, s in zip(gs_MO, qs_IO, scales_O))
+    dx_MI = sum(g_MO @ dequantize_int8(q_IO, s.reshape(-1, q_IO.shape[1])).T
+                for g_MO, q_IO, s in zip(gs_MO, qs_IO, scales_O))
     return dx_MI, None, None
 
 
@@ -328,10 +324,7 @@ def _rows_fwd(x_MI, q_OI, scale_O):
 
 def _rows_bwd(res, g_MO):
     q_OI, scale = res  # constants, as in _int8_bwd; scale (O * G,) flattened from (O, G)
-    O, I = q_OI.shape
-    G = scale.size // O
-    w_OI = (q_OI.reshape(O, G, I // G).astype(jnp.float32) * scale.reshape(O, G, 1)).reshape(O, I)
-    return g_MO @ w_OI, None, None
+    return g_MO @ dequantize_int8(q_OI.T, scale.reshape(q_OI.shape[0], -1).T).T, None, None
 
 
 _matvec_rows.defvjp(_rows_fwd, _rows_bwd)
@@ -389,6 +382,15 @@ def matvec_int8(x_MI, weights):
     scales = tuple(s.reshape(-1) for _, s in weights)
     target = "jax_llama_prompt_int8_bf16" if _prompt(x_MI) else "jax_llama_matvec_int8"
     return list(_matvec_int8(x_MI, qs, scales, target))
+
+
+def dequantize_int8(q_IO, scale_GO):
+    """The int8 weight (I, O) as float32: each group of I / G inputs times its row of scales
+    (G, O) (G = 1: one scale an output; bridge.quantize's numbers)."""
+    I, O = q_IO.shape
+    G = scale_GO.shape[0]
+    return (q_IO.reshape(G, I // G, O).astype(jnp.float32)
+            * scale_GO.astype(jnp.float32)[:, None, :]).reshape(I, O)
 
 
 def dequantize_int4(packed_OJ, scale_OG, min_OG, dtype):
